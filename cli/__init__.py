@@ -1,0 +1,1 @@
+"""keepwarm.cli."""

@@ -1,0 +1,71 @@
+"""The ``keepwarm`` command line (typer)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Annotated
+
+import typer
+
+from keepwarm import __version__
+
+app = typer.Typer(help="Keep LLM weights warm in a daemon; serve them from restartable workers.",
+                  no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"keepwarm {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main(
+    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                          help="Print the version and exit.")] = False,
+    log_level: Annotated[str, typer.Option("--log-level", help="debug, info, warning or error.")] = "info",
+) -> None:
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+
+
+def fail(message: str, code: int = 1) -> None:
+    """A one-line error on stderr and a non-zero exit: the CLI's error shape."""
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(code)
+
+
+@app.command()
+def generate(
+    prompt: Annotated[list[str] | None, typer.Argument(help="Prompt(s); each is sent as a user chat message.")] = None,
+    model: Annotated[str | None, typer.Option(help="Model directory (default: bundled SmolLM2).")] = None,
+    max_tokens: Annotated[int, typer.Option("--max-tokens")] = 64,
+    temperature: Annotated[float, typer.Option()] = 0.0,
+    raw: Annotated[bool, typer.Option("--raw", help="Send the prompt as is, without the chat template.")] = False,
+    dtype: Annotated[str, typer.Option()] = "auto",
+    seed: Annotated[int, typer.Option()] = 0,
+) -> None:
+    """Generate offline (no daemon, no server) and print the text."""
+    from keepwarm.worker.engine import RequestError
+    from keepwarm.worker.models.config import ModelConfigError
+
+    prompts = prompt or ["What is the capital of France? Answer in one sentence."]
+    try:
+        from keepwarm import LLM, SamplingParams
+
+        llm = LLM(model=model, dtype=dtype, seed=seed)
+        params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed)
+        if raw:
+            outs = llm.generate(prompts, params)
+        else:
+            outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
+    except (ModelConfigError, RequestError, ValueError, FileNotFoundError) as e:
+        fail(str(e))
+        return
+    for p, out in zip(prompts, outs, strict=True):
+        typer.echo(f">>> {p}\n{out.outputs[0].text.strip()}\n")
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,164 @@
+"""keepwarm.kernels: one dispatch point per kernel.
+
+The backend comes from env var KEEPWARM_KERNELS (read on every call, so tests and workers can flip it):
+  auto   (default) triton when the input is on CUDA, triton is importable and the kernel has a triton impl;
+         torch otherwise.
+  torch  always the plain-torch reference (`kernels/reference.py`).
+  triton always triton; a kernel without a triton impl raises KernelBackendError.
+
+Backends plug in through `register(name, backend, fn)`: a `kernels/triton_*.py` module registers its
+functions at import, and gets imported at the bottom of this file (guarded, so CPU-only installs skip it);
+model code never changes when a backend is added.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from . import reference
+from .reference import build_cos_sin_cache
+
+__all__ = [
+    "BACKENDS",
+    "ENV_VAR",
+    "KernelBackendError",
+    "build_cos_sin_cache",
+    "fused_add_rms_norm",
+    "get_impl",
+    "linear",
+    "paged_attention",
+    "register",
+    "rms_norm",
+    "rotary_embedding",
+    "select_backend",
+    "write_kv_cache",
+]
+
+logger = logging.getLogger("keepwarm.kernels")
+
+ENV_VAR = "KEEPWARM_KERNELS"
+BACKENDS = ("torch", "triton")
+_MODES = ("auto", *BACKENDS)
+# Checked once: find_spec walks sys.path, too slow for every kernel call.
+_TRITON_IMPORTABLE = importlib.util.find_spec("triton") is not None
+
+# kernel name -> backend -> implementation.
+_IMPLS: dict[str, dict[str, Callable[..., Any]]] = {}
+# (kernel, backend) pairs already logged, so each choice is logged once rather than per call.
+_LOGGED: set[tuple[str, str]] = set()
+
+
+class KernelBackendError(RuntimeError):
+    """The requested backend has no implementation of a kernel."""
+
+
+def register(name: str, backend: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Make `fn` the `backend` implementation of kernel `name` (replacing any previous one)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown kernel backend {backend!r}; expected one of {BACKENDS}")
+    _IMPLS.setdefault(name, {})[backend] = fn
+    return fn
+
+
+def _mode() -> str:
+    mode = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
+    if mode not in _MODES:
+        raise ValueError(f"{ENV_VAR}={mode!r} is not one of {_MODES}")
+    return mode
+
+
+def select_backend(name: str, device: torch.device) -> str:
+    """The backend that `name` runs on for inputs on `device` under the current KEEPWARM_KERNELS."""
+    impls = _IMPLS.get(name)
+    if not impls:
+        raise KeyError(f"no kernel named {name!r}; known: {sorted(_IMPLS)}")
+    mode = _mode()
+    if mode == "auto":
+        use_triton = device.type == "cuda" and _TRITON_IMPORTABLE and "triton" in impls
+        mode = "triton" if use_triton else "torch"
+    if mode not in impls:
+        raise KernelBackendError(
+            f"{ENV_VAR} selects the {mode!r} backend, but kernel {name!r} has no {mode} implementation "
+            f"(available: {sorted(impls)}); set {ENV_VAR}=auto to fall back per kernel"
+        )
+    return mode
+
+
+def get_impl(name: str, device: torch.device) -> Callable[..., Any]:
+    backend = select_backend(name, device)
+    if (name, backend) not in _LOGGED:
+        _LOGGED.add((name, backend))
+        logger.info("kernel %s: %s backend (device %s)", name, backend, device)
+    return _IMPLS[name][backend]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF LlamaRMSNorm: x [T, D], weight [D] -> [T, D]."""
+    return get_impl("rms_norm", x.device)(x, weight, eps)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (rms_norm(x + residual), x + residual); inputs are not modified."""
+    return get_impl("fused_add_rms_norm", x.device)(x, residual, weight, eps)
+
+
+def rotary_embedding(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    head_dim: int,
+    cos_sin_cache: torch.Tensor,
+    is_neox: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotates the first rot_dim dims of each head (rot_dim = cos_sin_cache.shape[1]); returns new q, k."""
+    return get_impl("rotary_embedding", query.device)(positions, query, key, head_dim, cos_sin_cache, is_neox)
+
+
+def write_kv_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> None:
+    """Stores key/value [T, Hk, D] at slot_mapping[T] (block * block_size + offset; -1 skips), in place."""
+    get_impl("write_kv_cache", key.device)(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    max_query_len: int | None = None,
+) -> torch.Tensor:
+    """Causal varlen attention over the paged cache; seq_lens include this step's (already written) tokens."""
+    return get_impl("paged_attention", query.device)(
+        query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, k_scale, v_scale,
+        max_query_len,
+    )
+
+
+def linear(x: torch.Tensor, weight: Any, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ W^T + b`` for a plain weight tensor [N, K] (quantized weight forms dispatch by their scheme)."""
+    return get_impl("linear", x.device)(x, weight, bias)
+
+
+for _name in ("linear", "rms_norm", "fused_add_rms_norm", "rotary_embedding", "write_kv_cache", "paged_attention"):
+    register(_name, "torch", getattr(reference, _name))
+del _name

@@ -1,0 +1,191 @@
+"""Plain-torch kernels: the numerical reference for every backend and the CPU production path.
+
+Everything here is vectorized over tokens; only prefill chunks of paged attention loop (per sequence).
+Callers should go through `keepwarm.kernels` (the dispatcher), not import this module directly.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+# Caches of these dtypes hold scaled values: stored = clamp(x / scale), read = stored * scale.
+FP8_DTYPES: tuple[torch.dtype, ...] = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return torch.nn.functional.linear(x, weight, bias)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Same op sequence as HF LlamaRMSNorm so fp32 results are bit-identical.
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    new_residual = x + residual.to(x.dtype)
+    return rms_norm(new_residual, weight, eps), new_residual
+
+
+def build_cos_sin_cache(
+    rot_dim: int, max_position: int, inv_freq: torch.Tensor, attention_scaling: float = 1.0
+) -> torch.Tensor:
+    """[max_position, rot_dim] float32: cat(cos(p * inv_freq), sin(p * inv_freq)) * attention_scaling."""
+    if rot_dim % 2 or inv_freq.numel() != rot_dim // 2:
+        raise ValueError(f"rot_dim={rot_dim} needs an even rot_dim and rot_dim // 2 inv_freq entries, "
+                         f"got {inv_freq.numel()}")
+    t = torch.arange(max_position, dtype=torch.float32, device=inv_freq.device)
+    # Elementwise product, as HF computes freqs, so the table matches HF's cos/sin bit-for-bit.
+    freqs = t[:, None] * inv_freq.float()[None, :]
+    return torch.cat((freqs.cos() * attention_scaling, freqs.sin() * attention_scaling), dim=-1)
+
+
+def _rotate(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int, is_neox: bool
+) -> torch.Tensor:
+    """x: [T, H*head_dim] (or [T, H, head_dim]); cos/sin: [T, rot_dim // 2] float32."""
+    h = x.reshape(x.shape[0], -1, head_dim).float()
+    rot_dim = cos.shape[-1] * 2
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    rot = h[..., :rot_dim]
+    if is_neox:
+        x1, x2 = rot.chunk(2, dim=-1)
+        # x1*cos - x2*sin is exactly HF's x1*cos + (-x2)*sin: IEEE a - b == a + (-b).
+        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    else:
+        x1, x2 = rot[..., 0::2], rot[..., 1::2]
+        out = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+    if rot_dim < head_dim:
+        out = torch.cat((out, h[..., rot_dim:]), dim=-1)
+    return out.to(x.dtype).reshape(x.shape)
+
+
+def rotary_embedding(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    head_dim: int,
+    cos_sin_cache: torch.Tensor,
+    is_neox: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    cos_sin = cos_sin_cache.index_select(0, positions.long()).float()
+    cos, sin = cos_sin.chunk(2, dim=-1)
+    if cos.shape[-1] * 2 > head_dim:
+        raise ValueError(f"rotary dim {cos.shape[-1] * 2} exceeds head_dim {head_dim}")
+    return _rotate(query, cos, sin, head_dim, is_neox), _rotate(key, cos, sin, head_dim, is_neox)
+
+
+def _to_cache(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    if dtype in FP8_DTYPES:
+        fmax = torch.finfo(dtype).max
+        # Clamp explicitly: not every cast saturates (e4m3fn has no inf, so overflow can become NaN).
+        return (x.float() / scale).clamp(-fmax, fmax).to(dtype)
+    return x.to(dtype)
+
+
+def _from_cache(x: torch.Tensor, scale: float) -> torch.Tensor:
+    return x.float() * scale if x.dtype in FP8_DTYPES else x.float()
+
+
+def write_kv_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> None:
+    block_size = key_cache.shape[1]
+    slots = slot_mapping.long()
+    # Drop padding before indexing: slot -1 would otherwise wrap around to the last slot of the pool.
+    valid = slots >= 0
+    slots, key, value = slots[valid], key[valid], value[valid]
+    # (block, offset) indexing rather than a flat view keeps this correct for non-contiguous cache views.
+    blocks, offsets = slots // block_size, slots % block_size
+    key_cache[blocks, offsets] = _to_cache(key, key_cache.dtype, k_scale)
+    value_cache[blocks, offsets] = _to_cache(value, value_cache.dtype, v_scale)
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+          causal: bool = False) -> torch.Tensor:
+    """q: [B, Hq, Lq, D], k/v: [B, Hk, Lk, D] float32; mask True = attend. GQA via enable_gqa."""
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+    )
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    max_query_len: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of a flattened varlen batch over a paged KV cache.
+
+    Sequence s owns query rows query_start_loc[s]:query_start_loc[s+1]; seq_lens[s] counts its whole context
+    including those rows (already written), so row i sits at position seq_lens[s] - q_len + i. Position p
+    lives at block_tables[s, p // block_size], offset p % block_size. Decodes (q_len 1) run as one padded
+    batch; prefill chunks loop per sequence. All math is float32. `max_query_len` is only a hint for
+    grid-sizing backends: this one reads lengths from the metadata.
+    """
+    del max_query_len
+    num_q_heads = query.shape[1]
+    num_kv_heads = key_cache.shape[2]
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"{num_q_heads} query heads is not a multiple of {num_kv_heads} kv heads")
+    block_size = key_cache.shape[1]
+    device = query.device
+    out = torch.zeros_like(query)  # rows not owned by any sequence (padding) stay zero
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    decodes = [s for s in range(len(lens)) if starts[s + 1] - starts[s] == 1]
+    prefills = [s for s in range(len(lens)) if starts[s + 1] - starts[s] > 1]
+
+    if decodes:
+        seqs = torch.tensor(decodes, dtype=torch.long, device=device)
+        rows = torch.tensor([starts[s] for s in decodes], dtype=torch.long, device=device)
+        ctx = seq_lens.to(device=device, dtype=torch.long)[seqs]
+        num_blocks = -(-max(lens[s] for s in decodes) // block_size)
+        table = block_tables[seqs, :num_blocks].long()
+        # Table entries past a sequence's last block may be garbage: point them at block 0 instead.
+        used = torch.arange(num_blocks, device=device)[None, :] * block_size < ctx[:, None]
+        table = torch.where(used, table, 0)
+        pos_ok = torch.arange(num_blocks * block_size, device=device)[None, :] < ctx[:, None]  # [Sd, L]
+        # Zero the masked tail too: never-written cache memory may hold NaN, and NaN * 0 poisons the sum.
+        keep = pos_ok[:, :, None, None]
+        k = torch.where(keep, _from_cache(key_cache[table].flatten(1, 2), k_scale), 0.0)
+        v = torch.where(keep, _from_cache(value_cache[table].flatten(1, 2), v_scale), 0.0)
+        q = query[rows].float()[:, :, None, :]  # [Sd, Hq, 1, D]
+        o = _sdpa(q, k.transpose(1, 2), v.transpose(1, 2), pos_ok[:, None, None, :], scale)
+        out[rows] = o[:, :, 0, :].to(out.dtype)
+
+    for s in prefills:
+        q_start, q_end, ctx_len = starts[s], starts[s + 1], lens[s]
+        q_len = q_end - q_start
+        if ctx_len < q_len:
+            raise ValueError(f"sequence {s}: seq_len {ctx_len} < query length {q_len}")
+        table = block_tables[s, : -(-ctx_len // block_size)].long()
+        k = _from_cache(key_cache[table].flatten(0, 1)[:ctx_len], k_scale)  # [L, Hk, D]
+        v = _from_cache(value_cache[table].flatten(0, 1)[:ctx_len], v_scale)
+        q = query[q_start:q_end].float().transpose(0, 1)[None]  # [1, Hq, q_len, D]
+        k, v = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+        if ctx_len == q_len:
+            # No cached prefix: SDPA's top-left aligned causal mask is the right one (and skips work).
+            o = _sdpa(q, k, v, None, scale, causal=True)
+        else:
+            q_pos = torch.arange(ctx_len - q_len, ctx_len, device=device)
+            mask = torch.arange(ctx_len, device=device)[None, :] <= q_pos[:, None]  # [q_len, L]
+            o = _sdpa(q, k, v, mask, scale)
+        out[q_start:q_end] = o[0].transpose(0, 1).to(out.dtype)
+    return out

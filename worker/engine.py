@@ -1,0 +1,321 @@
+"""The engine: requests in, tokens out, one scheduler step at a time.
+
+``step()`` = schedule -> model runner forward -> sample -> append tokens, detokenize, check stops -> free
+finished sequences. The offline ``LLM`` drives it in a loop; the API server drives it from a thread beside
+its event loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from keepwarm.daemon.checkpoint import Checkpoint
+from keepwarm.worker.block_manager import BlockManager
+from keepwarm.worker.detokenizer import IncrementalDetokenizer, check_stop_strings
+from keepwarm.worker.model_loader import LoadedModel, load_from_disk
+from keepwarm.worker.model_runner import (
+    FP8_KV_DTYPE,
+    CacheConfig,
+    ModelRunner,
+    allocate_kv_cache,
+    kv_bytes_per_block,
+)
+from keepwarm.worker.models.config import ModelConfigError, parse_dtype
+from keepwarm.worker.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from keepwarm.worker.sampler import Sampler
+from keepwarm.worker.sampling_params import SamplingParams
+from keepwarm.worker.scheduler import Scheduler, SchedulerConfig
+from keepwarm.worker.sequence import Sequence, SequenceStatus
+
+log = logging.getLogger("keepwarm.worker")
+
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+
+
+class RequestError(ValueError):
+    """A request the engine cannot take (e.g. longer than ``max_model_len``); maps to an HTTP 400."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine settings, with vLLM's names and meanings."""
+
+    model: str
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    num_gpu_blocks: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    kv_cache_dtype: str = "auto"
+    seed: int = 0
+    device: str = "auto"
+    enforce_eager: bool = False
+
+
+@dataclass
+class EngineStats:
+    """Counters the API's /metrics exposes (vLLM's metric set)."""
+
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    finished: dict[str, int] = field(default_factory=lambda: {"stop": 0, "length": 0, "abort": 0})
+    steps: int = 0
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt: str | None
+    seqs: list[Sequence]
+    detoks: list[IncrementalDetokenizer | None]
+    texts: list[str]
+    metrics: RequestMetrics
+
+
+def _resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        self.config = config
+        self.device = _resolve_device(config.device)
+        self.checkpoint = Checkpoint(config.model)
+        mc = self.model_config = self.checkpoint.config
+        self.dtype = mc.dtype if config.dtype == "auto" else parse_dtype(config.dtype)
+        self.max_model_len = self._resolve_max_model_len(config, mc)
+        self.tokenizer = self._load_tokenizer(config.tokenizer or config.model)
+        torch.manual_seed(config.seed)
+
+        self.loaded = loaded or load_from_disk(self.checkpoint, self.dtype, self.device, self.max_model_len)
+        self.weights_source = self.loaded.source
+
+        if config.kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3"):
+            raise ModelConfigError(f"unknown kv_cache_dtype {config.kv_cache_dtype!r} (choose auto or fp8)")
+        if config.block_size not in (8, 16, 32, 64, 128):
+            raise ModelConfigError(f"block_size must be one of 8, 16, 32, 64, 128; got {config.block_size}")
+        kv_dtype = self.dtype if config.kv_cache_dtype == "auto" else FP8_KV_DTYPE
+        num_blocks = self._num_kv_blocks(kv_dtype)
+        self.cache_config = CacheConfig(num_blocks, config.block_size, kv_dtype)
+        kv_cache = allocate_kv_cache(mc, self.cache_config, self.device)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        budget = config.max_num_batched_tokens or max(2048, config.block_size)
+        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, budget, self.max_model_len),
+                                   self.block_manager)
+        self.runner = ModelRunner(self.loaded.model, kv_cache, config.block_size,
+                                  self.block_manager.get_block_ids, self.device)
+        self.sampler = Sampler()
+        self.stats = EngineStats()
+        self._requests: dict[str, _Request] = {}
+        self._seq_to_request: dict[str, _Request] = {}
+        log.info("engine ready: %s on %s, dtype %s, max_model_len %d, %d KV blocks of %d (%s), weights from %s",
+                 self.checkpoint.model_dir.name, self.device, self.dtype, self.max_model_len, num_blocks,
+                 config.block_size, kv_dtype, self.weights_source)
+
+    # -- setup -------------------------------------------------------------------------------------------------
+    @staticmethod
+    def _resolve_max_model_len(config: EngineConfig, mc) -> int:
+        limit = mc.max_position_embeddings
+        if mc.sliding_window is not None and mc.sliding_window < limit:
+            # Within the window, full attention equals sliding-window attention; beyond it we would differ.
+            log.info("capping max_model_len at the model's sliding window (%d)", mc.sliding_window)
+            limit = mc.sliding_window
+        if config.max_model_len is None:
+            return limit
+        if config.max_model_len > limit:
+            raise ModelConfigError(f"max_model_len {config.max_model_len} exceeds the model's limit of {limit} "
+                                   "(max_position_embeddings or sliding window)")
+        if config.max_model_len < 2:
+            raise ModelConfigError("max_model_len must be at least 2")
+        return config.max_model_len
+
+    @staticmethod
+    def _load_tokenizer(path: str):
+        from transformers import AutoTokenizer
+
+        try:
+            return AutoTokenizer.from_pretrained(path)
+        except Exception as e:  # transformers raises many types; the message is what matters
+            raise ModelConfigError(f"cannot load a tokenizer from {path!r}: {str(e).splitlines()[0]}") from None
+
+    def _num_kv_blocks(self, kv_dtype: torch.dtype) -> int:
+        c, mc = self.config, self.model_config
+        per_block = kv_bytes_per_block(mc, c.block_size, kv_dtype)
+        if c.num_gpu_blocks is not None:
+            n = c.num_gpu_blocks
+        elif c.kv_cache_memory_bytes is not None:
+            n = c.kv_cache_memory_bytes // per_block
+        elif self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            n = int(total * c.gpu_memory_utilization - (total - free)) // per_block
+        else:
+            wanted = -(-c.max_num_seqs * self.max_model_len // c.block_size)
+            n = min(wanted, DEFAULT_CPU_KV_CACHE_BYTES // per_block)
+        needed = -(-self.max_model_len // c.block_size)
+        if n < needed:
+            raise ModelConfigError(
+                f"the KV cache holds {n} blocks ({n * c.block_size} tokens) but max_model_len "
+                f"{self.max_model_len} needs {needed}; lower max_model_len or give the KV cache more memory")
+        return n
+
+    # -- requests ----------------------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    prompt: str | None = None, cache_salt: str | None = None) -> None:
+        if request_id in self._requests:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise RequestError("the prompt is empty")
+        if n >= self.max_model_len:
+            raise RequestError(f"this model's maximum context length is {self.max_model_len} tokens; the prompt "
+                               f"has {n} tokens (at most {self.max_model_len - 1} leave room for one output token)")
+        vocab = self.model_config.vocab_size
+        if any(t < 0 or t >= vocab for t in prompt_token_ids):
+            raise RequestError(f"prompt token ids must be in [0, {vocab})")
+        params.validate()
+        if not params.ignore_eos:
+            params.eos_token_ids = self.eos_token_ids
+        now = time.monotonic()
+        seqs, detoks = [], []
+        for i in range(params.n):
+            p = params
+            if params.n > 1:
+                p = SamplingParams(**{**params.__dict__, "n": 1,
+                                      "seed": None if params.seed is None else params.seed + i})
+                p.eos_token_ids = params.eos_token_ids
+            seq = Sequence(f"{request_id}#{i}", prompt_token_ids, p, cache_salt=cache_salt, arrival_time=now)
+            seqs.append(seq)
+            detoks.append(IncrementalDetokenizer(self.tokenizer, prompt_token_ids, p.skip_special_tokens)
+                          if p.detokenize else None)
+        req = _Request(request_id, prompt, seqs, detoks, [""] * len(seqs), RequestMetrics(now))
+        self._requests[request_id] = req
+        for seq in seqs:
+            self._seq_to_request[seq.seq_id] = req
+            self.scheduler.add(seq)
+        self.stats.prompt_tokens += n
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        ids = set(self.model_config.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return tuple(sorted(ids))
+
+    def abort_request(self, request_id: str) -> bool:
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return False
+        for seq in req.seqs:
+            if not seq.is_finished:
+                self._finish(seq, SequenceStatus.FINISHED_ABORTED)
+            self._seq_to_request.pop(seq.seq_id, None)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    # -- the step ----------------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        self.stats.steps += 1
+        sample_rows = [i for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True))
+                       if seq.num_computed_tokens + n == seq.num_tokens]
+        logits = self.runner.execute(batch, sample_rows)
+        self.scheduler.advance(batch)
+        if not sample_rows:
+            return []
+        sampled_seqs = [batch.seqs[i] for i in sample_rows]
+        out = self.sampler.sample(logits, sampled_seqs)
+        touched: dict[str, _Request] = {}
+        now = time.monotonic()
+        for seq, token, lp in zip(sampled_seqs, out.token_ids, out.logprobs, strict=True):
+            seq.append_token(token, lp)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            self.stats.generation_tokens += 1
+            req = self._seq_to_request[seq.seq_id]
+            touched[req.request_id] = req
+            self._process_token(req, seq, token)
+        return [self._make_output(req) for req in touched.values()]
+
+    def _process_token(self, req: _Request, seq: Sequence, token: int) -> None:
+        p = seq.sampling_params
+        idx = req.seqs.index(seq)
+        status = None
+        if token in p.stop_token_ids and seq.num_output_tokens >= p.min_tokens:
+            status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, token
+        elif token in p.eos_token_ids and seq.num_output_tokens >= p.min_tokens:
+            status = SequenceStatus.FINISHED_STOPPED
+        detok = req.detoks[idx]
+        if detok is not None and status is None:  # an EOS / stop token is not part of the text
+            new_text = detok.step([token])
+            req.texts[idx] = detok.output_text
+            if p.stop and new_text and seq.num_output_tokens >= p.min_tokens:
+                hit = check_stop_strings(detok.output_text, new_text, p.stop, p.include_stop_str_in_output)
+                if hit is not None:
+                    status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, hit.stop_str
+                    req.texts[idx] = hit.text
+        if status is None:
+            if p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+                status = SequenceStatus.FINISHED_LENGTH
+            if status is not None and detok is not None:
+                detok.flush()  # text held back for an incomplete character is final now
+                req.texts[idx] = detok.output_text
+        if status is not None:
+            self._finish(seq, status)
+
+    def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        self.scheduler.finish(seq, status)
+        self.sampler.forget(seq.seq_id)
+        self.stats.finished[status.value] = self.stats.finished.get(status.value, 0) + 1
+
+    def _make_output(self, req: _Request) -> RequestOutput:
+        finished = all(s.is_finished for s in req.seqs)
+        first = [s.first_token_time for s in req.seqs if s.first_token_time is not None]
+        req.metrics.first_token_time = min(first) if first else None
+        req.metrics.num_cached_tokens = req.seqs[0].num_cached_prompt_tokens
+        outs = []
+        for i, seq in enumerate(req.seqs):
+            lps = seq.output_logprobs if seq.sampling_params.logprobs is not None else None
+            outs.append(CompletionOutput(
+                index=i, text=req.texts[i], token_ids=list(seq.output_token_ids),
+                cumulative_logprob=sum(x.logprob for x in lps) if lps else None, logprobs=lps,
+                finish_reason=seq.status.value if seq.is_finished else None, stop_reason=seq.stop_reason))
+        if finished:
+            req.metrics.finished_time = time.monotonic()
+            self._requests.pop(req.request_id, None)
+            for seq in req.seqs:
+                self._seq_to_request.pop(seq.seq_id, None)
+        return RequestOutput(req.request_id, req.prompt, list(req.seqs[0].prompt_token_ids), outs, finished,
+                             req.metrics)
+
+    # -- introspection -----------------------------------------------------------------------------------------
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.block_manager.usage
+
+    @property
+    def model_dir(self) -> Path:
+        return self.checkpoint.model_dir

@@ -1,0 +1,92 @@
+"""Turns a scheduled batch into one flattened forward pass over the paged KV cache."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from keepwarm.worker.models.config import ModelConfig
+from keepwarm.worker.models.llama import AttentionMetadata, KVCache, LlamaForCausalLM
+from keepwarm.worker.scheduler import ScheduledBatch
+
+log = logging.getLogger("keepwarm.worker")
+
+FP8_KV_DTYPE = torch.float8_e4m3fn
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    num_blocks: int
+    block_size: int
+    dtype: torch.dtype  # storage dtype of the pool (model dtype, or fp8 e4m3)
+
+
+def kv_bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    elt = torch.empty((), dtype=dtype).element_size()
+    return 2 * model.num_hidden_layers * block_size * model.num_key_value_heads * model.head_dim * elt
+
+
+def allocate_kv_cache(model: ModelConfig, cache: CacheConfig, device: torch.device,
+                      k_scales: list[float] | None = None, v_scales: list[float] | None = None) -> KVCache:
+    shape = (cache.num_blocks, cache.block_size, model.num_key_value_heads, model.head_dim)
+    # One allocation per layer and side keeps each layer's pool contiguous for the kernels.
+    L = model.num_hidden_layers
+    return KVCache(
+        key=[torch.zeros(shape, dtype=cache.dtype, device=device) for _ in range(L)],
+        value=[torch.zeros(shape, dtype=cache.dtype, device=device) for _ in range(L)],
+        k_scales=list(k_scales or [1.0] * L),
+        v_scales=list(v_scales or [1.0] * L),
+    )
+
+
+class ModelRunner:
+    """Owns the model and the KV cache; ``execute`` runs one step and returns logits of the sampled rows."""
+
+    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, block_size: int,
+                 block_ids_of: callable, device: torch.device) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.block_size = block_size
+        self.block_ids_of = block_ids_of
+        self.device = device
+
+    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        ids: list[int] = []
+        starts: list[int] = []
+        tables: list[list[int]] = []
+        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            c = seq.num_computed_tokens
+            ids.extend(seq.all_token_ids[c:c + n])
+            starts.append(c)
+            tables.append(self.block_ids_of(seq))
+        q_lens = torch.tensor(batch.num_new_tokens, dtype=torch.int64)
+        start = torch.tensor(starts, dtype=torch.int64)
+        qsl = torch.zeros(len(q_lens) + 1, dtype=torch.int64)
+        torch.cumsum(q_lens, 0, out=qsl[1:])
+        T = int(qsl[-1])
+        seq_idx = torch.repeat_interleave(torch.arange(len(q_lens)), q_lens)
+        positions = torch.arange(T, dtype=torch.int64) - qsl[:-1][seq_idx] + start[seq_idx]
+        width = max(len(t) for t in tables)
+        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)
+        slots = block_tables[seq_idx, positions // self.block_size] * self.block_size + positions % self.block_size
+        dev = self.device
+        attn = AttentionMetadata(
+            slot_mapping=slots.to(dev),
+            block_tables=block_tables.to(torch.int32).to(dev),
+            seq_lens=(start + q_lens).to(torch.int32).to(dev),
+            query_start_loc=qsl.to(torch.int32).to(dev),
+            max_query_len=int(q_lens.max()),
+        )
+        return torch.tensor(ids, dtype=torch.int64, device=dev), positions.to(dev), attn
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch, sample_rows: list[int]) -> torch.Tensor:
+        """Run the batch; return float32 logits for the sequences at ``sample_rows`` (batch indices)."""
+        input_ids, positions, attn = self.prepare(batch)
+        hidden = self.model(input_ids, positions, attn, self.kv_cache)
+        if not sample_rows:
+            return torch.empty(0, self.model.config.vocab_size)
+        last = attn.query_start_loc[1:].to(torch.int64) - 1
+        return self.model.compute_logits(hidden[last[torch.tensor(sample_rows, device=last.device)]])

@@ -1,0 +1,149 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2): fused qkv / gate_up projections, paged attention.
+
+The model knows nothing of the scheduler: each forward gets a flat batch of tokens, their positions and an
+:class:`AttentionMetadata` saying where each token's K/V goes and which cached blocks each sequence reads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from keepwarm import kernels
+from keepwarm.worker.models.config import ModelConfig, rope_inv_freq
+from keepwarm.worker.models.layers import BoundModule, Embedding, Linear, RMSNorm, WeightBindError
+
+
+@dataclass
+class AttentionMetadata:
+    """One step's flattened varlen batch (see ``kernels.paged_attention`` for the exact semantics)."""
+
+    slot_mapping: torch.Tensor  # [T] int64, KV-cache slot of each token
+    block_tables: torch.Tensor  # [S, max_blocks] int32
+    seq_lens: torch.Tensor  # [S] int32, context length including this step's tokens
+    query_start_loc: torch.Tensor  # [S+1] int32
+    max_query_len: int
+
+
+@dataclass
+class KVCache:
+    """Per-layer paged K/V pools ``[num_blocks, block_size, num_kv_heads, head_dim]`` with fp8 scales."""
+
+    key: list[torch.Tensor]
+    value: list[torch.Tensor]
+    k_scales: list[float]
+    v_scales: list[float]
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size, self.kv_size = config.q_size, config.kv_size
+        self.scale = self.head_dim ** -0.5
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, cos_sin_cache: torch.Tensor,
+                attn: AttentionMetadata, kv: KVCache) -> torch.Tensor:
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = kernels.rotary_embedding(positions, q, k, self.head_dim, cos_sin_cache)
+        q = q.reshape(T, self.num_heads, self.head_dim)
+        k = k.reshape(T, self.num_kv_heads, self.head_dim)
+        v = v.reshape(T, self.num_kv_heads, self.head_dim)
+        i = self.layer_idx
+        kernels.write_kv_cache(k, v, kv.key[i], kv.value[i], attn.slot_mapping, kv.k_scales[i], kv.v_scales[i])
+        o = kernels.paged_attention(q, kv.key[i], kv.value[i], attn.block_tables, attn.seq_lens,
+                                    attn.query_start_loc, self.scale, kv.k_scales[i], kv.v_scales[i],
+                                    max_query_len=attn.max_query_len)
+        return self.o_proj(o.reshape(T, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(nn.functional.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, layer_idx)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                cos_sin_cache: torch.Tensor, attn: AttentionMetadata, kv: KVCache,
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, cos_sin_cache, attn, kv)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Serves LlamaForCausalLM, MistralForCausalLM and Qwen2ForCausalLM checkpoints."""
+
+    def __init__(self, config: ModelConfig, max_position: int, device: torch.device | str = "cpu") -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head = Embedding(config.vocab_size, config.hidden_size)  # [V, D], used as a projection
+        inv_freq, scaling = rope_inv_freq(config)
+        self.cos_sin_cache = kernels.build_cos_sin_cache(config.rotary_dim, max_position, inv_freq,
+                                                          scaling).to(device)
+
+    def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Attach every weight (no copy). Tied embeddings share ``embed_tokens``; all slots must be filled."""
+        for name, tensor in tensors.items():
+            module_name, _, attr = name.rpartition(".")
+            try:
+                module = self.get_submodule(module_name)
+            except AttributeError:
+                raise WeightBindError(f"model has no module for weight {name!r}") from None
+            if not isinstance(module, BoundModule):
+                raise WeightBindError(f"model has no weight slot {name!r}")
+            module.bind(attr, tensor)
+        if self.config.tie_word_embeddings or "lm_head.weight" not in tensors:
+            object.__setattr__(self.lm_head, "weight", self.model.embed_tokens.weight)
+        missing = [f"{m}.{a}" if m else a for m, mod in self.named_modules() if isinstance(mod, BoundModule)
+                   for a, t in vars(mod).items() if isinstance(t, torch.Tensor) and t.is_meta]
+        if missing:
+            raise WeightBindError(f"checkpoint lacks weights: {', '.join(missing[:5])}"
+                                  + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
+                kv: KVCache) -> torch.Tensor:
+        x = self.model.embed_tokens(input_ids)
+        residual = None
+        for layer in self.model.layers:
+            x, residual = layer(positions, x, residual, self.cos_sin_cache, attn, kv)
+        x, _ = self.model.norm(x, residual)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # In the model's dtype, then float32 for sampling: the same rounding as transformers' generate.
+        return torch.nn.functional.linear(hidden, self.lm_head.weight).float()

@@ -1,0 +1,197 @@
+"""Batched next-token sampling with vLLM semantics: penalties, min_tokens, greedy, temperature, top-k/p/min-p.
+
+Order per step (as vLLM): raw logprobs -> penalties -> min_tokens EOS/stop masking -> greedy argmax or
+(temperature -> top-k -> top-p -> min-p -> softmax -> sample). Everything is vectorized over the batch with
+per-row parameter tensors; only the noise of seeded rows is drawn per row, from that sequence's own generator,
+so a seeded request samples the same tokens whatever else is in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from keepwarm.worker.sampling_params import SamplingParams
+from keepwarm.worker.sequence import Sequence, TokenLogprob
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None]  # one per row; None where the request did not ask for logprobs
+
+
+def _pad(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
+    width = max((len(r) for r in rows), default=0)
+    return torch.tensor([r + [pad] * (width - len(r)) for r in rows], dtype=torch.long, device=device)
+
+
+def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """Return ``logits`` with repetition (prompt + output), frequency and presence (output) penalties applied.
+
+    Out of place; rows whose request has neutral penalties are copied unchanged.
+    """
+    rows = [i for i, s in enumerate(seqs) if s.sampling_params.needs_penalties]
+    logits = logits.clone()
+    if not rows:
+        return logits
+    pen_seqs = [seqs[i] for i in rows]
+    vocab = logits.shape[1]
+    device = logits.device
+    sub = logits[rows]
+    # Pad with an extra column `vocab` that is dropped afterwards, so ragged rows scatter in one call.
+    out_ids = _pad([s.output_token_ids for s in pen_seqs], vocab, device)
+    counts = torch.zeros(len(rows), vocab + 1, device=device)
+    counts.scatter_add_(1, out_ids, torch.ones_like(out_ids, dtype=counts.dtype))
+    counts = counts[:, :vocab]
+    occurred = counts > 0
+
+    rep = torch.tensor([s.sampling_params.repetition_penalty for s in pen_seqs], device=device)
+    if bool((rep != 1.0).any()):
+        prompt_ids = _pad([s.prompt_token_ids for s in pen_seqs], vocab, device)
+        seen = torch.zeros(len(rows), vocab + 1, dtype=torch.bool, device=device)
+        seen.scatter_(1, prompt_ids, True)
+        seen = seen[:, :vocab] | occurred
+        rep = rep[:, None]
+        # HF/vLLM rule: shrink positive logits, push negative ones further down.
+        sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+    freq = torch.tensor([s.sampling_params.frequency_penalty for s in pen_seqs], device=device)
+    pres = torch.tensor([s.sampling_params.presence_penalty for s in pen_seqs], device=device)
+    sub = sub - freq[:, None] * counts - pres[:, None] * occurred.to(sub.dtype)
+    logits[rows] = sub
+    return logits
+
+
+class Sampler:
+    """Stateless except for one ``torch.Generator`` per seeded sequence (drop it with :meth:`forget`)."""
+
+    def __init__(self) -> None:
+        self._generators: dict[str, torch.Generator] = {}
+
+    def forget(self, seq_id: str) -> None:
+        """Drop the generator of a finished (or aborted) seeded sequence."""
+        self._generators.pop(seq_id, None)
+
+    def _generator(self, seq: Sequence, device: torch.device) -> torch.Generator:
+        gen = self._generators.get(seq.seq_id)
+        if gen is None:
+            gen = torch.Generator(device=device)
+            gen.manual_seed(seq.sampling_params.seed)
+            self._generators[seq.seq_id] = gen
+        return gen
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+        if logits.dim() != 2 or logits.shape[0] != len(seqs):
+            raise ValueError(f"logits must be [{len(seqs)}, vocab], got {tuple(logits.shape)}")
+        logits = logits.float()
+        params = [s.sampling_params for s in seqs]
+        num_rows, vocab = logits.shape
+        device = logits.device
+
+        lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        raw_logprobs = torch.log_softmax(logits[lp_rows], dim=-1) if lp_rows else None
+
+        min_tok_rows = [i for i, s in enumerate(seqs) if s.num_output_tokens < s.sampling_params.min_tokens]
+        # Both steps work on a copy: the caller's tensor stays untouched.
+        if any(p.needs_penalties for p in params):
+            logits = apply_penalties(logits, seqs)
+        elif min_tok_rows:
+            logits = logits.clone()
+        if min_tok_rows:
+            rows: list[int] = []
+            cols: list[int] = []
+            for i in min_tok_rows:
+                p = params[i]
+                banned = {t for t in (*p.eos_token_ids, *p.stop_token_ids) if 0 <= t < vocab}
+                rows += [i] * len(banned)
+                cols += sorted(banned)
+            if rows:
+                logits[torch.tensor(rows, device=device), torch.tensor(cols, device=device)] = float("-inf")
+
+        greedy_rows = [i for i, p in enumerate(params) if p.greedy]
+        if len(greedy_rows) == num_rows:
+            tokens = logits.argmax(dim=-1)
+        else:
+            sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
+            sampled = self._sample_rows(logits if not greedy_rows else logits[sampled_rows],
+                                        [seqs[i] for i in sampled_rows])
+            if greedy_rows:
+                tokens = torch.empty(num_rows, dtype=torch.long, device=device)
+                tokens[greedy_rows] = logits[greedy_rows].argmax(dim=-1)
+                tokens[sampled_rows] = sampled
+            else:
+                tokens = sampled
+
+        token_ids: list[int] = tokens.tolist()
+        logprobs: list[TokenLogprob | None] = [None] * num_rows
+        if raw_logprobs is not None:
+            self._fill_logprobs(logprobs, raw_logprobs, lp_rows, tokens, params)
+        return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
+
+    def _sample_rows(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """Sample one token per row of ``logits`` (all rows non-greedy); ``logits`` is not modified."""
+        params = [s.sampling_params for s in seqs]
+        num_rows, vocab = logits.shape
+        device = logits.device
+
+        temps = [p.temperature for p in params]
+        if any(t != 1.0 for t in temps):
+            logits = logits / torch.tensor(temps, device=device)[:, None]
+
+        use_top_k = any(0 < p.top_k < vocab for p in params)
+        use_top_p = any(p.top_p < 1.0 for p in params)
+        if use_top_k or use_top_p:
+            # Stable descending sort: equal logits keep lowest-id-first order, so top_k=1 matches argmax.
+            sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
+            if use_top_k:
+                k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=device)
+                positions = torch.arange(vocab, device=device)
+                sorted_logits.masked_fill_(positions[None, :] >= k[:, None], float("-inf"))
+            if use_top_p:
+                # inf for disabled rows: float rounding of the cumsum must never cut their tail.
+                top_p = torch.tensor([p.top_p if p.top_p < 1.0 else float("inf") for p in params],
+                                     device=device)
+                probs_sorted = sorted_logits.softmax(dim=-1)
+                # Keep the smallest prefix reaching top_p: drop a token once the mass before it is >= top_p.
+                mass_before = probs_sorted.cumsum(dim=-1) - probs_sorted
+                sorted_logits.masked_fill_(mass_before >= top_p[:, None], float("-inf"))
+            logits = torch.empty_like(sorted_logits).scatter_(1, order, sorted_logits)
+
+        probs = logits.softmax(dim=-1)
+        if any(p.min_p > 0.0 for p in params):
+            min_p = torch.tensor([p.min_p for p in params], device=device)
+            threshold = probs.amax(dim=-1, keepdim=True) * min_p[:, None]
+            # No renormalization needed: the exponential race below is invariant to row scale.
+            probs = probs.masked_fill(probs < threshold, 0.0)
+
+        # Exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) samples i with probability p_i.
+        noise = torch.empty_like(probs)
+        seeded = [j for j, p in enumerate(params) if p.seed is not None]
+        if len(seeded) < num_rows:
+            noise.exponential_()
+        for j in seeded:
+            noise[j].exponential_(generator=self._generator(seqs[j], device))
+        # A zero draw would turn a masked 0/0 into NaN, which argmax picks.
+        noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+        return (probs / noise).argmax(dim=-1)
+
+    @staticmethod
+    def _fill_logprobs(out: list[TokenLogprob | None], raw_logprobs: torch.Tensor, rows: list[int],
+                       tokens: torch.Tensor, params: list[SamplingParams]) -> None:
+        chosen_ids = tokens[rows]
+        chosen = raw_logprobs.gather(1, chosen_ids[:, None])
+        # 1-based rank in the raw distribution, as vLLM/OpenAI report it.
+        ranks = (raw_logprobs > chosen).sum(dim=-1) + 1
+        max_k = max(params[i].logprobs for i in rows)
+        top_vals: list[list[float]] = [[] for _ in rows]
+        top_ids: list[list[int]] = [[] for _ in rows]
+        if max_k > 0:
+            vals, ids = raw_logprobs.topk(min(max_k, raw_logprobs.shape[1]), dim=-1)
+            top_vals, top_ids = vals.tolist(), ids.tolist()
+        for j, (i, tok, lp, rank) in enumerate(zip(rows, chosen_ids.tolist(), chosen[:, 0].tolist(),
+                                                 ranks.tolist(), strict=True)):
+            k = params[i].logprobs
+            out[i] = TokenLogprob(token_id=tok, logprob=lp, rank=rank,
+                                  top=tuple(zip(top_ids[j][:k], top_vals[j][:k], strict=True)))

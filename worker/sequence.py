@@ -1,0 +1,90 @@
+"""Request state: token ids, progress through the KV cache, status and sampled output."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass
+
+from keepwarm.worker.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in (SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH,
+                        SequenceStatus.FINISHED_ABORTED)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """Log-probability of one sampled token and the top alternatives at that position."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: tuple[tuple[int, float], ...]  # (token id, logprob), most likely first
+
+
+class Sequence:
+    """One request's state as the scheduler, block manager and model runner see it.
+
+    ``num_computed_tokens`` counts tokens whose KV is in the cache; the scheduler advances it and resets it to
+    0 on preemption (recompute). ``cache_salt`` is mixed into prefix-cache block hashes so that, e.g., two LoRA
+    adapters never share KV blocks.
+    """
+
+    def __init__(self, seq_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                 cache_salt: str | None = None, arrival_time: float | None = None) -> None:
+        if not prompt_token_ids:
+            raise ValueError("prompt must contain at least one token")
+        self.seq_id = seq_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.output_logprobs: list[TokenLogprob] = []
+        self.sampling_params = sampling_params
+        self.cache_salt = cache_salt
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_prompt_tokens = 0  # prefix-cache hit at first schedule (for metrics)
+        self.num_preemptions = 0
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.first_token_time: float | None = None
+        self.stop_reason: int | str | None = None
+        self._all_token_ids = list(prompt_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self._all_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_token(self, token_id: int, logprob: TokenLogprob | None = None) -> None:
+        self.output_token_ids.append(token_id)
+        self._all_token_ids.append(token_id)
+        if logprob is not None:
+            self.output_logprobs.append(logprob)
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.seq_id!r}, prompt={self.num_prompt_tokens}, out={self.num_output_tokens}, "
+                f"computed={self.num_computed_tokens}, {self.status.value})")
