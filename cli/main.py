@@ -14,6 +14,12 @@ app = typer.Typer(help="Keep LLM weights warm in a daemon; serve them from resta
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
 
 
+def _add_subcommands() -> None:
+    from keepwarm.cli.bench import bench_app
+
+    app.add_typer(bench_app, name="bench")
+
+
 def _version(value: bool) -> None:
     if value:
         typer.echo(f"keepwarm {__version__}")
@@ -66,6 +72,8 @@ def generate(
     for p, out in zip(prompts, outs, strict=True):
         typer.echo(f">>> {p}\n{out.outputs[0].text.strip()}\n")
 
+
+_add_subcommands()
 
 if __name__ == "__main__":
     app()

@@ -111,6 +111,12 @@ def write_kv_cache(
     value_cache[blocks, offsets] = _to_cache(value, value_cache.dtype, v_scale)
 
 
+def _gather_blocks(cache: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """cache[table] for a block table of any shape. index_select, because advanced indexing on a large pool
+    intermittently takes milliseconds on CPU (seen with torch 2.13: 3 ms vs 3 us for the same gather)."""
+    return cache.index_select(0, table.reshape(-1)).view(*table.shape, *cache.shape[1:])
+
+
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
           causal: bool = False) -> torch.Tensor:
     """q: [B, Hq, Lq, D], k/v: [B, Hk, Lk, D] float32; mask True = attend. GQA via enable_gqa."""
@@ -164,8 +170,8 @@ def paged_attention(
         pos_ok = torch.arange(num_blocks * block_size, device=device)[None, :] < ctx[:, None]  # [Sd, L]
         # Zero the masked tail too: never-written cache memory may hold NaN, and NaN * 0 poisons the sum.
         keep = pos_ok[:, :, None, None]
-        k = torch.where(keep, _from_cache(key_cache[table].flatten(1, 2), k_scale), 0.0)
-        v = torch.where(keep, _from_cache(value_cache[table].flatten(1, 2), v_scale), 0.0)
+        k = torch.where(keep, _from_cache(_gather_blocks(key_cache, table).flatten(1, 2), k_scale), 0.0)
+        v = torch.where(keep, _from_cache(_gather_blocks(value_cache, table).flatten(1, 2), v_scale), 0.0)
         q = query[rows].float()[:, :, None, :]  # [Sd, Hq, 1, D]
         o = _sdpa(q, k.transpose(1, 2), v.transpose(1, 2), pos_ok[:, None, None, :], scale)
         out[rows] = o[:, :, 0, :].to(out.dtype)
@@ -176,8 +182,8 @@ def paged_attention(
         if ctx_len < q_len:
             raise ValueError(f"sequence {s}: seq_len {ctx_len} < query length {q_len}")
         table = block_tables[s, : -(-ctx_len // block_size)].long()
-        k = _from_cache(key_cache[table].flatten(0, 1)[:ctx_len], k_scale)  # [L, Hk, D]
-        v = _from_cache(value_cache[table].flatten(0, 1)[:ctx_len], v_scale)
+        k = _from_cache(_gather_blocks(key_cache, table).flatten(0, 1)[:ctx_len], k_scale)  # [L, Hk, D]
+        v = _from_cache(_gather_blocks(value_cache, table).flatten(0, 1)[:ctx_len], v_scale)
         q = query[q_start:q_end].float().transpose(0, 1)[None]  # [1, Hq, q_len, D]
         k, v = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
         if ctx_len == q_len:

@@ -18,3 +18,39 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+# -- tiny random models (built once per session; no model hub) ----------------------------------------------------
+TINY_MODELS = {
+    # GQA, untied embeddings.
+    "llama": dict(arch="llama", tie_word_embeddings=False),
+    # Tied embeddings and llama3 rope scaling (original context 64, so scaling changes low frequencies).
+    "llama3_tied": dict(arch="llama", tie_word_embeddings=True, num_key_value_heads=1,
+                        rope_parameters={"rope_type": "llama3", "rope_theta": 50000.0, "factor": 8.0,
+                                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                         "original_max_position_embeddings": 64}),
+    "mistral": dict(arch="mistral", tie_word_embeddings=False, sliding_window=None),
+    # Qwen2 has q/k/v biases.
+    "qwen2": dict(arch="qwen2", tie_word_embeddings=True, num_attention_heads=4, num_key_value_heads=2),
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory(tmp_path_factory: pytest.TempPathFactory):
+    from keepwarm.worker.models.random_model import make_random_model
+
+    built: dict[str, str] = {}
+
+    def get(name: str) -> str:
+        if name not in built:
+            spec = dict(TINY_MODELS[name])
+            arch = spec.pop("arch")
+            built[name] = str(make_random_model(tmp_path_factory.mktemp(name), arch, head_dim=32, **spec))
+        return built[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_model_factory) -> str:
+    return tiny_model_factory("llama")

