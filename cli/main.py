@@ -15,9 +15,11 @@ app = typer.Typer(help="Keep LLM weights warm in a daemon; serve them from resta
 
 
 def _add_subcommands() -> None:
+    from keepwarm.cli import daemon_cmds
     from keepwarm.cli.bench import bench_app
 
     app.add_typer(bench_app, name="bench")
+    daemon_cmds.register(app)
 
 
 def _version(value: bool) -> None:
@@ -52,7 +54,7 @@ def generate(
     dtype: Annotated[str, typer.Option()] = "auto",
     seed: Annotated[int, typer.Option()] = 0,
 ) -> None:
-    """Generate offline (no daemon, no server) and print the text."""
+    """Generate without a server and print the text (attaches to a running daemon, else loads from disk)."""
     from keepwarm.worker.engine import RequestError
     from keepwarm.worker.models.config import ModelConfigError
 

@@ -21,13 +21,15 @@ from typing import Any
 
 import torch
 
-from . import reference
+from . import quant, reference
+from .quant import QuantizedWeight
 from .reference import build_cos_sin_cache
 
 __all__ = [
     "BACKENDS",
     "ENV_VAR",
     "KernelBackendError",
+    "QuantizedWeight",
     "build_cos_sin_cache",
     "fused_add_rms_norm",
     "get_impl",
@@ -155,10 +157,15 @@ def paged_attention(
 
 
 def linear(x: torch.Tensor, weight: Any, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ W^T + b`` for a plain weight tensor [N, K] (quantized weight forms dispatch by their scheme)."""
+    """``x @ W^T + b`` for a plain weight tensor [N, K]; a QuantizedWeight goes to kernel ``linear_<scheme>``."""
+    if getattr(weight, "is_quantized_weight", False):
+        return get_impl(f"linear_{weight.meta.scheme}", x.device)(x, weight, bias)
     return get_impl("linear", x.device)(x, weight, bias)
 
 
 for _name in ("linear", "rms_norm", "fused_add_rms_norm", "rotary_embedding", "write_kv_cache", "paged_attention"):
     register(_name, "torch", getattr(reference, _name))
 del _name
+for _scheme, _fn in quant.TORCH_IMPLS.items():
+    register(f"linear_{_scheme}", "torch", _fn)
+del _scheme, _fn

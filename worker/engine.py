@@ -17,7 +17,7 @@ import torch
 from keepwarm.daemon.checkpoint import Checkpoint
 from keepwarm.worker.block_manager import BlockManager
 from keepwarm.worker.detokenizer import IncrementalDetokenizer, check_stop_strings
-from keepwarm.worker.model_loader import LoadedModel, load_from_disk
+from keepwarm.worker.model_loader import LoadedModel, load_model
 from keepwarm.worker.model_runner import (
     FP8_KV_DTYPE,
     CacheConfig,
@@ -60,6 +60,12 @@ class EngineConfig:
     seed: int = 0
     device: str = "auto"
     enforce_eager: bool = False
+    quantization: str = "none"  # none | int8 | fp8 | int4 (weight-only, applied at preload)
+    # True: attach to the daemon's arena (starting a daemon if none runs); "auto": attach if a daemon answers,
+    # else load from disk and say so; False: load from disk.
+    daemon: bool | str = "auto"
+    runtime_dir: str | None = None  # the daemon's KEEPWARM_RUNTIME_DIR
+    fingerprint: str | None = None  # attach only to an arena with exactly this fingerprint
 
 
 @dataclass
@@ -99,7 +105,9 @@ class LLMEngine:
         self.tokenizer = self._load_tokenizer(config.tokenizer or config.model)
         torch.manual_seed(config.seed)
 
-        self.loaded = loaded or load_from_disk(self.checkpoint, self.dtype, self.device, self.max_model_len)
+        self.loaded = loaded or load_model(
+            self.checkpoint, config.dtype, config.quantization, self.device, self.max_model_len, config.daemon,
+            Path(config.runtime_dir) if config.runtime_dir else None, config.fingerprint)
         self.weights_source = self.loaded.source
 
         if config.kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3"):
@@ -311,6 +319,10 @@ class LLMEngine:
                 self._seq_to_request.pop(seq.seq_id, None)
         return RequestOutput(req.request_id, req.prompt, list(req.seqs[0].prompt_token_ids), outs, finished,
                              req.metrics)
+
+    def close(self) -> None:
+        """Release the daemon lease (if attached). The engine is unusable afterwards."""
+        self.loaded.close()
 
     # -- introspection -----------------------------------------------------------------------------------------
     @property

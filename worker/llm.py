@@ -31,7 +31,12 @@ class LLM:
 
     @property
     def weights_source(self) -> str:
+        """"daemon" (views into the daemon's arena) or "disk"."""
         return self.llm_engine.weights_source
+
+    def close(self) -> None:
+        """Detach from the daemon (drops the lease); a no-op for a disk load."""
+        self.llm_engine.close()
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer

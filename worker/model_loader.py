@@ -1,35 +1,95 @@
-"""Build the model on placeholders and attach its weights: from disk here, from the daemon's arena later."""
+"""Build the model on placeholders and attach its weights: from the daemon's arena, or from disk.
+
+Both paths produce the same tensors: a disk load builds a private arena with the daemon's own code
+(``daemon.loader.build_arena``: fuse, convert, quantize), so a worker serves identical numbers either way.
+"""
 
 from __future__ import annotations
 
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from keepwarm.daemon.checkpoint import Checkpoint, load_fused_tensors
+from keepwarm.daemon.arena import model_tensors
+from keepwarm.daemon.checkpoint import Checkpoint
+from keepwarm.daemon.client import DaemonClient, DaemonError, ensure_daemon
+from keepwarm.daemon.loader import build_arena, plan_arena, resolve_dtype
+from keepwarm.worker.attach import Attachment, attach_weights
+from keepwarm.worker.models.config import ModelConfig, parse_model_config
 from keepwarm.worker.models.llama import LlamaForCausalLM
 
 log = logging.getLogger("keepwarm.worker")
 
 
-@dataclass(frozen=True)
+@dataclass
 class LoadedModel:
     model: LlamaForCausalLM
-    source: str  # "disk" | "daemon"
+    config: ModelConfig
+    source: str  # "daemon" | "disk"
     seconds: float
     nbytes: int
+    fingerprint: str | None = None
+    attachment: Attachment | None = None
+    fallback_reason: str | None = None  # why a daemon load fell back to disk
+
+    def close(self) -> None:
+        if self.attachment is not None:
+            self.attachment.close()
 
 
-def load_from_disk(ckpt: Checkpoint, dtype: torch.dtype, device: torch.device, max_position: int) -> LoadedModel:
+def load_from_disk(ckpt: Checkpoint, dtype: str, quantization: str, device: torch.device, max_position: int,
+                   fallback_reason: str | None = None) -> LoadedModel:
     t0 = time.perf_counter()
+    _, total = plan_arena(ckpt, quantization, resolve_dtype(ckpt, dtype), device.type)
+    flat = torch.empty(total, dtype=torch.uint8, device=device)
+    manifest = build_arena(ckpt, quantization, dtype, flat, str(device))
     model = LlamaForCausalLM(ckpt.config, max_position=max_position, device=device)
-    tensors = load_fused_tensors(ckpt, dtype=dtype)
-    if device.type != "cpu":
-        tensors = {k: v.to(device, non_blocking=True) for k, v in tensors.items()}
-    model.load_weights(tensors)
-    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    model.load_weights(model_tensors(manifest, flat))
     seconds = time.perf_counter() - t0
-    log.info("loaded %s from disk: %.1f MB in %.2fs", ckpt.model_dir, nbytes / 1e6, seconds)
-    return LoadedModel(model, "disk", seconds, nbytes)
+    log.info("loaded %s from disk (%s): %.1f MB in %.2fs", ckpt.model_dir.name, quantization, total / 1e6, seconds)
+    return LoadedModel(model, ckpt.config, "disk", seconds, total, manifest.fingerprint,
+                       fallback_reason=fallback_reason)
+
+
+def load_from_daemon(model_dir: str, dtype: str, quantization: str, device: torch.device, max_position: int,
+                     runtime_dir: Path | None = None, fingerprint: str | None = None) -> LoadedModel:
+    t0 = time.perf_counter()
+    att = attach_weights(model_dir, quantization, dtype, fingerprint, runtime_dir)
+    m = att.manifest
+    config = parse_model_config(m.config_json, m.generation_config_json, source=f"{m.model}/config.json")
+    model = LlamaForCausalLM(config, max_position=max_position, device=device)
+    model.load_weights(att.tensors)
+    return LoadedModel(model, config, "daemon", time.perf_counter() - t0, m.total_bytes, m.fingerprint, att)
+
+
+def load_model(ckpt: Checkpoint, dtype: str, quantization: str, device: torch.device, max_position: int,
+               daemon: bool | str = "auto", runtime_dir: Path | None = None,
+               fingerprint: str | None = None) -> LoadedModel:
+    """``daemon``: True = attach (start a daemon if none runs), "auto" = attach if a daemon answers,
+    False = load from disk. A fallback to disk is logged and recorded in ``fallback_reason``."""
+    model_dir = str(ckpt.model_dir)
+    if daemon is False or daemon == "off":
+        return load_from_disk(ckpt, dtype, quantization, device, max_position)
+    daemon_device = "cuda" if device.type == "cuda" else "cpu"
+    try:
+        if daemon is True or daemon == "on":
+            client, started = ensure_daemon(runtime_dir, device=daemon_device)
+            client.close()
+            if started:
+                log.info("started a keepwarm daemon for %s", runtime_dir or "the default runtime dir")
+        else:
+            probe = DaemonClient(runtime_dir)
+            answered = probe.ping(timeout=1.0)
+            probe.close()
+            if answered is None:
+                raise DaemonError("unavailable", f"no keepwarm daemon answers at {probe.socket_path}")
+        return load_from_daemon(model_dir, dtype, quantization, device, max_position, runtime_dir, fingerprint)
+    except DaemonError as e:
+        if daemon is True or daemon == "on":
+            raise
+        reason = e.message
+    log.warning("weights from disk, not the daemon: %s", reason)
+    return load_from_disk(ckpt, dtype, quantization, device, max_position, fallback_reason=reason)

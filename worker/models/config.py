@@ -108,12 +108,10 @@ def _rope_config(cfg: dict) -> RopeConfig:
     )
 
 
-def _eos_ids(model_dir: Path, cfg: dict) -> tuple[int, ...]:
+def _eos_ids(cfg: dict, generation_config: dict | None) -> tuple[int, ...]:
     eos = cfg.get("eos_token_id")
-    gen = model_dir / "generation_config.json"
-    if gen.is_file():
-        with contextlib.suppress(OSError, json.JSONDecodeError):
-            eos = json.loads(gen.read_text()).get("eos_token_id", eos)
+    if generation_config and generation_config.get("eos_token_id") is not None:
+        eos = generation_config["eos_token_id"]
     if eos is None:
         return ()
     return tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
@@ -129,12 +127,25 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     path = model_dir / "config.json"
     if not path.is_file():
         raise ModelConfigError(f"{str(model_dir)!r} is not a model directory: config.json is missing")
+    gen_path = model_dir / "generation_config.json"
+    gen_text = gen_path.read_text() if gen_path.is_file() else None
+    return parse_model_config(path.read_text(), gen_text, source=str(path))
+
+
+def parse_model_config(config_json: str, generation_config_json: str | None = None,
+                       source: str = "config.json") -> ModelConfig:
+    """Validate a config.json's text (as read from a model directory or carried in an arena manifest)."""
+    path = source
     try:
-        cfg = json.loads(path.read_text())
+        cfg = json.loads(config_json)
     except json.JSONDecodeError as e:
         raise ModelConfigError(f"{path} is not valid JSON: {e}") from None
     if not isinstance(cfg, dict):
         raise ModelConfigError(f"{path} must hold a JSON object")
+    gen = None
+    if generation_config_json:
+        with contextlib.suppress(json.JSONDecodeError):
+            gen = json.loads(generation_config_json)
     archs = cfg.get("architectures") or []
     arch = archs[0] if archs else None
     if arch not in SUPPORTED_ARCHITECTURES:
@@ -171,7 +182,7 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
             rope=_rope_config(cfg),
             sliding_window=int(sliding) if sliding else None,
             dtype=parse_dtype(dtype_name),
-            eos_token_ids=_eos_ids(model_dir, cfg),
+            eos_token_ids=_eos_ids(cfg, gen if isinstance(gen, dict) else None),
             bos_token_id=cfg.get("bos_token_id"),
         )
     except KeyError as e:

@@ -1,0 +1,186 @@
+"""`keepwarm daemon run|stop`, `keepwarm preload`, `keepwarm status`, `keepwarm evict`."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+daemon_app = typer.Typer(help="Run or stop the weight-keeping daemon.", no_args_is_help=True)
+
+
+def _fail(message: str, code: int = 1) -> None:
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(code)
+
+
+def _runtime_dir() -> Path:
+    from keepwarm.daemon import paths
+
+    return paths.runtime_dir()
+
+
+@daemon_app.command("run")
+def daemon_run(
+    memory_budget: Annotated[str | None, typer.Option("--memory-budget",
+                                                      help="Bytes (8G, 512M) or a fraction of memory (0.5).")] = None,
+    device: Annotated[str, typer.Option(help="cpu, cuda, or cuda:<GPU UUID>.")] = "cpu",
+    lease_ttl: Annotated[float, typer.Option("--lease-ttl", help="Seconds without renewal before a lease drops.")
+                         ] = 15.0,
+    threads: Annotated[int, typer.Option(help="Loader threads.")] = 4,
+) -> None:
+    """Run the daemon in the foreground (systemd runs this; `keepwarm preload` starts one detached)."""
+    from keepwarm.daemon.paths import RuntimeDirError
+    from keepwarm.daemon.server import Daemon
+
+    try:
+        daemon = Daemon(memory_budget=memory_budget, device=device, lease_ttl=lease_ttl, threads=threads)
+        daemon.run()
+    except (RuntimeError, RuntimeDirError, ValueError) as e:
+        _fail(str(e))
+
+
+@daemon_app.command("stop")
+def daemon_stop(
+    wait: Annotated[float, typer.Option(help="Seconds to wait for the daemon to exit.")] = 30.0,
+) -> None:
+    """Stop the daemon cleanly: every arena is removed from shared memory."""
+    from keepwarm.daemon import paths
+    from keepwarm.daemon.client import DaemonClient, DaemonError
+
+    rt = _runtime_dir()
+    client = DaemonClient(rt)
+    try:
+        status = client.status()
+        reply = client.shutdown()
+    except DaemonError as e:
+        _fail(e.message)
+        return
+    finally:
+        client.close()
+    deadline = time.monotonic() + wait
+    while paths.socket_path(rt).exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if paths.socket_path(rt).exists():
+        _fail(f"the daemon (pid {status['pid']}) did not exit within {wait:.0f}s")
+    leases = reply.get("leases", 0)
+    typer.echo(f"daemon (pid {status['pid']}) stopped" +
+               (f"; {leases} attached worker(s) keep their mapped weights until they exit" if leases else ""))
+
+
+def _progress_printer() -> Any:
+    start = time.monotonic()
+    state = {"shown": False}
+
+    def show(ev: dict[str, Any]) -> None:
+        done, total = ev.get("bytes_done", 0), max(ev.get("bytes_total", 1), 1)
+        secs = max(ev.get("seconds", time.monotonic() - start), 1e-6)
+        width = 30
+        filled = int(width * done / total)
+        bar = "#" * filled + "-" * (width - filled)
+        sys.stderr.write(f"\r[{bar}] {done / 1e9:6.2f}/{total / 1e9:.2f} GB  {done / secs / 1e9:5.2f} GB/s")
+        sys.stderr.flush()
+        state["shown"] = True
+
+    def finish() -> None:
+        if state["shown"]:
+            sys.stderr.write("\n")
+
+    show.finish = finish  # type: ignore[attr-defined]
+    return show
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(daemon_app, name="daemon")
+
+    @app.command()
+    def preload(
+        model: Annotated[str | None, typer.Argument(help="Model directory (default: bundled SmolLM2).")] = None,
+        quantization: Annotated[str, typer.Option("--quantization", "-q", help="none, int8, fp8 or int4.")] = "none",
+        dtype: Annotated[str, typer.Option(help="auto (the checkpoint's), bfloat16, float16, float32.")] = "auto",
+        memory_budget: Annotated[str | None, typer.Option("--memory-budget",
+                                                          help="For a daemon started now.")] = None,
+        device: Annotated[str, typer.Option(help="Device of a daemon started now.")] = "cpu",
+    ) -> None:
+        """Make MODEL resident in the daemon (starting a daemon if none answers); returns when it is."""
+        from keepwarm.daemon.client import DaemonError, ensure_daemon
+
+        if model is None:
+            from keepwarm.worker.default_model import default_model
+
+            model = str(default_model())
+        try:
+            client, started = ensure_daemon(memory_budget=memory_budget, device=device)
+        except DaemonError as e:
+            _fail(e.message)
+            return
+        if started:
+            typer.echo(f"started the keepwarm daemon ({client.socket_path})", err=True)
+        show = _progress_printer()
+        t0 = time.perf_counter()
+        try:
+            reply = client.preload(str(Path(model).absolute()) if Path(model).exists() else model, quantization,
+                                   dtype, on_event=show)
+        except DaemonError as e:
+            show.finish()
+            _fail(e.message)
+            return
+        finally:
+            client.close()
+        show.finish()
+        secs = time.perf_counter() - t0
+        how = "already resident" if reply.get("cached") else f"loaded in {secs:.2f}s"
+        typer.echo(f"{reply['name']}: {how}; {reply['bytes'] / 1e6:.1f} MB, {reply['quantization']}, "
+                   f"{reply['dtype']}, fingerprint {reply['fingerprint'][:16]}")
+
+    @app.command()
+    def status(json_out: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False) -> None:
+        """The daemon's pid, socket, memory budget, resident models and leases. Exit 1 when no daemon answers."""
+        from keepwarm.daemon.client import DaemonClient
+
+        with DaemonClient(_runtime_dir()) as client:
+            st = client.ping(timeout=3.0)
+        if st is None:
+            if json_out:
+                typer.echo(json.dumps({"running": False, "socket": str(client.socket_path)}))
+                raise typer.Exit(1)
+            _fail(f"no keepwarm daemon answers at {client.socket_path}")
+            return
+        st = {k: v for k, v in st.items() if k not in ("v", "id", "ok")}
+        if json_out:
+            typer.echo(json.dumps({"running": True, **st}, indent=2))
+            return
+        budget = "none" if st["memory_budget"] is None else f"{st['memory_budget'] / 1e9:.2f} GB"
+        typer.echo(f"daemon pid {st['pid']} (keepwarm {st['version']}), socket {st['socket']}, device {st['device']}")
+        typer.echo(f"memory: {st['resident_bytes'] / 1e9:.3f} GB resident, budget {budget}; "
+                   f"arenas in {st['arena_dir']}")
+        if not st["models"]:
+            typer.echo("no resident models")
+        for m in st["models"]:
+            pids = ", ".join(str(x["pid"]) for x in m["leases"]) or "none"
+            typer.echo(f"  {m['name']}  {m['bytes'] / 1e6:.1f} MB  {m['quantization']}/{m['dtype']}  "
+                       f"fingerprint {m['fingerprint'][:16]}  {m['origin']}  leases: {len(m['leases'])} (pids {pids})")
+            typer.echo(f"    {m['model']}")
+        for j in st.get("loading", []):
+            typer.echo(f"  loading {j['model']} ({j['quantization']}): {j['bytes_done'] / 1e6:.0f}/"
+                       f"{j['bytes_total'] / 1e6:.0f} MB")
+
+    @app.command()
+    def evict(
+        model: Annotated[str, typer.Argument(help="Model path, directory name or fingerprint prefix.")],
+        force: Annotated[bool, typer.Option("--force", help="Evict even with live leases.")] = False,
+    ) -> None:
+        """Drop a resident model from the daemon."""
+        from keepwarm.daemon.client import DaemonClient, DaemonError
+
+        with DaemonClient(_runtime_dir()) as client:
+            try:
+                reply = client.evict(model, force=force)
+            except DaemonError as e:
+                _fail(e.message)
+                return
+        typer.echo(f"evicted {', '.join(fp[:16] for fp in reply['evicted'])}")

@@ -1,0 +1,169 @@
+"""Talking to the daemon: a small synchronous client, and starting a daemon when none answers."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import zmq
+
+from keepwarm.daemon import paths
+from keepwarm.daemon.protocol import PROTOCOL_VERSION, encode
+
+ProgressCallback = Callable[[dict[str, Any]], None]
+
+
+class DaemonError(RuntimeError):
+    """The daemon refused a request (``code`` says why) or did not answer (code ``unavailable``)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class DaemonClient:
+    """One DEALER socket to the daemon. Not thread-safe: use one client per thread."""
+
+    def __init__(self, runtime_dir: Path | None = None, timeout: float = 10.0) -> None:
+        self.runtime_dir = runtime_dir or paths.runtime_dir()
+        self.timeout = timeout
+        self._ctx = zmq.Context.instance()
+        self._sock: zmq.Socket | None = None
+        self._ids = itertools.count()
+
+    @property
+    def socket_path(self) -> Path:
+        return paths.socket_path(self.runtime_dir)
+
+    def _socket(self) -> zmq.Socket:
+        if self._sock is None:
+            s = self._ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(paths.endpoint(self.runtime_dir))
+            self._sock = s
+        return self._sock
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+
+    def __enter__(self) -> DaemonClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def request(self, verb: str, args: dict[str, Any] | None = None, timeout: float | None = None,
+                on_event: ProgressCallback | None = None) -> dict[str, Any]:
+        """Send one request; return its reply (``ok`` true) or raise :class:`DaemonError`.
+
+        ``timeout`` bounds the silence between messages: a preload streams progress events, so a long load
+        does not time out while the daemon works.
+        """
+        try:
+            present = self.socket_path.exists()
+        except PermissionError:
+            raise DaemonError("unavailable", f"permission denied reaching {self.socket_path} "
+                                             "(another user's daemon?)") from None
+        if not present:
+            raise DaemonError("unavailable", f"no keepwarm daemon socket at {self.socket_path}")
+        rid = f"{os.getpid()}-{next(self._ids)}"
+        sock = self._socket()
+        sock.send(encode({"v": PROTOCOL_VERSION, "id": rid, "verb": verb, "args": args or {}}))
+        wait = self.timeout if timeout is None else timeout
+        while True:
+            if not sock.poll(int(wait * 1000)):
+                # The socket may hold a half-sent request now; start afresh next time.
+                self.close()
+                raise DaemonError("unavailable", f"the keepwarm daemon at {self.socket_path} did not answer "
+                                                 f"{verb!r} within {wait:.0f}s")
+            msg = msgpack.unpackb(sock.recv(), raw=False)
+            if msg.get("id") != rid:
+                continue  # a late answer to an earlier, timed-out request
+            if "event" in msg:
+                if on_event is not None:
+                    on_event(msg)
+                continue
+            if msg.get("ok"):
+                return msg
+            err = msg.get("error") or {}
+            raise DaemonError(err.get("code", "error"), err.get("message", "the daemon refused the request"))
+
+    def ping(self, timeout: float = 2.0) -> dict[str, Any] | None:
+        try:
+            return self.request("status", timeout=timeout)
+        except DaemonError:
+            return None
+
+    def status(self) -> dict[str, Any]:
+        return self.request("status")
+
+    def preload(self, model: str, quantization: str = "none", dtype: str = "auto", fingerprint: str | None = None,
+                on_event: ProgressCallback | None = None) -> dict[str, Any]:
+        args = {"model": model, "quantization": quantization, "dtype": dtype}
+        if fingerprint:
+            args["fingerprint"] = fingerprint
+        return self.request("preload", args, timeout=60.0, on_event=on_event)
+
+    def attach(self, model: str, quantization: str = "none", dtype: str = "auto", fingerprint: str | None = None,
+               preload: bool = True, on_event: ProgressCallback | None = None) -> dict[str, Any]:
+        args = {"model": model, "quantization": quantization, "dtype": dtype, "pid": os.getpid(), "preload": preload}
+        if fingerprint:
+            args["fingerprint"] = fingerprint
+        return self.request("attach", args, timeout=60.0, on_event=on_event)
+
+    def heartbeat(self, lease_id: str) -> dict[str, Any]:
+        return self.request("heartbeat", {"lease_id": lease_id})
+
+    def detach(self, lease_id: str) -> dict[str, Any]:
+        return self.request("detach", {"lease_id": lease_id})
+
+    def evict(self, model: str, force: bool = False) -> dict[str, Any]:
+        return self.request("evict", {"model": model, "force": force})
+
+    def shutdown(self) -> dict[str, Any]:
+        return self.request("shutdown")
+
+
+def start_daemon(runtime_dir: Path | None = None, memory_budget: str | None = None, device: str = "cpu",
+                 wait: float = 30.0, extra_args: list[str] | None = None) -> DaemonClient:
+    """Start a detached daemon (its own session, log in the runtime dir) and wait until it answers ``status``."""
+    rt = runtime_dir or paths.runtime_dir()
+    paths.ensure_private_dir(rt)
+    cmd = [sys.executable, "-m", "keepwarm.cli.main", "daemon", "run", "--device", device]
+    if memory_budget:
+        cmd += ["--memory-budget", memory_budget]
+    cmd += extra_args or []
+    env = {**os.environ, "KEEPWARM_RUNTIME_DIR": str(rt)}
+    with open(rt / paths.LOG_NAME, "ab") as logf:
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf, env=env,
+                                start_new_session=True, close_fds=True)
+    client = DaemonClient(rt)
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline:
+        if client.ping(timeout=0.5) is not None:
+            return client
+        if proc.poll() is not None:
+            tail = (rt / paths.LOG_NAME).read_text(errors="replace").strip().splitlines()[-1:] or ["?"]
+            raise DaemonError("unavailable", f"the daemon exited with status {proc.returncode}: {tail[0]}")
+        time.sleep(0.05)
+    raise DaemonError("unavailable", f"the daemon did not answer within {wait:.0f}s (log: {rt / paths.LOG_NAME})")
+
+
+def ensure_daemon(runtime_dir: Path | None = None, memory_budget: str | None = None,
+                  device: str = "cpu") -> tuple[DaemonClient, bool]:
+    """A client to a running daemon, starting one if none answers. Returns (client, started)."""
+    client = DaemonClient(runtime_dir)
+    if client.ping(timeout=1.0) is not None:
+        return client, False
+    client.close()
+    return start_daemon(runtime_dir, memory_budget, device), True

@@ -1,0 +1,162 @@
+"""Preload: read a checkpoint, fuse, quantize and pack it into an arena, fingerprinting the bytes as read.
+
+Tensors are processed by a few threads at once (``preadv`` and sha256 release the GIL). A plain tensor whose
+checkpoint dtype is the arena dtype is read straight into its arena slice (no intermediate copy); others are
+read into a temporary buffer, converted or quantized, and copied in.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from keepwarm import __version__
+from keepwarm.daemon.arena import (
+    LAYOUT_VERSION,
+    ArenaManifest,
+    TensorEntry,
+    align,
+    combine_digests,
+    dtype_name,
+    fingerprint_of,
+    source_signature,
+)
+from keepwarm.daemon.checkpoint import Checkpoint, FusedTensor, read_into, tensor_bytes
+from keepwarm.daemon.quantize import is_quantized_target, quantize, quantized_layout, validate_scheme
+from keepwarm.worker.models.config import parse_dtype
+
+Progress = Callable[[int], None]  # called with the number of source bytes just processed
+
+
+@dataclass
+class PlannedTensor:
+    source: FusedTensor
+    quantized: bool
+    entries: list[TensorEntry]
+
+
+def resolve_dtype(ckpt: Checkpoint, dtype: str) -> torch.dtype:
+    return ckpt.config.dtype if dtype in ("auto", "", None) else parse_dtype(dtype)
+
+
+def plan_arena(ckpt: Checkpoint, quantization: str, dtype: torch.dtype, device_type: str = "cpu",
+               ) -> tuple[list[PlannedTensor], int]:
+    """Every tensor's place in the arena, from the checkpoint's headers alone (nothing is read)."""
+    quantization = validate_scheme(quantization)
+    planned: list[PlannedTensor] = []
+    offset = 0
+    for t in ckpt.tensors:
+        quantized = quantization != "none" and is_quantized_target(t.name) and len(t.shape) == 2
+        if quantized:
+            layout = quantized_layout(t.shape, quantization, dtype, device_type)
+        elif t.dtype.is_floating_point:
+            layout = {"": (dtype, t.shape)}
+        else:
+            layout = {"": (t.dtype, t.shape)}
+        entries = []
+        for part, (pdtype, shape) in layout.items():
+            n = torch.empty((), dtype=pdtype).element_size()
+            for s in shape:
+                n *= s
+            entries.append(TensorEntry(t.name, part, offset, n, dtype_name(pdtype), tuple(shape)))
+            offset = align(offset + n)
+        planned.append(PlannedTensor(t, quantized, entries))
+    return planned, offset
+
+
+def _read_hashed(t: FusedTensor, dest: memoryview) -> list[str]:
+    """Read every part of ``t`` into ``dest`` back to back; return each part's sha256."""
+    digests, off = [], 0
+    for part in t.parts:
+        h = hashlib.sha256()
+        read_into(part, dest[off:off + part.nbytes], on_bytes=h.update)
+        digests.append(h.hexdigest())
+        off += part.nbytes
+    return digests
+
+
+def build_arena(ckpt: Checkpoint, quantization: str, dtype: str, flat: torch.Tensor, device: str,
+                progress: Progress | None = None, threads: int = 4,
+                planned: list[PlannedTensor] | None = None) -> ArenaManifest:
+    """Fill ``flat`` (the arena's uint8 buffer, CPU or CUDA, sized by :func:`plan_arena`) and return its manifest."""
+    target = resolve_dtype(ckpt, dtype)
+    quantization = validate_scheme(quantization)
+    device_type = flat.device.type
+    if planned is None:
+        planned, total = plan_arena(ckpt, quantization, target, device_type)
+        if total > flat.numel():
+            raise ValueError(f"arena of {flat.numel()} bytes is too small for {total}")
+    quant_meta: dict[str, dict] = {}
+    lock = threading.Lock()
+    on_cpu = flat.device.type == "cpu"
+
+    def process(p: PlannedTensor) -> tuple[list[str], list[str]]:
+        t = p.source
+        if not p.quantized and on_cpu and p.entries[0].dtype == dtype_name(t.dtype):
+            e = p.entries[0]
+            dest = tensor_bytes(flat[e.offset:e.offset + e.nbytes])
+            src_digests = _read_hashed(t, dest)
+            arena_digests = [hashlib.sha256(dest).hexdigest()]
+        else:
+            staging = torch.empty(t.nbytes, dtype=torch.uint8)
+            src_digests = _read_hashed(t, tensor_bytes(staging))
+            w = staging.view(t.dtype).view(t.shape)
+            if p.quantized:
+                meta, parts = quantize(w, quantization, target, device_type)
+                with lock:
+                    quant_meta[t.name] = meta.to_dict()
+            else:
+                parts = {"": w.to(target) if w.is_floating_point() else w}
+            arena_digests = []
+            for e in p.entries:
+                raw = parts[e.part].contiguous().view(torch.uint8).reshape(-1)
+                if raw.numel() != e.nbytes:
+                    raise RuntimeError(f"{t.name}{'.' + e.part if e.part else ''}: {raw.numel()} bytes, "
+                                       f"planned {e.nbytes}")
+                arena_digests.append(hashlib.sha256(memoryview(raw.numpy())).hexdigest())
+                flat[e.offset:e.offset + e.nbytes].copy_(raw, non_blocking=not on_cpu)
+        if progress is not None:
+            progress(t.nbytes)
+        return src_digests, arena_digests
+
+    with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
+        results = list(pool.map(process, planned))
+    if not on_cpu:
+        torch.cuda.synchronize(flat.device)
+    part_digests = [(p.source.name, d) for p, (src, _) in zip(planned, results, strict=True) for d in src]
+    entries = tuple(e for p in planned for e in p.entries)
+    arena_digest = combine_digests("arena", [d for _, arena in results for d in arena])
+    gen = ckpt.model_dir / "generation_config.json"
+    config_json = (ckpt.model_dir / "config.json").read_text()
+    return ArenaManifest(
+        layout_version=LAYOUT_VERSION,
+        fingerprint=fingerprint_of(quantization, dtype_name(target), part_digests, config_json),
+        arena_digest=arena_digest,
+        model=str(ckpt.model_dir),
+        quantization=quantization,
+        dtype=dtype_name(target),
+        device=device,
+        total_bytes=max((e.offset + e.nbytes for e in entries), default=0),
+        tensors=entries,
+        quant=quant_meta,
+        config_json=config_json,
+        generation_config_json=gen.read_text() if gen.is_file() else None,
+        source_files=source_signature(ckpt.model_dir, ckpt.files),
+        keepwarm_version=__version__,
+    )
+
+
+def checkpoint_changed(manifest: ArenaManifest) -> bool:
+    """True when the model's files no longer have the size/mtime recorded at preload (or are gone)."""
+    try:
+        ckpt_dir = Path(manifest.model)
+        return source_signature(ckpt_dir, [ckpt_dir / n for n, *_ in manifest.source_files]) != \
+            manifest.source_files
+    except OSError:
+        return True

@@ -1,0 +1,150 @@
+"""The daemon's wire protocol: versioned, typed messages encoded with msgpack (never pickle).
+
+A request is ``{"v": PROTOCOL_VERSION, "id": str, "verb": str, "args": {...}}``. The daemon answers with zero or
+more events (``{"v", "id", "event": "progress", ...}``) and then one reply: ``{"v", "id", "ok": true, ...}`` or
+``{"v", "id", "ok": false, "error": {"code", "message"}}``. Each verb's arguments are a frozen dataclass; unknown
+fields, missing fields and wrong types are rejected with code ``bad_request``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+PROTOCOL_VERSION = 1
+MAX_MESSAGE_BYTES = 1 << 20
+
+
+class ProtocolError(Exception):
+    """A request the daemon refuses; ``code`` is machine-readable, ``message`` one line for humans."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass(frozen=True)
+class PreloadArgs:
+    model: str
+    quantization: str = "none"
+    dtype: str = "auto"
+    fingerprint: str | None = None  # when given, the resident arena must have exactly this fingerprint
+
+
+@dataclass(frozen=True)
+class AttachArgs:
+    model: str
+    pid: int
+    quantization: str = "none"
+    dtype: str = "auto"
+    fingerprint: str | None = None
+    preload: bool = True  # preload the model when it is not resident
+
+
+@dataclass(frozen=True)
+class LeaseArgs:
+    lease_id: str
+
+
+@dataclass(frozen=True)
+class EvictArgs:
+    model: str  # a model path, a fingerprint (or its prefix), or a model directory name
+    force: bool = False
+
+
+@dataclass(frozen=True)
+class NoArgs:
+    pass
+
+
+VERBS: dict[str, type] = {
+    "preload": PreloadArgs,
+    "attach": AttachArgs,
+    "detach": LeaseArgs,
+    "heartbeat": LeaseArgs,
+    "list": NoArgs,
+    "evict": EvictArgs,
+    "status": NoArgs,
+    "shutdown": NoArgs,
+}
+
+
+def _type_ok(value: Any, hint: Any) -> bool:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        return any(_type_ok(value, h) for h in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    return isinstance(value, hint)
+
+
+def parse_args(verb: str, args: Any) -> Any:
+    cls = VERBS.get(verb)
+    if cls is None:
+        raise ProtocolError("unknown_verb", f"unknown verb {verb!r} (known: {', '.join(sorted(VERBS))})")
+    if not isinstance(args, dict):
+        raise ProtocolError("bad_request", f"{verb}: args must be a map")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(args) - set(fields))
+    if unknown:
+        raise ProtocolError("bad_request", f"{verb}: unknown field(s) {', '.join(map(repr, unknown))}")
+    for name, f in fields.items():
+        if name not in args:
+            if f.default is dataclasses.MISSING:
+                raise ProtocolError("bad_request", f"{verb}: missing field {name!r}")
+            continue
+        if not _type_ok(args[name], hints[name]):
+            raise ProtocolError("bad_request", f"{verb}: field {name!r} must be {hints[name]}, "
+                                               f"got {type(args[name]).__name__}")
+    return cls(**args)
+
+
+def encode(message: dict[str, Any]) -> bytes:
+    return msgpack.packb(message, use_bin_type=True)
+
+
+def decode_request(raw: bytes) -> tuple[str, str, Any]:
+    """(request id, verb, typed args); raises ProtocolError for anything malformed."""
+    if len(raw) > MAX_MESSAGE_BYTES:
+        raise ProtocolError("bad_request", f"message of {len(raw)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    try:
+        msg = msgpack.unpackb(raw, raw=False, strict_map_key=True)
+    except Exception:  # msgpack raises several unrelated types for garbage
+        raise ProtocolError("bad_request", "message is not valid msgpack") from None
+    if not isinstance(msg, dict):
+        raise ProtocolError("bad_request", "message must be a map")
+    version = msg.get("v")
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError("version_mismatch",
+                            f"message has protocol version {version!r}; this daemon speaks {PROTOCOL_VERSION}")
+    rid = msg.get("id", "")
+    if not isinstance(rid, str):
+        raise ProtocolError("bad_request", "id must be a string")
+    verb = msg.get("verb")
+    if not isinstance(verb, str):
+        raise ProtocolError("bad_request", "verb must be a string")
+    return rid, verb, parse_args(verb, msg.get("args", {}))
+
+
+def reply_ok(rid: str, **fields: Any) -> dict[str, Any]:
+    return {"v": PROTOCOL_VERSION, "id": rid, "ok": True, **fields}
+
+
+def reply_error(rid: str, code: str, message: str) -> dict[str, Any]:
+    return {"v": PROTOCOL_VERSION, "id": rid, "ok": False, "error": {"code": code, "message": message}}
+
+
+def event(rid: str, kind: str, **fields: Any) -> dict[str, Any]:
+    return {"v": PROTOCOL_VERSION, "id": rid, "event": kind, **fields}

@@ -1,0 +1,266 @@
+"""Weight-only quantization of the fused linear weights at preload time (torch only, no model code).
+
+Schemes (every dequantization is computed in float32, then cast):
+  none  the weight as is, in the activation dtype.
+  int8  symmetric, one scale per output channel: w ~ q * scale[n], q in [-127, 127].
+  fp8   float8 e4m3fn, one float32 scale per tensor: w ~ q * scale, scale = amax / 448.
+  int4  asymmetric, one (scale, zero) per group of `group_size` along K, q in [0, 15], torch's tinygemm
+        convention: w ~ (q - 8) * scale + zero (so zero = min + 8 * scale).
+
+The parts a weight is stored as (`quantized_layout`) are known from the shape alone, before any data is read,
+so the daemon can lay out its arena first. Layouts, named in `QuantMeta.layout`:
+  dense               weight [N, K] act_dtype
+  int8_channel        qweight int8 [N, K]; scales act_dtype [N] (torch._weight_int8pack_mm wants x's dtype)
+  fp8_tensor          qweight float8_e4m3fn [N, K]; scale float32 [1]
+  int4_cpu_<mode><B>  qweight uint8 [N, K/2] from torch._convert_weight_to_int4pack_for_cpu;
+                      scales_and_zeros act_dtype [K/gs, N, 2] (what torch._weight_int4pack_mm_for_cpu takes)
+  int4_canonical      qweight uint8 [N, K/2], low nibble = even k; scales, zeros act_dtype [N, K/gs]
+
+The CPU int4 pack order depends on the ATen CPU capability of the process (AVX512 packs blocks of 64 rows as
+two interleaved halves, AVX2 blocks of 32, the scalar build adjacent row pairs), so it is probed once and named
+in the layout: a process whose torch packs differently still dequantizes the weight (`unpack_int4`), it just
+cannot use the fast op on it.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+SCHEMES = ("none", "int8", "fp8", "int4")
+INT4_GROUP_SIZES = (32, 64, 128, 256)  # what torch._weight_int4pack_mm_for_cpu accepts
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+ACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+LAYOUT_DENSE = "dense"
+LAYOUT_INT8 = "int8_channel"
+LAYOUT_FP8 = "fp8_tensor"
+LAYOUT_INT4_CANONICAL = "int4_canonical"
+_INT4_CPU_RE = re.compile(r"int4_cpu_(pairs|halves)(16|32|64)")
+
+# Fused linear weights as planned by daemon/checkpoint.py; embeddings, norms, lm_head and biases stay dense.
+_TARGET_RE = re.compile(r"(?:.*\.)?(?:self_attn\.(?:qkv_proj|o_proj)|mlp\.(?:gate_up_proj|down_proj))\.weight")
+
+PartsLayout = dict[str, tuple[torch.dtype, tuple[int, ...]]]
+
+
+class QuantizationError(ValueError):
+    """A scheme, shape or manifest entry that cannot be quantized / loaded; one-line message."""
+
+
+@dataclass(frozen=True)
+class QuantMeta:
+    """What a quantized weight is: goes into the daemon's JSON manifest next to its parts."""
+
+    scheme: str
+    layout: str
+    group_size: int | None  # int4 only
+    shape: tuple[int, int]  # the dense weight's [N, K]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"scheme": self.scheme, "layout": self.layout, "group_size": self.group_size,
+                "shape": list(self.shape)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> QuantMeta:
+        try:
+            n, k = (int(v) for v in d["shape"])
+            gs = d.get("group_size")
+            meta = cls(validate_scheme(d["scheme"]), str(d["layout"]), None if gs is None else int(gs), (n, k))
+        except (KeyError, TypeError, ValueError) as e:
+            raise QuantizationError(f"bad quantization metadata {d!r}: {e}") from None
+        layout_parts(meta, torch.float32)  # rejects unknown layouts / scheme-layout mismatches
+        return meta
+
+
+def validate_scheme(name: str) -> str:
+    if name not in SCHEMES:
+        raise QuantizationError(f"unknown quantization {name!r} (choose none, int8, fp8 or int4)")
+    return name
+
+
+def is_quantized_target(name: str) -> bool:
+    """True for the fused linear weights quantization applies to (q/k/v, o, gate/up, down)."""
+    return _TARGET_RE.fullmatch(name) is not None
+
+
+# ---------------------------------------------------------------------------------------------- int4 packing
+def unpack_int4(qweight: torch.Tensor, layout: str, shape: tuple[int, int]) -> torch.Tensor:
+    """The 4-bit codes [N, K] (uint8, 0..15) of an int4 `qweight` in `layout`; plain torch, any device."""
+    n, k = shape
+    if layout == LAYOUT_INT4_CANONICAL:
+        return torch.stack((qweight & 15, qweight >> 4), dim=-1).reshape(n, k)
+    m = _INT4_CPU_RE.fullmatch(layout)
+    if m is None:
+        raise QuantizationError(f"unknown int4 layout {layout!r}")
+    mode, block = m.group(1), int(m.group(2))
+    # torch's CPU pack: row blocks of `block` (the last one may be shorter), each stored k-major with the
+    # block's rows as nibbles: "pairs" = rows 2j, 2j+1 in byte j (low, high); "halves" = rows j, j + block/2.
+    # A short last block is always stored as pairs.
+    flat = qweight.reshape(-1)
+    nb = n // block
+    nf = nb * block
+    full = flat[: nf * k // 2].view(nb, k, block // 2)
+    lo, hi = full & 15, full >> 4
+    rows = torch.stack((lo, hi), dim=-1).reshape(nb, k, block) if mode == "pairs" else torch.cat((lo, hi), dim=-1)
+    out = [rows.permute(0, 2, 1).reshape(nf, k)]
+    if n > nf:
+        rest = flat[nf * k // 2:].view(k, (n - nf) // 2)
+        out.append(torch.stack((rest & 15, rest >> 4), dim=-1).reshape(k, n - nf).t())
+    return torch.cat(out).contiguous()
+
+
+@functools.cache
+def cpu_int4_layout() -> str | None:
+    """The layout this process's torch._convert_weight_to_int4pack_for_cpu produces; None if not recognised."""
+    if not hasattr(torch, "_convert_weight_to_int4pack_for_cpu"):
+        return None
+    # 144 rows: two full 64-blocks plus a short one, so block size and both pack modes are told apart.
+    n, k = 144, 4
+    codes = torch.randint(0, 16, (n, k), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
+    try:
+        packed = torch._convert_weight_to_int4pack_for_cpu(codes, 2)
+    except RuntimeError:
+        return None
+    matches = [name for name in (f"int4_cpu_{m}{b}" for m in ("halves", "pairs") for b in (64, 32, 16))
+               if torch.equal(unpack_int4(packed, name, (n, k)).to(torch.int32), codes)]
+    return matches[0] if len(matches) == 1 else None
+
+
+# ---------------------------------------------------------------------------------------------- planning
+def _group_size(k: int, requested: int) -> int:
+    if requested not in INT4_GROUP_SIZES:
+        raise QuantizationError(f"int4 group size must be one of {INT4_GROUP_SIZES}, got {requested}")
+    # The requested size, else the largest smaller one of 64/32 that divides K.
+    for gs in (requested, *(g for g in (64, 32) if g < requested)):
+        if k % gs == 0:
+            return gs
+    raise QuantizationError(f"int4 needs K divisible by {requested}, 64 or 32; got K={k}")
+
+
+def plan(shape: tuple[int, int], scheme: str, act_dtype: torch.dtype, device_type: str = "cpu",
+         group_size: int = 128) -> QuantMeta:
+    """The QuantMeta `quantize` will produce for a weight of `shape`; raises QuantizationError if unsupported."""
+    validate_scheme(scheme)
+    if act_dtype not in ACT_DTYPES:
+        raise QuantizationError(f"activation dtype must be float32, bfloat16 or float16, got {act_dtype}")
+    if len(shape) != 2 or min(shape) <= 0:
+        raise QuantizationError(f"quantization needs a 2-D weight [N, K], got shape {tuple(shape)}")
+    n, k = int(shape[0]), int(shape[1])
+    if scheme == "none":
+        return QuantMeta(scheme, LAYOUT_DENSE, None, (n, k))
+    if scheme == "int8":
+        return QuantMeta(scheme, LAYOUT_INT8, None, (n, k))
+    if scheme == "fp8":
+        return QuantMeta(scheme, LAYOUT_FP8, None, (n, k))
+    gs = _group_size(k, group_size)
+    layout = cpu_int4_layout() if device_type == "cpu" else None
+    if layout is None:
+        return QuantMeta(scheme, LAYOUT_INT4_CANONICAL, gs, (n, k))
+    if n % 16:
+        # torch's CPU int4 pack refuses it; say so now rather than at the first matmul.
+        raise QuantizationError(f"int4 on cpu needs N (output features) divisible by 16; got N={n}")
+    return QuantMeta(scheme, layout, gs, (n, k))
+
+
+def layout_parts(meta: QuantMeta, act_dtype: torch.dtype) -> PartsLayout:
+    """Part name -> (dtype, shape) of a weight described by `meta` (act_dtype: dtype of the scales)."""
+    n, k = meta.shape
+    lay = meta.layout
+    expected = {"none": LAYOUT_DENSE, "int8": LAYOUT_INT8, "fp8": LAYOUT_FP8}.get(meta.scheme)
+    if expected is not None and lay != expected:
+        raise QuantizationError(f"scheme {meta.scheme!r} has layout {expected!r}, not {lay!r}")
+    if meta.scheme == "int4" and not (lay == LAYOUT_INT4_CANONICAL or _INT4_CPU_RE.fullmatch(lay)):
+        raise QuantizationError(f"unknown layout {lay!r} for scheme 'int4'")
+    if lay == LAYOUT_DENSE:
+        return {"weight": (act_dtype, (n, k))}
+    if lay == LAYOUT_INT8:
+        return {"qweight": (torch.int8, (n, k)), "scales": (act_dtype, (n,))}
+    if lay == LAYOUT_FP8:
+        return {"qweight": (FP8_DTYPE, (n, k)), "scale": (torch.float32, (1,))}
+    gs = meta.group_size
+    if not gs or k % gs or k % 2:
+        raise QuantizationError(f"int4 group size {gs} does not divide K={k}")
+    if lay != LAYOUT_INT4_CANONICAL and n % 16:
+        raise QuantizationError(f"int4 on cpu needs N (output features) divisible by 16; got N={n}")
+    if lay == LAYOUT_INT4_CANONICAL:
+        return {"qweight": (torch.uint8, (n, k // 2)), "scales": (act_dtype, (n, k // gs)),
+                "zeros": (act_dtype, (n, k // gs))}
+    return {"qweight": (torch.uint8, (n, k // 2)), "scales_and_zeros": (act_dtype, (k // gs, n, 2))}
+
+
+def quantized_layout(shape: tuple[int, int], scheme: str, act_dtype: torch.dtype, device_type: str = "cpu",
+                     group_size: int = 128) -> PartsLayout:
+    """The parts (name -> (dtype, shape)) `quantize` returns for this weight, computed without its data."""
+    return layout_parts(plan(shape, scheme, act_dtype, device_type, group_size), act_dtype)
+
+
+# ---------------------------------------------------------------------------------------------- quantize
+def _store(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`scale` in `dtype`, rounded up where rounding to nearest went down, so q never has to clip."""
+    stored = scale.to(dtype)
+    low = stored.float() < scale
+    if bool(low.any()):
+        stored = torch.where(low, torch.nextafter(stored, torch.full_like(stored, float("inf"))), stored)
+    return stored
+
+
+def quantize(w: torch.Tensor, scheme: str, act_dtype: torch.dtype, device_type: str = "cpu",
+             group_size: int = 128) -> tuple[QuantMeta, dict[str, torch.Tensor]]:
+    """Quantize a dense weight [N, K]; returns its meta and exactly the contiguous parts of `quantized_layout`."""
+    if w.dim() != 2:
+        raise QuantizationError(f"quantization needs a 2-D weight [N, K], got shape {tuple(w.shape)}")
+    meta = plan(tuple(w.shape), scheme, act_dtype, device_type, group_size)
+    if scheme == "none":
+        return meta, {"weight": w.to(act_dtype).contiguous()}
+    if not w.is_floating_point():
+        raise QuantizationError(f"cannot quantize a {w.dtype} weight")
+    if device_type == "cpu":
+        w = w.cpu()
+    w32 = w.float()
+    if not bool(torch.isfinite(w32).all()):
+        raise QuantizationError(f"weight of shape {tuple(w.shape)} has non-finite values")
+    n, k = meta.shape
+
+    if scheme == "int8":
+        amax = w32.abs().amax(dim=1)
+        scales = _store(torch.where(amax > 0, amax / 127.0, torch.ones_like(amax)), act_dtype)
+        q = torch.round(w32 / scales.float()[:, None]).clamp_(-127, 127).to(torch.int8)
+        parts = {"qweight": q, "scales": scales}
+    elif scheme == "fp8":
+        amax = float(w32.abs().max())
+        scale = torch.tensor([amax / FP8_MAX if amax > 0 else 1.0], dtype=torch.float32, device=w.device)
+        q = (w32 / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+        parts = {"qweight": q, "scale": scale}
+    else:
+        gs = meta.group_size
+        assert gs is not None
+        wg = w32.view(n, k // gs, gs)
+        lo, hi = wg.amin(dim=-1), wg.amax(dim=-1)
+        span = hi - lo
+        scales = _store(torch.where(span > 0, span / 15.0, torch.ones_like(span)), act_dtype)
+        # Constant groups get zero = the value itself (q = 8), so they dequantize exactly.
+        zeros = torch.where(span > 0, lo + 8.0 * scales.float(), lo).to(act_dtype)
+        # Codes from the stored (rounded) scale and zero: the best codes for what will be dequantized.
+        q = torch.round((wg - zeros.float()[..., None]) / scales.float()[..., None]) + 8.0
+        codes = q.clamp_(0, 15).to(torch.uint8).view(n, k)
+        if meta.layout == LAYOUT_INT4_CANONICAL:
+            parts = {"qweight": codes[:, 0::2] | (codes[:, 1::2] << 4), "scales": scales, "zeros": zeros}
+        else:
+            packed = torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 2)  # inner_k_tiles: unused
+            parts = {"qweight": packed, "scales_and_zeros": torch.stack((scales.t(), zeros.t()), dim=-1)}
+    parts = {name: t.contiguous() for name, t in parts.items()}
+    _check_parts(meta, parts, act_dtype)
+    return meta, parts
+
+
+def _check_parts(meta: QuantMeta, parts: dict[str, torch.Tensor], act_dtype: torch.dtype) -> None:
+    want = layout_parts(meta, act_dtype)
+    got = {name: (t.dtype, tuple(t.shape)) for name, t in parts.items()}
+    if got != want:
+        raise QuantizationError(f"{meta.scheme}/{meta.layout}: parts {got} do not match layout {want}")

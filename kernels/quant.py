@@ -1,0 +1,223 @@
+"""Quantized linear weights and their matmuls (`x @ dequant(W)^T + b`, output in x's dtype).
+
+`QuantizedWeight` wraps the parts `keepwarm.daemon.quantize` produces (possibly read-only views into the daemon's
+shared memory: nothing here writes them). Each scheme has a plain-torch reference (`linear_reference`: dequantize
+in float32, cast to x's dtype, F.linear), correct for every layout and device, and a "torch" backend
+(`TORCH_IMPLS`, registered in `keepwarm.kernels`) that picks the fastest measured path (`PATHS`) on CPU:
+
+  int8  torch._weight_int8pack_mm is vectorized only for bfloat16 x on AVX2/AVX512 and wins only for few rows
+        (AVX512, [1536, 576]: 19 us vs 97 us at M=1, 189 vs 152 at M=32, 1.6 ms vs 0.6 ms at M=256); for float32
+        and float16 it is a scalar loop (0.3 ms at M=1, 9.7 ms at M=32). Otherwise: cast the int8 codes to x's
+        dtype (exact), matmul, scale the [M, N] output per channel.
+  int4  torch._weight_int4pack_mm_for_cpu, when the weight was packed in this process's CPU layout, for bfloat16
+        on AVX2/AVX512 (21 us vs 0.49 ms for the reference at M=1, 167 us vs 0.48 ms at M=32). Elsewhere it is a
+        scalar loop (~0.65 ms per row) that loses to the reference even at M=1 (0.40 ms).
+  fp8   no fused CPU op for weight-only fp8 (torch._scaled_mm would quantize x too, and is slower), and torch's
+        fp8 -> float cast is a slow scalar loop (1.2 ms for 0.9M weights). The codes are re-read as float16 with
+        integer ops instead (exact, q / 256), then matmul and one scalar scale (0.15-0.24 ms vs 1.25-1.3 ms).
+Off CPU every scheme takes the reference (a GPU backend registers its own kernels).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable, Mapping
+
+import torch
+import torch.nn.functional as F
+
+from keepwarm.daemon.quantize import (
+    LAYOUT_INT4_CANONICAL,
+    QuantizationError,
+    QuantMeta,
+    cpu_int4_layout,
+    layout_parts,
+    unpack_int4,
+)
+
+__all__ = ["PATHS", "TORCH_IMPLS", "QuantizedWeight", "fp8_as_float16", "linear_reference"]
+
+logger = logging.getLogger("keepwarm.kernels")
+
+_FAST_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Capabilities whose ATen int8/int4 weight-pack kernels are vectorized for bfloat16 (measured: AVX512, AVX2).
+_SIMD_CAPABILITIES = ("AVX2", "AVX512")
+# Above this many rows the int8 op loses to cast + matmul (AVX512: even at M=16; AVX2: before M=32).
+_INT8_OP_MAX_ROWS = 8
+# (scheme, path, device type, dtype) already logged: the path choice is logged once, not per call.
+_LOGGED: set[tuple[str, str, str, torch.dtype]] = set()
+
+
+class QuantizedWeight:
+    """A quantized [N, K] linear weight: `meta` plus its named part tensors (never written)."""
+
+    is_quantized_weight = True
+
+    def __init__(self, meta: QuantMeta, parts: Mapping[str, torch.Tensor]) -> None:
+        self.meta = meta
+        self.parts = dict(parts)
+
+    @classmethod
+    def from_parts(cls, meta: QuantMeta, parts: Mapping[str, torch.Tensor]) -> QuantizedWeight:
+        """Checks the parts against the layout in `meta` (names, dtypes, shapes) before wrapping them."""
+        want = layout_parts(meta, _act_dtype(parts))
+        got = {name: (t.dtype, tuple(t.shape)) for name, t in parts.items()}
+        if got != want:
+            raise QuantizationError(f"{meta.scheme}/{meta.layout}: parts {got} do not match layout {want}")
+        return cls(meta, parts)
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size(self.meta.shape)
+
+    @property
+    def device(self) -> torch.device:
+        return next(iter(self.parts.values())).device
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.parts.values())
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The dense [N, K] weight in `dtype`, computed in float32; works for every layout on any device."""
+        m, p = self.meta, self.parts
+        if m.scheme == "none":
+            return p["weight"].to(dtype)
+        if m.scheme == "int8":
+            w = p["qweight"].float().mul_(p["scales"].float()[:, None])
+        elif m.scheme == "fp8":
+            w = p["qweight"].float().mul_(p["scale"].float())
+        else:
+            n, k = m.shape
+            gs = m.group_size
+            assert gs is not None
+            if m.layout == LAYOUT_INT4_CANONICAL:
+                scales, zeros = p["scales"].float(), p["zeros"].float()
+            else:
+                sz = p["scales_and_zeros"].float()  # [K/gs, N, 2]
+                scales, zeros = sz[..., 0].t(), sz[..., 1].t()
+            w = unpack_int4(p["qweight"], m.layout, m.shape).float().view(n, k // gs, gs)
+            # In place: fresh multi-MB temporaries cost more than the arithmetic on a CPU.
+            w = w.sub_(8.0).mul_(scales[..., None]).add_(zeros[..., None]).view(n, k)
+        return w.to(dtype)
+
+    def __repr__(self) -> str:
+        return f"QuantizedWeight({self.meta.scheme}, layout={self.meta.layout}, shape={tuple(self.meta.shape)})"
+
+
+def _act_dtype(parts: Mapping[str, torch.Tensor]) -> torch.dtype:
+    for name in ("weight", "scales", "scales_and_zeros"):
+        if name in parts:
+            return parts[name].dtype
+    return torch.float32  # fp8: no part is in the activation dtype
+
+
+def fp8_as_float16(q: torch.Tensor) -> torch.Tensor:
+    """float8_e4m3fn codes re-read as float16, exactly q / 256 (NaN codes excepted; quantize never makes them)."""
+    # e4m3's exponent|mantissa bits shifted left 7 land on float16's low 4 exponent bits and top 3 mantissa bits:
+    # the same number with exponent bias 15 instead of 7, i.e. / 2^8; subnormals line up as well. The int8 sign
+    # extension puts the sign in bit 15 and a stray copy in bit 14, which is cleared.
+    return (q.view(torch.int8).to(torch.int16) << 7).bitwise_and_(~0x4000).view(torch.float16)
+
+
+# ---------------------------------------------------------------------------------------------- paths
+def _as_2d(x: torch.Tensor) -> torch.Tensor:
+    # torch's weight-pack ops take a contiguous 2-D A.
+    return x.reshape(-1, x.shape[-1]).contiguous()
+
+
+def _add_bias(y: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    if bias is not None:
+        y = y.add_(bias.to(y.dtype))
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def linear_reference(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Plain torch for every scheme and layout: dequantize to x's dtype, then F.linear."""
+    return F.linear(x, w.dequantize(x.dtype).to(x.device), bias)
+
+
+def _int8_op(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    scales = w.parts["scales"].to(x.dtype)  # the op wants x's dtype (a no-op when quantized for this dtype)
+    return _add_bias(torch._weight_int8pack_mm(_as_2d(x), w.parts["qweight"], scales), x, bias)
+
+
+def _int8_cast(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    q, scales = w.parts["qweight"].to(x.dtype), w.parts["scales"].to(x.dtype)  # int8 -> float is exact
+    if x.dtype == torch.float16:
+        # Scale the weight, not the output: x @ q^T can exceed float16's range before scaling.
+        return F.linear(x, q.mul_(scales[:, None]), bias)
+    return _add_bias(F.linear(x, q).mul_(scales), x, bias)
+
+
+def _int4_op(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    sz = w.parts["scales_and_zeros"].to(x.dtype)  # the op wants x's dtype
+    y = torch._weight_int4pack_mm_for_cpu(_as_2d(x), w.parts["qweight"], w.meta.group_size, sz)
+    return _add_bias(y, x, bias)
+
+
+def _fp8_bits(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    w16 = fp8_as_float16(w.parts["qweight"])
+    scale = w.parts["scale"].float() * 256.0  # undoes fp8_as_float16's / 256 (exact: a power of two)
+    if x.dtype == torch.float16:
+        # Scale x rather than the output: x @ (q/256)^T can exceed float16's range before scaling.
+        return F.linear(x * scale.to(x.dtype), w16, bias)
+    # Through float32: torch's float16 -> bfloat16 cast is 3x slower than float16 -> float32 -> bfloat16 here.
+    y = F.linear(x, w16.float().to(x.dtype))
+    # The scalar scale on the small [M, N] output, in float32 so a bfloat16 output is rounded only once more.
+    y = y.mul_(scale) if x.dtype == torch.float32 else y.float().mul_(scale).to(x.dtype)
+    return _add_bias(y, x, bias)
+
+
+# scheme -> path name (as logged) -> implementation; every path computes the same product as the reference.
+PATHS: dict[str, dict[str, Callable[..., torch.Tensor]]] = {
+    "int8": {"torch._weight_int8pack_mm": _int8_op, "int8->dtype cast + matmul, per-channel scale": _int8_cast},
+    "int4": {"torch._weight_int4pack_mm_for_cpu": _int4_op},
+    "fp8": {"fp8 bits->float16 + matmul, scalar scale": _fp8_bits},
+}
+_REFERENCE = "reference dequantize+matmul"
+
+
+@functools.cache
+def _simd() -> bool:
+    return torch.backends.cpu.get_cpu_capability() in _SIMD_CAPABILITIES
+
+
+def select_path(scheme: str, x: torch.Tensor, w: QuantizedWeight) -> str:
+    """The path name the torch backend takes for this input (see the module docstring for the measurements)."""
+    if scheme == "none" or x.device.type != "cpu" or w.device.type != "cpu" or x.dtype not in _FAST_DTYPES:
+        return _REFERENCE
+    rows = x.numel() // max(x.shape[-1], 1)
+    vectorized = x.dtype == torch.bfloat16 and _simd()
+    if scheme == "int8":
+        use_op = vectorized and rows <= _INT8_OP_MAX_ROWS
+        return "torch._weight_int8pack_mm" if use_op else "int8->dtype cast + matmul, per-channel scale"
+    if scheme == "int4":
+        # The packed order is per CPU capability: only a weight packed as this process packs can use the op.
+        use_op = vectorized and w.meta.layout == cpu_int4_layout()
+        return "torch._weight_int4pack_mm_for_cpu" if use_op else _REFERENCE
+    return "fp8 bits->float16 + matmul, scalar scale"
+
+
+def _run(scheme: str, x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    path = select_path(scheme, x, w)
+    key = (scheme, path, x.device.type, x.dtype)
+    if key not in _LOGGED:
+        _LOGGED.add(key)
+        logger.info("linear %s: %s (%s, %s)", scheme, path, x.device.type, str(x.dtype).removeprefix("torch."))
+    if path == _REFERENCE:
+        return linear_reference(x, w, bias)
+    return PATHS[scheme][path](x, w, bias)
+
+
+def _torch_impl(scheme: str) -> Callable[..., torch.Tensor]:
+    def linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return _run(scheme, x, w, bias)
+
+    linear.__name__ = linear.__qualname__ = f"linear_{scheme}"
+    return linear
+
+
+# scheme -> the "torch" backend of kernel f"linear_{scheme}" (registered by keepwarm.kernels).
+TORCH_IMPLS: dict[str, Callable[..., torch.Tensor]] = {s: _torch_impl(s) for s in ("none", "int8", "fp8", "int4")}

@@ -1,0 +1,388 @@
+"""Weight-only quantization: layouts, round-trip error bounds, every matmul path vs the reference, dispatch.
+
+Tolerances for path == reference are relative to mag = max over outputs of sum_k |x_mk| |W_nk| (the size of the
+dot products, so cancellation does not make them meaningless): float32 1e-6 (accumulation order only), float16
+2^-9 and bfloat16 2^-7 (the reference rounds every weight to x's dtype, a path may round the output instead).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from keepwarm import kernels
+from keepwarm.daemon.quantize import (
+    SCHEMES,
+    QuantizationError,
+    QuantMeta,
+    cpu_int4_layout,
+    is_quantized_target,
+    quantize,
+    quantized_layout,
+    unpack_int4,
+    validate_scheme,
+)
+from keepwarm.kernels import quant
+from keepwarm.kernels.quant import PATHS, QuantizedWeight, fp8_as_float16, linear_reference
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+TOL = {torch.float32: 1e-6, torch.float16: 2.0**-9, torch.bfloat16: 2.0**-7}
+# (N, K): N a multiple of 64 and not (48: one short CPU block; 80: a full and a short one); K picks group 128/64/32.
+SHAPES = [(64, 256), (48, 192), (80, 96)]
+
+
+@pytest.fixture(autouse=True)
+def _default_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(kernels.ENV_VAR, raising=False)
+
+
+def _weight(n: int, k: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * 0.05
+    w[0] = 0.0  # an all-zero row / group: the zero-amax guards
+    w[1] = 0.3  # constant groups
+    return w
+
+
+def _close(y: torch.Tensor, ref: torch.Tensor, x: torch.Tensor, w: torch.Tensor, dtype: torch.dtype) -> None:
+    mag = float((x.float().abs().reshape(-1, x.shape[-1]) @ w.float().abs().T).max())
+    err = float((y.float() - ref.float()).abs().max())
+    assert err <= TOL[dtype] * mag, f"max error {err:.3g} > {TOL[dtype]:.3g} * {mag:.3g}"
+
+
+# ---------------------------------------------------------------------------------------------- API basics
+def test_unknown_scheme() -> None:
+    with pytest.raises(QuantizationError, match=r"^unknown quantization 'int3' \(choose none, int8, fp8 or int4\)$"):
+        validate_scheme("int3")
+    with pytest.raises(QuantizationError, match="unknown quantization"):
+        quantize(torch.zeros(16, 64), "int3", torch.float32)
+    with pytest.raises(QuantizationError, match="unknown quantization"):
+        quantized_layout((16, 64), "int3", torch.float32)
+    assert all(validate_scheme(s) == s for s in SCHEMES)
+
+
+@pytest.mark.parametrize(("name", "expected"), [
+    ("model.layers.0.self_attn.qkv_proj.weight", True),
+    ("model.layers.11.self_attn.o_proj.weight", True),
+    ("model.layers.3.mlp.gate_up_proj.weight", True),
+    ("model.layers.3.mlp.down_proj.weight", True),
+    ("model.layers.0.self_attn.qkv_proj.bias", False),
+    ("model.layers.0.mlp.down_proj.bias", False),
+    ("model.embed_tokens.weight", False),
+    ("lm_head.weight", False),
+    ("model.norm.weight", False),
+    ("model.layers.0.input_layernorm.weight", False),
+    ("model.layers.0.post_attention_layernorm.weight", False),
+    ("model.layers.0.self_attn.q_proj.weight", False),  # unfused names never reach the quantizer
+    ("model.layers.0.mlp.down_proj.weight_scale", False),
+])
+def test_is_quantized_target(name: str, expected: bool) -> None:
+    assert is_quantized_target(name) is expected
+
+
+@pytest.mark.parametrize("device_type", ["cpu", "cuda"])
+@pytest.mark.parametrize("act", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_layout_matches_quantize(scheme: str, act: torch.dtype, device_type: str) -> None:
+    for n, k in SHAPES:
+        layout = quantized_layout((n, k), scheme, act, device_type)
+        meta, parts = quantize(_weight(n, k), scheme, act, device_type)
+        assert {name: (t.dtype, tuple(t.shape)) for name, t in parts.items()} == layout
+        assert all(t.is_contiguous() for t in parts.values())
+        assert QuantMeta.from_dict(json.loads(json.dumps(meta.to_dict()))) == meta
+        qw = QuantizedWeight.from_parts(meta, parts)
+        assert qw.shape == (n, k) and qw.nbytes == sum(t.nbytes for t in parts.values())
+
+
+def test_layouts_exact() -> None:
+    bf = torch.bfloat16
+    assert quantized_layout((1536, 576), "int8", bf) == {"qweight": (torch.int8, (1536, 576)), "scales": (bf, (1536,))}
+    assert quantized_layout((1536, 576), "fp8", bf) == {"qweight": (torch.float8_e4m3fn, (1536, 576)),
+                                                        "scale": (torch.float32, (1,))}
+    # K = 576 is not a multiple of 128: group size 64.
+    assert quantized_layout((1536, 576), "int4", bf, "cuda") == {
+        "qweight": (torch.uint8, (1536, 288)), "scales": (bf, (1536, 9)), "zeros": (bf, (1536, 9))}
+    if cpu_int4_layout() is not None:
+        assert quantized_layout((1536, 576), "int4", bf) == {"qweight": (torch.uint8, (1536, 288)),
+                                                            "scales_and_zeros": (bf, (9, 1536, 2))}
+
+
+def test_int4_group_size_fallback_and_errors() -> None:
+    assert quantize(_weight(16, 256), "int4", torch.float32)[0].group_size == 128
+    assert quantize(_weight(16, 192), "int4", torch.float32)[0].group_size == 64
+    assert quantize(_weight(16, 96), "int4", torch.float32)[0].group_size == 32
+    with pytest.raises(QuantizationError, match=r"int4 needs K divisible by 128, 64 or 32; got K=100"):
+        quantize(_weight(16, 100), "int4", torch.float32)
+    with pytest.raises(QuantizationError, match="group size must be one of"):
+        quantized_layout((16, 256), "int4", torch.float32, group_size=16)
+    if cpu_int4_layout() is not None:
+        # torch's CPU pack needs N % 16 == 0: refused at quantize / layout time, not at the first matmul.
+        with pytest.raises(QuantizationError, match=r"int4 on cpu needs N .* divisible by 16; got N=24"):
+            quantized_layout((24, 128), "int4", torch.bfloat16)
+        with pytest.raises(QuantizationError, match="got N=24"):
+            quantize(_weight(24, 128), "int4", torch.bfloat16)
+    assert quantize(_weight(24, 128), "int4", torch.bfloat16, "cuda")[0].layout == "int4_canonical"
+    assert quantize(_weight(24, 128), "int8", torch.bfloat16)[0].shape == (24, 128)
+
+
+def test_bad_inputs() -> None:
+    with pytest.raises(QuantizationError, match="2-D weight"):
+        quantize(torch.zeros(2, 16, 64), "int8", torch.float32)
+    with pytest.raises(QuantizationError, match="non-finite"):
+        quantize(torch.full((16, 64), float("inf")), "fp8", torch.float32)
+    with pytest.raises(QuantizationError, match="activation dtype"):
+        quantized_layout((16, 64), "int8", torch.int32)
+    with pytest.raises(QuantizationError, match="bad quantization metadata"):
+        QuantMeta.from_dict({"scheme": "int8", "layout": "int8_channel"})
+    with pytest.raises(QuantizationError, match="layout"):
+        QuantMeta.from_dict({"scheme": "int8", "layout": "fp8_tensor", "group_size": None, "shape": [4, 4]})
+    with pytest.raises(QuantizationError, match="unknown layout 'int8_channel' for scheme 'int4'"):
+        QuantMeta.from_dict({"scheme": "int4", "layout": "int8_channel", "group_size": 32, "shape": [4, 64]})
+    with pytest.raises(QuantizationError, match="group size 48 does not divide K=64"):
+        QuantMeta.from_dict({"scheme": "int4", "layout": "int4_canonical", "group_size": 48, "shape": [4, 64]})
+    meta, parts = quantize(_weight(16, 64), "int8", torch.float32)
+    with pytest.raises(QuantizationError, match="do not match layout"):
+        QuantizedWeight.from_parts(meta, {**parts, "scales": parts["scales"][:8]})
+
+
+# ---------------------------------------------------------------------------------------------- error bounds
+@pytest.mark.parametrize("act", [torch.float32, torch.bfloat16])
+def test_int8_error_bound(act: torch.dtype) -> None:
+    w = _weight(64, 256)
+    meta, parts = quantize(w, "int8", act)
+    scales = parts["scales"].float()
+    err = (QuantizedWeight(meta, parts).dequantize() - w).abs().amax(dim=1)
+    # Half a step per channel (the stored scale is rounded up, so nothing clips); float32 rounding on top.
+    assert bool((err <= scales / 2 * (1 + 1e-5)).all())
+    assert float(err[0]) == 0.0  # all-zero row
+
+
+@pytest.mark.parametrize("device_type", ["cpu", "cuda"])
+@pytest.mark.parametrize("act", [torch.float32, torch.bfloat16])
+def test_int4_error_bound(act: torch.dtype, device_type: str) -> None:
+    w = _weight(64, 256)
+    w[2, 128:] += 4.0  # a group far from zero: its zero point is large, so its rounding matters
+    meta, parts = quantize(w, "int4", act, device_type)
+    qw = QuantizedWeight(meta, parts)
+    gs = meta.group_size
+    if "scales" in parts:
+        scales, zeros = parts["scales"].float(), parts["zeros"].float()
+    else:
+        scales, zeros = parts["scales_and_zeros"][..., 0].float().t(), parts["scales_and_zeros"][..., 1].float().t()
+    err = (qw.dequantize() - w).abs().view(64, -1, gs).amax(dim=-1)
+    # Half a step per group, plus what rounding the stored zero point to act can shift the grid by.
+    half_ulp = torch.finfo(act).eps / 2
+    bound = scales / 2 + zeros.abs() * half_ulp + 1e-6 * w.abs().view(64, -1, gs).amax(dim=-1)
+    assert bool((err <= bound).all()), float((err - bound).max())
+    assert float(err[0].max()) == 0.0 and float(err[1, 0]) <= 0.3 * half_ulp  # zero row; constant group
+
+
+def test_fp8_error_bound() -> None:
+    w = _weight(64, 256)
+    w[3, :4] = torch.tensor([1e-7, -1e-7, 3e-6, 0.2])  # subnormal codes
+    meta, parts = quantize(w, "fp8", torch.bfloat16)
+    scale = float(parts["scale"])
+    assert scale == pytest.approx(float(w.abs().max()) / 448)
+    err = (QuantizedWeight(meta, parts).dequantize() - w).abs()
+    # e4m3: 3 mantissa bits, relative error <= 2^-4; subnormal steps are 2^-9 * scale.
+    assert bool((err <= w.abs() * 2.0**-4 + 2.0**-10 * scale + 1e-7 * scale).all())
+    assert float(QuantizedWeight(*quantize(torch.zeros(8, 32), "fp8", torch.float32)).dequantize().abs().max()) == 0
+
+
+def test_fp8_as_float16_every_code() -> None:
+    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8).view(torch.float8_e4m3fn)
+    assert torch.equal(fp8_as_float16(codes).float() * 256, codes.float())
+
+
+# ---------------------------------------------------------------------------------------------- paths vs reference
+def _cases() -> list[tuple[str, str]]:
+    return [(scheme, path) for scheme, paths in PATHS.items() for path in paths]
+
+
+@pytest.mark.parametrize(("scheme", "path"), _cases())
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_path_matches_reference(scheme: str, path: str, dtype: torch.dtype) -> None:
+    if scheme == "int4" and cpu_int4_layout() is None:
+        pytest.skip("this torch has no recognised CPU int4 pack")
+    g = torch.Generator().manual_seed(1)
+    for i, (n, k) in enumerate(SHAPES):
+        qw = QuantizedWeight.from_parts(*quantize(_weight(n, k, seed=i), scheme, dtype))
+        w = qw.dequantize(dtype)
+        for rows in ((1,), (33,), (2, 3)):
+            x = torch.randn(*rows, k, generator=g).to(dtype)
+            bias = torch.randn(n, generator=g).to(dtype) if rows == (2, 3) else None
+            y = PATHS[scheme][path](x, qw, bias)
+            ref = linear_reference(x, qw, bias)
+            assert y.dtype == dtype and y.shape == (*rows, n)
+            _close(y, ref, x, w, dtype)
+    # The reference itself is F.linear of the dequantized weight.
+    assert torch.equal(linear_reference(x, qw, bias), F.linear(x, w, bias))
+
+
+def test_canonical_int4_runs_reference_on_cpu() -> None:
+    # device_type="cuda" gives the canonical int4 layout (int8 and fp8 have one layout everywhere).
+    qw = QuantizedWeight.from_parts(*quantize(_weight(24, 128), "int4", torch.float32, "cuda"))
+    assert qw.meta.layout == "int4_canonical"
+    x = torch.randn(5, 128)
+    assert quant.select_path("int4", x, qw) == "reference dequantize+matmul"
+    assert torch.equal(kernels.linear(x, qw), linear_reference(x, qw))
+
+
+# ---------------------------------------------------------------------------------------------- dispatch
+def test_select_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    if cpu_int4_layout() is None:
+        pytest.skip("this torch has no recognised CPU int4 pack")
+    qws = {s: QuantizedWeight.from_parts(*quantize(_weight(64, 256), s, torch.bfloat16)) for s in ("int8", "int4")}
+    bf1, bf33, f1, f33 = (torch.zeros(m, 256, dtype=d) for d in (torch.bfloat16, torch.float32) for m in (1, 33))
+    monkeypatch.setattr(quant, "_simd", lambda: True)
+    assert quant.select_path("int8", bf1, qws["int8"]) == "torch._weight_int8pack_mm"
+    assert quant.select_path("int8", bf33, qws["int8"]).startswith("int8->dtype cast")
+    assert quant.select_path("int8", f1, qws["int8"]).startswith("int8->dtype cast")
+    assert quant.select_path("int4", bf33, qws["int4"]) == "torch._weight_int4pack_mm_for_cpu"
+    assert quant.select_path("int4", bf1, qws["int4"]) == "torch._weight_int4pack_mm_for_cpu"
+    assert quant.select_path("int4", f1, qws["int4"]) == "reference dequantize+matmul"
+    assert quant.select_path("int4", f33, qws["int4"]) == "reference dequantize+matmul"
+    monkeypatch.setattr(quant, "_simd", lambda: False)
+    assert quant.select_path("int8", bf1, qws["int8"]).startswith("int8->dtype cast")
+    assert quant.select_path("int4", bf33, qws["int4"]) == "reference dequantize+matmul"
+
+
+def test_kernels_linear_dispatch(caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(quant, "_LOGGED", set())
+    caplog.set_level(logging.INFO, logger="keepwarm.kernels")
+    w = _weight(48, 192)
+    x = torch.randn(3, 192, dtype=torch.bfloat16)
+    for scheme in SCHEMES:
+        qw = QuantizedWeight.from_parts(*quantize(w, scheme, torch.bfloat16))
+        y = kernels.linear(x, qw)
+        assert torch.equal(y, kernels.linear(x, qw))
+        _close(y, linear_reference(x, qw), x, w, torch.bfloat16)
+    msgs = [r.getMessage() for r in caplog.records if r.getMessage().startswith("linear ")]
+    assert len(msgs) == len(set(msgs)) == 4, msgs  # once per scheme, not per call
+    assert any(m.startswith("linear none: reference") for m in msgs)
+    assert kernels.QuantizedWeight is QuantizedWeight
+
+
+def test_kernels_linear_plain_tensor() -> None:
+    w, b, x = torch.randn(40, 24), torch.randn(40), torch.randn(7, 24)
+    assert torch.equal(kernels.linear(x, w, b), F.linear(x, w, b))
+    assert torch.equal(kernels.linear(x, w), F.linear(x, w))
+
+
+def test_read_only_parts() -> None:
+    # The daemon's arena is shared memory mapped read-only: parts are views that must never be written.
+    w = _weight(80, 192)
+    x = torch.randn(5, 192, dtype=torch.bfloat16)
+    for scheme in ("int8", "fp8", "int4"):
+        meta, parts = quantize(w, scheme, torch.bfloat16)
+        ro, blobs = {}, {}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # "The given buffer is not writable"
+            for name, t in parts.items():
+                blobs[name] = bytes(t.view(-1).view(torch.uint8).numpy())
+                ro[name] = torch.frombuffer(blobs[name], dtype=t.dtype).view(t.shape)
+        saved = {name: bytes(bytearray(b)) for name, b in blobs.items()}
+        qw = QuantizedWeight.from_parts(meta, ro)
+        expected = PATHS[scheme]
+        for fn in (*expected.values(), linear_reference):
+            for xx in (x, x[:1], x.float()):
+                fn(xx, qw, None)
+        assert torch.equal(kernels.linear(x, qw), kernels.linear(x, QuantizedWeight(meta, parts)))
+        assert blobs == saved
+
+
+# ---------------------------------------------------------------------------------------------- int4 CPU packing
+def _pack(codes: torch.Tensor, layout: str) -> torch.Tensor:
+    """The inverse of unpack_int4 written from torch's weight_to_int4pack_kernel description."""
+    n, k = codes.shape
+    if layout == "int4_canonical":
+        return codes[:, 0::2] | (codes[:, 1::2] << 4)
+    mode, block = layout.removeprefix("int4_cpu_")[:-2], int(layout[-2:])
+    out = []
+    for start in range(0, n, block):
+        blk = codes[start:start + block].t()  # [K, rows]
+        rows = blk.shape[1]
+        if mode == "halves" and rows == block:
+            out.append(blk[:, : block // 2] | (blk[:, block // 2:] << 4))
+        else:
+            out.append(blk[:, 0::2] | (blk[:, 1::2] << 4))
+    return torch.cat([o.reshape(-1) for o in out]).view(n, k // 2)
+
+
+@pytest.mark.parametrize("layout", ["int4_canonical"] + [f"int4_cpu_{m}{b}" for m in ("halves", "pairs")
+                                                            for b in (16, 32, 64)])
+def test_unpack_int4_layouts(layout: str) -> None:
+    codes = torch.randint(0, 16, (80, 64), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(unpack_int4(_pack(codes, layout), layout, (80, 64)), codes)
+
+
+def test_foreign_cpu_int4_layout_uses_reference() -> None:
+    # An arena packed by a process with another CPU capability (e.g. an imported snapshot): still correct.
+    here = cpu_int4_layout()
+    layout = "int4_cpu_pairs16" if here != "int4_cpu_pairs16" else "int4_cpu_halves64"
+    meta, parts = quantize(_weight(80, 192), "int4", torch.bfloat16, "cuda")
+    codes = unpack_int4(parts["qweight"], meta.layout, meta.shape)
+    sz = torch.stack((parts["scales"].t(), parts["zeros"].t()), dim=-1)
+    foreign = QuantizedWeight.from_parts(QuantMeta("int4", layout, meta.group_size, meta.shape),
+                                         {"qweight": _pack(codes, layout), "scales_and_zeros": sz})
+    x = torch.randn(2, 192, dtype=torch.bfloat16)
+    assert quant.select_path("int4", x, foreign) == "reference dequantize+matmul"
+    assert torch.equal(foreign.dequantize(), QuantizedWeight(meta, parts).dequantize())
+    assert torch.equal(kernels.linear(x, foreign), linear_reference(x, QuantizedWeight(meta, parts)))
+
+
+def test_cpu_int4_layout_matches_op() -> None:
+    layout = cpu_int4_layout()
+    if layout is None:
+        pytest.skip("this torch has no recognised CPU int4 pack")
+    codes = torch.randint(0, 16, (208, 64), dtype=torch.int32, generator=torch.Generator().manual_seed(3))
+    packed = torch._convert_weight_to_int4pack_for_cpu(codes, 2)
+    assert torch.equal(unpack_int4(packed, layout, (208, 64)).int(), codes)
+
+
+_CAPABILITY_SCRIPT = """
+import torch
+from keepwarm.daemon.quantize import cpu_int4_layout, quantize
+from keepwarm.kernels.quant import PATHS, QuantizedWeight, linear_reference
+torch.set_num_threads(1)
+w = torch.randn(80, 128)
+qw = QuantizedWeight.from_parts(*quantize(w, "int4", torch.float32))
+x = torch.randn(3, 128)
+d = (PATHS["int4"]["torch._weight_int4pack_mm_for_cpu"](x, qw, None) - linear_reference(x, qw)).abs().max()
+print(cpu_int4_layout(), float(d) < 1e-4)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("capability", "layout"), [("default", "int4_cpu_pairs32"), ("avx2", "int4_cpu_halves32")])
+def test_cpu_int4_layout_per_capability(capability: str, layout: str) -> None:
+    if not sys.platform.startswith("linux") or os.uname().machine != "x86_64":
+        pytest.skip("x86-64 capabilities")
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": capability, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-c", _CAPABILITY_SCRIPT], env=env, capture_output=True, text=True,
+                         timeout=120, check=True).stdout.split()
+    assert out == [layout, "True"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_cuda_quantize_and_reference(scheme: str) -> None:
+    w = _weight(80, 192)
+    meta, parts = quantize(w.cuda(), scheme, torch.bfloat16, "cuda")
+    assert all(t.is_cuda for t in parts.values())
+    assert {n: (t.dtype, tuple(t.shape)) for n, t in parts.items()} == quantized_layout((80, 192), scheme,
+                                                                                       torch.bfloat16, "cuda")
+    qw = QuantizedWeight.from_parts(meta, parts)
+    on_cpu = QuantizedWeight.from_parts(*quantize(w, scheme, torch.bfloat16, "cuda"))
+    torch.testing.assert_close(qw.dequantize().cpu(), on_cpu.dequantize(), rtol=0, atol=1e-6)
+    x = torch.randn(33, 192, dtype=torch.bfloat16, device="cuda")
+    assert quant.select_path(scheme, x, qw) == "reference dequantize+matmul"
+    _close(kernels.linear(x, qw).cpu(), linear_reference(x.cpu(), on_cpu), x.cpu(), on_cpu.dequantize(), torch.bfloat16)

@@ -1,0 +1,122 @@
+"""The worker side of the daemon: attach to a resident arena, view its tensors (no copy), keep the lease alive."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from keepwarm.daemon.arena import ArenaManifest, CpuArenaFile, CudaArena, model_tensors
+from keepwarm.daemon.client import DaemonClient, DaemonError, ProgressCallback
+
+log = logging.getLogger("keepwarm.worker")
+
+
+@dataclass
+class Attachment:
+    """Weights viewed in place in the daemon's arena, held under a lease that a background thread renews."""
+
+    manifest: ArenaManifest
+    tensors: dict[str, Any]
+    lease_id: str
+    origin: str  # how the daemon got the arena: "preload", "adopted" or "image"
+    seconds: float  # request sent -> tensors viewable
+    cached: bool  # the model was already resident
+    storage: CpuArenaFile | torch.Tensor = field(repr=False)
+    keeper: LeaseKeeper | None = field(default=None, repr=False)
+
+    @property
+    def fingerprint(self) -> str:
+        return self.manifest.fingerprint
+
+    def close(self) -> None:
+        if self.keeper is not None:
+            self.keeper.stop(detach=True)
+            self.keeper = None
+
+
+def attach_weights(model: str, quantization: str = "none", dtype: str = "auto", fingerprint: str | None = None,
+                   runtime_dir: Path | None = None, preload: bool = True, on_event: ProgressCallback | None = None,
+                   keep_lease: bool = True) -> Attachment:
+    """Ask the daemon for ``model`` (preloading it if needed) and build views into its arena."""
+    t0 = time.perf_counter()
+    with DaemonClient(runtime_dir) as client:
+        reply = client.attach(model, quantization, dtype, fingerprint, preload=preload, on_event=on_event)
+    manifest = ArenaManifest.from_json(reply["manifest"])
+    arena = reply["arena"]
+    storage: CpuArenaFile | torch.Tensor
+    if arena["kind"] == "cpu":
+        storage = CpuArenaFile.open_readonly(Path(arena["path"]), arena["size"])
+        flat = storage.flat
+    else:
+        flat = storage = CudaArena.import_handle(arena)
+    tensors = model_tensors(manifest, flat)
+    seconds = time.perf_counter() - t0
+    att = Attachment(manifest, tensors, reply["lease_id"], reply.get("origin", "?"), seconds,
+                     cached="progress" not in str(reply), storage=storage)
+    if keep_lease:
+        att.keeper = LeaseKeeper(att, runtime_dir, float(reply.get("lease_ttl", 15.0)), quantization, dtype)
+        att.keeper.start()
+    log.info("attached %s from the daemon (lease %s, fingerprint %s, %.1f MB) in %.3fs", manifest.model_name,
+             att.lease_id, manifest.fingerprint[:16], manifest.total_bytes / 1e6, seconds)
+    return att
+
+
+class LeaseKeeper(threading.Thread):
+    """Renews the lease every ``ttl / 3`` seconds. When the daemon answers ``unknown_lease`` (it restarted, or
+    dropped us), it attaches again by fingerprint to get a new lease: the weights we view stay valid either way,
+    since a CPU arena file outlives its mapping's creator."""
+
+    def __init__(self, att: Attachment, runtime_dir: Path | None, ttl: float, quantization: str, dtype: str) -> None:
+        super().__init__(name="keepwarm-lease", daemon=True)
+        self.att = att
+        self.runtime_dir = runtime_dir
+        self.interval = max(0.2, ttl / 3)
+        self.quantization = quantization
+        self.dtype = dtype
+        self._stopped = threading.Event()
+        self.renewals = 0
+        self.reattaches = 0
+
+    def run(self) -> None:
+        client = DaemonClient(self.runtime_dir, timeout=max(1.0, self.interval))
+        try:
+            while not self._stopped.wait(self.interval):
+                try:
+                    client.heartbeat(self.att.lease_id)
+                    self.renewals += 1
+                except DaemonError as e:
+                    if e.code == "unknown_lease":
+                        self._reattach(client)
+                    else:
+                        log.warning("lease %s: cannot renew: %s", self.att.lease_id, e.message)
+        finally:
+            client.close()
+
+    def _reattach(self, client: DaemonClient) -> None:
+        try:
+            reply = client.attach(self.att.manifest.model, self.quantization, self.dtype,
+                                  fingerprint=self.att.fingerprint, preload=False)
+        except DaemonError as e:
+            log.warning("lease %s lost and re-attach failed (%s); the weights stay mapped", self.att.lease_id,
+                        e.message)
+            return
+        log.info("lease %s lost (daemon restarted?); re-attached with lease %s", self.att.lease_id,
+                 reply["lease_id"])
+        self.att.lease_id = reply["lease_id"]
+        self.reattaches += 1
+
+    def stop(self, detach: bool = True) -> None:
+        self._stopped.set()
+        self.join(timeout=5)
+        if detach:
+            try:
+                with DaemonClient(self.runtime_dir, timeout=2.0) as client:
+                    client.detach(self.att.lease_id)
+            except DaemonError as e:
+                log.info("detach of lease %s: %s", self.att.lease_id, e.message)
