@@ -6,6 +6,7 @@ import json
 import os
 import platform
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -165,3 +166,171 @@ def throughput(
 
 if __name__ == "__main__":
     bench_app()
+
+
+# -- quality: perplexity per quantization scheme -----------------------------------------------------------------
+@bench_app.command()
+def quality(
+    model: Annotated[str | None, typer.Option(help="Model directory (default: bundled SmolLM2).")] = None,
+    schemes: Annotated[str, typer.Option(help="Quantization schemes, comma-separated.")] = "none,int8,fp8,int4",
+    dtype: Annotated[str, typer.Option()] = "bfloat16",
+    threads: Annotated[int, typer.Option()] = 2,
+    json_out: Annotated[Path | None, typer.Option("--json")] = None,
+) -> None:
+    """Perplexity on a fixed held-out text for each weight quantization scheme (and an fp8 KV cache), plus how
+    often greedy output agrees with the unquantized model."""
+    import math
+
+    import torch
+
+    from keepwarm import LLM, SamplingParams
+    from keepwarm.cli.heldout import HELDOUT_TEXT
+
+    torch.set_num_threads(threads)
+    variants = [(s, "auto") for s in schemes.split(",")] + [("none", "fp8")]
+    rows = []
+    reference_tokens: list[list[int]] | None = None
+    typer.echo(f"# machine: {machine_line()}")
+    for scheme, kv in variants:
+        llm = LLM(model=model, dtype=dtype, quantization=scheme, kv_cache_dtype=kv, daemon=False,
+                  max_model_len=2048)
+        tok = llm.get_tokenizer()
+        ids = tok.encode(HELDOUT_TEXT)
+        out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
+        lps = [x.logprob for x in out.prompt_logprobs[1:]]
+        ppl = math.exp(-sum(lps) / len(lps))
+        prompts = bench_prompts(tok, 8)
+        greedy = [o.outputs[0].token_ids for o in llm.generate(
+            [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))]
+        if reference_tokens is None:
+            reference_tokens = greedy
+        agree = sum(a == b for x, y in zip(greedy, reference_tokens, strict=True) for a, b in zip(x, y, strict=True))
+        prefix = [next((i for i, (a, b) in enumerate(zip(x, y, strict=True)) if a != b), len(x))
+                  for x, y in zip(greedy, reference_tokens, strict=True)]
+        row = {"quantization": scheme, "kv_cache_dtype": kv, "tokens": len(lps), "perplexity": ppl,
+               "weight_bytes": llm.llm_engine.loaded.nbytes,
+               "greedy_token_agreement": agree / sum(map(len, greedy)),
+               "greedy_identical_prefix_mean": sum(prefix) / len(prefix)}
+        rows.append(row)
+        typer.echo(f"{scheme:5s} kv={kv:4s} ppl {ppl:8.3f}  weights {row['weight_bytes'] / 1e6:7.1f} MB  "
+                   f"greedy agreement {row['greedy_token_agreement']:.1%}  "
+                   f"identical prefix {row['greedy_identical_prefix_mean']:.1f}/64")
+        del llm
+    if json_out:
+        json_out.write_text(json.dumps({"machine": machine_line(), "dtype": dtype, "rows": rows}, indent=2) + "\n")
+
+
+# -- attach: cold load vs daemon preload vs warm attach ------------------------------------------------------------
+_ENGINE_PROBE = """
+import json, sys, time
+t0 = time.perf_counter()
+import torch
+torch.set_num_threads({threads})
+from keepwarm import LLM
+t1 = time.perf_counter()
+llm = LLM(model={model!r}, dtype={dtype!r}, daemon={daemon!r}, max_model_len=512, num_gpu_blocks=64)
+t2 = time.perf_counter()
+loaded = llm.llm_engine.loaded
+att = loaded.attachment
+print(json.dumps({{"import_s": t1 - t0, "engine_s": t2 - t1, "load_s": loaded.seconds, "source": loaded.source,
+                  "attach_s": att.seconds if att else None, "bytes": loaded.nbytes}}))
+llm.close()
+"""
+
+
+def drop_page_cache(files: list[Path]) -> str:
+    """Evict the files from the page cache (posix_fadvise DONTNEED: no root needed for clean pages)."""
+    os.sync()
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return "dropped (drop_caches)"
+    except OSError:
+        pass
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    return "evicted (posix_fadvise DONTNEED)"
+
+
+def _probe(model: str, dtype: str, daemon: bool, env: dict[str, str], threads: int) -> dict:
+    code = _ENGINE_PROBE.format(model=model, dtype=dtype, daemon=daemon, threads=threads)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=1800)
+    if out.returncode != 0:
+        raise RuntimeError(f"probe failed: {out.stderr.strip().splitlines()[-1:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@bench_app.command()
+def attach(
+    models: Annotated[str, typer.Option(help="Comma-separated: 'smollm2', '1b', '8b' or model directories.")
+                      ] = "smollm2,1b",
+    dtype: Annotated[str, typer.Option()] = "bfloat16",
+    repeats: Annotated[int, typer.Option(help="Worker attaches per model (the median is reported).")] = 3,
+    threads: Annotated[int, typer.Option()] = 2,
+    json_out: Annotated[Path | None, typer.Option("--json")] = None,
+) -> None:
+    """Per model: raw read of the files (cat > /dev/null), cold load into the engine, daemon preload (time, GB/s),
+    and worker attach time. Page cache is dropped before each cold measurement (or evicted per file)."""
+    import statistics
+
+    from keepwarm.daemon.checkpoint import Checkpoint
+    from keepwarm.daemon.client import start_daemon
+    from keepwarm.worker.default_model import default_model, keepwarm_home
+    from keepwarm.worker.models.random_model import LARGE_PRESETS, make_large_random_model
+
+    typer.echo(f"# machine: {machine_line()}")
+    rows = []
+    for spec in models.split(","):
+        if spec == "smollm2":
+            path = default_model()
+        elif spec in LARGE_PRESETS:
+            typer.echo(f"(generating a random {spec} Llama once under {keepwarm_home() / 'bench-models'})")
+            path = make_large_random_model(keepwarm_home() / "bench-models" / f"random-llama-{spec}", spec, dtype)
+        else:
+            path = Path(spec)
+        ckpt = Checkpoint(path)
+        files = ckpt.files
+        nbytes = sum(f.stat().st_size for f in files)
+        params = ckpt.config.num_parameters()
+        cache_note = drop_page_cache(files)
+        t = time.perf_counter()
+        subprocess.run(["cat", *map(str, files)], stdout=subprocess.DEVNULL, check=True)
+        raw_s = time.perf_counter() - t
+        drop_page_cache(files)
+        rt = Path(tempfile.mkdtemp(prefix="kwb-", dir="/tmp"))
+        env = {**os.environ, "KEEPWARM_RUNTIME_DIR": str(rt), "OMP_NUM_THREADS": str(threads)}
+        cold = _probe(str(path), dtype, False, env, threads)
+        warm_disk = _probe(str(path), dtype, False, env, threads)  # page cache now warm
+        client = start_daemon(rt)
+        try:
+            drop_page_cache(files)
+            t = time.perf_counter()
+            reply = client.preload(str(path), "none", dtype)
+            preload_s = time.perf_counter() - t
+            attaches = [_probe(str(path), dtype, True, env, threads) for _ in range(repeats)]
+            assert all(a["source"] == "daemon" for a in attaches)
+            status = client.status()
+        finally:
+            client.shutdown()
+            client.close()
+        att_s = statistics.median(a["attach_s"] for a in attaches)
+        att_load = statistics.median(a["load_s"] for a in attaches)
+        row = {"model": path.name, "params": params, "checkpoint_bytes": nbytes, "arena_bytes": reply["bytes"],
+               "page_cache": cache_note, "raw_read_s": raw_s, "raw_read_gbps": nbytes / raw_s / 1e9,
+               "cold_disk_load_s": cold["load_s"], "warm_disk_load_s": warm_disk["load_s"],
+               "preload_s": preload_s, "preload_gbps": nbytes / preload_s / 1e9,
+               "attach_s": att_s, "attach_and_build_s": att_load, "attaches": attaches,
+               "daemon_preloads": status["counters"]["preloads"], "import_s": cold["import_s"]}
+        rows.append(row)
+        typer.echo(f"{path.name}: {params / 1e9:.2f}B params, {nbytes / 1e9:.2f} GB on disk; page cache {cache_note}")
+        typer.echo(f"  raw read (cat > /dev/null)         {raw_s:7.2f} s  {row['raw_read_gbps']:6.2f} GB/s")
+        typer.echo(f"  cold load from disk into engine    {cold['load_s']:7.2f} s  (page cache warm: "
+                   f"{warm_disk['load_s']:.2f} s)")
+        typer.echo(f"  daemon preload                     {preload_s:7.2f} s  {row['preload_gbps']:6.2f} GB/s")
+        typer.echo(f"  worker attach (median of {repeats})       {att_s * 1e3:7.1f} ms  (attach + model build "
+                   f"{att_load * 1e3:.1f} ms)")
+    if json_out:
+        json_out.write_text(json.dumps({"machine": machine_line(), "dtype": dtype, "rows": rows}, indent=2) + "\n")

@@ -15,11 +15,12 @@ app = typer.Typer(help="Keep LLM weights warm in a daemon; serve them from resta
 
 
 def _add_subcommands() -> None:
-    from keepwarm.cli import daemon_cmds
+    from keepwarm.cli import daemon_cmds, serve_cmd
     from keepwarm.cli.bench import bench_app
 
     app.add_typer(bench_app, name="bench")
     daemon_cmds.register(app)
+    serve_cmd.register(app)
 
 
 def _version(value: bool) -> None:

@@ -3,6 +3,12 @@
 Tensors are processed by a few threads at once (``preadv`` and sha256 release the GIL). A plain tensor whose
 checkpoint dtype is the arena dtype is read straight into its arena slice (no intermediate copy); others are
 read into a temporary buffer, converted or quantized, and copied in.
+
+With quantization "none" on CPU, where :func:`keepwarm.kernels.cpu_packed.packing_available` says so, the linear
+weights and ``lm_head.weight`` are stored packed for oneDNN (one ``packed`` uint8 entry each, layout
+``mkldnn_packed``); a tied-embedding model gets a packed ``lm_head.weight`` made from the embedding, which stays
+plain for the lookup. That derived entry re-reads the embedding's bytes but counts neither in the fingerprint nor
+in progress: both stay functions of the checkpoint.
 """
 
 from __future__ import annotations
@@ -28,7 +34,15 @@ from keepwarm.daemon.arena import (
     source_signature,
 )
 from keepwarm.daemon.checkpoint import Checkpoint, FusedTensor, read_into, tensor_bytes
-from keepwarm.daemon.quantize import is_quantized_target, quantize, quantized_layout, validate_scheme
+from keepwarm.daemon.quantize import (
+    LAYOUT_MKLDNN_PACKED,
+    QuantMeta,
+    is_quantized_target,
+    quantize,
+    quantized_layout,
+    validate_scheme,
+)
+from keepwarm.kernels.cpu_packed import pack, packed_layout, packing_available
 from keepwarm.worker.models.config import parse_dtype
 
 Progress = Callable[[int], None]  # called with the number of source bytes just processed
@@ -39,6 +53,20 @@ class PlannedTensor:
     source: FusedTensor
     quantized: bool
     entries: list[TensorEntry]
+    packed: bool = False  # stored for oneDNN (kernels/cpu_packed.py): one "packed" uint8 entry
+    derived: bool = False  # made from another planned tensor's source (tied lm_head): not fingerprinted again
+
+    @property
+    def name(self) -> str:
+        return self.entries[0].weight
+
+
+_LM_HEAD = "lm_head.weight"
+_EMBED = "model.embed_tokens.weight"
+
+
+def _packs(name: str, t: FusedTensor) -> bool:
+    return (is_quantized_target(name) or name == _LM_HEAD) and len(t.shape) == 2 and t.dtype.is_floating_point
 
 
 def resolve_dtype(ckpt: Checkpoint, dtype: str) -> torch.dtype:
@@ -49,12 +77,21 @@ def plan_arena(ckpt: Checkpoint, quantization: str, dtype: torch.dtype, device_t
                ) -> tuple[list[PlannedTensor], int]:
     """Every tensor's place in the arena, from the checkpoint's headers alone (nothing is read)."""
     quantization = validate_scheme(quantization)
+    packing = quantization == "none" and device_type == "cpu" and packing_available(dtype)
+    sources: list[tuple[str, FusedTensor, bool]] = [(t.name, t, False) for t in ckpt.tensors]
+    if packing and ckpt.config.tie_word_embeddings and all(t.name != _LM_HEAD for t in ckpt.tensors):
+        embed = next((t for t in ckpt.tensors if t.name == _EMBED), None)
+        if embed is not None:
+            sources.append((_LM_HEAD, embed, True))
     planned: list[PlannedTensor] = []
     offset = 0
-    for t in ckpt.tensors:
-        quantized = quantization != "none" and is_quantized_target(t.name) and len(t.shape) == 2
+    for name, t, derived in sources:
+        quantized = quantization != "none" and is_quantized_target(name) and len(t.shape) == 2
+        packed = packing and _packs(name, t)
         if quantized:
             layout = quantized_layout(t.shape, quantization, dtype, device_type)
+        elif packed:
+            layout = {"packed": (torch.uint8, (packed_layout(tuple(t.shape), dtype)[0],))}
         elif t.dtype.is_floating_point:
             layout = {"": (dtype, t.shape)}
         else:
@@ -64,9 +101,9 @@ def plan_arena(ckpt: Checkpoint, quantization: str, dtype: torch.dtype, device_t
             n = torch.empty((), dtype=pdtype).element_size()
             for s in shape:
                 n *= s
-            entries.append(TensorEntry(t.name, part, offset, n, dtype_name(pdtype), tuple(shape)))
+            entries.append(TensorEntry(name, part, offset, n, dtype_name(pdtype), tuple(shape)))
             offset = align(offset + n)
-        planned.append(PlannedTensor(t, quantized, entries))
+        planned.append(PlannedTensor(t, quantized, entries, packed, derived))
     return planned, offset
 
 
@@ -98,7 +135,7 @@ def build_arena(ckpt: Checkpoint, quantization: str, dtype: str, flat: torch.Ten
 
     def process(p: PlannedTensor) -> tuple[list[str], list[str]]:
         t = p.source
-        if not p.quantized and on_cpu and p.entries[0].dtype == dtype_name(t.dtype):
+        if not p.quantized and not p.packed and on_cpu and p.entries[0].dtype == dtype_name(t.dtype):
             e = p.entries[0]
             dest = tensor_bytes(flat[e.offset:e.offset + e.nbytes])
             src_digests = _read_hashed(t, dest)
@@ -110,18 +147,27 @@ def build_arena(ckpt: Checkpoint, quantization: str, dtype: str, flat: torch.Ten
             if p.quantized:
                 meta, parts = quantize(w, quantization, target, device_type)
                 with lock:
-                    quant_meta[t.name] = meta.to_dict()
+                    quant_meta[p.name] = meta.to_dict()
+            elif p.packed:
+                raw, desc = pack(w.to(target))
+                if desc != packed_layout(tuple(t.shape), target)[1]:
+                    # The arena was sized from the zeros probe; a data-dependent format would break that.
+                    raise RuntimeError(f"{p.name}: oneDNN packed it in another format than planned")
+                meta = QuantMeta("none", LAYOUT_MKLDNN_PACKED, None, (t.shape[0], t.shape[1]), desc.hex())
+                with lock:
+                    quant_meta[p.name] = meta.to_dict()
+                parts = {"packed": raw}
             else:
                 parts = {"": w.to(target) if w.is_floating_point() else w}
             arena_digests = []
             for e in p.entries:
                 raw = parts[e.part].contiguous().view(torch.uint8).reshape(-1)
                 if raw.numel() != e.nbytes:
-                    raise RuntimeError(f"{t.name}{'.' + e.part if e.part else ''}: {raw.numel()} bytes, "
+                    raise RuntimeError(f"{p.name}{'.' + e.part if e.part else ''}: {raw.numel()} bytes, "
                                        f"planned {e.nbytes}")
                 arena_digests.append(hashlib.sha256(memoryview(raw.numpy())).hexdigest())
                 flat[e.offset:e.offset + e.nbytes].copy_(raw, non_blocking=not on_cpu)
-        if progress is not None:
+        if progress is not None and not p.derived:
             progress(t.nbytes)
         return src_digests, arena_digests
 
@@ -129,7 +175,8 @@ def build_arena(ckpt: Checkpoint, quantization: str, dtype: str, flat: torch.Ten
         results = list(pool.map(process, planned))
     if not on_cpu:
         torch.cuda.synchronize(flat.device)
-    part_digests = [(p.source.name, d) for p, (src, _) in zip(planned, results, strict=True) for d in src]
+    part_digests = [(p.source.name, d) for p, (src, _) in zip(planned, results, strict=True) if not p.derived
+                    for d in src]
     entries = tuple(e for p in planned for e in p.entries)
     arena_digest = combine_digests("arena", [d for _, arena in results for d in arena])
     gen = ckpt.model_dir / "generation_config.json"

@@ -15,6 +15,8 @@ so the daemon can lay out its arena first. Layouts, named in `QuantMeta.layout`:
   int4_cpu_<mode><B>  qweight uint8 [N, K/2] from torch._convert_weight_to_int4pack_for_cpu;
                       scales_and_zeros act_dtype [K/gs, N, 2] (what torch._weight_int4pack_mm_for_cpu takes)
   int4_canonical      qweight uint8 [N, K/2], low nibble = even k; scales, zeros act_dtype [N, K/gs]
+  mkldnn_packed       scheme "none" only: packed uint8 [nbytes], the weight in oneDNN's blocked layout, described by
+                      `QuantMeta.descriptor` (see keepwarm.kernels.cpu_packed; CPU arenas only)
 
 The CPU int4 pack order depends on the ATen CPU capability of the process (AVX512 packs blocks of 64 rows as
 two interleaved halves, AVX2 blocks of 32, the scalar build adjacent row pairs), so it is probed once and named
@@ -41,6 +43,7 @@ LAYOUT_DENSE = "dense"
 LAYOUT_INT8 = "int8_channel"
 LAYOUT_FP8 = "fp8_tensor"
 LAYOUT_INT4_CANONICAL = "int4_canonical"
+LAYOUT_MKLDNN_PACKED = "mkldnn_packed"
 _INT4_CPU_RE = re.compile(r"int4_cpu_(pairs|halves)(16|32|64)")
 
 # Fused linear weights as planned by daemon/checkpoint.py; embeddings, norms, lm_head and biases stay dense.
@@ -61,20 +64,32 @@ class QuantMeta:
     layout: str
     group_size: int | None  # int4 only
     shape: tuple[int, int]  # the dense weight's [N, K]
+    # mkldnn_packed only: oneDNN's serialized memory descriptor (hex); a worker needs it to view the bytes.
+    descriptor: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"scheme": self.scheme, "layout": self.layout, "group_size": self.group_size,
-                "shape": list(self.shape)}
+        d: dict[str, Any] = {"scheme": self.scheme, "layout": self.layout, "group_size": self.group_size,
+                             "shape": list(self.shape)}
+        if self.descriptor is not None:  # only where set: other layouts' manifests stay as they were
+            d["descriptor"] = self.descriptor
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> QuantMeta:
         try:
             n, k = (int(v) for v in d["shape"])
             gs = d.get("group_size")
-            meta = cls(validate_scheme(d["scheme"]), str(d["layout"]), None if gs is None else int(gs), (n, k))
+            desc = d.get("descriptor")
+            meta = cls(validate_scheme(d["scheme"]), str(d["layout"]), None if gs is None else int(gs), (n, k),
+                       None if desc is None else bytes.fromhex(desc).hex())
         except (KeyError, TypeError, ValueError) as e:
             raise QuantizationError(f"bad quantization metadata {d!r}: {e}") from None
-        layout_parts(meta, torch.float32)  # rejects unknown layouts / scheme-layout mismatches
+        if meta.layout == LAYOUT_MKLDNN_PACKED:
+            # Its size is oneDNN's to say (and needs the activation dtype): check only what the dict itself holds.
+            if meta.scheme != "none" or not meta.descriptor:
+                raise QuantizationError(f"layout {LAYOUT_MKLDNN_PACKED!r} needs scheme 'none' and a descriptor")
+        else:
+            layout_parts(meta, torch.float32)  # rejects unknown layouts / scheme-layout mismatches
         return meta
 
 
@@ -172,6 +187,10 @@ def layout_parts(meta: QuantMeta, act_dtype: torch.dtype) -> PartsLayout:
     """Part name -> (dtype, shape) of a weight described by `meta` (act_dtype: dtype of the scales)."""
     n, k = meta.shape
     lay = meta.layout
+    if lay == LAYOUT_MKLDNN_PACKED and meta.scheme == "none":
+        from keepwarm.kernels.cpu_packed import packed_nbytes  # lazy: oneDNN is asked only for this layout
+
+        return {"packed": (torch.uint8, (packed_nbytes((n, k), act_dtype),))}
     expected = {"none": LAYOUT_DENSE, "int8": LAYOUT_INT8, "fp8": LAYOUT_FP8}.get(meta.scheme)
     if expected is not None and lay != expected:
         raise QuantizationError(f"scheme {meta.scheme!r} has layout {expected!r}, not {lay!r}")

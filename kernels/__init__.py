@@ -9,6 +9,10 @@ The backend comes from env var KEEPWARM_KERNELS (read on every call, so tests an
 Backends plug in through `register(name, backend, fn)`: a `kernels/triton_*.py` module registers its
 functions at import, and gets imported at the bottom of this file (guarded, so CPU-only installs skip it);
 model code never changes when a backend is added.
+
+KV cache layout (every backend): one pool per layer and side, ``[num_kv_heads, num_blocks, block_size, head_dim]``.
+Head-major, so that gathering a batch's blocks yields ``[Hk, S, L, D]``, which the attention matmuls use with no
+further copy (on CPU the copies, not the math, dominated decode attention in the block-major layout).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from typing import Any
 
 import torch
 
-from . import quant, reference
+from . import cpu_packed, quant, reference
 from .quant import QuantizedWeight
 from .reference import build_cos_sin_cache
 
@@ -169,3 +173,5 @@ del _name
 for _scheme, _fn in quant.TORCH_IMPLS.items():
     register(f"linear_{_scheme}", "torch", _fn)
 del _scheme, _fn
+# Weights pre-packed for oneDNN (CPU arenas, scheme "none") take the packed matmul; anything else as above.
+register("linear_none", "torch", cpu_packed.linear_none)

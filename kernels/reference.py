@@ -87,8 +87,11 @@ def _to_cache(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor
     return x.to(dtype)
 
 
-def _from_cache(x: torch.Tensor, scale: float) -> torch.Tensor:
-    return x.float() * scale if x.dtype in FP8_DTYPES else x.float()
+def _from_cache(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """Cache contents in the compute dtype (the query's): fp8 is dequantized with its per-layer scale."""
+    if x.dtype in FP8_DTYPES:
+        return x.to(dtype) * scale
+    return x if x.dtype == dtype else x.to(dtype)
 
 
 def write_kv_cache(
@@ -100,29 +103,52 @@ def write_kv_cache(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
 ) -> None:
-    block_size = key_cache.shape[1]
+    block_size = key_cache.shape[2]
     slots = slot_mapping.long()
     # Drop padding before indexing: slot -1 would otherwise wrap around to the last slot of the pool.
     valid = slots >= 0
     slots, key, value = slots[valid], key[valid], value[valid]
     # (block, offset) indexing rather than a flat view keeps this correct for non-contiguous cache views.
     blocks, offsets = slots // block_size, slots % block_size
-    key_cache[blocks, offsets] = _to_cache(key, key_cache.dtype, k_scale)
-    value_cache[blocks, offsets] = _to_cache(value, value_cache.dtype, v_scale)
+    key_cache[:, blocks, offsets] = _to_cache(key, key_cache.dtype, k_scale).transpose(0, 1)
+    value_cache[:, blocks, offsets] = _to_cache(value, value_cache.dtype, v_scale).transpose(0, 1)
 
 
 def _gather_blocks(cache: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """cache[table] for a block table of any shape. index_select, because advanced indexing on a large pool
-    intermittently takes milliseconds on CPU (seen with torch 2.13: 3 ms vs 3 us for the same gather)."""
-    return cache.index_select(0, table.reshape(-1)).view(*table.shape, *cache.shape[1:])
+    """The blocks of ``table`` [S, nb] as [Hk, S, nb * block_size, D]: one copy, already in the layout the
+    attention matmuls want. index_select, because advanced indexing on a large pool intermittently takes
+    milliseconds on CPU (seen with torch 2.13: 3 ms vs 3 us for the same gather)."""
+    hk, _, bs, d = cache.shape
+    return cache.index_select(1, table.reshape(-1)).view(hk, table.shape[0], table.shape[1] * bs, d)
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
           causal: bool = False) -> torch.Tensor:
-    """q: [B, Hq, Lq, D], k/v: [B, Hk, Lk, D] float32; mask True = attend. GQA via enable_gqa."""
+    """q: [B, Hq, Lq, D], k/v: [B, Hk, Lk, D]; mask True = attend. GQA via enable_gqa. In the inputs' dtype:
+    torch's CPU flash kernel accumulates bf16/fp16 in float32 itself, so no upcast copy of K/V is needed."""
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
     )
+
+
+def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, scale: float,
+                      k_scale: float, v_scale: float) -> torch.Tensor:
+    """One query row per sequence: q [S, Hq, D], k/v [Hk, S, L, D] (gathered), valid [S, L] -> [S, Hq, D].
+
+    Two batched matmuls with (kv head, sequence) as the batch and the query heads of one kv head as rows (GQA
+    without repeating K/V); K is used transposed in place, so nothing is copied after the gather. Scores are
+    computed in the model's dtype (float32 accumulation inside the matmul) and the softmax in float32. On CPU
+    this is ~6x faster than SDPA's flash kernel with a mask for single-row queries.
+    """
+    S, Hq, D = q.shape
+    Hk = k.shape[0]
+    dt = q.dtype
+    qg = q.reshape(S, Hk, Hq // Hk, D).transpose(0, 1)  # [Hk, S, G, D]
+    scores = torch.matmul(qg, _from_cache(k, k_scale, dt).transpose(-1, -2)).float().mul_(scale)  # [Hk, S, G, L]
+    scores.masked_fill_(~valid[None, :, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(dt)
+    out = torch.matmul(probs, _from_cache(v, v_scale, dt))  # [Hk, S, G, D]
+    return out.transpose(0, 1).reshape(S, Hq, D)
 
 
 def paged_attention(
@@ -142,15 +168,18 @@ def paged_attention(
     Sequence s owns query rows query_start_loc[s]:query_start_loc[s+1]; seq_lens[s] counts its whole context
     including those rows (already written), so row i sits at position seq_lens[s] - q_len + i. Position p
     lives at block_tables[s, p // block_size], offset p % block_size. Decodes (q_len 1) run as one padded
-    batch; prefill chunks loop per sequence. All math is float32. `max_query_len` is only a hint for
-    grid-sizing backends: this one reads lengths from the metadata.
+    batch; prefill chunks loop per sequence. Computes in the query's dtype (SDPA accumulates in float32).
+    `max_query_len` is only a hint for grid-sizing backends: this one reads lengths from the metadata.
+
+    Cache slots a sequence has not written (the tail of its last block) are masked out of the softmax, so they
+    may hold any finite value; the engine allocates its pools with zeros, so they never hold NaN.
     """
     del max_query_len
     num_q_heads = query.shape[1]
-    num_kv_heads = key_cache.shape[2]
+    num_kv_heads = key_cache.shape[0]
     if num_q_heads % num_kv_heads:
         raise ValueError(f"{num_q_heads} query heads is not a multiple of {num_kv_heads} kv heads")
-    block_size = key_cache.shape[1]
+    block_size = key_cache.shape[2]
     device = query.device
     out = torch.zeros_like(query)  # rows not owned by any sequence (padding) stay zero
     starts = query_start_loc.tolist()
@@ -168,13 +197,8 @@ def paged_attention(
         used = torch.arange(num_blocks, device=device)[None, :] * block_size < ctx[:, None]
         table = torch.where(used, table, 0)
         pos_ok = torch.arange(num_blocks * block_size, device=device)[None, :] < ctx[:, None]  # [Sd, L]
-        # Zero the masked tail too: never-written cache memory may hold NaN, and NaN * 0 poisons the sum.
-        keep = pos_ok[:, :, None, None]
-        k = torch.where(keep, _from_cache(_gather_blocks(key_cache, table).flatten(1, 2), k_scale), 0.0)
-        v = torch.where(keep, _from_cache(_gather_blocks(value_cache, table).flatten(1, 2), v_scale), 0.0)
-        q = query[rows].float()[:, :, None, :]  # [Sd, Hq, 1, D]
-        o = _sdpa(q, k.transpose(1, 2), v.transpose(1, 2), pos_ok[:, None, None, :], scale)
-        out[rows] = o[:, :, 0, :].to(out.dtype)
+        out[rows] = _decode_attention(query[rows], _gather_blocks(key_cache, table),
+                                      _gather_blocks(value_cache, table), pos_ok, scale, k_scale, v_scale)
 
     for s in prefills:
         q_start, q_end, ctx_len = starts[s], starts[s + 1], lens[s]
@@ -182,10 +206,10 @@ def paged_attention(
         if ctx_len < q_len:
             raise ValueError(f"sequence {s}: seq_len {ctx_len} < query length {q_len}")
         table = block_tables[s, : -(-ctx_len // block_size)].long()
-        k = _from_cache(_gather_blocks(key_cache, table).flatten(0, 1)[:ctx_len], k_scale)  # [L, Hk, D]
-        v = _from_cache(_gather_blocks(value_cache, table).flatten(0, 1)[:ctx_len], v_scale)
-        q = query[q_start:q_end].float().transpose(0, 1)[None]  # [1, Hq, q_len, D]
-        k, v = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+        k = _from_cache(_gather_blocks(key_cache, table[None])[:, :, :ctx_len], k_scale, query.dtype)  # [Hk,1,L,D]
+        v = _from_cache(_gather_blocks(value_cache, table[None])[:, :, :ctx_len], v_scale, query.dtype)
+        q = query[q_start:q_end].transpose(0, 1)[None]  # [1, Hq, q_len, D]
+        k, v = k.transpose(0, 1), v.transpose(0, 1)  # [1, Hk, L, D]
         if ctx_len == q_len:
             # No cached prefix: SDPA's top-left aligned causal mask is the right one (and skips work).
             o = _sdpa(q, k, v, None, scale, causal=True)

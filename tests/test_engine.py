@@ -224,3 +224,23 @@ def test_fp8_kv_cache_runs_close_to_auto(tiny_llama) -> None:
     # fp8 rounds K/V to 3 mantissa bits: outputs may drift, but the first tokens mostly agree.
     first_agree = sum(x[0] == y[0] for x, y in zip(a, b, strict=True))
     assert first_agree >= 12, first_agree
+
+
+@pytest.mark.parametrize("budget", [None, 16])
+def test_prompt_logprobs_match_transformers(tiny_llama, budget) -> None:
+    import transformers
+
+    llm = LLM(model=tiny_llama, dtype="float32", max_model_len=256, max_num_batched_tokens=budget)
+    prompt = make_prompts()[13]  # 55 tokens: several chunks under a budget of 16
+    llm.generate([prompt], GREEDY)  # its blocks are now cached: prompt logprobs must not use the hits
+    out = llm.generate([prompt, make_prompts()[2]], SamplingParams(temperature=0, max_tokens=2,
+                                                                  prompt_logprobs=3))[0]
+    lps = out.prompt_logprobs
+    assert lps[0] is None and len(lps) == len(prompt)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), dim=-1)
+    for i in range(1, len(prompt)):
+        assert lps[i].token_id == prompt[i]
+        assert abs(lps[i].logprob - ref[i - 1, prompt[i]].item()) < 1e-4
+        assert [t for t, _ in lps[i].top] == ref[i - 1].topk(3).indices.tolist()

@@ -43,11 +43,12 @@ class PagedBatch:
     specs: list[tuple[int, int]]  # (q_len, seq_len) per sequence
 
 
-def _nan_cache(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    # NaN everywhere a test did not write: any read of an unwritten slot shows up in the output.
+def _garbage_cache(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    # Large garbage everywhere a test did not write: any unmasked read of an unwritten slot swamps the output.
+    # (Finite, not NaN: masked slots are excluded by the softmax mask, and the engine zero-fills its pools.)
     if dtype == FP8:
-        return torch.full(shape, 0x7F, dtype=torch.uint8).view(FP8)  # 0x7F is e4m3fn NaN
-    return torch.full(shape, float("nan"), dtype=dtype)
+        return torch.full(shape, 0x7E, dtype=torch.uint8).view(FP8)  # 0x7E is e4m3fn's largest value, 448
+    return torch.full(shape, 1e4, dtype=dtype)
 
 
 def _make_batch(
@@ -91,8 +92,8 @@ def _make_batch(
     slot_mapping = torch.cat([slots_all, torch.full((n_pad,), -1, dtype=torch.long)])
     perm = torch.randperm(len(slot_mapping), generator=g)
 
-    key_cache = _nan_cache((num_blocks, block_size, hk, d), cache_dtype).to(device)
-    value_cache = _nan_cache((num_blocks, block_size, hk, d), cache_dtype).to(device)
+    key_cache = _garbage_cache((hk, num_blocks, block_size, d), cache_dtype).to(device)
+    value_cache = _garbage_cache((hk, num_blocks, block_size, d), cache_dtype).to(device)
     kernels.write_kv_cache(
         k_all[perm].to(device=device, dtype=dtype), v_all[perm].to(device=device, dtype=dtype),
         key_cache, value_cache, slot_mapping[perm].to(device), k_scale, v_scale,
@@ -207,11 +208,11 @@ def test_paged_attention_fp8_cache(device: str) -> None:
     k_scale, v_scale = 0.02, 0.01  # |randn| / scale stays well inside ±448: no clamping here
     b = _make_batch(specs, 8, 2, 64, 16, cache_dtype=FP8, k_scale=k_scale, v_scale=v_scale,
                     device=device, seed=11)
-    block_size = b.key_cache.shape[1]
+    block_size = b.key_cache.shape[2]
     blocks, offsets = b.slots // block_size, b.slots % block_size
-    stored_k = b.key_cache.cpu()[blocks, offsets]
+    stored_k = b.key_cache.cpu()[:, blocks, offsets].transpose(0, 1)  # [T, Hk, D]
     assert torch.equal(stored_k.view(torch.uint8), _fp8(torch.cat(b.keys), k_scale).view(torch.uint8))
-    stored_v = b.value_cache.cpu()[blocks, offsets]
+    stored_v = b.value_cache.cpu()[:, blocks, offsets].transpose(0, 1)
     assert torch.equal(stored_v.view(torch.uint8), _fp8(torch.cat(b.values), v_scale).view(torch.uint8))
 
     out = _run(b, 0.125, k_scale, v_scale)
@@ -230,9 +231,9 @@ def test_paged_attention_fp8_cache(device: str) -> None:
 
 def test_write_kv_cache_skips_padding_and_handles_views() -> None:
     nb, bs, hk, d = 4, 4, 2, 3
-    # key/value caches as strided views into one [nb, 2, bs, hk, d] buffer (non-contiguous).
-    buf = torch.full((nb, 2, bs, hk, d), 7.0, dtype=torch.bfloat16)
-    key_cache, value_cache = buf[:, 0], buf[:, 1]
+    # key/value caches [hk, nb, bs, d] as strided views into one [hk, nb, 2, bs, d] buffer (non-contiguous).
+    buf = torch.full((hk, nb, 2, bs, d), 7.0, dtype=torch.bfloat16)
+    key_cache, value_cache = buf[:, :, 0], buf[:, :, 1]
     slot_mapping = torch.tensor([5, -1, 0, -1, 10])
     key = torch.randn(5, hk, d, generator=torch.Generator().manual_seed(0))
     value = key + 1
@@ -240,8 +241,8 @@ def test_write_kv_cache_skips_padding_and_handles_views() -> None:
     expected = torch.full_like(buf, 7.0)
     for t, slot in enumerate(slot_mapping.tolist()):
         if slot >= 0:
-            expected[slot // bs, 0, slot % bs] = key[t].to(torch.bfloat16)
-            expected[slot // bs, 1, slot % bs] = value[t].to(torch.bfloat16)
+            expected[:, slot // bs, 0, slot % bs] = key[t].to(torch.bfloat16)
+            expected[:, slot // bs, 1, slot % bs] = value[t].to(torch.bfloat16)
     # In particular the last slot of the pool (where a -1 index would wrap to) is untouched.
     assert torch.equal(buf, expected)
 
@@ -250,16 +251,16 @@ def test_write_kv_cache_fp8_quantizes_and_clamps() -> None:
     nb, bs, hk, d = 2, 4, 1, 8
     key = torch.randn(3, hk, d, generator=torch.Generator().manual_seed(1))
     key[0, 0, :2] = torch.tensor([100.0, -100.0])  # / 0.05 = ±2000: must saturate to ±448, not NaN
-    key_cache = torch.zeros(nb, bs, hk, d, dtype=FP8)
-    value_cache = torch.zeros(nb, bs, hk, d, dtype=FP8)
+    key_cache = torch.zeros(hk, nb, bs, d, dtype=FP8)
+    value_cache = torch.zeros(hk, nb, bs, d, dtype=FP8)
     kernels.write_kv_cache(key, key, key_cache, value_cache, torch.tensor([1, 6, -1]), 0.05, 0.5)
-    assert torch.equal(key_cache[0, 1].view(torch.uint8), _fp8(key[0], 0.05).view(torch.uint8))
-    assert torch.equal(key_cache[1, 2].view(torch.uint8), _fp8(key[1], 0.05).view(torch.uint8))
-    assert torch.equal(value_cache[1, 2].view(torch.uint8), _fp8(key[1], 0.5).view(torch.uint8))
-    assert key_cache[0, 1, 0, :2].float().tolist() == [448.0, -448.0]
+    assert torch.equal(key_cache[:, 0, 1].view(torch.uint8), _fp8(key[0], 0.05).view(torch.uint8))
+    assert torch.equal(key_cache[:, 1, 2].view(torch.uint8), _fp8(key[1], 0.05).view(torch.uint8))
+    assert torch.equal(value_cache[:, 1, 2].view(torch.uint8), _fp8(key[1], 0.5).view(torch.uint8))
+    assert key_cache[0, 0, 1, :2].float().tolist() == [448.0, -448.0]
     assert not key_cache.float().isnan().any()
     assert torch.count_nonzero(key_cache.view(torch.uint8)) == torch.count_nonzero(
-        key_cache[[0, 1], [1, 2]].view(torch.uint8))  # nothing written outside the two valid slots
+        key_cache[:, [0, 1], [1, 2]].view(torch.uint8))  # nothing written outside the two valid slots
 
 
 # --------------------------------------------------------------------------- norms

@@ -30,7 +30,7 @@ from keepwarm.worker.outputs import CompletionOutput, RequestMetrics, RequestOut
 from keepwarm.worker.sampler import Sampler
 from keepwarm.worker.sampling_params import SamplingParams
 from keepwarm.worker.scheduler import Scheduler, SchedulerConfig
-from keepwarm.worker.sequence import Sequence, SequenceStatus
+from keepwarm.worker.sequence import Sequence, SequenceStatus, TokenLogprob
 
 log = logging.getLogger("keepwarm.worker")
 
@@ -248,14 +248,35 @@ class LLMEngine:
         if not batch:
             return []
         self.stats.steps += 1
-        sample_rows = [i for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True))
-                       if seq.num_computed_tokens + n == seq.num_tokens]
-        logits = self.runner.execute(batch, sample_rows)
+        # Which flattened token rows need logits: each sequence's last row when it samples, and every prompt
+        # row of a chunk whose prompt logprobs were asked for.
+        token_rows: list[int] = []
+        sample_index: list[int] = []  # into token_rows, one per sampling sequence
+        sampled_seqs: list[Sequence] = []
+        prompt_rows: list[tuple[Sequence, int, int]] = []  # (seq, first index into token_rows, first position)
+        row = 0
+        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            c = seq.num_computed_tokens
+            if seq.prompt_logprobs is not None and c + 1 < seq.num_prompt_tokens:
+                last_pos = min(c + n, seq.num_prompt_tokens - 1)  # positions c..last_pos-1 predict prompt tokens
+                prompt_rows.append((seq, len(token_rows), c))
+                token_rows.extend(range(row, row + last_pos - c))
+            if c + n == seq.num_tokens:
+                if token_rows and token_rows[-1] == row + n - 1:
+                    sample_index.append(len(token_rows) - 1)
+                else:
+                    sample_index.append(len(token_rows))
+                    token_rows.append(row + n - 1)
+                sampled_seqs.append(seq)
+            row += n
+        logits = self.runner.execute(batch, token_rows)
+        if prompt_rows:
+            self._record_prompt_logprobs(logits, token_rows, prompt_rows, batch)
         self.scheduler.advance(batch)
-        if not sample_rows:
+        if not sampled_seqs:
             return []
-        sampled_seqs = [batch.seqs[i] for i in sample_rows]
-        out = self.sampler.sample(logits, sampled_seqs)
+        out = self.sampler.sample(logits[torch.tensor(sample_index)] if len(sample_index) != len(token_rows)
+                                  else logits, sampled_seqs)
         touched: dict[str, _Request] = {}
         now = time.monotonic()
         for seq, token, lp in zip(sampled_seqs, out.token_ids, out.logprobs, strict=True):
@@ -267,6 +288,22 @@ class LLMEngine:
             touched[req.request_id] = req
             self._process_token(req, seq, token)
         return [self._make_output(req) for req in touched.values()]
+
+    def _record_prompt_logprobs(self, logits: torch.Tensor, token_rows: list[int],
+                                prompt_rows: list[tuple[Sequence, int, int]], batch) -> None:
+        for seq, first, start_pos in prompt_rows:
+            n = min(start_pos + batch.num_new_tokens[batch.seqs.index(seq)], seq.num_prompt_tokens - 1) - start_pos
+            lp = torch.log_softmax(logits[first:first + n], dim=-1)
+            targets = torch.tensor(seq.prompt_token_ids[start_pos + 1:start_pos + 1 + n])
+            chosen = lp.gather(1, targets[:, None])[:, 0]
+            ranks = (lp > chosen[:, None]).sum(dim=-1) + 1
+            k = seq.sampling_params.prompt_logprobs or 0
+            top_vals, top_ids = lp.topk(k, dim=-1) if k else (None, None)
+            for i in range(n):
+                if start_pos + 1 + i < len(seq.prompt_logprobs):
+                    continue  # recomputed after a preemption: already recorded
+                top = tuple(zip(top_ids[i].tolist(), top_vals[i].tolist(), strict=True)) if k else ()
+                seq.prompt_logprobs.append(TokenLogprob(int(targets[i]), float(chosen[i]), int(ranks[i]), top))
 
     def _process_token(self, req: _Request, seq: Sequence, token: int) -> None:
         p = seq.sampling_params
@@ -318,7 +355,7 @@ class LLMEngine:
             for seq in req.seqs:
                 self._seq_to_request.pop(seq.seq_id, None)
         return RequestOutput(req.request_id, req.prompt, list(req.seqs[0].prompt_token_ids), outs, finished,
-                             req.metrics)
+                             metrics=req.metrics, prompt_logprobs=req.seqs[0].prompt_logprobs)
 
     def close(self) -> None:
         """Release the daemon lease (if attached). The engine is unusable afterwards."""

@@ -17,6 +17,7 @@ from keepwarm.daemon.arena import model_tensors
 from keepwarm.daemon.checkpoint import Checkpoint
 from keepwarm.daemon.client import DaemonClient, DaemonError, ensure_daemon
 from keepwarm.daemon.loader import build_arena, plan_arena, resolve_dtype
+from keepwarm.daemon.paths import RuntimeDirError
 from keepwarm.worker.attach import Attachment, attach_weights
 from keepwarm.worker.models.config import ModelConfig, parse_model_config
 from keepwarm.worker.models.llama import LlamaForCausalLM
@@ -68,14 +69,15 @@ def load_from_daemon(model_dir: str, dtype: str, quantization: str, device: torc
 def load_model(ckpt: Checkpoint, dtype: str, quantization: str, device: torch.device, max_position: int,
                daemon: bool | str = "auto", runtime_dir: Path | None = None,
                fingerprint: str | None = None) -> LoadedModel:
-    """``daemon``: True = attach (start a daemon if none runs), "auto" = attach if a daemon answers,
+    """``daemon``: True = attach (start a daemon if none runs; fail if that fails), "start" = the same but fall
+    back to disk when no daemon can be reached or started, "auto" = attach if a daemon answers, else disk,
     False = load from disk. A fallback to disk is logged and recorded in ``fallback_reason``."""
     model_dir = str(ckpt.model_dir)
     if daemon is False or daemon == "off":
         return load_from_disk(ckpt, dtype, quantization, device, max_position)
     daemon_device = "cuda" if device.type == "cuda" else "cpu"
     try:
-        if daemon is True or daemon == "on":
+        if daemon is True or daemon in ("on", "start"):
             client, started = ensure_daemon(runtime_dir, device=daemon_device)
             client.close()
             if started:
@@ -87,9 +89,9 @@ def load_model(ckpt: Checkpoint, dtype: str, quantization: str, device: torch.de
             if answered is None:
                 raise DaemonError("unavailable", f"no keepwarm daemon answers at {probe.socket_path}")
         return load_from_daemon(model_dir, dtype, quantization, device, max_position, runtime_dir, fingerprint)
-    except DaemonError as e:
+    except (DaemonError, RuntimeDirError) as e:
         if daemon is True or daemon == "on":
             raise
-        reason = e.message
+        reason = getattr(e, "message", str(e))
     log.warning("weights from disk, not the daemon: %s", reason)
     return load_from_disk(ckpt, dtype, quantization, device, max_position, fallback_reason=reason)

@@ -30,7 +30,7 @@ def kv_bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) 
 
 def allocate_kv_cache(model: ModelConfig, cache: CacheConfig, device: torch.device,
                       k_scales: list[float] | None = None, v_scales: list[float] | None = None) -> KVCache:
-    shape = (cache.num_blocks, cache.block_size, model.num_key_value_heads, model.head_dim)
+    shape = (model.num_key_value_heads, cache.num_blocks, cache.block_size, model.head_dim)
     # One allocation per layer and side keeps each layer's pool contiguous for the kernels.
     L = model.num_hidden_layers
     return KVCache(
@@ -82,11 +82,11 @@ class ModelRunner:
         return torch.tensor(ids, dtype=torch.int64, device=dev), positions.to(dev), attn
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch, sample_rows: list[int]) -> torch.Tensor:
-        """Run the batch; return float32 logits for the sequences at ``sample_rows`` (batch indices)."""
+    def execute(self, batch: ScheduledBatch, token_rows: list[int]) -> torch.Tensor:
+        """Run the batch; return float32 logits of the flattened token rows ``token_rows`` (the last row of
+        each sequence to sample, plus every row of a prefill chunk whose prompt logprobs were asked for)."""
         input_ids, positions, attn = self.prepare(batch)
         hidden = self.model(input_ids, positions, attn, self.kv_cache)
-        if not sample_rows:
+        if not token_rows:
             return torch.empty(0, self.model.config.vocab_size)
-        last = attn.query_start_loc[1:].to(torch.int64) - 1
-        return self.model.compute_logits(hidden[last[torch.tensor(sample_rows, device=last.device)]])
+        return self.model.compute_logits(hidden[torch.tensor(token_rows, device=hidden.device)])

@@ -37,6 +37,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool = False
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     metrics: RequestMetrics | None = field(default=None, repr=False)
 
     @property

@@ -33,6 +33,10 @@ class SamplingParams:
     max_tokens: int | None = 16
     min_tokens: int = 0
     logprobs: int | None = None
+    # Log-probability of every prompt token given the ones before it (plus the top-k alternatives); the first
+    # prompt token has none. Such a request skips prefix-cache hits, as in vLLM, since cached tokens are not
+    # recomputed.
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     detokenize: bool = True
     # Filled by the engine: the model's EOS ids (from generation_config/config), unless ignore_eos.
@@ -73,6 +77,9 @@ class SamplingParams:
             raise bad("min_tokens", "between 0 and max_tokens")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
             raise bad("logprobs", "an integer in [0, 20]")
+        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int)
+                                                 or not 0 <= self.prompt_logprobs <= 20):
+            raise bad("prompt_logprobs", "an integer in [0, 20]")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "a list of non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):

@@ -85,7 +85,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             computed_blocks, num_cached = ([], 0)
-            if seq.num_computed_tokens == 0:
+            if seq.num_computed_tokens == 0 and seq.prompt_logprobs is None:
                 computed_blocks, num_cached = self.block_manager.get_computed_blocks(seq)
             num_new = min(seq.num_tokens - seq.num_computed_tokens - num_cached, budget)
             if not self.block_manager.allocate_slots(seq, num_new, computed_blocks):

@@ -48,6 +48,9 @@ class Sequence:
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.output_logprobs: list[TokenLogprob] = []
+        # prompt_logprobs[i] for prompt token i (None for i = 0), filled as prefill chunks run.
+        self.prompt_logprobs: list[TokenLogprob | None] | None = (
+            [None] if sampling_params.prompt_logprobs is not None else None)
         self.sampling_params = sampling_params
         self.cache_salt = cache_salt
         self.status = SequenceStatus.WAITING

@@ -29,7 +29,7 @@ class AttentionMetadata:
 
 @dataclass
 class KVCache:
-    """Per-layer paged K/V pools ``[num_blocks, block_size, num_kv_heads, head_dim]`` with fp8 scales."""
+    """Per-layer paged K/V pools ``[num_kv_heads, num_blocks, block_size, head_dim]`` with fp8 scales."""
 
     key: list[torch.Tensor]
     value: list[torch.Tensor]
@@ -117,7 +117,9 @@ class LlamaForCausalLM(nn.Module):
                                                           scaling).to(device)
 
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Attach every weight (no copy). Tied embeddings share ``embed_tokens``; all slots must be filled."""
+        """Attach every weight (no copy); all slots must be filled. ``lm_head.weight`` is used when given, even
+        for tied embeddings (the daemon may store a packed copy of the embedding for the projection); otherwise
+        the head shares ``embed_tokens``."""
         for name, tensor in tensors.items():
             module_name, _, attr = name.rpartition(".")
             try:
@@ -127,7 +129,7 @@ class LlamaForCausalLM(nn.Module):
             if not isinstance(module, BoundModule):
                 raise WeightBindError(f"model has no weight slot {name!r}")
             module.bind(attr, tensor)
-        if self.config.tie_word_embeddings or "lm_head.weight" not in tensors:
+        if "lm_head.weight" not in tensors:
             object.__setattr__(self.lm_head, "weight", self.model.embed_tokens.weight)
         missing = [f"{m}.{a}" if m else a for m, mod in self.named_modules() if isinstance(mod, BoundModule)
                    for a, t in vars(mod).items() if isinstance(t, torch.Tensor) and t.is_meta]
@@ -145,5 +147,6 @@ class LlamaForCausalLM(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # In the model's dtype, then float32 for sampling: the same rounding as transformers' generate.
-        return torch.nn.functional.linear(hidden, self.lm_head.weight).float()
+        # In the model's dtype, then float32 for sampling: the same rounding as transformers' generate. Through
+        # kernels.linear so a packed head (PackedWeight) takes its fast path.
+        return kernels.linear(hidden, self.lm_head.weight).float()

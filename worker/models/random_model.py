@@ -88,3 +88,73 @@ def make_random_model(out_dir: str | Path, arch: str = "llama", *, seed: int = 0
         save_kwargs["max_shard_size"] = max_shard_size
     model.save_pretrained(out, **save_kwargs)
     return out
+
+
+LARGE_PRESETS: dict[str, dict[str, int]] = {
+    # ~1.0B parameters (Llama-3.2-1B-like shapes with a 32k vocabulary, untied).
+    "1b": dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=20,
+               num_attention_heads=32, num_key_value_heads=8),
+    # ~8B parameters (Llama-3-8B shapes).
+    "8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+               num_attention_heads=32, num_key_value_heads=8),
+}
+
+
+def make_large_random_model(out_dir: str | Path, preset: str = "1b", dtype: str = "bfloat16", seed: int = 0,
+                            shard_bytes: int = 2 << 30) -> Path:
+    """A large random Llama written tensor by tensor (no transformers model in memory), sharded with an index.
+
+    Weights are N(0, 0.02) like transformers' init; the point is size and shapes, not text quality."""
+    import torch
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    if (out / "config.json").is_file():
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    c = LARGE_PRESETS[preset]
+    h, i, L = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]
+    hd = h // c["num_attention_heads"]
+    kv = c["num_key_value_heads"] * hd
+    shapes: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (c["vocab_size"], h))]
+    for n in range(L):
+        p = f"model.layers.{n}."
+        shapes += [(p + "input_layernorm.weight", (h,)), (p + "post_attention_layernorm.weight", (h,)),
+                   (p + "self_attn.q_proj.weight", (h, h)), (p + "self_attn.k_proj.weight", (kv, h)),
+                   (p + "self_attn.v_proj.weight", (kv, h)), (p + "self_attn.o_proj.weight", (h, h)),
+                   (p + "mlp.gate_proj.weight", (i, h)), (p + "mlp.up_proj.weight", (i, h)),
+                   (p + "mlp.down_proj.weight", (h, i))]
+    shapes += [("model.norm.weight", (h,)), ("lm_head.weight", (c["vocab_size"], h))]
+    tdtype = getattr(torch, dtype)
+    gen = torch.Generator().manual_seed(seed)
+    weight_map: dict[str, str] = {}
+    shard: dict[str, torch.Tensor] = {}
+    size, index = 0, 0
+
+    def flush() -> None:
+        nonlocal shard, size, index
+        if shard:
+            index += 1
+            name = f"model-{index:05d}.safetensors"
+            save_file(shard, str(out / name), metadata={"format": "pt"})
+            weight_map.update({k: name for k in shard})
+            shard, size = {}, 0
+
+    for name, shape in shapes:
+        t = torch.ones(shape, dtype=tdtype) if len(shape) == 1 else \
+            (torch.randn(shape, generator=gen) * 0.02).to(tdtype)
+        if size + t.numel() * t.element_size() > shard_bytes:
+            flush()
+        shard[name] = t
+        size += t.numel() * t.element_size()
+    flush()
+    total = sum(torch.Size(s).numel() for _, s in shapes) * torch.empty((), dtype=tdtype).element_size()
+    (out / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+              "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
+              "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}, "dtype": dtype,
+              "bos_token_id": 1, "eos_token_id": 2, "head_dim": hd, **c}
+    make_tokenizer(out)
+    (out / "config.json").write_text(json.dumps(config, indent=1))  # last: marks the directory complete
+    return out

@@ -1,0 +1,168 @@
+"""Linear weights pre-packed for oneDNN and viewed in place in a read-only mapping (kernels/cpu_packed.py)."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from keepwarm import kernels
+from keepwarm.daemon.quantize import LAYOUT_MKLDNN_PACKED, QuantizationError, QuantMeta
+from keepwarm.kernels import cpu_packed
+from keepwarm.kernels.cpu_packed import PackedWeight, pack, packed_layout, packed_nbytes, packing_available
+
+BF16 = torch.bfloat16
+pytestmark = pytest.mark.skipif(
+    not cpu_packed._probe(BF16),
+    reason="bfloat16 weight packing unavailable here (needs mkldnn bf16 support and libtorch's AOTI C shim)")
+
+
+def _shm_dir(tmp_path: Path) -> Path:
+    # tmpfs, like the daemon's arenas; the test's own dir where /dev/shm is missing.
+    return Path("/dev/shm") if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tmp_path
+
+
+@pytest.fixture
+def readonly_packed(tmp_path: Path):
+    """Pack a weight, write its bytes to a tmpfs file at an offset, map it PROT_READ: (w, PackedWeight, mapping)."""
+    made: list[tuple[Path, mmap.mmap]] = []
+
+    def make(n: int, k: int, offset: int = 512) -> tuple[torch.Tensor, PackedWeight, mmap.mmap]:
+        w = torch.randn(n, k, generator=torch.Generator().manual_seed(n * 1000 + k)).to(BF16)
+        raw, desc = pack(w)
+        path = _shm_dir(tmp_path) / f"kw-test-packed-{os.getpid()}-{len(made)}.bin"
+        path.write_bytes(b"\0" * offset + raw.numpy().tobytes())
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            mapping = mmap.mmap(fd, offset + raw.numel(), flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        made.append((path, mapping))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # read-only buffer: PROT_READ enforces it
+            flat = torch.frombuffer(mapping, dtype=torch.uint8)
+        meta = QuantMeta("none", LAYOUT_MKLDNN_PACKED, None, (n, k), desc.hex())
+        return w, PackedWeight(meta, flat[offset:], BF16), mapping
+
+    yield make
+    for path, _ in made:
+        path.unlink(missing_ok=True)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 7, 33])
+def test_packed_linear_matches_f_linear_exactly(readonly_packed, rows: int, bias: bool) -> None:
+    w, pw, _ = readonly_packed(96, 64)
+    x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows)).to(BF16)
+    b = torch.randn(96, generator=torch.Generator().manual_seed(5)).to(BF16) if bias else None
+    assert torch.equal(kernels.linear(x, pw, b), F.linear(x, w, b))
+    assert torch.equal(pw.dequantize(BF16), w)
+
+
+def test_packed_weight_views_the_mapping_without_copy(readonly_packed) -> None:
+    import numpy as np
+
+    _, pw, mapping = readonly_packed(160, 96)
+    base = np.frombuffer(mapping, dtype=np.uint8).ctypes.data
+    addr = torch.ops.mkldnn.data_ptr(pw.tensor)
+    assert base <= addr and addr + pw.nbytes <= base + len(mapping)
+    assert addr == base + 512 and pw.shape == torch.Size((160, 96)) and pw.dtype == BF16
+
+
+def test_packed_nbytes_is_the_real_size() -> None:
+    for shape in [(960, 576), (576, 1536), (577, 333), (7, 5), (48, 32)]:
+        raw, desc = pack(torch.randn(shape).to(BF16))
+        assert packed_nbytes(shape, BF16) == raw.numel()
+        assert packed_layout(shape, BF16)[1] == desc  # the descriptor depends on shape and dtype only
+
+
+def test_descriptor_round_trips_through_quant_meta() -> None:
+    _, desc = pack(torch.randn(64, 32).to(BF16))
+    meta = QuantMeta("none", LAYOUT_MKLDNN_PACKED, None, (64, 32), desc.hex())
+    assert QuantMeta.from_dict(meta.to_dict()) == meta
+    assert bytes.fromhex(QuantMeta.from_dict(meta.to_dict()).descriptor or "") == desc
+    plain = QuantMeta("int8", "int8_channel", None, (64, 32))
+    assert "descriptor" not in plain.to_dict() and QuantMeta.from_dict(plain.to_dict()) == plain
+    with pytest.raises(QuantizationError):
+        QuantMeta.from_dict({**meta.to_dict(), "descriptor": None})
+    with pytest.raises(QuantizationError):
+        QuantMeta.from_dict({**meta.to_dict(), "scheme": "int8"})
+
+
+def test_only_bfloat16_packs() -> None:
+    assert packing_available(BF16)
+    assert not packing_available(torch.float32) and not packing_available(torch.float16)
+
+
+def _planned(model_dir: str, quantization: str = "none", dtype: torch.dtype = BF16) -> dict[str, list[str]]:
+    from keepwarm.daemon.checkpoint import Checkpoint
+    from keepwarm.daemon.loader import plan_arena
+
+    planned, _ = plan_arena(Checkpoint(model_dir), quantization, dtype, "cpu")
+    out: dict[str, list[str]] = {}
+    for p in planned:
+        out.setdefault(p.name, []).extend(e.part for e in p.entries)
+    return out
+
+
+def test_plan_packs_linears_and_head_and_env_turns_it_off(tiny_model_factory, monkeypatch) -> None:
+    tied = tiny_model_factory("llama3_tied")
+    parts = _planned(tied)
+    assert parts["model.layers.0.self_attn.qkv_proj.weight"] == ["packed"]
+    assert parts["model.layers.1.mlp.down_proj.weight"] == ["packed"]
+    assert parts["lm_head.weight"] == ["packed"]  # made from the tied embedding
+    assert parts["model.embed_tokens.weight"] == [""]  # stays plain for the lookup
+    assert parts["model.norm.weight"] == [""]
+    assert "packed" not in sum(_planned(tied, "int8").values(), [])
+    assert "packed" not in sum(_planned(tied, dtype=torch.float32).values(), [])
+    monkeypatch.setenv(cpu_packed.ENV_VAR, "0")
+    assert "packed" not in sum(_planned(tied).values(), []) and "lm_head.weight" not in _planned(tied)
+
+
+def _build(model_dir: str) -> tuple[object, dict]:
+    from keepwarm.daemon.arena import model_tensors
+    from keepwarm.daemon.checkpoint import Checkpoint
+    from keepwarm.daemon.loader import build_arena, plan_arena
+
+    ckpt = Checkpoint(model_dir)
+    progress: list[int] = []
+    _, total = plan_arena(ckpt, "none", BF16, "cpu")
+    flat = torch.empty(total, dtype=torch.uint8)
+    manifest = build_arena(ckpt, "none", "bfloat16", flat, "cpu", progress=progress.append, threads=2)
+    assert sum(progress) == ckpt.nbytes  # the derived head is not counted twice
+    return manifest, model_tensors(manifest, flat)
+
+
+def test_fingerprint_ignores_packing(tiny_model_factory, monkeypatch) -> None:
+    tied = tiny_model_factory("llama3_tied")
+    packed, tensors = _build(tied)
+    assert isinstance(tensors["lm_head.weight"], PackedWeight)
+    assert torch.equal(tensors["lm_head.weight"].dequantize(BF16), tensors["model.embed_tokens.weight"])
+    monkeypatch.setenv(cpu_packed.ENV_VAR, "0")
+    plain, tensors = _build(tied)
+    assert "lm_head.weight" not in tensors and not plain.quant
+    assert packed.fingerprint == plain.fingerprint and packed.arena_digest != plain.arena_digest
+
+
+@pytest.mark.parametrize("model_name", ["llama", "llama3_tied", "qwen2"])
+def test_llm_greedy_same_with_and_without_packing(tiny_model_factory, monkeypatch, model_name: str) -> None:
+    from keepwarm import LLM, SamplingParams
+
+    model = tiny_model_factory(model_name)
+    prompts = ["The quick brown fox", "Hello", "a b c d e f g"]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    outs = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv(cpu_packed.ENV_VAR, flag)
+        llm = LLM(model=model, dtype="bfloat16", daemon=False, max_model_len=128)
+        model_ = llm.llm_engine.loaded.model
+        assert isinstance(model_.lm_head.weight, PackedWeight) == (flag == "1")
+        assert isinstance(model_.model.layers[0].mlp.down_proj.weight, PackedWeight) == (flag == "1")
+        outs[flag] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        llm.close()
+    assert outs["1"] == outs["0"]

@@ -1,0 +1,168 @@
+"""The engine beside an asyncio event loop: one thread steps the engine, coroutines stream its outputs.
+
+The engine is not thread-safe, so only the engine thread touches it. Coroutines hand it commands (add, abort)
+through a queue and get outputs back through one ``asyncio.Queue`` per request, filled with
+``loop.call_soon_threadsafe``. Torch releases the GIL inside its kernels, so HTTP keeps flowing while a step runs.
+A request whose consumer goes away (client disconnect, cancelled task) is aborted and its KV blocks freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from keepwarm.worker.engine import LLMEngine, RequestError
+from keepwarm.worker.outputs import RequestOutput
+from keepwarm.worker.sampling_params import SamplingParams
+
+log = logging.getLogger("keepwarm.worker")
+
+
+@dataclass
+class EngineSnapshot:
+    """Figures copied out of the engine thread after every step (read by /metrics and /health)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    free_blocks: int = 0
+    total_blocks: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    steps: int = 0
+    finished: dict[str, int] = field(default_factory=dict)
+    last_step_time: float = 0.0
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._commands: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self._streams: dict[str, _Stream] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stopped = threading.Event()
+        self._accepting = True
+        self.snapshot = EngineSnapshot()
+        self.errored: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="keepwarm-engine", daemon=True)
+        self._thread.start()
+
+    # -- coroutine side ----------------------------------------------------------------------------------------
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive() and self.errored is None
+
+    @property
+    def num_in_flight(self) -> int:
+        with self._lock:
+            return len(self._streams)
+
+    def stop_accepting(self) -> None:
+        self._accepting = False
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       prompt: str | None = None, cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream the request's outputs (cumulative); raises RequestError for a request the engine refuses."""
+        if not self._accepting:
+            raise RequestError("the server is shutting down")
+        if not self.running:
+            raise RuntimeError(f"the engine is not running: {self.errored}")
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        with self._lock:
+            if request_id in self._streams:
+                raise RequestError(f"request id {request_id!r} is already in use")
+            self._streams[request_id] = stream
+        self._commands.put(("add", (request_id, prompt_token_ids, params, prompt, cache_salt)))
+        self._wake.set()
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            with self._lock:
+                self._streams.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+        self._wake.set()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stopped.set()
+        self._wake.set()
+        self._thread.join(timeout)
+
+    # -- engine thread -----------------------------------------------------------------------------------------
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        with self._lock:
+            stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                kind, arg = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                request_id, ids, params, prompt, salt = arg
+                try:
+                    self.engine.add_request(request_id, ids, params, prompt=prompt, cache_salt=salt)
+                except (RequestError, ValueError) as e:
+                    self._deliver(request_id, RequestError(str(e)))
+            elif kind == "abort" and self.engine.abort_request(arg):
+                log.debug("aborted request %s", arg)
+
+    def _run(self) -> None:
+        try:
+            while not self._stopped.is_set():
+                self._drain_commands()
+                if not self.engine.has_unfinished_requests():
+                    self._take_snapshot()
+                    self._wake.wait(timeout=0.5)
+                    self._wake.clear()
+                    continue
+                for out in self.engine.step():
+                    self._deliver(out.request_id, out)
+                self._take_snapshot()
+        except BaseException as e:  # the engine died: fail every waiting request rather than hang them
+            log.exception("engine loop failed")
+            self.errored = e
+            with self._lock:
+                ids = list(self._streams)
+            for rid in ids:
+                self._deliver(rid, RuntimeError(f"engine failed: {e}"))
+
+    def _take_snapshot(self) -> None:
+        e = self.engine
+        bm = e.block_manager
+        self.snapshot = EngineSnapshot(
+            num_running=e.num_running, num_waiting=e.num_waiting, kv_cache_usage=bm.usage,
+            free_blocks=bm.num_free_blocks, total_blocks=bm.num_blocks, prefix_cache_queries=bm.prefix_cache_queries,
+            prefix_cache_hits=bm.prefix_cache_hits, num_preemptions=e.scheduler.num_preemptions,
+            prompt_tokens=e.stats.prompt_tokens, generation_tokens=e.stats.generation_tokens, steps=e.stats.steps,
+            finished=dict(e.stats.finished), last_step_time=time.monotonic())
