@@ -50,6 +50,7 @@ from keepwarm.daemon.arena import (
 from keepwarm.daemon.checkpoint import Checkpoint
 from keepwarm.daemon.loader import build_arena, checkpoint_changed, plan_arena, resolve_dtype
 from keepwarm.daemon.protocol import (
+    PROTOCOL_VERSION,
     AttachArgs,
     EvictArgs,
     LeaseArgs,
@@ -199,14 +200,28 @@ class Daemon:
         log.info("keepwarm daemon %s ready: pid %d, socket %s, device %s, arenas in %s, budget %s",
                  __version__, os.getpid(), sock_path, self.device_name, self.arena_dir,
                  "none" if self.memory_budget is None else f"{self.memory_budget / 1e9:.2f} GB")
-        sd_notify("READY=1")
         poller = zmq.Poller()
         poller.register(router, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
+        # Under systemd (Type=notify), READY=1 goes out only once a `status` sent through the socket, exactly
+        # as a client sends it, has been answered by this loop: units ordered After= us can use us at once.
+        probe: zmq.Socket | None = None
+        if os.environ.get("NOTIFY_SOCKET"):
+            probe = ctx.socket(zmq.DEALER)
+            probe.setsockopt(zmq.LINGER, 0)
+            probe.connect(paths.endpoint(self.runtime_dir))
+            probe.send(encode({"v": PROTOCOL_VERSION, "id": "sd-ready-probe", "verb": "status", "args": {}}))
+            poller.register(probe, zmq.POLLIN)
         last_reap = last_progress = time.monotonic()
         try:
             while not self._stop:
                 events = dict(poller.poll(timeout=int(PROGRESS_INTERVAL_S * 1000)))
+                if probe is not None and probe in events:
+                    probe.recv()  # our own status answered: the socket serves clients
+                    poller.unregister(probe)
+                    probe.close(linger=0)
+                    probe = None
+                    sd_notify(f"READY=1\nSTATUS=serving on {sock_path}\nMAINPID={os.getpid()}")
                 if router in events:
                     while True:
                         try:
@@ -226,6 +241,9 @@ class Daemon:
                     self.reap_leases()
                     last_reap = now
         finally:
+            sd_notify("STOPPING=1")
+            if probe is not None:
+                probe.close(linger=0)
             self.shutdown_cleanup()
             router.close(linger=500)
             ctx.term()
@@ -611,13 +629,21 @@ def pid_alive(pid: int) -> bool:
 
 
 def sd_notify(state: str) -> bool:
-    """Tell systemd (Type=notify) our state, when it started us; a no-op otherwise."""
+    """Tell systemd (Type=notify) our state, when it started us; a no-op otherwise.
+
+    ``state`` is newline-separated ``KEY=value`` pairs (``READY=1``, ``STOPPING=1``, ``STATUS=...``). A notify
+    socket that cannot be reached is logged, never fatal: the daemon keeps serving (systemd will time it out).
+    """
     addr = os.environ.get("NOTIFY_SOCKET")
     if not addr:
         return False
     if addr.startswith("@"):
         addr = "\0" + addr[1:]
-    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
-        s.connect(addr)
-        s.sendall(state.encode())
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
+            s.connect(addr)
+            s.sendall(state.encode())
+    except OSError as e:
+        log.warning("sd_notify(%s) to %s failed: %s", state.split("\n", 1)[0], os.environ["NOTIFY_SOCKET"], e)
+        return False
     return True

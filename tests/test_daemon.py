@@ -448,3 +448,33 @@ def test_llm_without_daemon_says_disk(runtime_dir, tiny_llama, caplog) -> None:
     assert llm.weights_source == "disk"
     assert llm.llm_engine.loaded.fallback_reason.startswith("no keepwarm daemon answers")
     assert any("weights from disk, not the daemon" in r.message for r in caplog.records)
+
+
+def test_bfloat16_packed_weights_are_viewed_in_the_arena(daemon, runtime_dir, tiny_model_factory,
+                                                         monkeypatch) -> None:
+    import torch
+
+    from keepwarm import LLM, SamplingParams
+    from keepwarm.kernels import cpu_packed
+
+    if not cpu_packed.packing_available(torch.bfloat16):
+        pytest.skip("bfloat16 weight packing unavailable here (mkldnn bf16 support or libtorch's C shim)")
+    model = tiny_model_factory("llama3_tied")
+    daemon()  # packing on (the default) in the daemon
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = [[5, 6, 7, 8, 9], list(range(20, 60))]
+    llm = LLM(model=model, dtype="bfloat16", daemon=True, runtime_dir=str(runtime_dir), max_model_len=128)
+    try:
+        assert llm.weights_source == "daemon"
+        flat = llm.llm_engine.loaded.attachment.storage.flat  # the worker's read-only mapping
+        m = llm.llm_engine.loaded.model
+        for w in (m.lm_head.weight, m.model.layers[0].self_attn.qkv_proj.weight):
+            assert isinstance(w, cpu_packed.PackedWeight)
+            addr = torch.ops.mkldnn.data_ptr(w.tensor)
+            assert flat.data_ptr() <= addr and addr + w.nbytes <= flat.data_ptr() + flat.numel()  # no copy
+        packed = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    finally:
+        llm.close()
+    monkeypatch.setenv(cpu_packed.ENV_VAR, "0")
+    plain = LLM(model=model, dtype="bfloat16", daemon=False, max_model_len=128)
+    assert [o.outputs[0].token_ids for o in plain.generate(prompts, params)] == packed

@@ -508,8 +508,23 @@ def systemd_socket() -> socket.socket | None:
     for var in ("LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES"):
         os.environ.pop(var, None)  # not inherited by children
     sock = socket.socket(fileno=3)
+    sock.set_inheritable(False)  # e.g. a daemon the engine starts must not hold the listening socket
     sock.setblocking(False)
     return sock
+
+
+def _listen_backlog() -> int:
+    """The backlog to re-``listen()`` an inherited socket with: the kernel's maximum (``net.core.somaxconn``).
+
+    asyncio calls ``listen()`` again on a socket it is given, which replaces the queue length systemd set
+    (``Backlog=``); asking for the maximum never shrinks it, so connections that arrive while the server restarts
+    keep waiting in the kernel's queue.
+    """
+    try:
+        with open("/proc/sys/net/core/somaxconn") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return socket.SOMAXCONN
 
 
 def create_engine(config: ServerConfig) -> LLMEngine:
@@ -541,6 +556,8 @@ def serve(config: ServerConfig, process_start: float | None = None) -> int:
     if config.threads:
         torch.set_num_threads(config.threads)
     t0 = time.perf_counter()
+    # Take systemd's socket (and drop LISTEN_*) before anything can start a child process.
+    inherited = systemd_socket()
     engine = create_engine(config)
     names = config.served_model_name or [config.model or "SmolLM2-135M-Instruct"]
     state = ServerState(config, engine, AsyncEngine(engine), names)
@@ -550,9 +567,9 @@ def serve(config: ServerConfig, process_start: float | None = None) -> int:
         from keepwarm.worker.api.grpc_server import start_grpc_server
 
         grpc_server = start_grpc_server(state, config.host, config.grpc_port)
-    inherited = systemd_socket()
     uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level=config.uvicorn_log_level,
-                               timeout_graceful_shutdown=config.shutdown_timeout, access_log=False)
+                               timeout_graceful_shutdown=config.shutdown_timeout, access_log=False,
+                               **({"backlog": _listen_backlog()} if inherited else {}))
 
     class _Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: Any) -> None:
@@ -576,10 +593,13 @@ def serve(config: ServerConfig, process_start: float | None = None) -> int:
         print(f"  try: curl http://{config.host}:{config.port}/v1/completions -H 'Content-Type: application/json' "
               f"-d '{{\"model\": \"{names[0]}\", \"prompt\": \"The capital of France is\", \"max_tokens\": 16}}'",
               flush=True)
+    # uvicorn re-raises the signal it caught once it has shut down, under the handler that was installed
+    # before it; make that one a no-op so a drained SIGTERM ends in exit status 0, not death by signal.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
     try:
         server.run(sockets=[inherited] if inherited else None)
     finally:
         if grpc_server is not None:
             grpc_server.stop(grace=1.0)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     return 0

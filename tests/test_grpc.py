@@ -1,0 +1,248 @@
+"""The gRPC API (`keepwarm serve --grpc`) on a real server process, driven by a real grpc channel."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+
+from keepwarm.worker.api.grpc_gen import keepwarm_pb2 as pb
+from keepwarm.worker.api.grpc_gen import keepwarm_pb2_grpc as pb_grpc
+
+ROOT = Path(__file__).resolve().parents[1]
+GEN = ROOT / "worker" / "api" / "grpc_gen"
+SHUTDOWN_TIMEOUT = 10.0
+PROMPT = "The quick brown"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class GrpcServerProc:
+    def __init__(self, model: str) -> None:
+        self.port, self.grpc_port = free_port(), free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "keepwarm.cli.main", "serve", model, "--grpc", "--grpc-port", str(self.grpc_port),
+               "--port", str(self.port), "--no-daemon", "--dtype", "float32", "--max-model-len", "256",
+               "--threads", "1", "--shutdown-timeout", str(SHUTDOWN_TIMEOUT)]
+        self.log = tempfile.NamedTemporaryFile(prefix="kw-grpc-", suffix=".log", delete=False)  # noqa: SIM115
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, "OMP_NUM_THREADS": "1"})
+        self.wait_ready()
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.grpc_port}")
+        grpc.channel_ready_future(self.channel).result(timeout=30)
+        self.stub = pb_grpc.KeepwarmStub(self.channel)
+
+    def wait_ready(self, timeout: float = 90.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"server exited {self.proc.returncode}: {self.output()}")
+            try:
+                if httpx.get(self.base + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise AssertionError(f"server not ready: {self.output()}")
+
+    def output(self) -> str:
+        return Path(self.log.name).read_text()
+
+    def metrics(self) -> dict[str, float]:
+        """Samples by name with labels, e.g. ``vllm:request_success{...,finished_reason="abort"}``."""
+        out = {}
+        for line in httpx.get(self.base + "/metrics").text.splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.rsplit(" ", 1)
+                out[name] = float(value)
+        return out
+
+    def metric(self, prefix: str, **labels: str) -> float:
+        want = [f'{k}="{v}"' for k, v in labels.items()]
+        for name, value in self.metrics().items():
+            if name.split("{")[0] == prefix and all(w in name for w in want):
+                return value
+        raise KeyError(prefix)
+
+    def stop(self) -> int:
+        self.channel.close()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                return self.proc.wait(timeout=SHUTDOWN_TIMEOUT + 15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+                raise AssertionError(f"no exit within the shutdown timeout: {self.output()}") from None
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama):
+    s = GrpcServerProc(tiny_llama)
+    yield s
+    code = s.stop()
+    assert code == 0, s.output()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_llama):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_llama)
+
+
+@pytest.fixture(scope="module")
+def vocab_size(tiny_llama) -> int:
+    return json.loads((Path(tiny_llama) / "config.json").read_text())["vocab_size"]
+
+
+def greedy(max_tokens: int, **kw) -> pb.SamplingParams:
+    return pb.SamplingParams(max_tokens=max_tokens, temperature=0, **kw)
+
+
+def collect(stream) -> dict[int, dict]:
+    choices: dict[int, dict] = {}
+    for m in stream:
+        c = choices.setdefault(m.index, {"text": "", "ids": [], "logprobs": [], "finish": None, "usage": None})
+        assert c["finish"] is None, "a message after the choice's last one"
+        c["text"] += m.text
+        c["ids"] += list(m.token_ids)
+        c["logprobs"] += list(m.logprobs)
+        if m.HasField("finish_reason"):
+            c["finish"] = m.finish_reason
+        if m.HasField("usage"):
+            c["usage"] = m.usage
+    return choices
+
+
+def test_generated_code_matches_make_proto(tmp_path) -> None:
+    """The committed worker/api/grpc_gen/ is exactly what `make proto` writes from keepwarm.proto."""
+    pytest.importorskip("grpc_tools")
+    if shutil.which("make") is None:
+        pytest.skip("make is not installed")
+    # -o: run only the proto recipe, never the venv set-up it depends on; BIN: this interpreter's grpc_tools.
+    subprocess.run(["make", "-s", "-o", ".venv/.dev-installed", "proto", f"PROTO_OUT={tmp_path}",
+                    f"BIN={Path(sys.executable).parent}"], cwd=ROOT, check=True, capture_output=True)
+    names = ["__init__.py", "keepwarm_pb2.py", "keepwarm_pb2_grpc.py", "keepwarm_pb2.pyi"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names)
+    for name in names:
+        assert (tmp_path / name).read_text() == (GEN / name).read_text(), f"{name} is stale: run `make proto`"
+    assert "from . import keepwarm_pb2 as" in (GEN / "keepwarm_pb2_grpc.py").read_text()
+
+
+def test_models_and_health(server, tiny_llama) -> None:
+    models = server.stub.Models(pb.ModelsRequest(), timeout=10)
+    assert list(models.ids) == [tiny_llama] and models.max_model_len == 256
+    health = server.stub.Health(pb.HealthRequest(), timeout=10)
+    assert health.status == pb.HealthResponse.SERVING
+    http = httpx.get(server.base + "/health").json()["weights"]
+    assert health.weights_source == "disk" == http["source"]
+    assert health.fingerprint == (http["fingerprint"] or "") and health.attach_seconds == http["attach_seconds"]
+    assert health.model == tiny_llama and health.version
+
+
+def test_greedy_stream_matches_http(server, tokenizer) -> None:
+    http = httpx.post(server.base + "/v1/completions", timeout=60,
+                      json={"prompt": PROMPT, "max_tokens": 12, "temperature": 0, "logprobs": 0}).json()
+    stream = list(server.stub.Generate(pb.GenerateRequest(prompt=PROMPT, sampling_params=greedy(12)), timeout=60))
+    assert len(stream) > 1 and len({m.request_id for m in stream}) == 1 and stream[0].request_id
+    assert [m.HasField("usage") for m in stream] == [False] * (len(stream) - 1) + [True]
+    (c,) = collect(iter(stream)).values()
+    h = http["choices"][0]
+    assert c["text"] == h["text"] and c["finish"] == h["finish_reason"] == "length"
+    assert [tokenizer.decode([t]) for t in c["ids"]] == h["logprobs"]["tokens"] and len(c["ids"]) == 12
+    assert c["usage"].prompt_tokens == http["usage"]["prompt_tokens"]
+    assert c["usage"].completion_tokens == http["usage"]["completion_tokens"] == 12
+    # The same prompt as token ids (tokenized as the server does) gives the same tokens.
+    ids = tokenizer.encode(PROMPT)
+    by_ids = collect(server.stub.Generate(pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=ids),
+                                                             sampling_params=greedy(12)), timeout=60))
+    assert by_ids[0]["ids"] == c["ids"] and by_ids[0]["text"] == c["text"]
+    # n, logprobs, a stop string, a named model, a chosen request id.
+    both = collect(server.stub.Generate(pb.GenerateRequest(
+        model=server.stub.Models(pb.ModelsRequest()).ids[0], prompt=PROMPT, request_id="mine-1",
+        sampling_params=greedy(4, n=2, logprobs=2)), timeout=60))
+    assert sorted(both) == [0, 1] and all(x["ids"] == c["ids"][:4] for x in both.values())
+    print({k: (len(x["logprobs"]), [len(t.top) for t in x["logprobs"]]) for k, x in both.items()})
+    assert all(len(x["logprobs"]) == 4 and len(x["logprobs"][0].top) == 2 for x in both.values())
+    assert both[0]["logprobs"][0].token_id == c["ids"][0]
+    stop = next(c["text"][i:i + 2] for i in range(2, len(c["text"]) - 2) if c["text"][i:i + 2].strip())
+    cut = collect(server.stub.Generate(pb.GenerateRequest(prompt=PROMPT, sampling_params=greedy(12, stop=[stop])),
+                                       timeout=60))[0]
+    assert cut["text"] == c["text"][: c["text"].index(stop)] and cut["finish"] == "stop"
+
+
+def bad_requests(vocab: int) -> list[tuple[str, pb.GenerateRequest, grpc.StatusCode, str]]:
+    invalid = grpc.StatusCode.INVALID_ARGUMENT
+    return [
+        ("temperature", pb.GenerateRequest(prompt="x", sampling_params=pb.SamplingParams(temperature=-1)), invalid,
+         "temperature"),
+        ("empty prompt", pb.GenerateRequest(prompt=""), invalid, "empty"),
+        ("empty ids", pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=[])), invalid, "empty"),
+        ("no prompt", pb.GenerateRequest(), invalid, "prompt"),
+        ("too long", pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=[7] * 300)), invalid, "context length"),
+        ("too many tokens", pb.GenerateRequest(prompt="x", sampling_params=pb.SamplingParams(max_tokens=400)),
+         invalid, "context length"),
+        ("id out of vocab", pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=[1, vocab])), invalid,
+         f"[0, {vocab})"),
+        ("negative id", pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=[-1])), invalid, f"[0, {vocab})"),
+        ("top_p", pb.GenerateRequest(prompt="x", sampling_params=pb.SamplingParams(top_p=0)), invalid, "top_p"),
+        ("n", pb.GenerateRequest(prompt="x", sampling_params=pb.SamplingParams(n=0)), invalid, "n must"),
+        ("logprobs", pb.GenerateRequest(prompt="x", sampling_params=pb.SamplingParams(logprobs=50)), invalid,
+         "logprobs"),
+        ("nan", pb.GenerateRequest(prompt="x", sampling_params=pb.SamplingParams(temperature=float("nan"))),
+         invalid, "temperature"),
+        ("unknown model", pb.GenerateRequest(model="nope", prompt="x"), grpc.StatusCode.NOT_FOUND, "nope"),
+    ]
+
+
+def test_bad_requests_get_status_codes_and_server_keeps_serving(server, vocab_size) -> None:
+    for what, request, code, needle in bad_requests(vocab_size):
+        with pytest.raises(grpc.RpcError) as e:
+            list(server.stub.Generate(request, timeout=30))
+        assert e.value.code() == code, (what, e.value.code(), e.value.details())
+        details = e.value.details()
+        assert needle in details and "\n" not in details, (what, details)
+        assert server.stub.Models(pb.ModelsRequest(), timeout=10).max_model_len == 256, what
+    ok = collect(server.stub.Generate(pb.GenerateRequest(prompt="x", sampling_params=greedy(2)), timeout=60))
+    assert len(ok[0]["ids"]) == 2 and ok[0]["finish"] == "length"
+
+
+def test_cancelled_stream_aborts_and_frees_kv(server) -> None:
+    aborted = server.metric("vllm:request_success", finished_reason="abort")
+    total = server.metric("keepwarm:kv_cache_total_blocks")
+    # n=16 long sequences: far more work than the few messages read before cancelling.
+    call = server.stub.Generate(pb.GenerateRequest(prompt=PROMPT, sampling_params=pb.SamplingParams(
+        max_tokens=240, temperature=1.0, seed=1, ignore_eos=True, n=16)), timeout=120)
+    first = [next(call) for _ in range(3)]
+    assert all(not m.HasField("finish_reason") for m in first)
+    assert server.metric("keepwarm:kv_cache_free_blocks") < total  # the request holds blocks
+    call.cancel()
+    with pytest.raises(grpc.RpcError) as e:
+        list(call)
+    assert e.value.code() == grpc.StatusCode.CANCELLED
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if server.metric("keepwarm:kv_cache_free_blocks") == total and \
+                server.metric("vllm:request_success", finished_reason="abort") > aborted:
+            break
+        time.sleep(0.1)
+    assert server.metric("keepwarm:kv_cache_free_blocks") == total
+    assert server.metric("vllm:request_success", finished_reason="abort") == aborted + 16
+    assert server.stub.Health(pb.HealthRequest(), timeout=10).status == pb.HealthResponse.SERVING
