@@ -25,7 +25,7 @@ $(DEV): $(RUNTIME) requirements-dev.txt
 	touch $@
 
 run: $(RUNTIME)
-	$(BIN)/keepwarm generate
+	$(BIN)/keepwarm up
 
 test: $(DEV)
 	$(BIN)/python -m pytest

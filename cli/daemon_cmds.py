@@ -94,6 +94,33 @@ def _progress_printer() -> Any:
     return show
 
 
+def preload_model(model: str | None, quantization: str = "none", dtype: str = "auto",
+                  memory_budget: str | None = None, device: str = "cpu") -> str:
+    """Preload through the daemon (started if needed) with a progress bar on stderr; returns the model path."""
+    from keepwarm.daemon.client import ensure_daemon
+
+    if model is None:
+        from keepwarm.worker.default_model import default_model
+
+        model = str(default_model())
+    model = str(Path(model).absolute()) if Path(model).exists() else model
+    client, started = ensure_daemon(memory_budget=memory_budget, device=device)
+    if started:
+        typer.echo(f"started the keepwarm daemon ({client.socket_path})", err=True)
+    show = _progress_printer()
+    t0 = time.perf_counter()
+    try:
+        reply = client.preload(model, quantization, dtype, on_event=show)
+    finally:
+        show.finish()
+        client.close()
+    secs = time.perf_counter() - t0
+    how = "already resident" if reply.get("cached") else f"loaded in {secs:.2f}s"
+    typer.echo(f"{reply['name']}: {how}; {reply['bytes'] / 1e6:.1f} MB, {reply['quantization']}, "
+               f"{reply['dtype']}, fingerprint {reply['fingerprint'][:16]}", err=True)
+    return model
+
+
 def register(app: typer.Typer) -> None:
     app.add_typer(daemon_app, name="daemon")
 
@@ -107,35 +134,12 @@ def register(app: typer.Typer) -> None:
         device: Annotated[str, typer.Option(help="Device of a daemon started now.")] = "cpu",
     ) -> None:
         """Make MODEL resident in the daemon (starting a daemon if none answers); returns when it is."""
-        from keepwarm.daemon.client import DaemonError, ensure_daemon
+        from keepwarm.daemon.client import DaemonError
 
-        if model is None:
-            from keepwarm.worker.default_model import default_model
-
-            model = str(default_model())
         try:
-            client, started = ensure_daemon(memory_budget=memory_budget, device=device)
+            preload_model(model, quantization, dtype, memory_budget, device)
         except DaemonError as e:
             _fail(e.message)
-            return
-        if started:
-            typer.echo(f"started the keepwarm daemon ({client.socket_path})", err=True)
-        show = _progress_printer()
-        t0 = time.perf_counter()
-        try:
-            reply = client.preload(str(Path(model).absolute()) if Path(model).exists() else model, quantization,
-                                   dtype, on_event=show)
-        except DaemonError as e:
-            show.finish()
-            _fail(e.message)
-            return
-        finally:
-            client.close()
-        show.finish()
-        secs = time.perf_counter() - t0
-        how = "already resident" if reply.get("cached") else f"loaded in {secs:.2f}s"
-        typer.echo(f"{reply['name']}: {how}; {reply['bytes'] / 1e6:.1f} MB, {reply['quantization']}, "
-                   f"{reply['dtype']}, fingerprint {reply['fingerprint'][:16]}")
 
     @app.command()
     def status(json_out: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False) -> None:

@@ -3,12 +3,40 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Annotated
 
 import typer
 
 
 def register(app: typer.Typer) -> None:
+    @app.command()
+    def up(
+        model: Annotated[str | None, typer.Argument(help="Model directory (default: bundled SmolLM2).")] = None,
+        host: Annotated[str, typer.Option("--host")] = "127.0.0.1",
+        port: Annotated[int, typer.Option("--port")] = 8000,
+        quantization: Annotated[str, typer.Option("--quantization", "-q")] = "none",
+        api_key: Annotated[str | None, typer.Option("--api-key", envvar="KEEPWARM_API_KEY")] = None,
+    ) -> None:
+        """Start the daemon (if none runs), preload MODEL with a progress bar, and serve it (what `make run` does)."""
+        start = time.time()
+        from keepwarm.cli.daemon_cmds import preload_model
+        from keepwarm.cli.main import fail
+        from keepwarm.daemon.client import DaemonError
+        from keepwarm.worker.api.config import ServerConfig
+        from keepwarm.worker.api.server import serve as run_server
+        from keepwarm.worker.models.config import ModelConfigError
+
+        try:
+            path = preload_model(model, quantization, "auto")
+            names = [Path(path).name] if model is None else None  # the bundled model: its short name
+            code = run_server(ServerConfig(model=path, host=host, port=port, quantization=quantization,
+                                           api_key=api_key, served_model_name=names), process_start=start)
+        except (ModelConfigError, DaemonError, FileNotFoundError, ValueError) as e:
+            fail(str(e))
+            return
+        raise typer.Exit(code)
+
     @app.command(context_settings={"help_option_names": ["-h", "--help"]})
     def serve(
         model: Annotated[str | None, typer.Argument(help="Model directory (default: bundled SmolLM2).")] = None,

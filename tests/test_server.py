@@ -32,9 +32,10 @@ class ServerProc:
         self.base = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "keepwarm.cli.main", "serve", model, "--port", str(self.port), "--dtype",
                "float32", "--max-model-len", "256", "--threads", "1", *args]
-        self.log = tempfile.NamedTemporaryFile(prefix="kw-serve-", suffix=".log", delete=False)
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+        fd, self.log_path = tempfile.mkstemp(prefix="kw-serve-", suffix=".log")
+        with os.fdopen(fd, "wb") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                         env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
         self.wait_ready()
 
     def wait_ready(self, timeout: float = 90.0) -> None:
@@ -51,7 +52,7 @@ class ServerProc:
         raise AssertionError(f"server not ready: {self.output()}")
 
     def output(self) -> str:
-        return Path(self.log.name).read_text()
+        return Path(self.log_path).read_text()
 
     def metrics(self) -> dict[str, float]:
         out = {}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import tomllib
+import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -70,8 +71,8 @@ FIELDS = {f.name for f in dataclasses.fields(ServerConfig)}
 
 def _check(key: str, value: Any) -> Any:
     hint = _HINTS[key]
-    args = typing.get_args(hint)
-    allowed = args if args else (hint,)
+    # A union (``int | None``) allows each member; anything else (``list[str]``) is itself the one allowed type.
+    allowed = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
     for t in allowed:
         origin = typing.get_origin(t) or t
         if t is type(None) and value is None:
