@@ -193,6 +193,7 @@ def test_socket_activation_queues_connections_across_restart(tiny_llama: str, tm
         assert status == 200 and b'"text_completion"' in reply, reply
         assert second.poll() is None
         assert _stop(second, log) == 0, log.read_text()
+        assert log.read_text().count("on systemd socket fd 3") == 2, log.read_text()
     finally:
         for p in procs:
             if p.poll() is None:

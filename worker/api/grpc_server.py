@@ -88,6 +88,10 @@ def _prepare(state: ServerState, request: pb.GenerateRequest
     return ids, text, _sampling_params(sp, max_tokens), salt
 
 
+class GrpcServerError(ValueError):
+    """The gRPC server cannot start (e.g. its port is taken); `keepwarm serve` prints it as a one-line error."""
+
+
 class KeepwarmServicer(pb_grpc.KeepwarmServicer):
     def __init__(self, state: ServerState) -> None:
         self.state = state
@@ -157,9 +161,10 @@ class KeepwarmServicer(pb_grpc.KeepwarmServicer):
                 continue
             m = pb.GenerateResponse(request_id=rid, index=c.index, text=delta, token_ids=new_ids)
             if params.logprobs is not None and c.logprobs:
+                # Bounded by the token count: the engine thread may already have appended the next step's entry.
                 m.logprobs.extend(pb.TokenLogprob(token_id=x.token_id, logprob=x.logprob,
                                                   top=[pb.TopLogprob(token_id=t, logprob=lp) for t, lp in x.top])
-                                  for x in c.logprobs[sk:])
+                                  for x in c.logprobs[sk:len(c.token_ids)])
             if c.finished:
                 m.finish_reason = c.finish_reason
                 if isinstance(c.stop_reason, str):
@@ -216,8 +221,9 @@ class GrpcServer:
         pb_grpc.add_KeepwarmServicer_to_server(KeepwarmServicer(state), server)
         try:
             bound = server.add_insecure_port(f"{_host(host)}:{port}")
-        except RuntimeError as e:
-            raise OSError(f"gRPC cannot listen on {_host(host)}:{port}: {e}") from None
+        except RuntimeError:
+            raise GrpcServerError(f"gRPC cannot listen on {_host(host)}:{port} (in use? choose another with "
+                                  "--grpc-port)") from None
         await server.start()
         self._server = server
         ready.set_result(bound)

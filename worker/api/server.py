@@ -168,7 +168,11 @@ def build_app(state: ServerState) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
         yield
-        # Shutdown: the server has stopped accepting and drained (or timed out); release the weights' lease.
+        # Shutdown: HTTP has stopped accepting and drained (or timed out). Requests from other front ends (gRPC
+        # streams) get the rest of the shutdown timeout; then release the engine and the weights' lease.
+        deadline = time.monotonic() + state.config.shutdown_timeout
+        while state.async_engine.num_in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
         state.async_engine.shutdown()
         state.engine.close()
 
