@@ -42,7 +42,7 @@ from keepwarm.daemon.quantize import (
     quantized_layout,
     validate_scheme,
 )
-from keepwarm.kernels.cpu_packed import pack, packed_layout, packing_available
+from keepwarm.kernels.cpu_packed import pack, packed_layout, packed_nbytes, packing_available
 from keepwarm.worker.models.config import parse_dtype
 
 Progress = Callable[[int], None]  # called with the number of source bytes just processed
@@ -91,7 +91,7 @@ def plan_arena(ckpt: Checkpoint, quantization: str, dtype: torch.dtype, device_t
         if quantized:
             layout = quantized_layout(t.shape, quantization, dtype, device_type)
         elif packed:
-            layout = {"packed": (torch.uint8, (packed_layout(tuple(t.shape), dtype)[0],))}
+            layout = {"packed": (torch.uint8, (packed_nbytes(t.shape, dtype),))}
         elif t.dtype.is_floating_point:
             layout = {"": (dtype, t.shape)}
         else:

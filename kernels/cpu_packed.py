@@ -169,7 +169,9 @@ def packed_layout(shape: tuple[int, int], dtype: torch.dtype) -> tuple[int, byte
 
 
 def packed_nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
-    return packed_layout(tuple(int(s) for s in shape), dtype)[0]  # type: ignore[arg-type]
+    """Bytes the packed weight takes in the arena (exact: see :func:`packed_layout`)."""
+    n, k = shape
+    return packed_layout((int(n), int(k)), dtype)[0]
 
 
 # ---------------------------------------------------------------------------------------------- the weight

@@ -22,6 +22,11 @@ pytestmark = pytest.mark.skipif(
     reason="bfloat16 weight packing unavailable here (needs mkldnn bf16 support and libtorch's AOTI C shim)")
 
 
+@pytest.fixture(autouse=True)
+def _packing_on(monkeypatch) -> None:
+    monkeypatch.setenv(cpu_packed.ENV_VAR, "1")  # tests turn it off themselves; an outer =0 must not leak in
+
+
 def _shm_dir(tmp_path: Path) -> Path:
     # tmpfs, like the daemon's arenas; the test's own dir where /dev/shm is missing.
     return Path("/dev/shm") if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tmp_path
