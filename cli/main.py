@@ -15,7 +15,11 @@ app = typer.Typer(help="Keep LLM weights warm in a daemon; serve them from resta
 
 
 def _add_subcommands() -> None:
-    from keepwarm.cli import daemon_cmds, serve_cmd
+    from keepwarm.cli import (
+        bench_serving,  # noqa: F401  (registers `bench restart` and `bench serving`)
+        daemon_cmds,
+        serve_cmd,
+    )
     from keepwarm.cli.bench import bench_app
 
     app.add_typer(bench_app, name="bench")

@@ -138,6 +138,7 @@ def wait_for(predicate, timeout: float = 20.0, interval: float = 0.1):
     raise AssertionError("condition not met in time")
 
 
+@pytest.mark.slow
 def test_two_workers_attach_share_and_cannot_write(daemon, runtime_dir, medium_model) -> None:
     d = daemon()
     with d.client() as c:
@@ -180,6 +181,7 @@ def test_two_workers_attach_share_and_cannot_write(daemon, runtime_dir, medium_m
             w1.proc.kill()
 
 
+@pytest.mark.slow
 def test_kill9_worker_then_daemon_readopts(daemon, runtime_dir, tiny_llama) -> None:
     d = daemon("--lease-ttl", "30")
     w = Worker(tiny_llama, runtime_dir)

@@ -20,6 +20,9 @@ import pytest
 from keepwarm.worker.api.grpc_gen import keepwarm_pb2 as pb
 from keepwarm.worker.api.grpc_gen import keepwarm_pb2_grpc as pb_grpc
 
+# End-to-end: real server processes. CI runs them (make test); skip locally with -m "not slow".
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 GEN = ROOT / "worker" / "api" / "grpc_gen"
 SHUTDOWN_TIMEOUT = 10.0

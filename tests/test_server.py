@@ -19,6 +19,8 @@ import pytest
 
 from keepwarm import LLM, SamplingParams
 
+# End-to-end: real server processes. CI runs them (make test); skip locally with -m "not slow".
+pytestmark = pytest.mark.slow
 
 def free_port() -> int:
     with socket.socket() as s:

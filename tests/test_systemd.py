@@ -20,6 +20,9 @@ import pytest
 from keepwarm.daemon import paths
 from keepwarm.daemon.client import DaemonClient
 
+# End-to-end: real server processes. CI runs them (make test); skip locally with -m "not slow".
+pytestmark = pytest.mark.slow
+
 UNIT_DIR = Path(__file__).resolve().parents[1] / "systemd"
 UNITS = ("keepwarm-daemon.service", "keepwarm-server.service", "keepwarm.socket")
 VENV_KEEPWARM = Path(sys.executable).parent / "keepwarm"
