@@ -206,3 +206,23 @@ def load_fused_tensors(ckpt: Checkpoint, dtype: torch.dtype | None = None, threa
 
     with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
         return dict(pool.map(load, specs))
+
+
+def tensors_from_buffer(flat: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Views (no copy) of every tensor in a safetensors file held in a uint8 buffer, e.g. a read-only mapping."""
+    raw = bytes(flat[:8].numpy())
+    (n,) = struct.unpack("<Q", raw)
+    if n > flat.numel() - 8:
+        raise ValueError("not a safetensors buffer (header size)")
+    header = json.loads(bytes(flat[8:8 + n].numpy()))
+    base = 8 + n
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = SAFETENSORS_DTYPES[info["dtype"]]
+        begin, end = info["data_offsets"]
+        if base + end > flat.numel():
+            raise ValueError(f"tensor {name!r} extends past the buffer")
+        out[name] = flat[base + begin:base + end].view(dtype).view(tuple(info["shape"]))
+    return out

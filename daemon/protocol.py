@@ -58,6 +58,22 @@ class EvictArgs:
 
 
 @dataclass(frozen=True)
+class LoadAdapterArgs:
+    path: str
+
+
+@dataclass(frozen=True)
+class UnloadAdapterArgs:
+    adapter: str  # a digest (or its prefix), the adapter's path, or its directory name
+
+
+@dataclass(frozen=True)
+class LoadImageArgs:
+    manifest: str  # the arena manifest (JSON) of the image
+    image: str  # absolute path of the image file: the arena's bytes (e.g. a snapshot blob), read by the daemon
+
+
+@dataclass(frozen=True)
 class NoArgs:
     pass
 
@@ -71,6 +87,9 @@ VERBS: dict[str, type] = {
     "evict": EvictArgs,
     "status": NoArgs,
     "shutdown": NoArgs,
+    "load_adapter": LoadAdapterArgs,
+    "unload_adapter": UnloadAdapterArgs,
+    "load_image": LoadImageArgs,
 }
 
 

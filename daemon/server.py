@@ -38,6 +38,7 @@ import zmq
 
 from keepwarm import __version__
 from keepwarm.daemon import paths
+from keepwarm.daemon.adapters import AdapterStore
 from keepwarm.daemon.arena import (
     ArenaManifest,
     CpuArenaFile,
@@ -54,8 +55,10 @@ from keepwarm.daemon.protocol import (
     AttachArgs,
     EvictArgs,
     LeaseArgs,
+    LoadAdapterArgs,
     PreloadArgs,
     ProtocolError,
+    UnloadAdapterArgs,
     decode_request,
     encode,
     event,
@@ -147,11 +150,13 @@ class Daemon:
         self.leases: dict[str, Lease] = {}
         self.jobs: dict[tuple[str, str, str], PreloadJob] = {}
         self.counters = {"preloads": 0, "preload_bytes_read": 0, "adopted": 0, "attaches": 0, "evictions": 0,
-                         "leases_dropped": 0, "images_loaded": 0, "rejected_requests": 0}
+                         "leases_dropped": 0, "images_loaded": 0, "rejected_requests": 0, "adapter_file_reads": 0,
+                         "adapter_loads": 0}
         self.started_at = time.time()
         self._stop = False
         self._lock_fd: int | None = None
         self.arena_dir = paths.shm_dir(self.runtime_dir)
+        self.adapters = AdapterStore(self.arena_dir)
         # A preload thread writes a byte here when it finishes, waking the socket loop at once.
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -260,6 +265,7 @@ class Daemon:
             job.done.wait()
         for fp in list(self.residents):
             self._drop_resident(fp)
+        self.adapters.clear()
         if self.device.type == "cpu" and self.arena_dir.is_dir():
             for f in self.arena_dir.iterdir():
                 f.unlink(missing_ok=True)
@@ -269,7 +275,7 @@ class Daemon:
     # -- adoption --------------------------------------------------------------------------------------------------
     def adopt_arenas(self) -> None:
         """Re-adopt arenas a killed daemon left behind, if they check out; remove everything else."""
-        keep: set[Path] = set()
+        keep: set[Path] = self.adapters.adopt()
         for mpath in iter_manifest_files(self.arena_dir):
             apath = mpath.with_suffix(".arena")
             try:
@@ -352,6 +358,7 @@ class Daemon:
         return reply_ok(rid, pid=os.getpid(), version=__version__, socket=str(paths.socket_path(self.runtime_dir)),
                         runtime_dir=str(self.runtime_dir), arena_dir=str(self.arena_dir), device=self.device_name,
                         memory_budget=self.memory_budget, resident_bytes=self._resident_bytes(),
+                        adapters=[e.info() for e in self.adapters.entries.values()],
                         uptime_s=round(time.time() - self.started_at, 3), counters=dict(self.counters),
                         models=[self._model_info(r) for r in self.residents.values()],
                         loading=[{"model": j.key[0], "quantization": j.quantization, "bytes_done": j.bytes_done,
@@ -360,6 +367,30 @@ class Daemon:
 
     def _verb_list(self, _identity: bytes, rid: str, _args: Any) -> dict:
         return reply_ok(rid, models=[self._model_info(r) for r in self.residents.values()])
+
+    def _verb_load_adapter(self, _identity: bytes, rid: str, args: LoadAdapterArgs) -> dict:
+        from keepwarm.worker.lora import LoRAError
+
+        if self.device.type != "cpu":
+            raise ProtocolError("unsupported", "adapters are kept on CPU daemons only for now")
+        paths.ensure_private_dir(self.arena_dir)
+        reads = self.adapters.file_reads
+        try:
+            entry, cached = self.adapters.load(args.path)
+        except LoRAError as e:
+            raise ProtocolError("bad_adapter", str(e)) from None
+        self.counters["adapter_file_reads"] += self.adapters.file_reads - reads
+        self.counters["adapter_loads"] += 1
+        return reply_ok(rid, cached=cached, digest=entry.digest, path=entry.path, config_json=entry.config_json,
+                        data_file=entry.data_file, size=entry.size)
+
+    def _verb_unload_adapter(self, _identity: bytes, rid: str, args: UnloadAdapterArgs) -> dict:
+        matches = self.adapters.find(args.adapter)
+        if not matches:
+            raise ProtocolError("not_resident", f"no resident adapter matches {args.adapter!r}")
+        for e in matches:
+            self.adapters.unload(e.digest)
+        return reply_ok(rid, unloaded=[e.digest for e in matches])
 
     def _verb_shutdown(self, _identity: bytes, rid: str, _args: Any) -> dict:
         self._stop = True
@@ -552,7 +583,7 @@ class Daemon:
 
     # -- memory ----------------------------------------------------------------------------------------------------
     def _resident_bytes(self) -> int:
-        return sum(r.nbytes for r in self.residents.values())
+        return sum(r.nbytes for r in self.residents.values()) + self.adapters.nbytes
 
     def _make_room(self, needed: int, name: str) -> None:
         if self.memory_budget is None:

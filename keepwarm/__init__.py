@@ -6,10 +6,11 @@ from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = ["LLM", "LoRARequest", "SamplingParams", "__version__"]
 
 if TYPE_CHECKING:
     from keepwarm.worker.llm import LLM
+    from keepwarm.worker.lora import LoRARequest
     from keepwarm.worker.sampling_params import SamplingParams
 
 
@@ -19,6 +20,10 @@ def __getattr__(name: str):
         from keepwarm.worker.llm import LLM
 
         return LLM
+    if name == "LoRARequest":
+        from keepwarm.worker.lora import LoRARequest
+
+        return LoRARequest
     if name == "SamplingParams":
         from keepwarm.worker.sampling_params import SamplingParams
 

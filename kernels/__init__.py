@@ -38,6 +38,8 @@ __all__ = [
     "fused_add_rms_norm",
     "get_impl",
     "linear",
+    "lora_expand",
+    "lora_shrink",
     "paged_attention",
     "register",
     "rms_norm",
@@ -160,6 +162,18 @@ def paged_attention(
     )
 
 
+def lora_shrink(x: torch.Tensor, a_stacked: torch.Tensor, token_slots: torch.Tensor, rank: int,
+                num_slots: int) -> torch.Tensor:
+    """Per-token LoRA A: x [T, K] against stacked A [G * S * R, K] -> [T, G * S * R], zero outside each token's
+    slot (token_slots [T], -1 = base model; G groups of S slots of rank R)."""
+    return get_impl("lora_shrink", x.device)(x, a_stacked, token_slots, rank, num_slots)
+
+
+def lora_expand(y: torch.Tensor, buf: torch.Tensor, b_stacked: torch.Tensor, offset: int) -> torch.Tensor:
+    """y[:, offset:offset + N] += buf [T, S * R] @ stacked B [N, S * R]^T (per-slot scaling folded into B)."""
+    return get_impl("lora_expand", y.device)(y, buf, b_stacked, offset)
+
+
 def linear(x: torch.Tensor, weight: Any, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ W^T + b`` for a plain weight tensor [N, K]; a QuantizedWeight goes to kernel ``linear_<scheme>``."""
     if getattr(weight, "is_quantized_weight", False):
@@ -167,7 +181,8 @@ def linear(x: torch.Tensor, weight: Any, bias: torch.Tensor | None = None) -> to
     return get_impl("linear", x.device)(x, weight, bias)
 
 
-for _name in ("linear", "rms_norm", "fused_add_rms_norm", "rotary_embedding", "write_kv_cache", "paged_attention"):
+for _name in ("lora_shrink", "lora_expand", "linear", "rms_norm", "fused_add_rms_norm", "rotary_embedding",
+              "write_kv_cache", "paged_attention"):
     register(_name, "torch", getattr(reference, _name))
 del _name
 for _scheme, _fn in quant.TORCH_IMPLS.items():

@@ -219,3 +219,26 @@ def paged_attention(
             o = _sdpa(q, k, v, mask, scale)
         out[q_start:q_end] = o[0].transpose(0, 1).to(out.dtype)
     return out
+
+
+# -- batched LoRA (stacked layout) -------------------------------------------------------------------------------
+def lora_shrink(x: torch.Tensor, a_stacked: torch.Tensor, token_slots: torch.Tensor, rank: int,
+                num_slots: int) -> torch.Tensor:
+    """x [T, K], a_stacked [G * S * R, K] (G groups, e.g. q/k/v sharing x; in each group slot s owns rows
+    s*R:(s+1)*R), token_slots [T] (-1 = no adapter) -> [T, G * S * R], where token t keeps only its own slot's
+    R columns of each group (the rest are zero).
+
+    One matmul against every slot at once, then a mask: S times the minimal FLOPs, but S (max_loras) and R are
+    small next to the base layer, and it replaces a gather of per-token A matrices or a loop over adapters.
+    """
+    full = torch.matmul(x, a_stacked.t())
+    cols = (torch.arange(a_stacked.shape[0], device=x.device) // rank) % num_slots
+    return full * (cols[None, :] == token_slots[:, None]).to(full.dtype)
+
+
+def lora_expand(y: torch.Tensor, buf: torch.Tensor, b_stacked: torch.Tensor, offset: int) -> torch.Tensor:
+    """y [T, N_total] += buf [T, S * R] @ b_stacked [N, S * R]^T into columns offset:offset+N (the scaling is
+    folded into B). Returns y (updated in place when possible)."""
+    n = b_stacked.shape[0]
+    y[:, offset:offset + n] += torch.matmul(buf, b_stacked.t())
+    return y

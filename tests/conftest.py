@@ -54,3 +54,41 @@ def tiny_model_factory(tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture(scope="session")
 def tiny_llama(tiny_model_factory) -> str:
     return tiny_model_factory("llama")
+
+
+# -- PEFT adapters for the tiny llama ---------------------------------------------------------------------------
+LORA_SPECS = {
+    "ad_qv": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+    "ad_all": dict(r=8, lora_alpha=16, use_rslora=True,
+                   target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
+    "ad_mlp": dict(r=16, lora_alpha=16, target_modules=["o_proj", "gate_proj", "down_proj"]),
+}
+
+
+def make_peft_adapter(base_dir: str, out_dir, seed: int = 0, **spec) -> str:
+    """A PEFT LoRA adapter with random A and B (PEFT's default zero B would make it a no-op)."""
+    import torch
+    import transformers
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    peft_model = get_peft_model(model, LoraConfig(init_lora_weights=False, lora_dropout=0.0, **spec))
+    with torch.no_grad():  # scale B so the adapters change greedy output clearly but stay sane
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.mul_(0.5)
+    peft_model.save_pretrained(str(out_dir), safe_serialization=True)
+    return str(out_dir)
+
+
+@pytest.fixture(scope="session")
+def lora_adapters(tiny_llama, tmp_path_factory) -> dict[str, str]:
+    return {name: make_peft_adapter(tiny_llama, tmp_path_factory.mktemp(name), seed=i, **spec)
+            for i, (name, spec) in enumerate(LORA_SPECS.items())}
+
+
+@pytest.fixture(scope="session")
+def make_adapter():
+    """make_peft_adapter(base_dir, out_dir, seed=0, **LoraConfig kwargs) -> adapter dir."""
+    return make_peft_adapter

@@ -13,7 +13,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,8 +76,17 @@ class AsyncEngine:
     def stop_accepting(self) -> None:
         self._accepting = False
 
+    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """Run ``fn(engine)`` in the engine thread (between steps) and return its result or raise its error."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future = loop.create_future()
+        self._commands.put(("call", (fn, loop, future)))
+        self._wake.set()
+        return await future
+
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       prompt: str | None = None, cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+                       prompt: str | None = None, cache_salt: str | None = None,
+                       lora: Any = None) -> AsyncIterator[RequestOutput]:
         """Stream the request's outputs (cumulative); raises RequestError for a request the engine refuses."""
         if not self._accepting:
             raise RequestError("the server is shutting down")
@@ -88,7 +97,7 @@ class AsyncEngine:
             if request_id in self._streams:
                 raise RequestError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = stream
-        self._commands.put(("add", (request_id, prompt_token_ids, params, prompt, cache_salt)))
+        self._commands.put(("add", (request_id, prompt_token_ids, params, prompt, cache_salt, lora)))
         self._wake.set()
         finished = False
         try:
@@ -129,11 +138,19 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if kind == "add":
-                request_id, ids, params, prompt, salt = arg
+                request_id, ids, params, prompt, salt, lora = arg
                 try:
-                    self.engine.add_request(request_id, ids, params, prompt=prompt, cache_salt=salt)
+                    self.engine.add_request(request_id, ids, params, prompt=prompt, cache_salt=salt, lora=lora)
                 except (RequestError, ValueError) as e:
                     self._deliver(request_id, RequestError(str(e)))
+            elif kind == "call":
+                fn, loop, future = arg
+                try:
+                    result = fn(self.engine)
+                except Exception as e:  # handed to the awaiting coroutine
+                    loop.call_soon_threadsafe(_set_exception, future, e)
+                else:
+                    loop.call_soon_threadsafe(_set_result, future, result)
             elif kind == "abort" and self.engine.abort_request(arg):
                 log.debug("aborted request %s", arg)
 
@@ -166,3 +183,13 @@ class AsyncEngine:
             prefix_cache_hits=bm.prefix_cache_hits, num_preemptions=e.scheduler.num_preemptions,
             prompt_tokens=e.stats.prompt_tokens, generation_tokens=e.stats.generation_tokens, steps=e.stats.steps,
             finished=dict(e.stats.finished), last_step_time=time.monotonic())
+
+
+def _set_result(future: asyncio.Future, value: Any) -> None:
+    if not future.done():
+        future.set_result(value)
+
+
+def _set_exception(future: asyncio.Future, error: BaseException) -> None:
+    if not future.done():
+        future.set_exception(error)

@@ -13,6 +13,7 @@ import torch
 
 from keepwarm.daemon.arena import ArenaManifest, CpuArenaFile, CudaArena, model_tensors
 from keepwarm.daemon.client import DaemonClient, DaemonError, ProgressCallback
+from keepwarm.worker.lora import LoRAAdapter
 
 log = logging.getLogger("keepwarm.worker")
 
@@ -29,6 +30,7 @@ class Attachment:
     cached: bool  # the model was already resident
     storage: CpuArenaFile | torch.Tensor = field(repr=False)
     keeper: LeaseKeeper | None = field(default=None, repr=False)
+    runtime_dir: Path | None = None
 
     @property
     def fingerprint(self) -> str:
@@ -58,7 +60,7 @@ def attach_weights(model: str, quantization: str = "none", dtype: str = "auto", 
     tensors = model_tensors(manifest, flat)
     seconds = time.perf_counter() - t0
     att = Attachment(manifest, tensors, reply["lease_id"], reply.get("origin", "?"), seconds,
-                     cached="progress" not in str(reply), storage=storage)
+                     cached="progress" not in str(reply), storage=storage, runtime_dir=runtime_dir)
     if keep_lease:
         att.keeper = LeaseKeeper(att, runtime_dir, float(reply.get("lease_ttl", 15.0)), quantization, dtype)
         att.keeper.start()
@@ -120,3 +122,29 @@ class LeaseKeeper(threading.Thread):
                     client.detach(self.att.lease_id)
             except DaemonError as e:
                 log.info("detach of lease %s: %s", self.att.lease_id, e.message)
+
+
+def attach_adapter(name: str, path: str, model_config, max_lora_rank: int, dtype: torch.dtype,
+                   attachment: Attachment | None) -> LoRAAdapter:
+    """Get ``path``'s adapter from the daemon (it reads the files only if it does not hold them already), view it
+    in shared memory and check it against the model. Raises LoRAError naming the cause."""
+    from keepwarm.daemon.checkpoint import tensors_from_buffer
+    from keepwarm.worker.lora import LoRAError, build_adapter
+
+    runtime_dir = attachment.runtime_dir if attachment is not None else None
+    try:
+        with DaemonClient(runtime_dir) as client:
+            reply = client.request("load_adapter", {"path": str(path)})
+    except DaemonError as e:
+        raise LoRAError(e.message) from None
+    storage = CpuArenaFile.open_readonly(Path(reply["data_file"]), reply["size"])
+    try:
+        tensors = tensors_from_buffer(storage.flat)
+    except ValueError as e:
+        raise LoRAError(f"adapter {name!r}: {e}") from None
+    adapter = build_adapter(name, reply["path"], reply["digest"], reply["config_json"], tensors, model_config,
+                            max_lora_rank, source="daemon")
+    adapter.storage = storage  # keeps the mapping alive while the adapter's tensors view it
+    log.info("adapter %s attached from the daemon (%s, rank %d, digest %s%s)", name, reply["path"], adapter.rank,
+             adapter.digest[:16], ", already resident" if reply["cached"] else "")
+    return adapter

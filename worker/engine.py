@@ -14,9 +14,9 @@ from pathlib import Path
 
 import torch
 
-from keepwarm.daemon.checkpoint import Checkpoint
 from keepwarm.worker.block_manager import BlockManager
 from keepwarm.worker.detokenizer import IncrementalDetokenizer, check_stop_strings
+from keepwarm.worker.lora import LoRAAdapter, LoRAError, LoRAManager
 from keepwarm.worker.model_loader import LoadedModel, load_model
 from keepwarm.worker.model_runner import (
     FP8_KV_DTYPE,
@@ -25,7 +25,7 @@ from keepwarm.worker.model_runner import (
     allocate_kv_cache,
     kv_bytes_per_block,
 )
-from keepwarm.worker.models.config import ModelConfigError, parse_dtype
+from keepwarm.worker.models.config import ModelConfigError, load_model_config, parse_dtype
 from keepwarm.worker.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from keepwarm.worker.sampler import Sampler
 from keepwarm.worker.sampling_params import SamplingParams
@@ -66,6 +66,11 @@ class EngineConfig:
     daemon: bool | str = "auto"
     runtime_dir: str | None = None  # the daemon's KEEPWARM_RUNTIME_DIR
     fingerprint: str | None = None  # attach only to an arena with exactly this fingerprint
+    # LoRA (vLLM's meanings): adapters active in one batch, the largest rank accepted, adapters registered.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
 
 @dataclass
@@ -98,15 +103,18 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
         self.device = _resolve_device(config.device)
-        self.checkpoint = Checkpoint(config.model)
-        mc = self.model_config = self.checkpoint.config
+        model_path = Path(config.model)
+        self._model_dir = model_path.resolve() if model_path.exists() else model_path
+        # The weights themselves are read only on a disk load: attaching by fingerprint needs just the config and
+        # tokenizer (e.g. a snapshot restored on another machine, without the original checkpoint).
+        mc = self.model_config = load_model_config(self._model_dir)
         self.dtype = mc.dtype if config.dtype == "auto" else parse_dtype(config.dtype)
         self.max_model_len = self._resolve_max_model_len(config, mc)
         self.tokenizer = self._load_tokenizer(config.tokenizer or config.model)
         torch.manual_seed(config.seed)
 
         self.loaded = loaded or load_model(
-            self.checkpoint, config.dtype, config.quantization, self.device, self.max_model_len, config.daemon,
+            self._model_dir, config.dtype, config.quantization, self.device, self.max_model_len, config.daemon,
             Path(config.runtime_dir) if config.runtime_dir else None, config.fingerprint)
         self.weights_source = self.loaded.source
 
@@ -119,17 +127,22 @@ class LLMEngine:
         self.cache_config = CacheConfig(num_blocks, config.block_size, kv_dtype)
         kv_cache = allocate_kv_cache(mc, self.cache_config, self.device)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.loras: dict[str, LoRAAdapter] = {}
+        self.lora_manager = None
+        if config.enable_lora:
+            self.lora_manager = LoRAManager(self.loaded.model, mc, config.max_loras, config.max_lora_rank,
+                                            self.dtype, self.device)
         budget = config.max_num_batched_tokens or max(2048, config.block_size)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, budget, self.max_model_len),
-                                   self.block_manager)
+                                   self.block_manager, self.lora_manager)
         self.runner = ModelRunner(self.loaded.model, kv_cache, config.block_size,
-                                  self.block_manager.get_block_ids, self.device)
+                                  self.block_manager.get_block_ids, self.device, self.lora_manager)
         self.sampler = Sampler()
         self.stats = EngineStats()
         self._requests: dict[str, _Request] = {}
         self._seq_to_request: dict[str, _Request] = {}
         log.info("engine ready: %s on %s, dtype %s, max_model_len %d, %d KV blocks of %d (%s), weights from %s",
-                 self.checkpoint.model_dir.name, self.device, self.dtype, self.max_model_len, num_blocks,
+                 self._model_dir.name, self.device, self.dtype, self.max_model_len, num_blocks,
                  config.block_size, kv_dtype, self.weights_source)
 
     # -- setup -------------------------------------------------------------------------------------------------
@@ -179,10 +192,50 @@ class LLMEngine:
         return n
 
     # -- requests ----------------------------------------------------------------------------------------------
+    # -- LoRA adapters (call from the engine's thread) ---------------------------------------------------------
+    def add_lora(self, adapter: LoRAAdapter) -> None:
+        if self.lora_manager is None:
+            raise LoRAError("LoRA is not enabled (--enable-lora)")
+        if adapter.name in self.loras:
+            raise LoRAError(f"an adapter named {adapter.name!r} is already loaded")
+        limit = self.config.max_cpu_loras
+        if limit is not None and len(self.loras) >= limit:
+            raise LoRAError(f"{len(self.loras)} adapters are loaded, the --max-cpu-loras limit")
+        self.loras[adapter.name] = adapter
+
+    def lora_requests_in_flight(self, name: str) -> int:
+        return sum(1 for s in self.scheduler.running + list(self.scheduler.waiting)
+                   if s.lora is not None and s.lora.name == name)
+
+    def remove_lora(self, name: str) -> LoRAAdapter:
+        """Unregister an adapter; refuses (LoRAError) while requests for it are in flight."""
+        adapter = self.loras.get(name)
+        if adapter is None:
+            raise LoRAError(f"no adapter named {name!r} is loaded")
+        n = self.lora_requests_in_flight(name)
+        if n:
+            raise LoRAError(f"adapter {name!r} has {n} request(s) in flight")
+        if self.lora_manager is not None:
+            self.lora_manager.evict(adapter)
+        del self.loras[name]
+        return adapter
+
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    prompt: str | None = None, cache_salt: str | None = None) -> None:
+                    prompt: str | None = None, cache_salt: str | None = None,
+                    lora: LoRAAdapter | str | None = None) -> None:
         if request_id in self._requests:
             raise RequestError(f"request id {request_id!r} is already in use")
+        if isinstance(lora, str):
+            if lora not in self.loras:
+                raise RequestError(f"no adapter named {lora!r} is loaded")
+            lora = self.loras[lora]
+        if lora is not None:
+            if self.lora_manager is None:
+                raise RequestError("LoRA is not enabled (--enable-lora)")
+            if lora.unloading or self.loras.get(lora.name) is not lora:
+                raise RequestError(f"adapter {lora.name!r} is being unloaded")
+            # Prefix-cache blocks are keyed by the adapter's content: two adapters never share KV blocks.
+            cache_salt = f"{cache_salt or ''}lora:{lora.digest}"
         n = len(prompt_token_ids)
         if n == 0:
             raise RequestError("the prompt is empty")
@@ -203,7 +256,8 @@ class LLMEngine:
                 p = SamplingParams(**{**params.__dict__, "n": 1,
                                       "seed": None if params.seed is None else params.seed + i})
                 p.eos_token_ids = params.eos_token_ids
-            seq = Sequence(f"{request_id}#{i}", prompt_token_ids, p, cache_salt=cache_salt, arrival_time=now)
+            seq = Sequence(f"{request_id}#{i}", prompt_token_ids, p, cache_salt=cache_salt, arrival_time=now,
+                           lora=lora)
             seqs.append(seq)
             detoks.append(IncrementalDetokenizer(self.tokenizer, prompt_token_ids, p.skip_special_tokens)
                           if p.detokenize else None)
@@ -368,4 +422,4 @@ class LLMEngine:
 
     @property
     def model_dir(self) -> Path:
-        return self.checkpoint.model_dir
+        return self._model_dir

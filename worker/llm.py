@@ -7,6 +7,7 @@ from collections.abc import Sequence as Seq
 from typing import Any
 
 from keepwarm.worker.engine import EngineConfig, LLMEngine
+from keepwarm.worker.lora import LoRARequest
 from keepwarm.worker.outputs import RequestOutput
 from keepwarm.worker.sampling_params import SamplingParams
 
@@ -50,9 +51,24 @@ class LLM:
             return self._encode(prompt["prompt"])
         return None, list(prompt)
 
+    def _lora(self, request: LoRARequest | None):
+        """The adapter for a LoRARequest, registered on first use (from the daemon when attached, else disk)."""
+        if request is None:
+            return None
+        engine = self.llm_engine
+        if request.lora_name not in engine.loras:
+            from keepwarm.worker.lora_loader import load_adapter
+
+            engine.add_lora(load_adapter(engine, request.lora_name, request.lora_path))
+        return engine.loras[request.lora_name]
+
     def generate(self, prompts: PromptType | Seq[PromptType],
-                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Submit all prompts together, run the engine until they finish, return outputs in prompt order."""
+                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 lora_request: LoRARequest | Seq[LoRARequest | None] | None = None) -> list[RequestOutput]:
+        """Submit all prompts together, run the engine until they finish, return outputs in prompt order.
+
+        ``lora_request``: one adapter for all prompts, or one per prompt (None = the base model); needs
+        ``enable_lora=True``."""
         if isinstance(prompts, str | dict) or (isinstance(prompts, list) and prompts and
                                                  isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -61,12 +77,16 @@ class LLM:
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError("give one SamplingParams, or one per prompt")
+        loras = lora_request if isinstance(lora_request, list | tuple) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError("give one LoRARequest, or one per prompt")
+        adapters = [self._lora(r) for r in loras]
         engine = self.llm_engine
         ids = []
-        for prompt, p in zip(prompts, params, strict=True):
+        for prompt, p, adapter in zip(prompts, params, adapters, strict=True):
             text, token_ids = self._encode(prompt)
             rid = str(next(self._counter))
-            engine.add_request(rid, token_ids, p, prompt=text)
+            engine.add_request(rid, token_ids, p, prompt=text, lora=adapter)
             ids.append(rid)
         final: dict[str, RequestOutput] = {}
         while engine.has_unfinished_requests():

@@ -66,15 +66,14 @@ def load_from_daemon(model_dir: str, dtype: str, quantization: str, device: torc
     return LoadedModel(model, config, "daemon", time.perf_counter() - t0, m.total_bytes, m.fingerprint, att)
 
 
-def load_model(ckpt: Checkpoint, dtype: str, quantization: str, device: torch.device, max_position: int,
+def load_model(model_dir: Path, dtype: str, quantization: str, device: torch.device, max_position: int,
                daemon: bool | str = "auto", runtime_dir: Path | None = None,
                fingerprint: str | None = None) -> LoadedModel:
     """``daemon``: True = attach (start a daemon if none runs; fail if that fails), "start" = the same but fall
     back to disk when no daemon can be reached or started, "auto" = attach if a daemon answers, else disk,
     False = load from disk. A fallback to disk is logged and recorded in ``fallback_reason``."""
-    model_dir = str(ckpt.model_dir)
     if daemon is False or daemon == "off":
-        return load_from_disk(ckpt, dtype, quantization, device, max_position)
+        return load_from_disk(Checkpoint(model_dir), dtype, quantization, device, max_position)
     daemon_device = "cuda" if device.type == "cuda" else "cpu"
     try:
         if daemon is True or daemon in ("on", "start"):
@@ -88,10 +87,10 @@ def load_model(ckpt: Checkpoint, dtype: str, quantization: str, device: torch.de
             probe.close()
             if answered is None:
                 raise DaemonError("unavailable", f"no keepwarm daemon answers at {probe.socket_path}")
-        return load_from_daemon(model_dir, dtype, quantization, device, max_position, runtime_dir, fingerprint)
+        return load_from_daemon(str(model_dir), dtype, quantization, device, max_position, runtime_dir, fingerprint)
     except (DaemonError, RuntimeDirError) as e:
         if daemon is True or daemon == "on":
             raise
         reason = getattr(e, "message", str(e))
     log.warning("weights from disk, not the daemon: %s", reason)
-    return load_from_disk(ckpt, dtype, quantization, device, max_position, fallback_reason=reason)
+    return load_from_disk(Checkpoint(model_dir), dtype, quantization, device, max_position, fallback_reason=reason)

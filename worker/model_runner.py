@@ -45,8 +45,9 @@ class ModelRunner:
     """Owns the model and the KV cache; ``execute`` runs one step and returns logits of the sampled rows."""
 
     def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, block_size: int,
-                 block_ids_of: callable, device: torch.device) -> None:
+                 block_ids_of: callable, device: torch.device, lora_manager=None) -> None:
         self.model = model
+        self.lora_manager = lora_manager
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.block_ids_of = block_ids_of
@@ -86,7 +87,13 @@ class ModelRunner:
         """Run the batch; return float32 logits of the flattened token rows ``token_rows`` (the last row of
         each sequence to sample, plus every row of a prefill chunk whose prompt logprobs were asked for)."""
         input_ids, positions, attn = self.prepare(batch)
-        hidden = self.model(input_ids, positions, attn, self.kv_cache)
+        if self.lora_manager is not None:
+            self.lora_manager.set_batch([seq.lora_slot for seq in batch.seqs], batch.num_new_tokens, self.device)
+        try:
+            hidden = self.model(input_ids, positions, attn, self.kv_cache)
+        finally:
+            if self.lora_manager is not None:
+                self.lora_manager.clear_batch()
         if not token_rows:
             return torch.empty(0, self.model.config.vocab_size)
         return self.model.compute_logits(hidden[torch.tensor(token_rows, device=hidden.device)])

@@ -44,9 +44,12 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, lora_manager=None) -> None:
         self.config = config
         self.block_manager = block_manager
+        # With LoRA, a waiting sequence is admitted only when its adapter holds (or gets) a slot; it keeps the
+        # slot until it finishes or is preempted. Sequences that cannot get one wait, and later ones may pass.
+        self.lora_manager = lora_manager
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -82,13 +85,21 @@ class Scheduler:
 
         if batch.preempted:
             return batch
+        skipped: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
+            if seq.lora is not None and self.lora_manager is not None:
+                slot = self.lora_manager.acquire(seq.lora)
+                if slot is None:  # every adapter slot is busy: let requests for other adapters go first
+                    skipped.append(self.waiting.popleft())
+                    continue
+                seq.lora_slot = slot
             computed_blocks, num_cached = ([], 0)
             if seq.num_computed_tokens == 0 and seq.prompt_logprobs is None:
                 computed_blocks, num_cached = self.block_manager.get_computed_blocks(seq)
             num_new = min(seq.num_tokens - seq.num_computed_tokens - num_cached, budget)
             if not self.block_manager.allocate_slots(seq, num_new, computed_blocks):
+                self._release_lora(seq)
                 break
             self.waiting.popleft()
             if seq.num_preemptions == 0 and seq.num_output_tokens == 0:
@@ -99,10 +110,17 @@ class Scheduler:
             batch.seqs.append(seq)
             batch.num_new_tokens.append(num_new)
             budget -= num_new
+        self.waiting.extendleft(reversed(skipped))  # back in arrival order, ahead of later arrivals
         return batch
+
+    def _release_lora(self, seq: Sequence) -> None:
+        if seq.lora_slot >= 0 and self.lora_manager is not None:
+            self.lora_manager.release(seq.lora_slot)
+        seq.lora_slot = -1
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
+        self._release_lora(seq)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
@@ -122,3 +140,4 @@ class Scheduler:
             self.waiting.remove(seq)
         seq.status = status
         self.block_manager.free(seq)
+        self._release_lora(seq)

@@ -41,7 +41,8 @@ class Sequence:
     """
 
     def __init__(self, seq_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                 cache_salt: str | None = None, arrival_time: float | None = None) -> None:
+                 cache_salt: str | None = None, arrival_time: float | None = None, lora: object | None = None,
+                 ) -> None:
         if not prompt_token_ids:
             raise ValueError("prompt must contain at least one token")
         self.seq_id = seq_id
@@ -53,6 +54,8 @@ class Sequence:
             [None] if sampling_params.prompt_logprobs is not None else None)
         self.sampling_params = sampling_params
         self.cache_salt = cache_salt
+        self.lora = lora  # a LoRAAdapter, or None for the base model
+        self.lora_slot = -1  # its slot while scheduled (LoRAManager), -1 otherwise
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_prompt_tokens = 0  # prefix-cache hit at first schedule (for metrics)

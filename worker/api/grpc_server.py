@@ -67,9 +67,9 @@ def _sampling_params(sp: pb.SamplingParams, max_tokens: int) -> SamplingParams:
 
 
 def _prepare(state: ServerState, request: pb.GenerateRequest
-             ) -> tuple[list[int], str | None, SamplingParams, str | None]:
-    """(prompt token ids, prompt text, sampling params, LoRA salt), or APIError as the HTTP server would."""
-    salt = _resolve_model(state, request.model if request.HasField("model") else None)
+             ) -> tuple[list[int], str | None, SamplingParams, object | None]:
+    """(prompt token ids, prompt text, sampling params, LoRA adapter), or APIError as the HTTP server would."""
+    lora = _resolve_model(state, request.model if request.HasField("model") else None)
     kind = request.WhichOneof("input")
     if kind == "prompt":
         if not request.prompt:
@@ -85,7 +85,7 @@ def _prepare(state: ServerState, request: pb.GenerateRequest
         raise bad_request("the request needs a prompt or prompt_token_ids", "prompt")
     sp = request.sampling_params
     max_tokens = _check_length(state, len(ids), sp.max_tokens if sp.HasField("max_tokens") else DEFAULT_MAX_TOKENS)
-    return ids, text, _sampling_params(sp, max_tokens), salt
+    return ids, text, _sampling_params(sp, max_tokens), lora
 
 
 class GrpcServerError(ValueError):
@@ -115,7 +115,7 @@ class KeepwarmServicer(pb_grpc.KeepwarmServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
             return
         try:
-            ids, text, params, salt = _prepare(state, request)
+            ids, text, params, lora = _prepare(state, request)
         except APIError as e:
             await context.abort(_CODES.get(e.status, grpc.StatusCode.INVALID_ARGUMENT), _one_line(e.message))
             return
@@ -125,7 +125,7 @@ class KeepwarmServicer(pb_grpc.KeepwarmServicer):
         sent_tokens: dict[int, int] = {}
         done: set[int] = set()
         try:
-            outputs = state.async_engine.generate(rid, ids, params, prompt=text, cache_salt=salt)
+            outputs = state.async_engine.generate(rid, ids, params, prompt=text, lora=lora)
             # Closing `outputs` (normally, on an error, or when a cancelled client cancels this handler) aborts
             # the request in the engine if it has not finished.
             async with aclosing(outputs):

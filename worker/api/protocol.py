@@ -131,3 +131,15 @@ def new_id(prefix: str) -> str:
 
 def now() -> int:
     return int(time.time())
+
+
+class LoadLoRARequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRARequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str
+    lora_int_id: int | None = None

@@ -32,6 +32,8 @@ from keepwarm.worker.api.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    LoadLoRARequest,
+    UnloadLoRARequest,
     bad_request,
     new_id,
     now,
@@ -71,10 +73,16 @@ class ServerState:
 
 
 # -- helpers ---------------------------------------------------------------------------------------------------------
-def _resolve_model(state: ServerState, name: str | None) -> str | None:
-    """The LoRA salt (None for the base model); 404 in OpenAI's shape for an unknown model."""
+def _resolve_model(state: ServerState, name: str | None):
+    """The LoRA adapter the request names (None for the base model); 404 in OpenAI's shape for an unknown model.
+
+    The adapter object (not its name) travels with the request, so a concurrent unload + load under the same name
+    cannot swap the weights a request runs with: the engine refuses a request whose adapter is no longer loaded."""
     if name is None or name in state.served_names:
         return None
+    adapter = state.engine.loras.get(name)
+    if adapter is not None and not adapter.unloading:
+        return adapter
     raise APIError(404, f"The model `{name}` does not exist.", "NotFoundError", "model", "model_not_found")
 
 
@@ -237,7 +245,10 @@ def build_app(state: ServerState) -> FastAPI:
     async def effective_config():
         cfg = state.config.to_dict()
         cfg.pop("api_key", None)  # never echo the secret
-        return {"config": cfg, "weights": state.weights_info(), "model_dir": str(state.engine.model_dir)}
+        adapters = [{"name": a.name, "path": a.path, "digest": a.digest, "rank": a.rank}
+                    for a in list(state.engine.loras.values())]
+        return {"config": cfg, "weights": state.weights_info(), "model_dir": str(state.engine.model_dir),
+                "adapters": adapters}
 
     @app.get("/v1/models")
     async def models():
@@ -245,12 +256,67 @@ def build_app(state: ServerState) -> FastAPI:
         data = [{"id": name, "object": "model", "created": created, "owned_by": "keepwarm",
                  "root": str(state.engine.model_dir), "parent": None, "max_model_len": state.engine.max_model_len}
                 for name in state.served_names]
+        data += [{"id": a.name, "object": "model", "created": created, "owned_by": "keepwarm", "root": a.path,
+                  "parent": state.model_name, "max_model_len": state.engine.max_model_len}
+                 for a in list(state.engine.loras.values()) if not a.unloading]
         return {"object": "list", "data": data}
 
+    def runtime_updates() -> None:
+        if not state.config.enable_lora:
+            raise bad_request("LoRA is not enabled (--enable-lora)")
+        if not state.config.enable_lora_runtime_updates:
+            raise bad_request("runtime LoRA updates are disabled (--enable-lora-runtime-updates)")
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(req: LoadLoRARequest):
+        runtime_updates()
+        name, path = req.lora_name, req.lora_path
+        if not name or not path:
+            raise bad_request("lora_name and lora_path are required", "lora_name" if not name else "lora_path")
+        if name in state.served_names:
+            raise bad_request(f"{name!r} is the base model's name", "lora_name")
+        if name in state.engine.loras:
+            raise bad_request(f"an adapter named {name!r} is already loaded", "lora_name")
+        from keepwarm.worker.lora import LoRAError
+        from keepwarm.worker.lora_loader import load_adapter
+
+        try:
+            adapter = await asyncio.to_thread(load_adapter, state.engine, name, path)
+            await state.async_engine.call(lambda engine: engine.add_lora(adapter))
+        except LoRAError as e:
+            raise bad_request(str(e), "lora_path") from None
+        log.info("adapter %s loaded from %s at run time", name, path)
+        return Response(f"Success: LoRA adapter '{name}' added successfully.", media_type="text/plain")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(req: UnloadLoRARequest):
+        runtime_updates()
+        name = req.lora_name
+        adapter = state.engine.loras.get(name)
+        if adapter is None or adapter.unloading:
+            raise APIError(404, f"no adapter named {name!r} is loaded", "NotFoundError", "lora_name")
+        from keepwarm.worker.lora import LoRAError
+
+        adapter.unloading = True  # new requests for it are refused from now on
+        deadline = time.monotonic() + state.config.shutdown_timeout
+        try:
+            while await state.async_engine.call(lambda engine: engine.lora_requests_in_flight(name)):
+                if time.monotonic() > deadline:
+                    adapter.unloading = False
+                    raise APIError(409, f"adapter {name!r} still has requests in flight after "
+                                        f"{state.config.shutdown_timeout:.0f}s; not unloaded", "ConflictError")
+                await asyncio.sleep(0.05)
+            await state.async_engine.call(lambda engine: engine.remove_lora(name))
+        except LoRAError as e:
+            adapter.unloading = False
+            raise bad_request(str(e), "lora_name") from None
+        log.info("adapter %s unloaded at run time", name)
+        return Response(f"Success: LoRA adapter '{name}' removed successfully.", media_type="text/plain")
+
     async def run_requests(request: Request, prompts: list[list[int]], texts: list[str | None],
-                           params: SamplingParams, salt: str | None, base_id: str):
+                           params: SamplingParams, lora, base_id: str):
         engine = state.async_engine
-        streams = [engine.generate(f"{base_id}-{i}", ids, params, prompt=text, cache_salt=salt)
+        streams = [engine.generate(f"{base_id}-{i}", ids, params, prompt=text, lora=lora)
                    for i, (ids, text) in enumerate(zip(prompts, texts, strict=True))]
         return _merge(streams)
 
@@ -549,8 +615,19 @@ def create_engine(config: ServerConfig) -> LLMEngine:
         gpu_memory_utilization=config.gpu_memory_utilization, kv_cache_dtype=config.kv_cache_dtype,
         seed=config.seed, device=config.device, enforce_eager=config.enforce_eager,
         quantization=config.quantization, daemon="start" if config.daemon else False,
-        runtime_dir=str(Path(config.runtime_dir)) if config.runtime_dir else None, fingerprint=config.fingerprint)
-    return LLMEngine(engine_config)
+        runtime_dir=str(Path(config.runtime_dir)) if config.runtime_dir else None, fingerprint=config.fingerprint,
+        enable_lora=config.enable_lora, max_loras=config.max_loras, max_lora_rank=config.max_lora_rank,
+        max_cpu_loras=config.max_cpu_loras)
+    engine = LLMEngine(engine_config)
+    if config.lora_modules and not config.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
+    if config.enable_lora:
+        from keepwarm.worker.lora import parse_lora_modules
+        from keepwarm.worker.lora_loader import load_adapter
+
+        for name, path in parse_lora_modules(config.lora_modules):
+            engine.add_lora(load_adapter(engine, name, path))
+    return engine
 
 
 def serve(config: ServerConfig, process_start: float | None = None) -> int:

@@ -43,6 +43,7 @@ class Linear(BoundModule):
         self.bias: torch.Tensor | None = None
         if bias:
             self._slot("bias", (out_features,))
+        self.lora = None  # a keepwarm.worker.lora.LoRALayer when LoRA is enabled
 
     def bind(self, name: str, tensor: torch.Tensor) -> None:
         if name == "weight" and getattr(tensor, "is_quantized_weight", False):
@@ -54,7 +55,8 @@ class Linear(BoundModule):
         super().bind(name, tensor)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.linear(x, self.weight, self.bias)
+        y = kernels.linear(x, self.weight, self.bias)
+        return y if self.lora is None else self.lora.apply(x, y)
 
 
 class RMSNorm(BoundModule):

@@ -1,0 +1,122 @@
+"""Arena images: a packed arena as bytes in a file (a snapshot's blob), loaded back without re-quantizing.
+
+An image is the arena file exactly as the daemon held it (``<fingerprint>.arena``) plus its manifest. Loading one
+copies the bytes into a new arena and checks them against the manifest's ``arena_digest``; the original
+checkpoint is never read. Some layouts depend on the machine that built them, so an image is refused where the
+bytes would not mean the same thing:
+
+- a CPU image on a CUDA daemon or the other way round (layouts differ per device type);
+- ``mkldnn_packed`` weights (bfloat16 on CPU): oneDNN's blocked format depends on the CPU's ISA; the image's
+  serialized descriptors must equal what oneDNN picks here for the same shapes;
+- ``int4_cpu_*`` weights: the nibble order torch's CPU int4 pack produces here must be the image's.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from keepwarm.daemon.arena import ArenaManifest, CpuArenaFile, CudaArena, arena_digest_of, dtype_from_name
+
+CHUNK = 16 << 20
+
+
+class ImageError(Exception):
+    """An image this daemon cannot hold; ``code`` is the protocol error code."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def image_device_type(manifest: ArenaManifest) -> str:
+    return "cpu" if manifest.device == "cpu" else manifest.device.split(":", 1)[0]
+
+
+def check_compatible(manifest: ArenaManifest, device: torch.device) -> None:
+    """Raise ImageError (code ``incompatible_image``) when this machine cannot use the image's bytes as they are."""
+    from keepwarm.daemon.quantize import LAYOUT_MKLDNN_PACKED, QuantizationError, QuantMeta, cpu_int4_layout
+
+    kind = image_device_type(manifest)
+    if kind != device.type:
+        raise ImageError("incompatible_image", f"the image of {manifest.model_name} is a {kind} arena "
+                                               f"({manifest.device}); this daemon keeps {device.type} arenas")
+    if device.type != "cpu":
+        return
+    dtype = dtype_from_name(manifest.dtype)
+    checked: dict[tuple[int, int], str] = {}
+    for weight, q in manifest.quant.items():
+        try:
+            meta = QuantMeta.from_dict(q)
+        except QuantizationError as e:
+            raise ImageError("incompatible_image", f"{weight}: {e}") from None
+        if meta.layout == LAYOUT_MKLDNN_PACKED:
+            if meta.shape not in checked:
+                from keepwarm.kernels.cpu_packed import packed_layout
+
+                try:
+                    checked[meta.shape] = packed_layout(meta.shape, dtype)[1].hex()
+                except Exception as e:  # oneDNN / shim missing, bf16 unsupported on this CPU
+                    raise ImageError("incompatible_image",
+                                     f"the image holds oneDNN-packed {manifest.dtype} weights, which this CPU "
+                                     f"cannot use ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
+            if checked[meta.shape] != meta.descriptor:
+                raise ImageError("incompatible_image",
+                                 f"{weight}: the image's oneDNN packed layout differs from this CPU's (it was packed "
+                                 f"on a CPU with other instruction sets); preload the model from its checkpoint here")
+        elif meta.layout.startswith("int4_cpu_") and meta.layout != cpu_int4_layout():
+            raise ImageError("incompatible_image", f"{weight}: the image's CPU int4 layout {meta.layout} is not this "
+                                                   f"torch's ({cpu_int4_layout()})")
+
+
+def image_size(manifest: ArenaManifest, path: Path) -> int:
+    """The image file's size, after checking it is a regular file that holds every tensor of the manifest."""
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        raise ImageError("bad_image", f"cannot read the image {path}: {e.strerror}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise ImageError("bad_image", f"the image {path} is not a regular file")
+    if st.st_size < manifest.total_bytes:
+        raise ImageError("bad_image", f"the image {path} has {st.st_size} bytes; its manifest needs "
+                                      f"{manifest.total_bytes}")
+    return max(st.st_size, 1)
+
+
+def fill_cpu(storage: CpuArenaFile, path: Path, size: int, progress: Callable[[int], None] | None = None) -> None:
+    """Copy ``size`` bytes of the image into a writable CPU arena (one copy, straight into the mapping)."""
+    view = memoryview(storage.flat.numpy())
+    try:
+        with open(path, "rb", buffering=0) as f:
+            off = 0
+            while off < size:
+                n = f.readinto(view[off:min(off + CHUNK, size)])
+                if not n:
+                    raise ImageError("bad_image", f"the image {path} ended after {off} of {size} bytes")
+                off += n
+                if progress is not None:
+                    progress(n)
+    finally:
+        view.release()
+
+
+def fill_cuda(storage: CudaArena, path: Path, size: int, manifest: ArenaManifest, threads: int,
+              progress: Callable[[int], None] | None = None) -> None:
+    """Check the image's bytes in host memory against ``arena_digest``, then copy them to the device."""
+    src = CpuArenaFile.open_readonly(path, size)
+    try:
+        if arena_digest_of(src.flat, manifest.tensors, threads) != manifest.arena_digest:
+            raise ImageError("bad_image", f"the image {path} does not match its manifest's arena_digest")
+        for off in range(0, manifest.total_bytes, CHUNK):
+            end = min(off + CHUNK, manifest.total_bytes)
+            storage.flat[off:end].copy_(src.flat[off:end])
+            if progress is not None:
+                progress(end - off)
+        torch.cuda.synchronize(storage.flat.device)
+    finally:
+        src.close()
