@@ -74,7 +74,7 @@ def _run_vllm_peer(vllm_python: str, spec: dict) -> list[dict]:
     env = vllm_env(vllm_python)
     try:
         proc = subprocess.run([vllm_python, str(peer), f.name], capture_output=True, text=True, env=env,
-                              timeout=3600)
+                              timeout=3600, cwd=tempfile.gettempdir())
     finally:
         os.unlink(f.name)
     results = []

@@ -66,7 +66,10 @@ def _start_to_first_token(cmd: list[str], env: dict[str, str], port: int, model:
                           timeout: float = 600) -> tuple[float, subprocess.Popen]:
     log = tempfile.NamedTemporaryFile(prefix="kwbench-", suffix=".log", delete=False)  # noqa: SIM115
     t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    # cwd /tmp: a checkout's top-level folders (kernels/, daemon/...) must not shadow other programs' imports
+    # (vLLM imports an optional package named `kernels`).
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            cwd=tempfile.gettempdir())
     try:
         t1 = asyncio.run(_first_token(f"http://127.0.0.1:{port}", model, prompt_ids, t0 + timeout, proc))
     except Exception as e:

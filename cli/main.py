@@ -17,14 +17,17 @@ app = typer.Typer(help="Keep LLM weights warm in a daemon; serve them from resta
 def _add_subcommands() -> None:
     from keepwarm.cli import (
         bench_serving,  # noqa: F401  (registers `bench restart` and `bench serving`)
+        bench_snapshot,  # noqa: F401  (registers `bench snapshot`)
         daemon_cmds,
         serve_cmd,
+        snapshot_cmds,
     )
     from keepwarm.cli.bench import bench_app
 
     app.add_typer(bench_app, name="bench")
     daemon_cmds.register(app)
     serve_cmd.register(app)
+    snapshot_cmds.register(app)
 
 
 def _version(value: bool) -> None:

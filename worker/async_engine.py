@@ -50,8 +50,14 @@ class _Stream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine) -> None:
-        self.engine = engine
+    """``AsyncEngine(factory)`` builds the engine *in* its thread: measured on CPU, an engine built in the main
+    thread and stepped in another runs 1.6-1.8x slower per step (32 vs 19 ms on SmolLM2; OpenMP thread teams are
+    per master thread), while one built and stepped in the same thread runs at full speed."""
+
+    def __init__(self, engine_factory: Callable[[], LLMEngine]) -> None:
+        self.engine: LLMEngine | None = None
+        self._factory = engine_factory
+        self._ready = threading.Event()
         self._commands: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()
@@ -62,6 +68,9 @@ class AsyncEngine:
         self.errored: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="keepwarm-engine", daemon=True)
         self._thread.start()
+        self._ready.wait()
+        if self.errored is not None:
+            raise self.errored
 
     # -- coroutine side ----------------------------------------------------------------------------------------
     @property
@@ -155,6 +164,14 @@ class AsyncEngine:
                 log.debug("aborted request %s", arg)
 
     def _run(self) -> None:
+        try:
+            self.engine = self._factory()
+        except BaseException as e:  # handed to the constructor's caller
+            self.errored = e
+            self._ready.set()
+            return
+        self._take_snapshot()
+        self._ready.set()
         try:
             while not self._stopped.is_set():
                 self._drain_commands()

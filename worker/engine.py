@@ -164,10 +164,10 @@ class LLMEngine:
 
     @staticmethod
     def _load_tokenizer(path: str):
-        from transformers import AutoTokenizer
+        from keepwarm.worker.tokenizer import load_tokenizer
 
         try:
-            return AutoTokenizer.from_pretrained(path)
+            return load_tokenizer(path)
         except Exception as e:  # transformers raises many types; the message is what matters
             raise ModelConfigError(f"cannot load a tokenizer from {path!r}: {str(e).splitlines()[0]}") from None
 

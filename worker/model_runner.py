@@ -45,13 +45,14 @@ class ModelRunner:
     """Owns the model and the KV cache; ``execute`` runs one step and returns logits of the sampled rows."""
 
     def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, block_size: int,
-                 block_ids_of: callable, device: torch.device, lora_manager=None) -> None:
+                 block_ids_of: callable, device: torch.device, lora_manager=None, enforce_eager: bool = False) -> None:
         self.model = model
         self.lora_manager = lora_manager
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.block_ids_of = block_ids_of
         self.device = device
+        self.cuda_graphs = self._make_cuda_graphs(enforce_eager)
 
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         ids: list[int] = []
@@ -90,10 +91,31 @@ class ModelRunner:
         if self.lora_manager is not None:
             self.lora_manager.set_batch([seq.lora_slot for seq in batch.seqs], batch.num_new_tokens, self.device)
         try:
-            hidden = self.model(input_ids, positions, attn, self.kv_cache)
+            hidden = self._forward(input_ids, positions, attn)
         finally:
             if self.lora_manager is not None:
                 self.lora_manager.clear_batch()
         if not token_rows:
             return torch.empty(0, self.model.config.vocab_size)
         return self.model.compute_logits(hidden[torch.tensor(token_rows, device=hidden.device)])
+
+    # -- CUDA graphs (worker/cuda_graphs.py): decode-only batches replay a captured forward ---------------------------
+    def _make_cuda_graphs(self, enforce_eager: bool):
+        if enforce_eager or self.device.type != "cuda":
+            return None
+        from keepwarm.worker.cuda_graphs import CudaGraphRunner, graphs_supported
+
+        reason = graphs_supported(self.device)
+        if reason is not None:
+            log.info("CUDA graphs off: %s", reason)
+            return None
+        return CudaGraphRunner(self.model, self.kv_cache, self.block_size, self.device)
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
+        graphs = self.cuda_graphs
+        lora_active = self.lora_manager is not None and self.lora_manager.token_slots is not None
+        if graphs is not None and not lora_active and graphs.can_run(attn, input_ids.shape[0]):
+            hidden = graphs.run(input_ids, positions, attn)
+            if hidden is not None:
+                return hidden
+        return self.model(input_ids, positions, attn, self.kv_cache)

@@ -13,6 +13,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing, asynccontextmanager
@@ -46,6 +47,8 @@ from keepwarm.worker.sampling_params import SamplingParams, SamplingParamsError
 from keepwarm.worker.sequence import TokenLogprob
 
 log = logging.getLogger("keepwarm.server")
+
+SWITCH_INTERVAL_S = 0.0005
 
 
 @dataclass
@@ -636,12 +639,15 @@ def serve(config: ServerConfig, process_start: float | None = None) -> int:
 
     if config.threads:
         torch.set_num_threads(config.threads)
+    # The engine thread and the event loop hand the GIL back and forth every token; Python's default 5 ms switch
+    # interval would add up to 5 ms of waiting per hand-off (measured: 32 vs 19 ms per token at concurrency 1).
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     t0 = time.perf_counter()
     # Take systemd's socket (and drop LISTEN_*) before anything can start a child process.
     inherited = systemd_socket()
-    engine = create_engine(config)
+    async_engine = AsyncEngine(lambda: create_engine(config))
     names = config.served_model_name or [config.model or "SmolLM2-135M-Instruct"]
-    state = ServerState(config, engine, AsyncEngine(engine), names)
+    state = ServerState(config, async_engine.engine, async_engine, names)
     app = build_app(state)
     grpc_server = None
     if config.grpc:

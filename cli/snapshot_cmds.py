@@ -1,0 +1,230 @@
+"""`keepwarm snapshot create|restore|list|show|diff|verify|delete|gc|export|import` (see docs/snapshots.md)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+snapshot_app = typer.Typer(help="Capture, restore and move known-good states (model image, adapters, config).",
+                           no_args_is_help=True)
+
+
+def _fail(message: str, code: int = 1) -> None:
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(code)
+
+
+def _say(message: str) -> None:
+    """Progress: on stdout, so that stderr holds nothing but the one-line error of a failure."""
+    typer.echo(message)
+
+
+def _store():
+    from keepwarm.snapshot.store import Store
+
+    return Store()
+
+
+def _guard(fn):
+    """Run ``fn``; a SnapshotError (or a daemon / OS error) becomes one line on stderr and exit status 1."""
+    from keepwarm.daemon.client import DaemonError
+    from keepwarm.snapshot.manifest import SnapshotError
+
+    try:
+        return fn()
+    except SnapshotError as e:
+        _fail(str(e))
+    except DaemonError as e:
+        _fail(e.message)
+    except OSError as e:
+        _fail(f"{e.strerror or e}: {e.filename}" if getattr(e, "filename", None) else str(e))
+    except ValueError as e:  # a config or arena manifest that does not parse
+        _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
+
+
+@snapshot_app.command()
+def create(
+    name: Annotated[str, typer.Argument(help="Snapshot name (letters, digits, . _ -).")],
+    server: Annotated[str | None, typer.Option("--server", help="The running server to capture "
+                                               "(default http://127.0.0.1:8000).")] = None,
+    from_config: Annotated[str | None, typer.Option("--from-config", help="Capture a server.toml instead of a "
+                                                    "live server (the model must be resident, or --preload).")
+                           ] = None,
+    api_key: Annotated[str | None, typer.Option("--api-key", envvar="KEEPWARM_API_KEY",
+                                                help="The server's API key, if it needs one.")] = None,
+    preload: Annotated[bool, typer.Option("--preload", help="Preload the model into the daemon when it is not "
+                                          "resident (reads and quantizes it once, now).")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Replace a snapshot of the same name.")] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the manifest as JSON.")] = False,
+) -> None:
+    """Capture the live state: the daemon's packed arena image, model files, adapters, the effective config."""
+    from keepwarm.snapshot.create import create as do_create
+    from keepwarm.snapshot.inspect import mb
+
+    if server and from_config:
+        _fail("--server and --from-config exclude each other")
+    r = _guard(lambda: do_create(name, server=server, config_path=from_config, api_key=api_key, preload=preload,
+                                 force=force, say=(lambda _: None) if json_out else _say))
+    if json_out:
+        typer.echo(json.dumps(r.manifest, indent=1, sort_keys=True))
+        return
+    m = r.manifest
+    mod = m["models"][0]
+    typer.echo(f"snapshot {name}: {mod['name']} ({mod['quantization']}/{mod['dtype']}, fingerprint "
+               f"{mod['fingerprint'][:16]}), {len(m['adapters'])} adapter(s), {len(m['server_config'])} config keys; "
+               f"{mb(r.total_bytes)} in blobs, {mb(r.new_bytes)} new; {r.seconds:.2f}s")
+
+
+@snapshot_app.command()
+def restore(
+    name: Annotated[str, typer.Argument()],
+    restart_server: Annotated[bool, typer.Option("--restart-server", help="systemctl restart "
+                                                 "keepwarm-server.service when that unit exists.")] = False,
+    server_config: Annotated[str | None, typer.Option("--server-config", help="Where to write the server config "
+                                                      "(default: the unit's --config, else "
+                                                      "$KEEPWARM_HOME/server.toml).")] = None,
+    api_key: Annotated[str | None, typer.Option("--api-key", envvar="KEEPWARM_API_KEY",
+                                                help="API key for the restored config (never stored in "
+                                                     "snapshots).")] = None,
+) -> None:
+    """Verify every blob, load the image into the daemon (no re-quantization), write the config, restart."""
+    from keepwarm.snapshot.restore import restore as do_restore
+
+    r = _guard(lambda: do_restore(name, server_config=server_config, restart_server=restart_server,
+                                  api_key=api_key, say=_say))
+    typer.echo(f"restored {name} in {r.seconds:.2f}s: config written to {r.config_path}")
+    if r.restarted:
+        typer.echo(f"server restarted ({r.restarted})")
+    elif not restart_server:
+        typer.echo(f"start (or restart) the server with: {r.command}")
+
+
+@snapshot_app.command("list")
+def list_(json_out: Annotated[bool, typer.Option("--json")] = False) -> None:
+    """Snapshots: name, created, the size unique to each (what delete + gc frees), models."""
+    from keepwarm.snapshot.inspect import list_rows, list_text
+
+    rows = _guard(lambda: list_rows(_store()))
+    typer.echo(json.dumps(rows, indent=1) if json_out else list_text(rows))
+
+
+@snapshot_app.command()
+def show(name: Annotated[str, typer.Argument()], json_out: Annotated[bool, typer.Option("--json")] = False) -> None:
+    """One snapshot's manifest."""
+    from keepwarm.snapshot.inspect import show_text
+
+    m = _guard(lambda: _store().load(name))
+    typer.echo(json.dumps(m, indent=1, sort_keys=True) if json_out else show_text(m))
+
+
+@snapshot_app.command()
+def diff(a: Annotated[str, typer.Argument()], b: Annotated[str, typer.Argument()],
+         json_out: Annotated[bool, typer.Option("--json")] = False) -> None:
+    """What differs between two snapshots: config keys, model fingerprints, quantization, adapters."""
+    from keepwarm.snapshot.inspect import diff as do_diff
+    from keepwarm.snapshot.inspect import diff_text
+
+    store = _store()
+    changes = _guard(lambda: do_diff(store.load(a), store.load(b)))
+    typer.echo(json.dumps(changes, indent=1) if json_out else diff_text(a, b, changes))
+
+
+@snapshot_app.command()
+def verify(name: Annotated[str, typer.Argument()]) -> None:
+    """Re-hash every blob of the snapshot and check the arena image against its manifest."""
+    from keepwarm.snapshot.inspect import mb
+
+    def run():
+        from keepwarm.daemon.arena import ArenaManifest, CpuArenaFile, arena_digest_of
+        from keepwarm.snapshot.manifest import SnapshotError
+
+        store = _store()
+        t0 = time.perf_counter()
+        with store.lock():
+            m = store.load(name)
+            n, nbytes = store.verify(m)
+            for mod in m["models"]:
+                arena = ArenaManifest.from_json(store.read_blob(mod["image_manifest"]["digest"]).decode())
+                if (arena.fingerprint, arena.arena_digest) != (mod["fingerprint"], mod["arena_digest"]):
+                    raise SnapshotError(f"blob {mod['image_manifest']['digest']} (model {mod['name']}: arena "
+                                        "manifest) does not match the snapshot's model entry")
+                image = CpuArenaFile.open_readonly(store.blob_path(mod["image"]["digest"]), mod["image"]["size"])
+                try:
+                    ok = arena_digest_of(image.flat, arena.tensors, 2) == arena.arena_digest
+                finally:
+                    image.close()
+                if not ok:
+                    raise SnapshotError(f"blob {mod['image']['digest']} (model {mod['name']}: arena image) does "
+                                        "not match its arena_digest")
+        return n, nbytes, time.perf_counter() - t0
+
+    n, nbytes, secs = _guard(run)
+    typer.echo(f"{name}: ok, {n} blobs ({mb(nbytes)}) verified in {secs:.2f}s")
+
+
+@snapshot_app.command()
+def delete(name: Annotated[str, typer.Argument()]) -> None:
+    """Remove a snapshot's manifest (its blobs go at the next gc unless another snapshot names them)."""
+    from keepwarm.snapshot.inspect import mb
+
+    store = _store()
+
+    def run():
+        ms = store.manifests()
+        if name not in ms:
+            store.load(name)  # raises the "no snapshot" error
+        unique = store.unique_sizes(ms)[name]
+        store.delete(name)
+        return unique
+
+    unique = _guard(run)
+    typer.echo(f"deleted {name}; `keepwarm snapshot gc` frees {mb(unique)}")
+
+
+@snapshot_app.command()
+def gc() -> None:
+    """Remove blobs no snapshot names."""
+    from keepwarm.snapshot.inspect import mb
+
+    removed, freed = _guard(lambda: _store().gc())
+    typer.echo(f"removed {removed} blob(s), {mb(freed)} freed")
+
+
+@snapshot_app.command("export")
+def export_(
+    name: Annotated[str, typer.Argument()],
+    output: Annotated[Path, typer.Option("-o", "--output", help="The tar file to write.")],
+    zstd: Annotated[bool, typer.Option("--zstd", help="Compress with zstd.")] = False,
+) -> None:
+    """Write the snapshot (manifest + blobs) to one tar file."""
+    from keepwarm.snapshot.archive import export as do_export
+    from keepwarm.snapshot.inspect import mb
+
+    t0 = time.perf_counter()
+    size = _guard(lambda: do_export(_store(), name, output, zstd=zstd))
+    typer.echo(f"exported {name} to {output} ({mb(size)}) in {time.perf_counter() - t0:.2f}s")
+
+
+@snapshot_app.command("import")
+def import_(
+    archive: Annotated[Path, typer.Argument(help="A tar (or tar.zst) written by `keepwarm snapshot export`.")],
+    name: Annotated[str | None, typer.Option("--name", help="Import under another name.")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Replace a different snapshot of the same name.")] = False,
+) -> None:
+    """Check every digest of an exported snapshot, then add it to the store (nothing lands outside the store)."""
+    from keepwarm.snapshot.archive import import_archive
+    from keepwarm.snapshot.inspect import mb
+
+    r = _guard(lambda: import_archive(_store(), archive, rename=name, force=force))
+    if r.already_present:
+        typer.echo(f"{r.name}: already in the store")
+    else:
+        typer.echo(f"imported {r.name}: {r.blobs} blobs, {r.new_blobs} new ({mb(r.new_bytes)})")
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(snapshot_app, name="snapshot")
