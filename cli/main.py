@@ -16,6 +16,7 @@ app = typer.Typer(help="Keep LLM weights warm in a daemon; serve them from resta
 
 def _add_subcommands() -> None:
     from keepwarm.cli import (
+        bench_lora,  # noqa: F401  (registers `bench lora`)
         bench_serving,  # noqa: F401  (registers `bench restart` and `bench serving`)
         bench_snapshot,  # noqa: F401  (registers `bench snapshot`)
         daemon_cmds,
