@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import mmap
 from dataclasses import dataclass
 
 import torch
@@ -28,14 +29,24 @@ def kv_bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) 
     return 2 * model.num_hidden_layers * block_size * model.num_key_value_heads * model.head_dim * elt
 
 
+def _zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zero-filled pool. On CPU an anonymous mapping: the kernel hands out zero pages on first touch, so a 1 GiB
+    pool costs nothing at startup (torch.zeros would memset all of it) and only the blocks used take memory."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    buf = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(buf, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
+
+
 def allocate_kv_cache(model: ModelConfig, cache: CacheConfig, device: torch.device,
                       k_scales: list[float] | None = None, v_scales: list[float] | None = None) -> KVCache:
     shape = (model.num_key_value_heads, cache.num_blocks, cache.block_size, model.head_dim)
     # One allocation per layer and side keeps each layer's pool contiguous for the kernels.
     L = model.num_hidden_layers
     return KVCache(
-        key=[torch.zeros(shape, dtype=cache.dtype, device=device) for _ in range(L)],
-        value=[torch.zeros(shape, dtype=cache.dtype, device=device) for _ in range(L)],
+        key=[_zeroed(shape, cache.dtype, device) for _ in range(L)],
+        value=[_zeroed(shape, cache.dtype, device) for _ in range(L)],
         k_scales=list(k_scales or [1.0] * L),
         v_scales=list(v_scales or [1.0] * L),
     )
