@@ -90,12 +90,14 @@ def restore(
     api_key: Annotated[str | None, typer.Option("--api-key", envvar="KEEPWARM_API_KEY",
                                                 help="API key for the restored config (never stored in "
                                                      "snapshots).")] = None,
+    api_key_from_env: Annotated[bool, typer.Option("--api-key-from-env", help="The server gets its key from "
+                                                   "KEEPWARM_API_KEY in its environment: write none.")] = False,
 ) -> None:
     """Verify every blob, load the image into the daemon (no re-quantization), write the config, restart."""
     from keepwarm.snapshot.restore import restore as do_restore
 
     r = _guard(lambda: do_restore(name, server_config=server_config, restart_server=restart_server,
-                                  api_key=api_key, say=_say))
+                                  api_key=api_key, api_key_from_env=api_key_from_env, say=_say))
     typer.echo(f"restored {name} in {r.seconds:.2f}s: config written to {r.config_path}")
     if r.restarted:
         typer.echo(f"server restarted ({r.restarted})")
@@ -174,10 +176,8 @@ def delete(name: Annotated[str, typer.Argument()]) -> None:
     store = _store()
 
     def run():
-        ms = store.manifests()
-        if name not in ms:
-            store.load(name)  # raises the "no snapshot" error
-        unique = store.unique_sizes(ms)[name]
+        ms, _ = store.readable_manifests()  # an unreadable manifest can still be deleted
+        unique = store.unique_sizes(ms).get(name, 0)
         store.delete(name)
         return unique
 

@@ -121,6 +121,12 @@ class DaemonClient:
             args["fingerprint"] = fingerprint
         return self.request("attach", args, timeout=60.0, on_event=on_event)
 
+    def load_image(self, manifest_json: str, image: str | Path,
+                   on_event: ProgressCallback | None = None) -> dict[str, Any]:
+        """Make an arena image resident (no re-quantization); ``image`` is read by the daemon."""
+        return self.request("load_image", {"manifest": manifest_json, "image": str(Path(image).absolute())},
+                            timeout=60.0, on_event=on_event)
+
     def heartbeat(self, lease_id: str) -> dict[str, Any]:
         return self.request("heartbeat", {"lease_id": lease_id})
 

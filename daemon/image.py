@@ -40,14 +40,23 @@ def image_device_type(manifest: ArenaManifest) -> str:
 
 def check_compatible(manifest: ArenaManifest, device: torch.device) -> None:
     """Raise ImageError (code ``incompatible_image``) when this machine cannot use the image's bytes as they are."""
-    from keepwarm.daemon.quantize import LAYOUT_MKLDNN_PACKED, QuantizationError, QuantMeta, cpu_int4_layout
+    check_device(manifest, device)
+    if device.type == "cpu":
+        check_cpu_layouts(manifest)
 
+
+def check_device(manifest: ArenaManifest, device: torch.device) -> None:
     kind = image_device_type(manifest)
     if kind != device.type:
         raise ImageError("incompatible_image", f"the image of {manifest.model_name} is a {kind} arena "
                                                f"({manifest.device}); this daemon keeps {device.type} arenas")
-    if device.type != "cpu":
-        return
+
+
+def check_cpu_layouts(manifest: ArenaManifest) -> None:
+    """The CPU-specific layouts (oneDNN packing, torch's int4 pack) must be what this CPU and torch produce. May
+    pack a zero weight per distinct shape (as planning a preload does): run it off the daemon's socket loop."""
+    from keepwarm.daemon.quantize import LAYOUT_MKLDNN_PACKED, QuantizationError, QuantMeta, cpu_int4_layout
+
     dtype = dtype_from_name(manifest.dtype)
     checked: dict[tuple[int, int], str] = {}
     for weight, q in manifest.quant.items():

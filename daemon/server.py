@@ -11,6 +11,9 @@ Rules:
   leases is evicted only with ``force``.
 - ``memory_budget`` bounds the total of resident arenas: a preload past it first evicts the least recently used
   models without leases, else fails with code ``memory_budget``.
+- ``load_image`` makes a model resident from an arena image (a snapshot's blob): the bytes are copied into a new
+  arena and checked against the manifest's ``arena_digest``; nothing is re-quantized and the checkpoint is not read.
+  Models it would evict for the memory budget are evicted only once the new arena checked out.
 - On start, CPU arenas left by a daemon that died (SIGKILL) are re-adopted when their manifest parses and their
   bytes hash to the manifest's ``arena_digest``; anything else in the arena directory is removed. A clean
   shutdown (``shutdown`` verb, SIGTERM, SIGINT) removes every arena and the arena directory.
@@ -49,6 +52,7 @@ from keepwarm.daemon.arena import (
     iter_manifest_files,
 )
 from keepwarm.daemon.checkpoint import Checkpoint
+from keepwarm.daemon.image import ImageError, check_cpu_layouts, check_device, fill_cpu, fill_cuda, image_size
 from keepwarm.daemon.loader import build_arena, checkpoint_changed, plan_arena, resolve_dtype
 from keepwarm.daemon.protocol import (
     PROTOCOL_VERSION,
@@ -56,6 +60,7 @@ from keepwarm.daemon.protocol import (
     EvictArgs,
     LeaseArgs,
     LoadAdapterArgs,
+    LoadImageArgs,
     PreloadArgs,
     ProtocolError,
     UnloadAdapterArgs,
@@ -138,6 +143,32 @@ class PreloadJob:
             self.bytes_done += n
 
 
+@dataclass
+class ImageJob:
+    """Loading an arena image (``load_image``): the same shape as a PreloadJob for the socket loop."""
+
+    key: tuple[str, str, str]  # (source model, "image:<fingerprint>", dtype)
+    manifest: ArenaManifest
+    image: Path
+    total_bytes: int  # bytes to copy (progress)
+    arena_bytes: int  # size of the arena being filled (memory budget)
+    started: float = field(default_factory=time.monotonic)
+    bytes_done: int = 0
+    waiters: list[tuple[bytes, str, str, Any]] = field(default_factory=list)
+    result: Resident | None = None
+    error: ProtocolError | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def quantization(self) -> str:
+        return self.manifest.quantization
+
+    def add_bytes(self, n: int) -> None:
+        with self.lock:
+            self.bytes_done += n
+
+
 class Daemon:
     def __init__(self, runtime_dir: Path | None = None, memory_budget: str | None = None, lease_ttl: float = 15.0,
                  device: str = "cpu", threads: int = 4) -> None:
@@ -148,7 +179,7 @@ class Daemon:
         self.threads = threads
         self.residents: dict[str, Resident] = {}  # fingerprint -> resident model
         self.leases: dict[str, Lease] = {}
-        self.jobs: dict[tuple[str, str, str], PreloadJob] = {}
+        self.jobs: dict[tuple[str, str, str], PreloadJob | ImageJob] = {}
         self.counters = {"preloads": 0, "preload_bytes_read": 0, "adopted": 0, "attaches": 0, "evictions": 0,
                          "leases_dropped": 0, "images_loaded": 0, "rejected_requests": 0, "adapter_file_reads": 0,
                          "adapter_loads": 0}
@@ -404,8 +435,11 @@ class Daemon:
         if args.pid <= 0:
             raise ProtocolError("bad_request", "attach: pid must be positive")
         if not args.preload:
-            _, key = self._resolve_model(args.model, args.quantization, args.dtype)
-            r = self._find_resident(key, args.fingerprint)
+            if args.fingerprint:  # no checkpoint needed (a snapshot's restored model directory has no weights)
+                r = self.residents.get(args.fingerprint)
+            else:
+                _, key = self._resolve_model(args.model, args.quantization, args.dtype)
+                r = self._find_resident(key, None)
             if r is None:
                 raise ProtocolError("not_resident", f"{args.model} ({args.quantization}) is not resident")
             return self._attach_reply(rid, r, args)
@@ -456,6 +490,89 @@ class Daemon:
         for fp in matches:
             self._evict(fp, reason="requested")
         return reply_ok(rid, evicted=matches)
+
+    def _verb_load_image(self, identity: bytes, rid: str, args: LoadImageArgs) -> dict | None:
+        try:
+            manifest = ArenaManifest.from_json(args.manifest)
+        except (ValueError, KeyError, TypeError) as e:
+            raise ProtocolError("bad_image", f"load_image: the manifest does not parse: {e}") from None
+        r = self.residents.get(manifest.fingerprint)
+        if r is not None:  # the same model is resident already: kept as it is
+            return self._done_reply(rid, "load_image", args, r, cached=True)
+        image = Path(args.image)
+        if not image.is_absolute():
+            raise ProtocolError("bad_request", "load_image: the image path must be absolute")
+        try:
+            check_device(manifest, self.device)  # the CPU layouts are checked in the job's thread
+            size = image_size(manifest, image)
+        except ImageError as e:
+            raise ProtocolError(e.code, e.message) from None
+        key = (manifest.model, f"image:{manifest.fingerprint}", manifest.dtype)
+        job = self.jobs.get(key)
+        if job is None:
+            arena_bytes = size if self.device.type == "cpu" else manifest.total_bytes
+            self._room_plan(arena_bytes, manifest.model_name)  # refuse now if it can never fit; evict later
+            job = ImageJob(key, manifest, image, arena_bytes, arena_bytes)
+            self.jobs[key] = job
+            threading.Thread(target=self._run_image_job, args=(job,), name=f"image-{manifest.fingerprint[:12]}",
+                             daemon=True).start()
+        job.waiters.append((identity, rid, "load_image", args))
+        return None  # answered when the job finishes
+
+    def _run_image_job(self, job: ImageJob) -> None:
+        t0 = time.perf_counter()
+        m = job.manifest
+        storage: CpuArenaFile | CudaArena | None = None
+        tmp = None
+        try:
+            if self.device.type == "cpu":
+                check_cpu_layouts(m)
+                paths.ensure_private_dir(self.arena_dir)
+                tmp = self.arena_dir / f".image-{secrets.token_hex(6)}.arena"
+                storage = CpuArenaFile.create(tmp, job.arena_bytes)
+                fill_cpu(storage, job.image, job.arena_bytes, job.add_bytes)
+                if arena_digest_of(storage.flat, m.tensors, self.threads) != m.arena_digest:
+                    raise ProtocolError("bad_image", f"the image {job.image} does not match its manifest's "
+                                                     "arena_digest (corrupt or not this model's image)")
+                final = self.arena_dir / f"{m.fingerprint}.arena"
+                mpath = None
+                if not final.exists():  # else a preload of the same model got there first: ours is dropped
+                    os.replace(tmp, final)
+                    storage.path = final
+                    mpath = self.arena_dir / f"{m.fingerprint}.json"
+                storage = storage.seal()
+                if mpath is not None:
+                    tmp_manifest = mpath.with_suffix(".json.tmp")
+                    tmp_manifest.write_text(m.to_json())
+                    os.replace(tmp_manifest, mpath)  # the manifest lands last: it marks the arena complete
+            else:
+                mpath = None
+                storage = CudaArena.create(job.arena_bytes, self.device)
+                fill_cuda(storage, job.image, image_size(m, job.image), m, self.threads, job.add_bytes)
+            seconds = time.perf_counter() - t0
+            now = time.time()
+            job.result = Resident(m, storage, "image", now, seconds, now, mpath)
+            log.info("loaded the image of %s (%s, %s): %.1f MB in %.2fs (%.2f GB/s), fingerprint %s", m.model_name,
+                     m.quantization, m.dtype, job.arena_bytes / 1e6, seconds,
+                     job.arena_bytes / max(seconds, 1e-9) / 1e9, m.fingerprint[:16])
+        except ProtocolError as e:
+            job.error = e
+        except ImageError as e:
+            job.error = ProtocolError(e.code, e.message)
+        except Exception as e:
+            log.error("loading the image %s failed: %s\n%s", job.image, e, traceback.format_exc())
+            job.error = ProtocolError("load_failed", f"loading the image {job.image} failed: {e}")
+        finally:
+            if job.error is not None and storage is not None:
+                if isinstance(storage, CpuArenaFile):
+                    storage.close()
+                    storage.unlink()
+                storage = None
+            if job.error is not None and tmp is not None:
+                tmp.unlink(missing_ok=True)
+            job.done.set()
+            with contextlib.suppress(OSError):
+                os.write(self._wake_w, b"x")
 
     # -- loading ---------------------------------------------------------------------------------------------------
     def _load_or_wait(self, identity: bytes, rid: str, verb: str, args: Any, model: str, quantization: str,
@@ -543,7 +660,9 @@ class Daemon:
                 continue
             del self.jobs[key]
             r = job.result
-            if r is not None:
+            if r is not None and isinstance(job, ImageJob):
+                r = self._register_image(job, r)
+            elif r is not None:
                 existing = self.residents.get(r.manifest.fingerprint)
                 if existing is not None:  # same bytes already resident (e.g. files touched): keep the old one
                     if isinstance(r.storage, CpuArenaFile) and r.storage.path != existing.storage.path:
@@ -563,6 +682,26 @@ class Daemon:
                 except ProtocolError as e:
                     reply = reply_error(rid, e.code, e.message)
                 router.send_multipart([identity, encode(reply)])
+
+    def _register_image(self, job: ImageJob, r: Resident) -> Resident | None:
+        """Make a checked image resident, evicting for the budget only now (a failed load evicted nothing)."""
+        existing = self.residents.get(r.manifest.fingerprint)
+        if existing is not None:  # loaded meanwhile (a preload of the same bytes): keep that one
+            if isinstance(r.storage, CpuArenaFile) and r.storage.path != existing.storage.path:
+                r.storage.close()
+                r.storage.unlink()
+            return existing
+        try:
+            victims = self._room_plan(job.arena_bytes, r.manifest.model_name)
+        except ProtocolError as e:
+            self._drop_storage(r)
+            job.error = e
+            return None
+        for v in victims:
+            self._evict(v.manifest.fingerprint, reason="memory budget (least recently used)")
+        self.residents[r.manifest.fingerprint] = r
+        self.counters["images_loaded"] += 1
+        return r
 
     def _drop_stale(self, fresh: Resident) -> None:
         """An older arena of the same model/quantization whose checkpoint changed on disk: evict it if unleased."""
@@ -586,15 +725,21 @@ class Daemon:
         return sum(r.nbytes for r in self.residents.values()) + self.adapters.nbytes
 
     def _make_room(self, needed: int, name: str) -> None:
+        for r in self._room_plan(needed, name):
+            self._evict(r.manifest.fingerprint, reason="memory budget (least recently used)")
+
+    def _room_plan(self, needed: int, name: str) -> list[Resident]:
+        """The least recently used models without leases to evict so that ``needed`` bytes fit the budget (oldest
+        first); raises ProtocolError ``memory_budget`` when they cannot. Evicts nothing itself."""
         if self.memory_budget is None:
-            return
+            return []
         pending = sum(j.arena_bytes for j in self.jobs.values())
         if needed + pending > self.memory_budget:
             raise ProtocolError("memory_budget", f"{name} needs {needed / 1e6:.1f} MB but the memory budget is "
                                                  f"{self.memory_budget / 1e6:.1f} MB")
         free = self.memory_budget - self._resident_bytes() - pending
         if needed <= free:
-            return
+            return []
         candidates = sorted((r for fp, r in self.residents.items()
                              if not any(x.fingerprint == fp for x in self.leases.values())),
                             key=lambda r: r.last_used)
@@ -604,11 +749,13 @@ class Daemon:
                 "memory_budget", f"{name} needs {needed / 1e6:.1f} MB; the budget of {self.memory_budget / 1e6:.1f} MB "
                                  f"has {free / 1e6:.1f} MB free and {reclaimable / 1e6:.1f} MB held by models without "
                                  "leases; evict a model with live leases first (keepwarm evict --force)")
+        victims = []
         for r in candidates:
             if needed <= free:
                 break
             free += r.nbytes
-            self._evict(r.manifest.fingerprint, reason="memory budget (least recently used)")
+            victims.append(r)
+        return victims
 
     def _evict(self, fingerprint: str, reason: str) -> None:
         r = self.residents.get(fingerprint)
@@ -621,7 +768,10 @@ class Daemon:
         log.info("evicted %s (%s): %s", r.manifest.model_name, fingerprint[:16], reason)
 
     def _drop_resident(self, fingerprint: str) -> None:
-        r = self.residents.pop(fingerprint)
+        self._drop_storage(self.residents.pop(fingerprint))
+
+    @staticmethod
+    def _drop_storage(r: Resident) -> None:
         if isinstance(r.storage, CpuArenaFile):
             r.storage.close()
             r.storage.unlink()

@@ -1,0 +1,289 @@
+"""``keepwarm snapshot create``: capture the live state (or a config's) into the store.
+
+What is captured, per model the server uses: the daemon's packed arena byte for byte (the image: restore needs no
+re-quantization), the daemon's arena manifest, and the model directory's config/tokenizer/chat-template files;
+per adapter its two files; the effective server config; and the identity of the machine (see identity.py).
+
+The model must be resident in the daemon: its arena is the image. With ``preload`` a model that is not resident is
+preloaded first (read and quantized once, now, rather than at restore). The arena is held under a lease while it
+is copied, so the daemon cannot evict it meanwhile, and the copy is checked against the manifest's
+``arena_digest`` before the snapshot is recorded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from keepwarm.snapshot import manifest as mf
+from keepwarm.snapshot.manifest import SnapshotError
+from keepwarm.snapshot.store import CHUNK, BlobRef, Store
+
+DEFAULT_SERVER = "http://127.0.0.1:8000"
+# The model directory's files a server reads besides the weights: config, tokenizer, generation config, chat
+# template. Weight files and shard indexes are never taken (the arena image replaces them).
+MODEL_FILE_SUFFIXES = (".json", ".jinja", ".txt", ".model", ".tiktoken")
+MAX_MODEL_FILE_BYTES = 256 << 20
+
+Say = Callable[[str], None]
+
+
+@dataclass
+class Source:
+    """What to capture, from a live server or from a config file."""
+
+    kind: str  # "server" | "config"
+    where: str  # URL or config path
+    config: dict[str, Any]  # effective config, without the api key
+    model_dir: Path
+    fingerprint: str | None
+    adapters: list[dict[str, Any]]  # {name, path, digest (None from a config), rank}
+    api_key_required: bool
+
+
+@dataclass
+class CreateResult:
+    manifest: dict[str, Any]
+    new_bytes: int
+    total_bytes: int
+    seconds: float
+    image_seconds: float  # copying (or finding) the arena image
+
+
+def model_files(model_dir: Path) -> list[Path]:
+    out = []
+    for p in sorted(model_dir.iterdir()):
+        name = p.name
+        if (not p.is_file() or not name.endswith(MODEL_FILE_SUFFIXES) or name.endswith(".index.json")
+                or not mf.FILE_RE.fullmatch(name)):
+            continue
+        if p.stat().st_size > MAX_MODEL_FILE_BYTES:
+            continue
+        out.append(p)
+    return out
+
+
+# -- sources -----------------------------------------------------------------------------------------------------------
+def from_server(url: str, api_key: str | None) -> Source:
+    import httpx
+
+    url = url.rstrip("/")
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        r = httpx.get(f"{url}/keepwarm/config", headers=headers, timeout=10)
+        probe = httpx.get(f"{url}/v1/models", timeout=10)
+    except httpx.HTTPError as e:
+        raise SnapshotError(f"no keepwarm server answers at {url} ({type(e).__name__}); start it, pass "
+                            "--server URL, or snapshot a config with --from-config server.toml") from None
+    if r.status_code != 200:
+        raise SnapshotError(f"{url}/keepwarm/config answered HTTP {r.status_code}: is this a keepwarm server?")
+    body = r.json()
+    weights = body.get("weights") or {}
+    cfg = dict(body["config"])
+    cfg.pop("api_key", None)
+    return Source("server", url, cfg, Path(body["model_dir"]), weights.get("fingerprint"),
+                  list(body.get("adapters") or []), probe.status_code == 401)
+
+
+def from_config(path: str) -> Source:
+    from keepwarm.worker.api.config import ConfigError, build_config, load_toml
+    from keepwarm.worker.lora import LoRAError, parse_lora_modules
+
+    try:
+        config = build_config(load_toml(path), {})
+    except ConfigError as e:
+        raise SnapshotError(str(e)) from None
+    if config.model is None:
+        from keepwarm.worker.default_model import default_model
+
+        model_dir = default_model()
+    else:
+        model_dir = Path(config.model)
+    try:
+        mods = parse_lora_modules(config.lora_modules) if config.enable_lora else []
+    except LoRAError as e:
+        raise SnapshotError(str(e)) from None
+    cfg = config.to_dict()
+    cfg.pop("api_key", None)
+    return Source("config", str(Path(path).absolute()), cfg, model_dir.absolute(), config.fingerprint,
+                  [{"name": n, "path": p, "digest": None, "rank": None} for n, p in mods], config.api_key is not None)
+
+
+# -- the arena ---------------------------------------------------------------------------------------------------------
+def _cuda_chunks(flat) -> Iterator[memoryview]:
+    for off in range(0, flat.numel(), CHUNK):
+        yield memoryview(flat[off:off + CHUNK].cpu().numpy())
+
+
+def capture_arena(store: Store, manifest_json: str, arena: dict[str, Any], threads: int | None = None,
+                  ) -> tuple[BlobRef, list[str]]:
+    """Store the arena's bytes as a blob (or find it stored already); check them against the manifest."""
+    from keepwarm.daemon.arena import ArenaManifest, CpuArenaFile, CudaArena, arena_digest_of
+
+    m = ArenaManifest.from_json(manifest_json)
+    layouts = sorted({q.get("layout", "?") for q in m.quant.values()} | ({"dense"} if any(
+        t.weight not in m.quant for t in m.tensors) else set()))
+    layout_id = json.dumps([[t.weight, t.part, t.offset, t.nbytes, t.dtype] for t in m.tensors]
+                           + [m.quant], sort_keys=True)
+    if arena["kind"] == "cpu":
+        f = open(arena["path"], "rb", buffering=0)  # noqa: SIM115 (open before anything can unlink it)
+        size = os.fstat(f.fileno()).st_size
+    else:
+        f = None
+        size = int(arena["size"])
+    key = store.arena_key(m.arena_digest, [layout_id], size)
+    try:
+        found = store.arena_lookup(key, size)
+        if found is not None:
+            return found, layouts
+        if f is not None:
+            from keepwarm.snapshot.store import file_chunks
+
+            ref = store.put_chunks(file_chunks(f))
+        else:
+            ref = store.put_chunks(_cuda_chunks(CudaArena.import_handle(arena)))
+    finally:
+        if f is not None:
+            f.close()
+    blob = CpuArenaFile.open_readonly(store.blob_path(ref.digest), ref.size)
+    try:
+        ok = arena_digest_of(blob.flat, m.tensors, threads or min(8, os.cpu_count() or 2)) == m.arena_digest
+    finally:
+        blob.close()
+    if not ok:
+        raise SnapshotError(f"the arena of {m.model_name} read from the daemon does not match its manifest's "
+                            "arena_digest; not recorded")
+    store.arena_remember(key, ref)
+    return ref, layouts
+
+
+def _attach(source: Source, rt: Path | None, preload: bool, say: Say):
+    """Lease the model in the daemon: (Attachment without tensors, attach reply, daemon status)."""
+    from keepwarm.daemon.client import DaemonClient, DaemonError, ensure_daemon
+    from keepwarm.worker.attach import Attachment, LeaseKeeper
+
+    cfg = source.config
+    quant, dtype = cfg.get("quantization", "none"), cfg.get("dtype", "auto")
+    client = DaemonClient(rt)
+    try:
+        if client.ping(timeout=2.0) is None:
+            if not preload:
+                raise SnapshotError(f"no keepwarm daemon answers at {client.socket_path}: a snapshot takes the "
+                                    "model's packed arena from the daemon (pass --preload to start one and load it)")
+            client.close()
+            client, _ = ensure_daemon(rt)
+        status = client.status()
+        try:
+            reply = client.attach(str(source.model_dir), quant, dtype, source.fingerprint, preload=preload,
+                                  on_event=lambda ev: None)
+        except DaemonError as e:
+            fp = f", fingerprint {source.fingerprint[:16]}" if source.fingerprint else ""
+            if e.code == "not_resident":
+                raise SnapshotError(f"{source.model_dir} ({quant}{fp}) is not resident in the daemon at "
+                                    f"{client.socket_path}; its packed arena is what a snapshot keeps: pass "
+                                    f"--preload to load it now") from None
+            raise SnapshotError(f"the daemon refused {source.model_dir} ({quant}{fp}): {e.message}") from None
+    finally:
+        client.close()
+    from keepwarm.daemon.arena import ArenaManifest
+
+    manifest = ArenaManifest.from_json(reply["manifest"])
+    att = Attachment(manifest, {}, reply["lease_id"], reply.get("origin", "?"), 0.0, True, storage=None,
+                     runtime_dir=rt)
+    att.keeper = LeaseKeeper(att, rt, float(reply.get("lease_ttl", 15.0)), quant, dtype)
+    att.keeper.start()
+    return att, reply, status
+
+
+# -- adapters ----------------------------------------------------------------------------------------------------------
+def capture_adapter(store: Store, a: dict[str, Any], arena_dir: Path | None) -> dict[str, Any]:
+    """An adapter's two files as blobs: from its directory when they still are what the server loaded, else from
+    the daemon's resident copy of that version."""
+    from keepwarm.worker.lora import LoRAError, adapter_digest, read_adapter_dir
+
+    name, path, want = a["name"], a["path"], a.get("digest")
+    config_raw = data = None
+    try:
+        text, weights = read_adapter_dir(path)
+        config_raw, data = (Path(path) / mf.ADAPTER_FILES[0]).read_bytes(), weights.read_bytes()
+        got = adapter_digest(text, data)
+    except (LoRAError, OSError) as e:
+        got, err = None, str(e)
+    else:
+        err = ""
+    if want is not None and got != want and arena_dir is not None:
+        lora_file, meta_file = arena_dir / f"{want}.lora", arena_dir / f"{want}.lora-manifest"
+        try:
+            text = json.loads(meta_file.read_text())["config_json"]
+            data = lora_file.read_bytes()
+            got, config_raw = adapter_digest(text, data), text.encode()
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+    if got is None or (want is not None and got != want):
+        why = err or "its files changed since the server loaded it"
+        raise SnapshotError(f"adapter {name} ({path}): {why}, and the daemon holds no copy of the loaded version")
+    files = {mf.ADAPTER_FILES[0]: store.put_bytes(config_raw).ref(), mf.ADAPTER_FILES[1]: store.put_bytes(data).ref()}
+    return {"name": name, "digest": got, "rank": a.get("rank"), "source": str(path), "files": files}
+
+
+# -- create ------------------------------------------------------------------------------------------------------------
+def create(name: str, *, server: str | None = None, config_path: str | None = None, api_key: str | None = None,
+           preload: bool = False, force: bool = False, store: Store | None = None,
+           say: Say = lambda s: None) -> CreateResult:
+    from keepwarm.daemon import paths
+    from keepwarm.snapshot.identity import machine_identity
+
+    t0 = time.perf_counter()
+    mf.check_name(name)
+    store = (store or Store()).ensure()
+    if store.exists(name) and not force:
+        raise SnapshotError(f"a snapshot named {name!r} exists; delete it first or pass --force")
+    source = from_config(config_path) if config_path else from_server(server or DEFAULT_SERVER, api_key)
+    if not source.model_dir.is_dir():
+        raise SnapshotError(f"the model directory {source.model_dir} is gone: its config and tokenizer files are "
+                            "part of the snapshot")
+    rt_cfg = source.config.get("runtime_dir")
+    rt = Path(rt_cfg) if rt_cfg else paths.runtime_dir()
+    before = store.stored_bytes()
+    with store.lock():
+        att, reply, status = _attach(source, rt, preload, say)
+        try:
+            m = att.manifest
+            say(f"capturing {m.model_name} ({m.quantization}/{m.dtype}, {m.total_bytes / 1e6:.1f} MB arena, "
+                f"fingerprint {m.fingerprint[:16]})")
+            ti = time.perf_counter()
+            image, layouts = capture_arena(store, reply["manifest"], reply["arena"])
+            image_seconds = time.perf_counter() - ti
+            image_manifest = store.put_bytes(reply["manifest"].encode())
+        finally:
+            att.close()
+        files = {p.name: store.put_file(p).ref() for p in model_files(source.model_dir)}
+        if "config.json" not in files:
+            raise SnapshotError(f"{source.model_dir} has no config.json")
+        model = {"role": "base", "name": m.model_name, "source": m.model, "fingerprint": m.fingerprint,
+                 "quantization": m.quantization, "dtype": m.dtype, "device": m.device,
+                 "layout_version": m.layout_version, "layouts": layouts, "arena_digest": m.arena_digest,
+                 "arena_bytes": m.total_bytes, "image": image.ref(), "image_manifest": image_manifest.ref(),
+                 "files": files}
+        tok = source.config.get("tokenizer")
+        if tok and Path(tok).is_dir() and Path(tok).resolve() != source.model_dir.resolve():
+            model["tokenizer_files"] = {p.name: store.put_file(p).ref() for p in model_files(Path(tok))}
+        arena_dir = Path(status["arena_dir"]) if status.get("arena_dir") else None
+        adapters = [capture_adapter(store, a, arena_dir) for a in source.adapters]
+        config = dict(source.config)
+        manifest = {
+            "schema": mf.SCHEMA, "schema_version": mf.SCHEMA_VERSION, "name": name, "created_at": time.time(),
+            "source": {"kind": source.kind, ("url" if source.kind == "server" else "path"): source.where,
+                       "api_key_required": source.api_key_required},
+            "server_config": config, "models": [model], "adapters": adapters,
+            "identity": machine_identity(status.get("device", "cpu")),
+        }
+        store.save(manifest)
+    refs = mf.blobs(manifest)
+    new_bytes = max(0, store.stored_bytes() - before)
+    return CreateResult(manifest, new_bytes, sum(refs.values()), time.perf_counter() - t0, image_seconds)

@@ -1,0 +1,186 @@
+"""The snapshot manifest (``store/snapshots/<name>.json``): schema version 1, and its validation.
+
+A manifest is plain JSON; every blob it names is ``{"digest": <sha256 hex>, "size": <bytes>}``. Manifests also
+arrive from other machines (``import``), so :func:`validate` checks every field that is later used to build a
+path or a config: names, digests and file names are checked against strict patterns before anything is written.
+
+```
+{
+  "schema": "keepwarm-snapshot", "schema_version": 1,
+  "name": "prod", "created_at": 1767000000.0,
+  "source": {"kind": "server", "url": "http://127.0.0.1:8000", "api_key_required": false}
+            | {"kind": "config", "path": "/etc/keepwarm/server.toml", "api_key_required": false},
+  "server_config": {...},          # the effective config (server.toml keys), never the api key
+  "models": [{
+      "role": "base", "name": "SmolLM2-135M-Instruct", "source": "/path/of/the/model",
+      "fingerprint": "...", "quantization": "none", "dtype": "bfloat16", "device": "cpu",
+      "layout_version": 1, "layouts": ["dense", "mkldnn_packed"],
+      "arena_digest": "...", "arena_bytes": 270000000,
+      "image": BLOB,               # the packed arena, byte for byte (<fingerprint>.arena)
+      "image_manifest": BLOB,      # the daemon's arena manifest (<fingerprint>.json)
+      "files": {"config.json": BLOB, "tokenizer.json": BLOB, ...},
+      "tokenizer_files": {...}     # only when the config's `tokenizer` was another directory
+  }],
+  "adapters": [{"name": "a", "digest": "<adapter digest>", "rank": 8, "source": "/path",
+                "files": {"adapter_config.json": BLOB, "adapter_model.safetensors": BLOB}}],
+  "identity": {"keepwarm": "0.1.0", "torch": "2.13.0+cpu", "python": "3.11.9", "platform": "...",
+               "hostname": "...", "cpu": "...", "cpu_isa": ["avx2", "avx512_bf16", ...], "onednn": "v3.7.1",
+               "daemon_device": "cpu", "gpu": null | {"name", "uuid", "capability"}}
+}
+```
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+SCHEMA = "keepwarm-snapshot"
+SCHEMA_VERSION = 1
+
+NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+DIGEST_RE = re.compile(r"[0-9a-f]{64}")
+# Plain file names (a model's config/tokenizer files): no directories, no leading dot.
+FILE_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,199}")
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+MAX_MANIFEST_BYTES = 16 << 20
+
+
+class SnapshotError(Exception):
+    """Anything a snapshot command refuses or fails at; the message is one line for the operator."""
+
+
+def check_name(name: str) -> str:
+    if not isinstance(name, str) or not NAME_RE.fullmatch(name):
+        raise SnapshotError(f"invalid snapshot name {name!r}: use letters, digits, '.', '_' and '-' "
+                            "(at most 128, not starting with '.' or '-')")
+    return name
+
+
+def _blob(where: str, b: Any) -> dict[str, Any]:
+    if not isinstance(b, dict) or set(b) != {"digest", "size"}:
+        raise SnapshotError(f"manifest: {where} must be {{digest, size}}")
+    if not isinstance(b["digest"], str) or not DIGEST_RE.fullmatch(b["digest"]):
+        raise SnapshotError(f"manifest: {where}.digest is not a sha256 hex digest")
+    if not isinstance(b["size"], int) or isinstance(b["size"], bool) or b["size"] < 0:
+        raise SnapshotError(f"manifest: {where}.size must be a non-negative integer")
+    return b
+
+
+def _files(where: str, files: Any, allowed: tuple[str, ...] | None = None) -> None:
+    if not isinstance(files, dict):
+        raise SnapshotError(f"manifest: {where} must be a map of file name to blob")
+    for fname, b in files.items():
+        if not isinstance(fname, str) or not FILE_RE.fullmatch(fname) or ".." in fname:
+            raise SnapshotError(f"manifest: {where} has an unsafe file name {fname!r}")
+        if allowed is not None and fname not in allowed:
+            raise SnapshotError(f"manifest: {where} has an unexpected file {fname!r}")
+        _blob(f"{where}[{fname}]", b)
+
+
+def _str(where: str, v: Any, pattern: re.Pattern | None = None) -> str:
+    if not isinstance(v, str) or (pattern is not None and not pattern.fullmatch(v)):
+        raise SnapshotError(f"manifest: {where} is missing or malformed")
+    return v
+
+
+def validate(m: Any) -> dict[str, Any]:
+    """Check a manifest's shape; returns it. Raises SnapshotError naming the first bad field."""
+    if not isinstance(m, dict):
+        raise SnapshotError("manifest: not a JSON object")
+    if m.get("schema") != SCHEMA:
+        raise SnapshotError(f"manifest: not a keepwarm snapshot (schema {m.get('schema')!r})")
+    if m.get("schema_version") != SCHEMA_VERSION:
+        raise SnapshotError(f"manifest: schema version {m.get('schema_version')!r}; this keepwarm reads "
+                            f"version {SCHEMA_VERSION} (upgrade keepwarm)")
+    check_name(m.get("name"))
+    if not isinstance(m.get("created_at"), int | float):
+        raise SnapshotError("manifest: created_at must be a number")
+    if not isinstance(m.get("server_config"), dict):
+        raise SnapshotError("manifest: server_config must be a map")
+    from keepwarm.worker.api.config import ConfigError, from_mapping
+
+    try:
+        from_mapping(m["server_config"], "manifest server_config")
+    except ConfigError as e:
+        raise SnapshotError(str(e)) from None
+    if not isinstance(m.get("source"), dict) or m["source"].get("kind") not in ("server", "config"):
+        raise SnapshotError("manifest: source.kind must be 'server' or 'config'")
+    models = m.get("models")
+    if not isinstance(models, list) or not models:
+        raise SnapshotError("manifest: models must be a non-empty list")
+    for i, mod in enumerate(models):
+        w = f"models[{i}]"
+        if not isinstance(mod, dict):
+            raise SnapshotError(f"manifest: {w} must be a map")
+        _str(f"{w}.fingerprint", mod.get("fingerprint"), DIGEST_RE)
+        _str(f"{w}.arena_digest", mod.get("arena_digest"), DIGEST_RE)
+        for k in ("name", "source", "quantization", "dtype", "device", "role"):
+            _str(f"{w}.{k}", mod.get(k))
+        _blob(f"{w}.image", mod.get("image"))
+        _blob(f"{w}.image_manifest", mod.get("image_manifest"))
+        _files(f"{w}.files", mod.get("files"))
+        if "config.json" not in mod["files"]:
+            raise SnapshotError(f"manifest: {w}.files has no config.json")
+        if mod.get("tokenizer_files") is not None:
+            _files(f"{w}.tokenizer_files", mod["tokenizer_files"])
+    adapters = m.get("adapters")
+    if not isinstance(adapters, list):
+        raise SnapshotError("manifest: adapters must be a list")
+    names = set()
+    for i, a in enumerate(adapters):
+        w = f"adapters[{i}]"
+        if not isinstance(a, dict):
+            raise SnapshotError(f"manifest: {w} must be a map")
+        name = _str(f"{w}.name", a.get("name"))
+        if not name or "=" in name or name in names:
+            raise SnapshotError(f"manifest: {w}.name {name!r} is empty, has '=' or repeats")
+        names.add(name)
+        _str(f"{w}.digest", a.get("digest"), DIGEST_RE)
+        _files(f"{w}.files", a.get("files"), ADAPTER_FILES)
+        if set(a["files"]) != set(ADAPTER_FILES):
+            raise SnapshotError(f"manifest: {w}.files must hold {' and '.join(ADAPTER_FILES)}")
+    if not isinstance(m.get("identity", {}), dict):
+        raise SnapshotError("manifest: identity must be a map")
+    return m
+
+
+def loads(text: str | bytes) -> dict[str, Any]:
+    if len(text) > MAX_MANIFEST_BYTES:
+        raise SnapshotError(f"manifest: {len(text)} bytes, more than {MAX_MANIFEST_BYTES}")
+    try:
+        data = json.loads(text)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise SnapshotError(f"manifest: not valid JSON ({e})") from None
+    return validate(data)
+
+
+def dumps(m: dict[str, Any]) -> str:
+    return json.dumps(m, indent=1, sort_keys=True) + "\n"
+
+
+def blob_refs(m: dict[str, Any]) -> list[tuple[str, int, str]]:
+    """Every blob the manifest names: (digest, size, what it is), in a stable order; a digest may repeat."""
+    out = []
+    for mod in m["models"]:
+        label = f"model {mod['name']}"
+        out.append((mod["image"]["digest"], mod["image"]["size"], f"{label}: arena image"))
+        out.append((mod["image_manifest"]["digest"], mod["image_manifest"]["size"], f"{label}: arena manifest"))
+        for fname, b in sorted(mod["files"].items()):
+            out.append((b["digest"], b["size"], f"{label}: {fname}"))
+        for fname, b in sorted((mod.get("tokenizer_files") or {}).items()):
+            out.append((b["digest"], b["size"], f"{label}: tokenizer {fname}"))
+    for a in m["adapters"]:
+        for fname, b in sorted(a["files"].items()):
+            out.append((b["digest"], b["size"], f"adapter {a['name']}: {fname}"))
+    return out
+
+
+def blobs(m: dict[str, Any]) -> dict[str, int]:
+    """digest -> size of every blob the manifest names (a digest named twice must have one size)."""
+    out: dict[str, int] = {}
+    for digest, size, what in blob_refs(m):
+        if out.setdefault(digest, size) != size:
+            raise SnapshotError(f"manifest: blob {digest[:16]} ({what}) is named with two sizes")
+    return out

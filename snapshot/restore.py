@@ -1,0 +1,347 @@
+"""``keepwarm snapshot restore``: bring the daemon and the server config back to a snapshot's state.
+
+Order, so that a failure at any step leaves the previous state in place:
+
+1. re-hash every blob the snapshot names (nothing is touched before they all check out);
+2. check what can be checked up front: the daemon's device kind against the image's, the server config (and the
+   API key it needs), the systemd unit's config path;
+3. stage the model files under ``$KEEPWARM_HOME/restored/.staging-*`` and write the adapters' directories
+   (``restored/adapters/<digest>/``, content-addressed: complete or absent);
+4. ``load_image`` each model into the daemon (copied, checked against ``arena_digest``, no re-quantization; a
+   model resident with the same fingerprint is kept as is), then ``load_adapter`` each adapter;
+5. commit: move the model files to ``restored/<fingerprint>/`` and write the server config atomically (the
+   previous one is kept as ``<config>.prev``);
+6. restart the server (``systemctl restart keepwarm-server.service``) or print the command that starts it.
+
+If 3-5 fail, what this restore added is removed again (images it loaded are evicted, adapters it loaded unloaded,
+staged files deleted) and the config is not written; nothing that was resident before is evicted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import secrets
+import shlex
+import shutil
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from keepwarm.snapshot.manifest import SnapshotError
+from keepwarm.snapshot.store import Store, fsync_dir, hash_file
+
+UNIT = "keepwarm-server.service"
+# Keys restore rewrites in the server config: they name this machine's paths (or the daemon restored into).
+REWRITTEN_KEYS = ("model", "fingerprint", "lora_modules", "tokenizer", "runtime_dir", "served_model_name", "daemon",
+                  "api_key")
+
+Say = Callable[[str], None]
+
+
+@dataclass
+class RestoreResult:
+    name: str
+    config_path: Path
+    config: dict[str, Any]
+    command: str
+    model_dirs: list[Path]
+    images_loaded: list[str] = field(default_factory=list)  # fingerprints loaded now (not resident before)
+    restarted: str | None = None  # how the server was restarted, if it was
+    verify_seconds: float = 0.0
+    load_seconds: float = 0.0
+    seconds: float = 0.0
+
+
+def restored_root() -> Path:
+    from keepwarm.worker.default_model import keepwarm_home
+
+    return keepwarm_home() / "restored"
+
+
+def default_config_path() -> Path:
+    from keepwarm.worker.default_model import keepwarm_home
+
+    return keepwarm_home() / "server.toml"
+
+
+# -- systemd -----------------------------------------------------------------------------------------------------------
+def systemd_unit() -> dict[str, Any] | None:
+    """The keepwarm-server.service unit if systemd knows it: {scope, active, config (its --config path)}."""
+    if not shutil.which("systemctl"):
+        return None
+    for scope in ([], ["--user"]):
+        try:
+            r = subprocess.run(["systemctl", *scope, "show", UNIT, "-p", "LoadState", "-p", "ActiveState", "-p",
+                                "ExecStart"], capture_output=True, text=True, timeout=15)
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+        if r.returncode != 0:
+            continue
+        props = dict(line.split("=", 1) for line in r.stdout.splitlines() if "=" in line)
+        if props.get("LoadState") == "loaded":
+            m = re.search(r"--config[= ]([^\s;]+)", props.get("ExecStart", ""))
+            return {"scope": scope, "active": props.get("ActiveState", ""), "config": m.group(1) if m else None}
+    return None
+
+
+def restart_unit(unit: dict[str, Any]) -> None:
+    r = subprocess.run(["systemctl", *unit["scope"], "restart", UNIT], capture_output=True, text=True, timeout=120)
+    if r.returncode != 0:
+        msg = (r.stderr or r.stdout).strip().splitlines()
+        raise SnapshotError(f"systemctl restart {UNIT} failed: {msg[-1] if msg else f'exit {r.returncode}'}")
+
+
+# -- files -------------------------------------------------------------------------------------------------------------
+def _write_files(store: Store, directory: Path, files: dict[str, dict[str, Any]]) -> None:
+    directory.mkdir(mode=0o755, parents=True, exist_ok=True)
+    for fname, b in files.items():
+        dest = directory / fname
+        shutil.copyfile(store.blob_path(b["digest"]), dest)
+        os.chmod(dest, 0o644)
+        fd = os.open(dest, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    fsync_dir(directory)
+
+
+def _dir_matches(directory: Path, files: dict[str, dict[str, Any]]) -> bool:
+    if not directory.is_dir():
+        return False
+    present = {p.name for p in directory.iterdir()}
+    if present != set(files):
+        return False
+    return all(hash_file(directory / f) == (b["digest"], b["size"]) for f, b in files.items())
+
+
+def _swap_in(staged: Path, final: Path) -> None:
+    """Replace ``final`` by ``staged`` (both directories on one file system)."""
+    old = None
+    if final.exists():
+        old = final.with_name(f".old-{final.name}-{secrets.token_hex(4)}")
+        os.replace(final, old)
+    os.replace(staged, final)
+    fsync_dir(final.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _existing_api_key(path: Path) -> str | None:
+    import tomllib
+
+    try:
+        value = tomllib.loads(path.read_text()).get("api_key")
+    except (OSError, tomllib.TOMLDecodeError):
+        return None
+    return value if isinstance(value, str) else None
+
+
+# -- the config --------------------------------------------------------------------------------------------------------
+def build_server_config(m: dict[str, Any], model_dir: Path, adapter_dirs: dict[str, Path], runtime_dir: Path | None,
+                        api_key: str | None) -> dict[str, Any]:
+    """The snapshot's config with this machine's paths (see REWRITTEN_KEYS), validated."""
+    from keepwarm.worker.api.config import ConfigError, build_config
+    from keepwarm.worker.default_model import DEFAULT_MODEL_NAME
+
+    model = m["models"][0]
+    cfg = dict(m["server_config"])
+    cfg.pop("api_key", None)
+    # Clients keep the names they used: the served name was the model path (or the bundled model's name).
+    cfg["served_model_name"] = cfg.get("served_model_name") or [cfg.get("model") or DEFAULT_MODEL_NAME]
+    cfg["model"] = str(model_dir)
+    cfg["fingerprint"] = model["fingerprint"]
+    cfg["daemon"] = True  # the weights are the daemon's now: the restored directory holds none
+    if model.get("tokenizer_files"):
+        cfg["tokenizer"] = str(model_dir / "tokenizer")
+    else:
+        cfg.pop("tokenizer", None)
+    if m["adapters"]:
+        cfg["enable_lora"] = True
+    cfg["lora_modules"] = [f"{a['name']}={adapter_dirs[a['digest']]}" for a in m["adapters"]]
+    if runtime_dir is not None:
+        cfg["runtime_dir"] = str(runtime_dir)
+    else:
+        cfg.pop("runtime_dir", None)
+    if api_key:
+        cfg["api_key"] = api_key
+    try:
+        return build_config(cfg, {}).to_dict()
+    except ConfigError as e:
+        raise SnapshotError(f"the snapshot's server config is not valid here: {e}") from None
+
+
+# -- restore -----------------------------------------------------------------------------------------------------------
+def restore(name: str, *, store: Store | None = None, server_config: str | None = None, restart_server: bool = False,
+            api_key: str | None = None, api_key_from_env: bool = False, say: Say = lambda s: None) -> RestoreResult:
+    from keepwarm.daemon import paths
+    from keepwarm.daemon.client import DaemonClient, DaemonError, ensure_daemon
+    from keepwarm.worker.api.config import ServerConfig, to_toml
+
+    t0 = time.perf_counter()
+    store = store or Store()
+    with store.lock():
+        m = store.load(name)
+        # 1. every blob, before anything else
+        n, nbytes = store.verify(m)
+        verify_seconds = time.perf_counter() - t0
+        say(f"verified {n} blobs ({nbytes / 1e6:.1f} MB) in {verify_seconds:.2f}s")
+        if len(m["models"]) != 1:
+            raise SnapshotError(f"snapshot {name} holds {len(m['models'])} models; this keepwarm restores one")
+        model = m["models"][0]
+        arena_json = store.read_blob(model["image_manifest"]["digest"]).decode()
+        try:  # only what must match here; the daemon parses and checks the whole manifest (this needs no torch)
+            arena = json.loads(arena_json)
+            arena_ids = (arena["fingerprint"], arena["arena_digest"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise SnapshotError(f"the arena manifest of {model['name']} does not parse: {e}") from None
+        if arena_ids != (model["fingerprint"], model["arena_digest"]):
+            raise SnapshotError(f"snapshot {name}: its arena manifest does not match the model entry "
+                                "(fingerprint or arena_digest differ)")
+
+        # 2. up-front checks: the server config's target, the API key, the daemon's device
+        unit = systemd_unit() if restart_server else None
+        if unit is not None and not unit["config"]:
+            raise SnapshotError(f"{UNIT} starts the server without --config, so it would not read a restored "
+                                "config; add --config PATH to its ExecStart (see systemd/README.md)")
+        if server_config is not None:
+            target = Path(server_config).absolute()
+            if unit and unit["config"] and Path(unit["config"]).absolute() != target:
+                raise SnapshotError(f"{UNIT} reads {unit['config']}, not {target}; pass --server-config "
+                                    f"{unit['config']} (or leave it out)")
+        elif unit and unit["config"]:
+            target = Path(unit["config"])
+        else:
+            target = default_config_path()
+        key = api_key or _existing_api_key(target)
+        if m["source"].get("api_key_required") and not key and not api_key_from_env:
+            raise SnapshotError("the snapshot's server required an API key, which snapshots never store: pass "
+                                "--api-key (or KEEPWARM_API_KEY), keep api_key in the existing server config, or "
+                                "pass --api-key-from-env if the server gets KEEPWARM_API_KEY from its environment")
+        rt = paths.runtime_dir()
+        kind = "cpu" if model["device"] == "cpu" else "cuda"
+        root = restored_root()
+        model_dir = root / model["fingerprint"]
+        adapter_root = root / "adapters"
+        adapter_dirs = {a["digest"]: adapter_root / a["digest"] for a in m["adapters"]}
+        explicit_rt = bool(m["server_config"].get("runtime_dir")) or bool(os.environ.get("KEEPWARM_RUNTIME_DIR"))
+        cfg = build_server_config(m, model_dir, adapter_dirs, rt if explicit_rt else None, key)
+        config_text = to_toml(ServerConfig(**cfg))
+
+        client = DaemonClient(rt, timeout=30.0)
+        if client.ping(timeout=2.0) is None:
+            client.close()
+            try:
+                client, _ = ensure_daemon(rt, device=kind)
+            except DaemonError as e:
+                raise SnapshotError(f"no daemon answers at {paths.socket_path(rt)} and starting one failed: "
+                                    f"{e.message}") from None
+            say(f"started a keepwarm daemon ({client.socket_path})")
+        status = client.status()
+        if status["device"].split(":", 1)[0] != kind:
+            client.close()
+            raise SnapshotError(f"the snapshot holds a {kind} arena image of {model['name']} ({model['device']}); "
+                                f"the daemon at {client.socket_path} keeps {status['device']} arenas")
+
+        created: list[Path] = []  # to remove on failure
+        loaded_images: list[str] = []
+        loaded_adapters: list[str] = []
+        try:
+            # 3. files
+            root.mkdir(mode=0o755, parents=True, exist_ok=True)
+            staged = root / f".staging-{secrets.token_hex(6)}"
+            created.append(staged)
+            _write_files(store, staged, model["files"])
+            if model.get("tokenizer_files"):
+                _write_files(store, staged / "tokenizer", model["tokenizer_files"])
+            for a in m["adapters"]:
+                final = adapter_dirs[a["digest"]]
+                if _dir_matches(final, a["files"]):
+                    continue
+                tmp = adapter_root / f".staging-{secrets.token_hex(6)}"
+                created.append(tmp)
+                _write_files(store, tmp, a["files"])
+                if final.exists():
+                    _swap_in(tmp, final)  # a damaged earlier copy
+                else:
+                    os.replace(tmp, final)
+                    created.append(final)
+                fsync_dir(adapter_root)
+            # 4. the daemon
+            tl = time.perf_counter()
+            say(f"loading the image of {model['name']} ({model['quantization']}/{model['dtype']}, "
+                f"{model['image']['size'] / 1e6:.1f} MB) into the daemon")
+            try:
+                reply = client.load_image(arena_json, store.blob_path(model["image"]["digest"]))
+            except DaemonError as e:
+                raise SnapshotError(f"the daemon cannot hold the image of {model['name']}: {e.message}") from None
+            if not reply.get("cached"):
+                loaded_images.append(model["fingerprint"])
+            load_seconds = time.perf_counter() - tl
+            say(f"{model['name']}: " + ("already resident, kept as is" if reply.get("cached") else
+                                        f"image loaded in {load_seconds:.2f}s (no re-quantization)"))
+            for a in m["adapters"]:
+                try:
+                    r = client.request("load_adapter", {"path": str(adapter_dirs[a["digest"]])})
+                except DaemonError as e:
+                    raise SnapshotError(f"the daemon refused adapter {a['name']}: {e.message}") from None
+                if r["digest"] != a["digest"]:
+                    raise SnapshotError(f"adapter {a['name']}: the daemon read digest {r['digest'][:16]}, the "
+                                        f"snapshot says {a['digest'][:16]}")
+                if not r.get("cached"):
+                    loaded_adapters.append(a["digest"])
+            # 5. commit
+            if not model.get("tokenizer_files") and _dir_matches(model_dir, model["files"]):
+                shutil.rmtree(staged, ignore_errors=True)
+            else:
+                _swap_in(staged, model_dir)
+            created.remove(staged)
+            _write_config(store, target, config_text, private=bool(key))
+        except BaseException as e:
+            _undo(client, loaded_images, loaded_adapters, created)
+            client.close()
+            if isinstance(e, OSError):
+                raise SnapshotError(f"restore failed, nothing changed: {e}") from None
+            raise
+        client.close()
+
+    command = f"keepwarm serve --config {shlex.quote(str(target))}"
+    result = RestoreResult(name, target, cfg, command, [model_dir], loaded_images, None, verify_seconds,
+                           load_seconds)
+    # 6. the server
+    if restart_server:
+        if unit is not None:
+            restart_unit(unit)
+            result.restarted = f"systemctl {' '.join(unit['scope'] + ['restart', UNIT])}"
+        else:
+            say(f"no {UNIT} unit here; start the server with: {command}")
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+def _write_config(store: Store, target: Path, text: str, private: bool) -> None:
+    if target.is_file():
+        old = target.read_text()
+        if old == text:
+            return
+        store.write_atomic(target.with_name(target.name + ".prev"), old.encode(), 0o600)
+    store.write_atomic(target, text.encode(), 0o600 if private else 0o644)
+
+
+def _undo(client, images: list[str], adapters: list[str], created: list[Path]) -> None:
+    from keepwarm.daemon.client import DaemonError
+
+    for fp in images:
+        with contextlib.suppress(DaemonError):
+            client.evict(fp)
+    for digest in adapters:
+        with contextlib.suppress(DaemonError):
+            client.request("unload_adapter", {"adapter": digest})
+    for p in reversed(created):
+        shutil.rmtree(p, ignore_errors=True)

@@ -1,0 +1,365 @@
+"""The content-addressed snapshot store under ``$KEEPWARM_HOME/store``.
+
+```
+store/
+  blobs/sha256/<digest>     content, named by its sha256; written once, shared by every snapshot naming it
+  snapshots/<name>.json     manifests (see manifest.py)
+  index/arena/<key>         cache: an arena (by its arena_digest and layout) -> the blob holding its image
+  tmp/                      staging for writes and imports (gc empties it)
+  .lock                     flock: shared while a command reads or adds; exclusive for gc
+```
+
+Every file lands by ``write to a temp name in the same directory -> fsync -> rename -> fsync the directory``, so a
+crash leaves either nothing or a complete file under its real name, never half a blob under a digest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import secrets
+import shutil
+import time
+from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from keepwarm.snapshot import manifest as mf
+from keepwarm.snapshot.manifest import DIGEST_RE, SnapshotError
+
+CHUNK = 8 << 20
+
+
+def default_root() -> Path:
+    from keepwarm.worker.default_model import keepwarm_home
+
+    return keepwarm_home() / "store"
+
+
+@dataclass(frozen=True)
+class BlobRef:
+    digest: str
+    size: int
+    new: bool = False  # written by this call (not already in the store)
+
+    def ref(self) -> dict[str, Any]:
+        return {"digest": self.digest, "size": self.size}
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_all(fd: int, data: memoryview) -> None:
+    while data:
+        n = os.write(fd, data)
+        data = data[n:]
+
+
+def file_chunks(f: BinaryIO, limit: int | None = None) -> Iterator[memoryview]:
+    """Read ``f`` in chunks into two alternating buffers. A consumer must be done with chunk i before it asks for
+    chunk i + 2 (:func:`pipe_hashing` is)."""
+    bufs = [bytearray(CHUNK), bytearray(CHUNK)]
+    i = 0
+    left = limit
+    while left is None or left > 0:
+        buf = memoryview(bufs[i % 2])
+        want = CHUNK if left is None else min(CHUNK, left)
+        n = f.readinto(buf[:want])
+        if not n:
+            if left:
+                raise SnapshotError(f"unexpected end of data ({left} bytes missing)")
+            return
+        if left is not None:
+            left -= n
+        yield buf[:n]
+        i += 1
+
+
+def pipe_hashing(chunks: Iterable[memoryview], fd: int | None) -> tuple[str, int]:
+    """sha256 and size of the chunks, writing them to ``fd`` (if given) in a second thread while hashing here."""
+    h = hashlib.sha256()
+    size = 0
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        prev = None
+        for mv in chunks:
+            fut = pool.submit(_write_all, fd, mv) if fd is not None else None
+            h.update(mv)
+            size += len(mv)
+            if prev is not None:
+                prev.result()  # chunk i-1 written: its buffer may be refilled
+            prev = fut
+        if prev is not None:
+            prev.result()
+    return h.hexdigest(), size
+
+
+def hash_file(path: Path) -> tuple[str, int]:
+    with open(path, "rb", buffering=0) as f:
+        return pipe_hashing(file_chunks(f), None)
+
+
+class Store:
+    def __init__(self, root: Path | None = None) -> None:
+        self.root = Path(root) if root is not None else default_root()
+        self.blobs_dir = self.root / "blobs" / "sha256"
+        self.snapshots_dir = self.root / "snapshots"
+        self.index_dir = self.root / "index" / "arena"
+        self.tmp_dir = self.root / "tmp"
+
+    # -- layout and locking ----------------------------------------------------------------------------------------
+    def ensure(self) -> Store:
+        for d in (self.root, self.blobs_dir, self.snapshots_dir, self.index_dir, self.tmp_dir):
+            d.mkdir(mode=0o700, parents=True, exist_ok=True)
+        return self
+
+    @contextlib.contextmanager
+    def lock(self, exclusive: bool = False) -> Iterator[None]:
+        """Shared: readers and writers that add (create, import, restore). Exclusive: gc, which removes blobs."""
+        self.ensure()
+        fd = os.open(self.root / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            try:
+                fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
+            except BlockingIOError:
+                if exclusive:
+                    raise SnapshotError(f"the store {self.root} is in use (a create, restore or import runs); "
+                                        "try gc again when it is done") from None
+                fcntl.flock(fd, fcntl.LOCK_SH)  # a gc runs: wait for it
+            yield
+        finally:
+            os.close(fd)
+
+    # -- blobs -----------------------------------------------------------------------------------------------------
+    def blob_path(self, digest: str) -> Path:
+        if not DIGEST_RE.fullmatch(digest):
+            raise SnapshotError(f"not a sha256 digest: {digest!r}")
+        return self.blobs_dir / digest
+
+    def has_blob(self, digest: str, size: int | None = None) -> bool:
+        try:
+            st = os.stat(self.blob_path(digest))
+        except FileNotFoundError:
+            return False
+        return size is None or st.st_size == size
+
+    def _temp(self, directory: Path, prefix: str = ".tmp-") -> tuple[int, Path]:
+        path = directory / f"{prefix}{secrets.token_hex(8)}"
+        return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), path
+
+    def _land(self, tmp: Path, digest: str) -> bool:
+        """Move a complete, fsynced temp file to its digest's name; False if the blob was there already."""
+        final = self.blob_path(digest)
+        if final.exists():
+            tmp.unlink(missing_ok=True)
+            return False
+        os.chmod(tmp, 0o444)
+        os.replace(tmp, final)
+        fsync_dir(self.blobs_dir)
+        return True
+
+    def put_chunks(self, chunks: Iterable[memoryview], expect_digest: str | None = None,
+                   staging: Path | None = None) -> BlobRef:
+        """Stream chunks into a blob, hashing as they are written. ``expect_digest``: refuse other content.
+        ``staging``: leave the checked file there (named by digest) instead of landing it (import)."""
+        self.ensure()
+        fd, tmp = self._temp(staging or self.blobs_dir)
+        try:
+            try:
+                digest, size = pipe_hashing(chunks, fd)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            if expect_digest is not None and digest != expect_digest:
+                raise SnapshotError(f"blob {expect_digest} is corrupt: its content hashes to {digest}")
+            if staging is not None:
+                os.replace(tmp, staging / digest)
+                return BlobRef(digest, size, True)
+            return BlobRef(digest, size, self._land(tmp, digest))
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+
+    def put_file(self, path: Path) -> BlobRef:
+        with open(path, "rb", buffering=0) as f:
+            return self.put_chunks(file_chunks(f))
+
+    def put_bytes(self, data: bytes) -> BlobRef:
+        digest = hashlib.sha256(data).hexdigest()
+        if self.has_blob(digest, len(data)):
+            return BlobRef(digest, len(data), False)
+        return self.put_chunks([memoryview(data)])
+
+    def read_blob(self, digest: str) -> bytes:
+        return self.blob_path(digest).read_bytes()
+
+    def verify_blob(self, digest: str, size: int, what: str = "") -> None:
+        """Re-hash one blob; SnapshotError naming it when it is missing, truncated or altered."""
+        label = f"blob {digest}" + (f" ({what})" if what else "")
+        path = self.blob_path(digest)
+        try:
+            actual_size = path.stat().st_size
+        except FileNotFoundError:
+            raise SnapshotError(f"{label} is missing from the store {self.root}") from None
+        if actual_size != size:
+            raise SnapshotError(f"{label} is corrupt: {actual_size} bytes, the manifest says {size}")
+        actual, _ = hash_file(path)
+        if actual != digest:
+            raise SnapshotError(f"{label} is corrupt: its content hashes to {actual}")
+
+    def verify(self, m: dict[str, Any], threads: int = 2) -> tuple[int, int]:
+        """Re-hash every blob a manifest names (a few at once); (blobs, bytes). Raises on the first bad one."""
+        seen: dict[str, tuple[int, str]] = {}
+        for digest, size, what in mf.blob_refs(m):
+            seen.setdefault(digest, (size, what))
+        with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
+            futures = [pool.submit(self.verify_blob, d, s, w) for d, (s, w) in seen.items()]
+            for f in futures:
+                f.result()
+        return len(seen), sum(s for s, _ in seen.values())
+
+    # -- arena index (a cache: a resident arena already in the store is not copied again) ---------------------------
+    @staticmethod
+    def arena_key(arena_digest: str, layout: list, size: int) -> str:
+        h = hashlib.sha256(b"keepwarm-arena-image-v1\0")
+        h.update(json.dumps([arena_digest, layout, size], sort_keys=True).encode())
+        return h.hexdigest()
+
+    def arena_lookup(self, key: str, size: int) -> BlobRef | None:
+        try:
+            d = json.loads((self.index_dir / key).read_text())
+        except (OSError, ValueError):
+            return None
+        digest = d.get("digest") if isinstance(d, dict) else None
+        if isinstance(digest, str) and DIGEST_RE.fullmatch(digest) and self.has_blob(digest, size):
+            return BlobRef(digest, size, False)
+        return None
+
+    def arena_remember(self, key: str, ref: BlobRef) -> None:
+        self.write_atomic(self.index_dir / key, json.dumps(ref.ref()).encode())
+
+    # -- manifests -------------------------------------------------------------------------------------------------
+    def write_atomic(self, path: Path, data: bytes, mode: int = 0o600) -> None:
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd, tmp = self._temp(path.parent)
+        try:
+            try:
+                _write_all(fd, memoryview(data))
+                os.fchmod(fd, mode)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        fsync_dir(path.parent)
+
+    def manifest_path(self, name: str) -> Path:
+        return self.snapshots_dir / f"{mf.check_name(name)}.json"
+
+    def exists(self, name: str) -> bool:
+        return self.manifest_path(name).is_file()
+
+    def load(self, name: str) -> dict[str, Any]:
+        path = self.manifest_path(name)
+        try:
+            text = path.read_bytes()
+        except FileNotFoundError:
+            raise SnapshotError(f"no snapshot named {name!r} in {self.snapshots_dir}") from None
+        m = mf.loads(text)
+        if m["name"] != name:
+            raise SnapshotError(f"{path} holds snapshot {m['name']!r}, not {name!r}")
+        return m
+
+    def save(self, m: dict[str, Any]) -> None:
+        mf.validate(m)
+        mf.blobs(m)
+        self.write_atomic(self.manifest_path(m["name"]), mf.dumps(m).encode())
+
+    def names(self) -> list[str]:
+        if not self.snapshots_dir.is_dir():
+            return []
+        return sorted(p.stem for p in self.snapshots_dir.glob("*.json") if mf.NAME_RE.fullmatch(p.stem))
+
+    def manifests(self) -> dict[str, dict[str, Any]]:
+        """Every manifest; an unreadable one raises (gc must not guess which blobs it names)."""
+        return {name: self.load(name) for name in self.names()}
+
+    def readable_manifests(self) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
+        """(readable manifests, name -> why the others are not): for list and delete."""
+        good, bad = {}, {}
+        for name in self.names():
+            try:
+                good[name] = self.load(name)
+            except SnapshotError as e:
+                bad[name] = str(e)
+        return good, bad
+
+    def delete(self, name: str) -> None:
+        path = self.manifest_path(name)
+        if not path.is_file():
+            raise SnapshotError(f"no snapshot named {name!r} in {self.snapshots_dir}")
+        path.unlink()
+        fsync_dir(self.snapshots_dir)
+
+    # -- sizes and gc ----------------------------------------------------------------------------------------------
+    def unique_sizes(self, manifests: dict[str, dict[str, Any]]) -> dict[str, int]:
+        """Per snapshot: bytes of the blobs no other snapshot names (what deleting it + gc would free)."""
+        users: dict[str, int] = {}
+        per = {name: mf.blobs(m) for name, m in manifests.items()}
+        for b in per.values():
+            for d in b:
+                users[d] = users.get(d, 0) + 1
+        return {name: sum(s for d, s in b.items() if users[d] == 1) for name, b in per.items()}
+
+    def stored_bytes(self) -> int:
+        if not self.blobs_dir.is_dir():
+            return 0
+        return sum(p.stat().st_size for p in self.blobs_dir.iterdir() if p.is_file())
+
+    def gc(self) -> tuple[int, int]:
+        """Remove blobs no snapshot names, stale index entries and staging leftovers; (blobs removed, bytes)."""
+        with self.lock(exclusive=True):
+            keep: set[str] = set()
+            for m in self.manifests().values():
+                keep |= set(mf.blobs(m))
+            removed = freed = 0
+            for p in self.blobs_dir.iterdir():
+                if p.name not in keep:
+                    freed += p.stat().st_size if p.is_file() else 0
+                    if p.is_dir():
+                        shutil.rmtree(p, ignore_errors=True)
+                    else:
+                        p.unlink(missing_ok=True)
+                    removed += DIGEST_RE.fullmatch(p.name) is not None
+            for p in self.index_dir.iterdir():
+                try:
+                    d = json.loads(p.read_text())["digest"]
+                except (OSError, ValueError, KeyError, TypeError):
+                    d = None
+                if d not in keep:
+                    p.unlink(missing_ok=True)
+            for p in self.tmp_dir.iterdir():
+                shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+            fsync_dir(self.blobs_dir)
+        return removed, freed
+
+    def staging_dir(self, prefix: str) -> Path:
+        self.ensure()
+        d = self.tmp_dir / f"{prefix}-{os.getpid()}-{secrets.token_hex(4)}"
+        d.mkdir(mode=0o700)
+        return d
+
+
+def iso(ts: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))

@@ -1,0 +1,667 @@
+"""Snapshots: create / restore with real daemons and servers, export / import across "machines" (another
+KEEPWARM_HOME and daemon runtime dir, the original files gone), dedup, corruption, hostile archives."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import httpx
+import pytest
+
+from keepwarm.daemon import paths
+from keepwarm.daemon.client import DaemonClient, DaemonError
+from keepwarm.snapshot import manifest as mf
+from keepwarm.snapshot.archive import export, import_archive
+from keepwarm.snapshot.manifest import SnapshotError
+from keepwarm.snapshot.restore import REWRITTEN_KEYS
+from keepwarm.snapshot.store import Store
+
+PROMPTS = [[5, 6, 7, 8, 9], list(range(20, 41))]
+
+
+# -- helpers -----------------------------------------------------------------------------------------------------------
+def kw(env: dict[str, str], *args: str, check: bool = True, timeout: float = 300) -> subprocess.CompletedProcess:
+    r = subprocess.run([sys.executable, "-m", "keepwarm.cli.main", "--log-level", "warning", *map(str, args)],
+                       env=env, capture_output=True, text=True, timeout=timeout)
+    if check:
+        assert r.returncode == 0, f"keepwarm {' '.join(map(str, args))}: {r.stderr[-3000:]}"
+    return r
+
+
+def one_line_error(r: subprocess.CompletedProcess) -> str:
+    assert r.returncode != 0
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+    return lines[0]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Side:
+    """One "machine": its own KEEPWARM_HOME and daemon runtime dir."""
+
+    def __init__(self, root: Path, runtime_dir: Path | None = None) -> None:
+        self.home = root / "home"
+        self.home.mkdir(parents=True, exist_ok=True)
+        self.own_rt = runtime_dir is None
+        # short: unix socket paths are limited to 107 bytes
+        self.rt = runtime_dir or Path(tempfile.mkdtemp(prefix="kwsn-", dir="/tmp"))
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {**os.environ, "KEEPWARM_HOME": str(self.home), "KEEPWARM_RUNTIME_DIR": str(self.rt),
+                "OMP_NUM_THREADS": "1"}
+
+    @property
+    def store(self) -> Store:
+        return Store(self.home / "store")
+
+    def start_daemon(self, *args: str) -> Side:
+        with open(self.rt / "test-daemon.log", "ab") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "keepwarm.cli.main", "daemon", "run", "--threads", "2",
+                                          *args], env=self.env, stdout=log, stderr=log)
+        deadline = time.monotonic() + 60
+        with DaemonClient(self.rt) as c:
+            while c.ping(timeout=0.5) is None:
+                assert self.proc.poll() is None and time.monotonic() < deadline, "daemon did not start"
+                time.sleep(0.05)
+        return self
+
+    def status(self) -> dict:
+        with DaemonClient(self.rt) as c:
+            return c.status()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(timeout=30)
+        else:  # a daemon that restore started (detached)
+            with DaemonClient(self.rt) as c:
+                if c.ping(timeout=0.5) is not None:
+                    c.shutdown()
+                    deadline = time.monotonic() + 30
+                    while paths.socket_path(self.rt).exists() and time.monotonic() < deadline:
+                        time.sleep(0.05)
+        if self.own_rt:
+            shutil.rmtree(paths.shm_dir(self.rt), ignore_errors=True)
+            shutil.rmtree(self.rt, ignore_errors=True)
+
+
+class Server:
+    def __init__(self, env: dict[str, str], *args: str) -> None:
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        fd, self.log_path = tempfile.mkstemp(prefix="kw-snap-serve-", suffix=".log")
+        with os.fdopen(fd, "wb") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "keepwarm.cli.main", "serve", *map(str, args),
+                                          "--port", str(self.port), "--threads", "1"], env=env, stdout=log,
+                                         stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 120
+        while True:
+            assert self.proc.poll() is None, f"server exited: {Path(self.log_path).read_text()[-3000:]}"
+            assert time.monotonic() < deadline, f"server not ready: {Path(self.log_path).read_text()[-3000:]}"
+            try:
+                if httpx.get(self.base + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+
+    def config(self) -> dict:
+        return httpx.get(self.base + "/keepwarm/config").json()
+
+    def names(self) -> list[str]:
+        return [m["id"] for m in httpx.get(self.base + "/v1/models").json()["data"]]
+
+    def outputs(self, models: list[str]) -> dict[str, list[str]]:
+        out = {}
+        for model in models:
+            out[model] = []
+            for p in PROMPTS:
+                body = {"model": model, "prompt": p, "max_tokens": 10, "temperature": 0, "ignore_eos": True}
+                r = httpx.post(self.base + "/v1/completions", json=body, timeout=60)
+                assert r.status_code == 200, r.text
+                out[model].append(r.json()["choices"][0]["text"])
+        return out
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        Path(self.log_path).unlink(missing_ok=True)
+
+
+def store_bytes(store: Store) -> int:
+    return sum(p.stat().st_size for p in store.blobs_dir.iterdir()) if store.blobs_dir.is_dir() else 0
+
+
+def flip_byte(path: Path, offset: int) -> None:
+    os.chmod(path, 0o644)
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def config_without_rewritten(cfg: dict) -> dict:
+    return {k: v for k, v in cfg.items() if k not in (*REWRITTEN_KEYS, "port")}
+
+
+# -- the snapshot every end-to-end test starts from -------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def prod(tiny_llama, lora_adapters, tmp_path_factory):
+    """Daemon A + a server with a non-default config and two adapters; `snapshot create prod`; the server stopped.
+    Model and adapters are private copies, so tests may move them away."""
+    root = tmp_path_factory.mktemp("snap")
+    model = Path(shutil.copytree(tiny_llama, root / "model"))
+    ad_a = Path(shutil.copytree(lora_adapters["ad_qv"], root / "ad_a"))
+    ad_b = Path(shutil.copytree(lora_adapters["ad_all"], root / "ad_b"))
+    side = Side(root / "A").start_daemon()
+    try:
+        server = Server(side.env, model, "--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", "7",
+                        "--block-size", "32", "--enable-lora", "--lora-modules", f"a={ad_a}", f"b={ad_b}",
+                        "--max-lora-rank", "16")
+        try:
+            names = server.names()
+            assert names == [str(model), "a", "b"]
+            ref = SimpleNamespace(config=server.config(), names=names, outputs=server.outputs(names))
+            assert ref.outputs["a"] != ref.outputs[str(model)] != ref.outputs["b"]  # the adapters matter
+            r = kw(side.env, "snapshot", "create", "prod", "--server", server.base)
+            assert "snapshot prod:" in r.stdout
+        finally:
+            server.stop()
+        yield SimpleNamespace(side=side, model=model, ad_a=ad_a, ad_b=ad_b, ad_other=lora_adapters["ad_mlp"],
+                              ref=ref, root=root, fingerprint=ref.config["weights"]["fingerprint"])
+    finally:
+        side.stop()
+
+
+# -- 1. round trip -----------------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_round_trip_restores_config_adapters_and_greedy_output(prod, tmp_path) -> None:
+    side = prod.side
+    # The bad change: int8, other flags, another adapter under the name "a", no "b"; the good arena evicted.
+    other = Path(shutil.copytree(prod.ad_other, tmp_path / "ad_other"))
+    bad = Server(side.env, prod.model, "--dtype", "float32", "--max-model-len", "256", "-q", "int8",
+                 "--max-num-seqs", "3", "--enable-lora", "--lora-modules", f"a={other}", "--max-lora-rank", "16")
+    try:
+        assert bad.config()["weights"]["fingerprint"] != prod.fingerprint
+        assert bad.outputs(["a"])["a"] != prod.ref.outputs["a"]
+        kw(side.env, "evict", prod.fingerprint)
+        # The adapter's files change on disk after the server loaded it: the snapshot takes the loaded version
+        # (the daemon's copy), not the files.
+        served_digest = bad.config()["adapters"][0]["digest"]
+        for f in ("adapter_config.json", "adapter_model.safetensors"):
+            shutil.copy(prod.ad_a / f, other / f)
+        kw(side.env, "snapshot", "create", "bad", "--server", bad.base)
+        assert side.store.load("bad")["adapters"][0]["digest"] == served_digest
+        changes = json.loads(kw(side.env, "snapshot", "diff", "prod", "bad", "--json").stdout)
+        keys = {(c["what"], c["key"]) for c in changes}
+        assert {("config", "max_num_seqs"), ("config", "quantization"), ("config", "block_size"),
+                ("config", "lora_modules"), ("model", "base.fingerprint"), ("model", "base.quantization"),
+                ("adapter", "a"), ("adapter", "b")} <= keys
+        assert prod.fingerprint not in {m["fingerprint"] for m in side.status()["models"]}
+
+        # A systemd unit (a stand-in systemctl) whose server reads etc/server.toml.
+        unit_config = tmp_path / "etc" / "server.toml"
+        bin_dir = tmp_path / "bin"
+        bin_dir.mkdir()
+        calls = tmp_path / "systemctl.log"
+        (bin_dir / "systemctl").write_text(
+            "#!/bin/sh\n"
+            f'echo "$@" >> {calls}\n'
+            'case "$*" in *show*) printf "LoadState=loaded\\nActiveState=active\\nExecStart={ path=/usr/bin/env ; '
+            f'argv[]=/usr/bin/env keepwarm serve --config {unit_config} ; }}\\n";; esac\n')
+        (bin_dir / "systemctl").chmod(0o755)
+        env = {**side.env, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+        before = side.status()["counters"]
+        r = kw(env, "snapshot", "restore", "prod", "--restart-server")
+        assert "server restarted" in r.stdout and "restart keepwarm-server.service" in calls.read_text()
+        after = side.status()["counters"]
+        assert after["images_loaded"] == before["images_loaded"] + 1
+        assert after["preloads"] == before["preloads"]  # no re-quantization, no checkpoint read
+        resident = {m["fingerprint"]: m for m in side.status()["models"]}
+        assert resident[prod.fingerprint]["origin"] == "image"
+    finally:
+        bad.stop()
+    good = Server(side.env, "--config", unit_config)  # what the unit's restart runs
+    try:
+        cfg = good.config()
+        assert config_without_rewritten(cfg["config"]) == config_without_rewritten(prod.ref.config["config"])
+        assert cfg["config"]["max_num_seqs"] == 7 and cfg["config"]["block_size"] == 32
+        assert cfg["weights"]["fingerprint"] == prod.fingerprint and cfg["weights"]["source"] == "daemon"
+        strip = [{k: a[k] for k in ("name", "digest", "rank")} for a in prod.ref.config["adapters"]]
+        assert [{k: a[k] for k in ("name", "digest", "rank")} for a in cfg["adapters"]] == strip
+        assert good.names() == prod.ref.names  # clients keep their model names
+        assert good.outputs(prod.ref.names) == prod.ref.outputs
+    finally:
+        good.stop()
+    assert side.status()["counters"]["preloads"] == after["preloads"]
+
+
+# -- 2. across machines ------------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_export_import_restore_on_another_machine(prod, tmp_path) -> None:
+    archive = tmp_path / "prod.tar.zst"
+    kw(prod.side.env, "snapshot", "export", "prod", "-o", archive, "--zstd")
+    other = Side(tmp_path / "B")  # no daemon: restore starts one
+    moved = [(p, p.with_name(p.name + "-away")) for p in (prod.model, prod.ad_a, prod.ad_b)]
+    for src, dst in moved:
+        src.rename(dst)
+    try:
+        assert "imported prod" in kw(other.env, "snapshot", "import", archive).stdout
+        assert "ok" in kw(other.env, "snapshot", "verify", "prod").stdout
+        kw(other.env, "snapshot", "restore", "prod")
+        server = Server(other.env, "--config", other.home / "server.toml")
+        try:
+            assert server.config()["weights"]["fingerprint"] == prod.fingerprint
+            assert server.outputs(prod.ref.names) == prod.ref.outputs
+        finally:
+            server.stop()
+        counters = other.status()["counters"]
+        assert counters["images_loaded"] == 1 and counters["preloads"] == 0
+        # nothing of the original machine was read: its files are gone
+        assert not prod.model.exists()
+    finally:
+        for src, dst in moved:
+            dst.rename(src)
+        other.stop()
+
+
+# -- 3. dedup ----------------------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_config_only_snapshot_adds_under_100kb(prod, tmp_path) -> None:
+    from keepwarm.worker.api.config import ServerConfig, to_toml
+
+    side = prod.side
+    if prod.fingerprint not in {m["fingerprint"] for m in side.status()["models"]}:
+        kw(side.env, "preload", prod.model, "--dtype", "float32")
+    cfg = dict(prod.ref.config["config"], max_num_seqs=5)
+    toml = tmp_path / "server.toml"
+    toml.write_text(to_toml(ServerConfig(**cfg)))
+    store = side.store
+    before = store_bytes(store)
+    kw(side.env, "snapshot", "create", "prod-cfg", "--from-config", toml)
+    added = store_bytes(store) - before
+    assert added < 100_000, added
+    changes = json.loads(kw(side.env, "snapshot", "diff", "prod", "prod-cfg", "--json").stdout)
+    assert [(c["what"], c["key"], c["a"], c["b"]) for c in changes] == [("config", "max_num_seqs", 7, 5)]
+    rows = {r["name"]: r for r in json.loads(kw(side.env, "snapshot", "list", "--json").stdout)}
+    assert rows["prod-cfg"]["unique_size"] == 0 and rows["prod"]["size"] > 1_000_000
+    kw(side.env, "snapshot", "delete", "prod-cfg")
+    assert "removed 0 blob(s)" in kw(side.env, "snapshot", "gc").stdout  # every blob is still prod's
+    kw(side.env, "snapshot", "verify", "prod")
+    # --from-config of a model the daemon does not hold: a clear refusal (no silent preload)
+    other_model = Path(shutil.copytree(prod.model, tmp_path / "other-model"))
+    with open(other_model / "config.json", "r+") as f:  # another model: its fingerprint differs
+        c = json.load(f)
+        c["rms_norm_eps"] = 1e-5
+        f.seek(0)
+        f.truncate()
+        json.dump(c, f)
+    toml.write_text(to_toml(ServerConfig(model=str(other_model), dtype="float32")))
+    err = one_line_error(kw(side.env, "snapshot", "create", "x", "--from-config", toml, check=False))
+    assert "not resident" in err and "--preload" in err
+
+
+# -- 4. corruption -----------------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_flipped_byte_fails_verify_import_and_restore_naming_the_blob(prod, tmp_path) -> None:
+    archive = tmp_path / "prod.tar"
+    kw(prod.side.env, "snapshot", "export", "prod", "-o", archive)
+    c = Side(tmp_path / "C", runtime_dir=prod.side.rt)  # restores would go into daemon A
+    kw(c.env, "snapshot", "import", archive)
+    m = c.store.load("prod")
+    mod = m["models"][0]
+    victims = {"arena image": mod["image"]["digest"], "arena manifest": mod["image_manifest"]["digest"],
+               "config.json": mod["files"]["config.json"]["digest"],
+               "adapter weights": m["adapters"][0]["files"]["adapter_model.safetensors"]["digest"]}
+    server_toml = c.home / "server.toml"
+    server_toml.write_text('# the current config\nmodel = "/somewhere"\n')
+    daemon_before = {x["fingerprint"]: x["origin"] for x in prod.side.status()["models"]}
+    with tarfile.open(archive) as t:
+        offsets = {d: t.getmember(f"blobs/sha256/{d}").offset_data for d in victims.values()}
+    for what, digest in victims.items():
+        blob = c.store.blob_path(digest)
+        middle = blob.stat().st_size // 2
+        flip_byte(blob, middle)
+        try:
+            assert digest in one_line_error(kw(c.env, "snapshot", "verify", "prod", check=False)), what
+            assert digest in one_line_error(kw(c.env, "snapshot", "restore", "prod", check=False)), what
+            assert server_toml.read_text().startswith("# the current config")
+            assert not (c.home / "restored").exists()
+            assert {x["fingerprint"]: x["origin"] for x in prod.side.status()["models"]} == daemon_before
+        finally:
+            flip_byte(blob, middle)
+        bad_archive = tmp_path / f"bad-{digest[:8]}.tar"
+        shutil.copy(archive, bad_archive)
+        flip_byte(bad_archive, offsets[digest] + middle)
+        d = Side(tmp_path / f"D-{digest[:8]}", runtime_dir=prod.side.rt)
+        err = one_line_error(kw(d.env, "snapshot", "import", bad_archive, check=False))
+        assert digest in err and "nothing imported" in err, what
+        assert not list(d.store.blobs_dir.iterdir()) and d.store.names() == []
+    kw(c.env, "snapshot", "verify", "prod")  # flipped back: whole again
+
+
+# -- restore refusals: device, memory budget (nothing evicted, nothing written) ----------------------------------------
+@pytest.mark.slow
+def test_restore_refuses_what_the_daemon_cannot_hold(prod, tmp_path) -> None:
+    e = Side(tmp_path / "E").start_daemon("--memory-budget", "1M")  # the arena is ~1.7 MB
+    try:
+        archive = tmp_path / "prod.tar"
+        kw(prod.side.env, "snapshot", "export", "prod", "-o", archive)
+        kw(e.env, "snapshot", "import", archive)
+        err = one_line_error(kw(e.env, "snapshot", "restore", "prod", check=False))
+        assert "memory budget" in err
+        assert not (e.home / "server.toml").exists()
+        assert not [p for p in (e.home / "restored").rglob("*") if p.is_file()]  # staged files removed
+        st = e.status()
+        assert st["models"] == [] and st["adapters"] == [] and st["counters"]["images_loaded"] == 0
+        # A CUDA image on a CPU daemon: refused before anything is staged.
+        m = e.store.load("prod")
+        m["name"] = "prod-cuda"
+        m["models"][0]["device"] = "cuda:GPU-00000000-0000-0000-0000-000000000000"
+        e.store.save(m)
+        err = one_line_error(kw(e.env, "snapshot", "restore", "prod-cuda", check=False))
+        assert "cuda arena image" in err and "keeps cpu arenas" in err
+        # The server needed an API key: restore wants one (snapshots never store it) before touching anything.
+        m = e.store.load("prod")
+        m["name"] = "prod-key"
+        m["source"]["api_key_required"] = True
+        e.store.save(m)
+        err = one_line_error(kw(e.env, "snapshot", "restore", "prod-key", check=False))
+        assert "API key" in err
+        err = one_line_error(kw(e.env, "snapshot", "restore", "prod-key", "--api-key", "k", check=False))
+        assert "memory budget" in err  # past the key check, refused by the daemon as before
+        assert not (e.home / "server.toml").exists() and e.status()["models"] == []
+    finally:
+        e.stop()
+
+
+@pytest.mark.slow
+def test_load_image_verb(prod, tmp_path) -> None:
+    from keepwarm.daemon.arena import ArenaManifest
+
+    store = prod.side.store
+    mod = store.load("prod")["models"][0]
+    manifest_json = store.read_blob(mod["image_manifest"]["digest"]).decode()
+    image = store.blob_path(mod["image"]["digest"])
+    f = Side(tmp_path / "F").start_daemon()
+    try:
+        arena_dir = Path(f.status()["arena_dir"])
+        with DaemonClient(f.rt) as c:
+            bad = json.loads(manifest_json)
+            bad["arena_digest"] = "0" * 64
+            with pytest.raises(DaemonError) as err:
+                c.load_image(json.dumps(bad), image)
+            assert err.value.code == "bad_image"
+            cuda = dict(json.loads(manifest_json), device="cuda:GPU-1234")
+            with pytest.raises(DaemonError) as err:
+                c.load_image(json.dumps(cuda), image)
+            assert err.value.code == "incompatible_image"
+            with pytest.raises(DaemonError) as err:
+                c.load_image(manifest_json, tmp_path / "missing")
+            assert err.value.code == "bad_image"
+            assert f.status()["models"] == [] and sorted(p.name for p in arena_dir.iterdir()) == []
+            reply = c.load_image(manifest_json, image)
+            assert reply["cached"] is False and reply["origin"] == "image"
+            assert c.load_image(manifest_json, image)["cached"] is True
+            # attach by fingerprint from a directory without weights (a restored model dir), without preload
+            nowt = tmp_path / "nowt"
+            nowt.mkdir()
+            shutil.copy(prod.model / "config.json", nowt)
+            att = c.attach(str(nowt), dtype="float32", fingerprint=prod.fingerprint, preload=False)
+            assert ArenaManifest.from_json(att["manifest"]).fingerprint == prod.fingerprint
+            c.detach(att["lease_id"])
+        counters = f.status()["counters"]
+        assert counters["images_loaded"] == 1 and counters["preloads"] == 0
+        assert sorted(p.suffix for p in arena_dir.iterdir()) == [".arena", ".json"]
+    finally:
+        f.stop()
+
+
+# -- fast: the store, manifests, hostile archives ----------------------------------------------------------------------
+def _synthetic(store: Store, name: str = "syn") -> dict:
+    """A manifest over small fake blobs (enough for the store and archive code; not restorable)."""
+    def blob(data: bytes) -> dict:
+        return store.put_bytes(data).ref()
+
+    m = {"schema": mf.SCHEMA, "schema_version": mf.SCHEMA_VERSION, "name": name, "created_at": 1.7e9,
+         "source": {"kind": "config", "path": "/x/server.toml", "api_key_required": False},
+         "server_config": {"max_num_seqs": 3},
+         "models": [{"role": "base", "name": "m", "source": "/x/m", "fingerprint": "a" * 64, "quantization": "none",
+                     "dtype": "float32", "device": "cpu", "arena_digest": "b" * 64, "arena_bytes": 4096,
+                     "image": blob(os.urandom(4096)), "image_manifest": blob(b"{}"),
+                     "files": {"config.json": blob(b'{"x": 1}')}}],
+         "adapters": [{"name": "a", "digest": "c" * 64, "files": {"adapter_config.json": blob(b"{}"),
+                                                                 "adapter_model.safetensors": blob(b"w" * 100)}}]}
+    store.save(m)
+    return m
+
+
+def test_blobs_are_written_once_atomically_and_shared(tmp_path) -> None:
+    store = Store(tmp_path / "store").ensure()
+    a = store.put_bytes(b"hello")
+    b = store.put_bytes(b"hello")
+    assert a.digest == hashlib.sha256(b"hello").hexdigest() and a.new and not b.new
+    assert store.blob_path(a.digest).read_bytes() == b"hello"
+    assert not stat.S_IMODE(store.blob_path(a.digest).stat().st_mode) & 0o222  # read-only
+
+    def failing():
+        yield memoryview(b"x" * 1000)
+        raise OSError("disk gone")
+
+    with pytest.raises(OSError):
+        store.put_chunks(failing())
+    assert sorted(p.name for p in store.blobs_dir.iterdir()) == [a.digest]  # no half blob, no temp file
+    with pytest.raises(SnapshotError, match="corrupt"):
+        store.put_chunks([memoryview(b"abc")], expect_digest="0" * 64)
+    assert sorted(p.name for p in store.blobs_dir.iterdir()) == [a.digest]
+
+
+def test_manifest_validation_refuses_unsafe_fields(tmp_path) -> None:
+    store = Store(tmp_path / "store").ensure()
+    m = _synthetic(store)
+    assert store.load("syn") == m
+    for bad_name in ("../x", ".hidden", "a/b", "", "x" * 200):
+        with pytest.raises(SnapshotError):
+            mf.check_name(bad_name)
+    cases = [("models", 0, "files", {"../config.json": m["models"][0]["files"]["config.json"]}),
+             ("models", 0, "fingerprint", "../../etc"),
+             ("adapters", 0, "digest", "zz"),
+             ("adapters", 0, "files", {"adapter_config.json": {"digest": "d" * 64, "size": 1}, "x.py":
+                                       {"digest": "d" * 64, "size": 1}})]
+    for top, i, key, value in cases:
+        bad = json.loads(json.dumps(m))
+        bad[top][i][key] = value
+        with pytest.raises(SnapshotError):
+            mf.validate(bad)
+    bad = dict(m, schema_version=2)
+    with pytest.raises(SnapshotError, match="schema version"):
+        mf.validate(bad)
+    bad = dict(m, server_config={"no_such_key": 1})
+    with pytest.raises(SnapshotError, match="no_such_key"):
+        mf.validate(bad)
+
+
+def _tar(path: Path, members: list[tuple[tarfile.TarInfo, bytes | None]]) -> Path:
+    with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as t:
+        for ti, data in members:
+            t.addfile(ti, io.BytesIO(data) if data is not None else None)
+    return path
+
+
+def _reg(name: str, data: bytes) -> tuple[tarfile.TarInfo, bytes]:
+    ti = tarfile.TarInfo(name)
+    ti.size = len(data)
+    return ti, data
+
+
+def test_export_import_round_trip_and_hostile_archives(tmp_path) -> None:
+    src = Store(tmp_path / "src").ensure()
+    m = _synthetic(src)
+    for zstd in (False, True):
+        dst = Store(tmp_path / f"dst{zstd}")
+        export(src, "syn", tmp_path / f"syn{zstd}.tar", zstd=zstd)
+        r = import_archive(dst, tmp_path / f"syn{zstd}.tar")
+        assert r.name == "syn" and r.new_blobs == len(mf.blobs(m)) and dst.load("syn") == m
+        assert import_archive(dst, tmp_path / f"syn{zstd}.tar").already_present
+
+    manifest = _reg("snapshots/syn.json", mf.dumps(m).encode())
+    digest, size = next(iter(mf.blobs(m).items()))
+    good_blob = _reg(f"blobs/sha256/{digest}", src.blob_path(digest).read_bytes())
+    outside = tmp_path / "outside"
+
+    def link(name: str, kind: bytes, target: str = "/etc/passwd") -> tuple[tarfile.TarInfo, None]:
+        ti = tarfile.TarInfo(name)
+        ti.type = kind
+        ti.linkname = target
+        return ti, None
+
+    dev = tarfile.TarInfo("blobs/sha256/" + digest)
+    dev.type, dev.devmajor, dev.devminor = tarfile.CHRTYPE, 1, 3
+    hostile = {
+        "traversal": [manifest, _reg("../outside/evil", b"x")],
+        "traversal-inside": [manifest, _reg("blobs/sha256/../../../outside/evil", b"x")],
+        "absolute": [manifest, _reg(str(outside / "evil"), b"x")],
+        "symlink": [manifest, link(f"blobs/sha256/{digest}", tarfile.SYMTYPE)],
+        "hardlink": [manifest, link(f"blobs/sha256/{digest}", tarfile.LNKTYPE, "snapshots/syn.json")],
+        "device": [manifest, (dev, None)],
+        "blob-first": [good_blob, manifest],
+        "unknown-path": [manifest, _reg("notes.txt", b"x")],
+        "wrong-content": [manifest, _reg(f"blobs/sha256/{digest}", b"y" * size)],
+        "not-named": [manifest, _reg("blobs/sha256/" + "e" * 64, b"x")],
+        "duplicate": [manifest, good_blob, good_blob],
+        "missing-blobs": [manifest, good_blob],
+    }
+    for case, members in hostile.items():
+        dst = Store(tmp_path / f"h-{case}")
+        with pytest.raises(SnapshotError) as e:
+            import_archive(dst, _tar(tmp_path / f"{case}.tar", members))
+        assert "\n" not in str(e.value), case
+        assert dst.names() == [] and list(dst.blobs_dir.iterdir()) == [], case
+        assert list(dst.tmp_dir.iterdir()) == [], case  # staging removed
+        assert not outside.exists() and not (tmp_path / "evil").exists(), case
+    junk = tmp_path / "junk.bin"
+    junk.write_bytes(b"\x00junk" * 100)
+    with pytest.raises(SnapshotError):
+        import_archive(Store(tmp_path / "junk"), junk)
+    # a name clash: refused unless renamed or forced
+    clash = Store(tmp_path / "clash").ensure()
+    clash.save(_synthetic(clash) | {"server_config": {"max_num_seqs": 9}})
+    with pytest.raises(SnapshotError, match="different snapshot"):
+        import_archive(clash, tmp_path / "synFalse.tar")
+    assert import_archive(clash, tmp_path / "synFalse.tar", rename="syn2").name == "syn2"
+    assert import_archive(clash, tmp_path / "synFalse.tar", force=True).name == "syn"
+    assert clash.load("syn") == m
+
+
+def test_gc_keeps_named_blobs_and_unique_sizes(tmp_path) -> None:
+    store = Store(tmp_path / "store").ensure()
+    m = _synthetic(store, "one")
+    two = json.loads(json.dumps(m)) | {"name": "two"}
+    two["models"][0]["image"] = store.put_bytes(b"other image").ref()
+    store.save(two)
+    orphan = store.put_bytes(b"nobody names me")
+    sizes = store.unique_sizes(store.manifests())
+    assert sizes == {"one": m["models"][0]["image"]["size"], "two": len(b"other image")}
+    assert store.gc() == (1, orphan.size)
+    store.delete("one")
+    removed, freed = store.gc()
+    assert removed == 1 and freed == m["models"][0]["image"]["size"]
+    assert set(p.name for p in store.blobs_dir.iterdir()) == set(mf.blobs(two))
+    # An unreadable manifest: listed as such, gc refuses to guess, delete still removes it.
+    (store.snapshots_dir / "broken.json").write_text("{not json")
+    from keepwarm.snapshot.inspect import list_rows
+
+    assert [r["name"] for r in list_rows(store)] == ["broken", "two"]
+    with pytest.raises(SnapshotError, match="not valid JSON"):
+        store.gc()
+    store.delete("broken")
+    assert store.gc() == (0, 0)
+
+
+def test_packed_image_refused_on_another_cpu_layout(tiny_llama) -> None:
+    """An mkldnn_packed descriptor that oneDNN would not pick here (another ISA) makes the image incompatible."""
+    import torch
+
+    from keepwarm.daemon.arena import ArenaManifest
+    from keepwarm.daemon.checkpoint import Checkpoint
+    from keepwarm.daemon.image import ImageError, check_compatible
+    from keepwarm.daemon.loader import build_arena, plan_arena
+    from keepwarm.kernels.cpu_packed import packing_available
+
+    if not packing_available(torch.bfloat16):
+        pytest.skip("this CPU does not pack bfloat16 weights")
+    ckpt = Checkpoint(tiny_llama)
+    _, total = plan_arena(ckpt, "none", torch.bfloat16)
+    manifest = build_arena(ckpt, "none", "bfloat16", torch.empty(total, dtype=torch.uint8), "cpu", threads=2)
+    check_compatible(manifest, torch.device("cpu"))  # this CPU's own image is fine
+    d = json.loads(manifest.to_json())
+    weight = next(w for w, q in d["quant"].items() if q["layout"] == "mkldnn_packed")
+    desc = bytearray.fromhex(d["quant"][weight]["descriptor"])
+    desc[len(desc) // 2] ^= 0x01
+    d["quant"][weight]["descriptor"] = desc.hex()
+    with pytest.raises(ImageError, match="packed layout differs"):
+        check_compatible(ArenaManifest.from_json(json.dumps(d)), torch.device("cpu"))
+    with pytest.raises(ImageError, match="cuda"):
+        check_compatible(manifest, torch.device("cuda", 0))
+
+
+@pytest.mark.slow
+def test_packed_bfloat16_image_restores_and_generates_the_same(tiny_llama, tmp_path) -> None:
+    """The CPU bfloat16 arena holds oneDNN-packed weights: its image restores as is and computes the same."""
+    import torch
+
+    from keepwarm import LLM, SamplingParams
+    from keepwarm.kernels.cpu_packed import packing_available
+    from keepwarm.worker.api.config import ServerConfig, to_toml
+
+    if not packing_available(torch.bfloat16):
+        pytest.skip("this CPU does not pack bfloat16 weights")
+    g = Side(tmp_path / "G").start_daemon()
+    try:
+        toml = tmp_path / "server.toml"
+        toml.write_text(to_toml(ServerConfig(model=tiny_llama, dtype="bfloat16")))
+        kw(g.env, "snapshot", "create", "bf16", "--from-config", toml, "--preload")
+        mod = g.store.load("bf16")["models"][0]
+        assert "mkldnn_packed" in mod["layouts"] and g.status()["counters"]["preloads"] == 1
+        kw(g.env, "evict", mod["fingerprint"])
+        kw(g.env, "snapshot", "restore", "bf16")
+        counters = g.status()["counters"]
+        assert counters["images_loaded"] == 1 and counters["preloads"] == 1
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        restored = LLM(model=str(g.home / "restored" / mod["fingerprint"]), dtype="bfloat16", max_model_len=128,
+                       daemon=True, runtime_dir=str(g.rt), fingerprint=mod["fingerprint"])
+        assert restored.llm_engine.weights_source == "daemon"
+        got = [o.outputs[0].token_ids for o in restored.generate(PROMPTS, params)]
+        restored.close()
+        disk = LLM(model=tiny_llama, dtype="bfloat16", max_model_len=128, daemon=False)
+        assert got == [o.outputs[0].token_ids for o in disk.generate(PROMPTS, params)]
+        disk.close()
+    finally:
+        g.stop()
