@@ -37,6 +37,12 @@ test-fast: $(DEV)
 lint: $(DEV)
 	$(BIN)/ruff check .
 
+# On a machine with one NVIDIA GPU (no network needed): `pytest -m gpu` plus a short benchmark, results in one JSON
+# file with a human summary (GPU_CHECK_OUT, default bench-out/gpu-check.json), within 8 minutes. It uses the
+# machine's own python3 with torch, not .venv (see docs/gpu.md).
+gpu-check:
+	bash benchmarks/gpu_check.sh
+
 # Regenerate the committed gRPC code (worker/api/grpc_gen/) from worker/api/keepwarm.proto. Only this needs
 # grpcio-tools; serving needs grpcio + protobuf. tests/test_grpc.py checks the committed files match. protoc writes
 # `import keepwarm_pb2`, which works only with the folder on sys.path: the python step makes it package-relative.

@@ -297,6 +297,7 @@ class CudaArena:
 
     @staticmethod
     def import_handle(h: dict[str, Any]) -> torch.Tensor:
+        torch.cuda._lazy_init()  # torch's own IPC rebuild does this first; in a worker this is the first CUDA call
         device = cuda_device_by_uuid(h["uuid"])
         with torch.cuda.device(device):
             storage = torch.UntypedStorage._new_shared_cuda(

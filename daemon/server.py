@@ -779,6 +779,7 @@ class Daemon:
                 r.manifest_path.unlink(missing_ok=True)
         else:
             r.storage.flat = None  # type: ignore[assignment]
+            torch.cuda.ipc_collect()  # release blocks whose IPC consumers are gone (killed workers included)
             torch.cuda.empty_cache()
 
     # -- leases ----------------------------------------------------------------------------------------------------

@@ -190,3 +190,22 @@ for _scheme, _fn in quant.TORCH_IMPLS.items():
 del _scheme, _fn
 # Weights pre-packed for oneDNN (CPU arenas, scheme "none") take the packed matmul; anything else as above.
 register("linear_none", "torch", cpu_packed.linear_none)
+
+
+# -- the triton backend (kernels/triton_*.py) ----------------------------------------------------------------------
+# Imported only where it can run: a CUDA device, or Triton's CPU interpreter (TRITON_INTERPRET=1, which must be set
+# before the import: it decides at decoration time whether the kernels are compiled or interpreted). Elsewhere
+# `auto` never picks it, and importing triton would add ~0.2 s to every CPU worker's start.
+def _register_triton() -> None:
+    try:
+        from . import triton_attention, triton_lora, triton_norm, triton_quant
+    except Exception as e:  # triton missing, too old or broken: the torch backend serves, as on a CPU-only install
+        logger.warning("triton backend unavailable: %s: %s", type(e).__name__, e)
+        return
+    for module in (triton_attention, triton_lora, triton_norm, triton_quant):
+        for name, fn in module.IMPLS.items():
+            register(name, "triton", fn)
+
+
+if _TRITON_IMPORTABLE and (os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available()):
+    _register_triton()

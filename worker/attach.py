@@ -71,8 +71,9 @@ def attach_weights(model: str, quantization: str = "none", dtype: str = "auto", 
 
 class LeaseKeeper(threading.Thread):
     """Renews the lease every ``ttl / 3`` seconds. When the daemon answers ``unknown_lease`` (it restarted, or
-    dropped us), it attaches again by fingerprint to get a new lease: the weights we view stay valid either way,
-    since a CPU arena file outlives its mapping's creator."""
+    dropped us), it attaches again by fingerprint to get a new lease. A CPU arena we view stays valid either way (a
+    mapped tmpfs file outlives its creator); a CUDA arena does not survive its daemon, so a CUDA worker whose
+    daemon died must be restarted."""
 
     def __init__(self, att: Attachment, runtime_dir: Path | None, ttl: float, quantization: str, dtype: str) -> None:
         super().__init__(name="keepwarm-lease", daemon=True)

@@ -136,7 +136,8 @@ class LLMEngine:
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, budget, self.max_model_len),
                                    self.block_manager, self.lora_manager)
         self.runner = ModelRunner(self.loaded.model, kv_cache, config.block_size,
-                                  self.block_manager.get_block_ids, self.device, self.lora_manager)
+                                  self.block_manager.get_block_ids, self.device, self.lora_manager,
+                                  enforce_eager=config.enforce_eager)
         self.sampler = Sampler()
         self.stats = EngineStats()
         self._requests: dict[str, _Request] = {}

@@ -60,6 +60,10 @@ def load_from_daemon(model_dir: str, dtype: str, quantization: str, device: torc
     t0 = time.perf_counter()
     att = attach_weights(model_dir, quantization, dtype, fingerprint, runtime_dir)
     m = att.manifest
+    if (m.device == "cpu") != (device.type == "cpu"):
+        att.close()
+        raise DaemonError("device_mismatch", f"the daemon keeps {m.model_name} on {m.device}, but this engine "
+                                             f"runs on {device}")
     config = parse_model_config(m.config_json, m.generation_config_json, source=f"{m.model}/config.json")
     model = LlamaForCausalLM(config, max_position=max_position, device=device)
     model.load_weights(att.tensors)

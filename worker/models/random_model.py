@@ -101,10 +101,12 @@ LARGE_PRESETS: dict[str, dict[str, int]] = {
 
 
 def make_large_random_model(out_dir: str | Path, preset: str = "1b", dtype: str = "bfloat16", seed: int = 0,
-                            shard_bytes: int = 2 << 30) -> Path:
+                            shard_bytes: int = 2 << 30, device: str = "cpu") -> Path:
     """A large random Llama written tensor by tensor (no transformers model in memory), sharded with an index.
 
-    Weights are N(0, 0.02) like transformers' init; the point is size and shapes, not text quality."""
+    Weights are N(0, 0.02) like transformers' init; the point is size and shapes, not text quality. ``device``
+    draws them there ("cuda": an 8B model's 16 GB in seconds rather than minutes of CPU randn); the values depend
+    on the device's generator, not only on ``seed``."""
     import torch
     from safetensors.torch import save_file
 
@@ -126,7 +128,7 @@ def make_large_random_model(out_dir: str | Path, preset: str = "1b", dtype: str 
                    (p + "mlp.down_proj.weight", (h, i))]
     shapes += [("model.norm.weight", (h,)), ("lm_head.weight", (c["vocab_size"], h))]
     tdtype = getattr(torch, dtype)
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device=device).manual_seed(seed)
     weight_map: dict[str, str] = {}
     shard: dict[str, torch.Tensor] = {}
     size, index = 0, 0
@@ -142,7 +144,7 @@ def make_large_random_model(out_dir: str | Path, preset: str = "1b", dtype: str 
 
     for name, shape in shapes:
         t = torch.ones(shape, dtype=tdtype) if len(shape) == 1 else \
-            (torch.randn(shape, generator=gen) * 0.02).to(tdtype)
+            (torch.randn(shape, generator=gen, device=device) * 0.02).to(tdtype).cpu()
         if size + t.numel() * t.element_size() > shard_bytes:
             flush()
         shard[name] = t

@@ -1,0 +1,481 @@
+"""The Triton kernels (kernels/triton_*.py) on the CPU, through Triton's interpreter, against the torch reference.
+
+Triton decides whether a `@triton.jit` function is compiled or interpreted when it is decorated, i.e. when its
+module is imported, from TRITON_INTERPRET; triton's own library (tl.zeros, tl.max, ...) is decorated when triton
+is first imported, and interpreted kernels cannot call compiled library functions. So the suite runs in-process
+only when this module sets TRITON_INTERPRET=1 before anything imported triton (and no GPU is there, whose tests
+need the compiled kernels). In a full `pytest` session something imports triton first (transformers' Llama
+modeling does, via torch): there only `test_interpreter_suite_in_subprocess` is collected, and it runs this same
+file in a fresh interpreter-mode process.
+
+Tolerances (vs the reference on the same inputs):
+  exact                 KV-cache writes (every dtype, fp8 bit for bit), float8 encode/decode, rotary, the
+                        residual sum of fused_add_rms_norm: the same float32 ops with one rounding.
+  float32               1e-5 (summation order; attention vs a float64 oracle).
+  bf16 / fp16 outputs   one unit in the last place of the output (2^-8 / 2^-11 relative) where the math is
+                        the reference's up to summation order; attention vs the float32 oracle on the same
+                        rounded inputs: 1.6e-2 / 2e-3 (test_kernels' bounds: the probabilities are rounded to the
+                        model dtype before P @ V, as in the reference).
+  matmuls               relative to mag = max_mn sum_k |x_mk| |w_nk|, as tests/test_quant.py: float32 1e-6,
+                        float16 2^-9, bfloat16 2^-7.
+Shapes are small: the interpreter runs every program of a grid in Python.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+if importlib.util.find_spec("triton") is None:
+    pytest.skip("triton is not installed", allow_module_level=True)
+
+import torch  # noqa: E402  (torch does not import triton)
+
+# In-process only where interpreting cannot hurt: triton not imported yet, and no GPU whose tests in this session
+# need the compiled kernels (keepwarm.kernels, imported next, registers whichever kind this decides).
+_SET_INTERPRET = "triton" not in sys.modules and not torch.cuda.is_available()
+IN_PROCESS = _SET_INTERPRET or os.environ.get("TRITON_INTERPRET") == "1"
+if _SET_INTERPRET:
+    os.environ["TRITON_INTERPRET"] = "1"  # before the first import of triton (see the module docstring)
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from keepwarm import kernels  # noqa: E402
+from keepwarm.daemon.quantize import quantize  # noqa: E402
+from keepwarm.kernels import quant, reference  # noqa: E402
+from keepwarm.kernels import triton_attention as ta  # noqa: E402
+from keepwarm.kernels import triton_common as tc  # noqa: E402
+from keepwarm.kernels import triton_lora as tlora  # noqa: E402
+from keepwarm.kernels import triton_norm as tn  # noqa: E402
+from keepwarm.kernels import triton_quant as tq  # noqa: E402
+from keepwarm.kernels.quant import QuantizedWeight  # noqa: E402
+
+FP8 = torch.float8_e4m3fn
+E5M2 = torch.float8_e5m2
+SUITE = "test_interpreter_suite_in_subprocess"
+
+
+@pytest.fixture(autouse=True)
+def _default_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(kernels.ENV_VAR, raising=False)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _interpret_while_here():
+    # Kept set while this module's kernels launch (Triton reads it at launch too); not leaked to later modules,
+    # nor to the processes their tests start.
+    yield
+    if _SET_INTERPRET:
+        os.environ.pop("TRITON_INTERPRET", None)
+
+
+def test_interpreter_suite_in_subprocess() -> None:
+    """Collected only where triton was imported compiled before this module (see the module docstring)."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    env.pop(kernels.ENV_VAR, None)
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__))],
+                       cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    summary = r.stdout.strip().splitlines()[-1] if r.stdout.strip() else ""
+    assert r.returncode == 0 and " passed" in summary, \
+        f"interpreter suite failed ({summary}):\n{r.stdout[-8000:]}\n{r.stderr[-3000:]}"
+    print(r.stdout[-3000:])
+
+
+def test_kernels_are_interpreted_and_registered() -> None:
+    assert tc.INTERPRETED
+    impls = {**ta.IMPLS, **tn.IMPLS, **tq.IMPLS, **tlora.IMPLS}
+    assert set(impls) == {"paged_attention", "write_kv_cache", "rms_norm", "fused_add_rms_norm",
+                          "rotary_embedding", "linear", "linear_int8", "linear_int4", "linear_fp8", "lora_shrink",
+                          "lora_expand"}
+    kernels._register_triton()  # what keepwarm.kernels does at import under TRITON_INTERPRET=1 or with CUDA
+    for name, fn in impls.items():
+        assert kernels._IMPLS[name]["triton"] is fn
+    # auto keeps CPU tensors on torch; forcing triton picks these kernels.
+    assert kernels.select_backend("paged_attention", torch.device("cpu")) == "torch"
+    os.environ[kernels.ENV_VAR] = "triton"
+    try:
+        assert kernels.get_impl("paged_attention", torch.device("cpu")) is ta.paged_attention
+    finally:
+        del os.environ[kernels.ENV_VAR]
+
+
+# --------------------------------------------------------------------------- dtype helpers
+@triton.jit
+def _decode_fp8(bits_ptr, out_ptr, N: tl.constexpr, KIND: tl.constexpr):
+    o = tl.arange(0, N)
+    tl.store(out_ptr + o, tc.fp8_to_f32(tl.load(bits_ptr + o), KIND))
+
+
+@triton.jit
+def _encode_fp8(x_ptr, out_ptr, n, N: tl.constexpr, KIND: tl.constexpr):
+    o = tl.program_id(0) * N + tl.arange(0, N)
+    tl.store(out_ptr + o, tc.f32_to_fp8(tl.load(x_ptr + o, mask=o < n), KIND), mask=o < n)
+
+
+@triton.jit
+def _round(x_ptr, out_ptr, n, N: tl.constexpr, DTYPE: tl.constexpr):
+    o = tl.program_id(0) * N + tl.arange(0, N)
+    tl.store(out_ptr + o, tc.to_dtype(tl.load(x_ptr + o, mask=o < n), DTYPE), mask=o < n)
+
+
+@pytest.mark.parametrize("dtype", [FP8, E5M2])
+def test_fp8_decode_and_encode_match_torch(dtype: torch.dtype) -> None:
+    kind = tc.fp8_kind(dtype)
+    codes = torch.arange(256, dtype=torch.uint8)
+    values = torch.empty(256)
+    _decode_fp8[(1,)](codes, values, 256, kind)
+    ref = codes.view(dtype).float()
+    finite = ref.isfinite()
+    assert torch.equal(values[finite], ref[finite])  # every finite code, subnormals included
+    # Encode: random magnitudes over the whole range (subnormals too), every code, and every midpoint (ties).
+    g = torch.Generator().manual_seed(0)
+    fmax = torch.finfo(dtype).max
+    exps = torch.randint(-26, 17, (6000,), generator=g).float()
+    grid = ref[finite].sort().values
+    x = torch.cat([torch.randn(6000, generator=g) * torch.exp2(exps), grid, (grid[1:] + grid[:-1]) / 2,
+                   torch.tensor([0.0, -0.0, 1e-30, -1e-38, fmax, -fmax])]).clamp(-fmax, fmax)
+    bits = torch.empty(len(x), dtype=torch.uint8)
+    _encode_fp8[(triton.cdiv(len(x), 2048),)](x, bits, len(x), 2048, kind)
+    assert torch.equal(bits, x.to(dtype).view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_rounding_matches_torch_casts(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(8192, generator=g) * torch.exp2(torch.randint(-30, 30, (8192,), generator=g).float())
+    x[:5] = torch.tensor([float("inf"), -float("inf"), float("nan"), 3.3895e38, -0.0])
+    out = torch.empty(len(x), dtype=dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # numpy's overflow warning: float16 casts of huge values
+        _round[(triton.cdiv(len(x), 4096),)](x, out, len(x), 4096, tc.tl_dtype(dtype))
+    ref = x.to(dtype)
+    assert torch.equal(out.isnan(), ref.isnan()) and torch.equal(out[~ref.isnan()], ref[~ref.isnan()])
+
+
+# --------------------------------------------------------------------------- KV cache
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float16, FP8, E5M2])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_write_kv_cache_matches_reference(cache_dtype: torch.dtype, block_size: int) -> None:
+    g = torch.Generator().manual_seed(block_size)
+    hk, d, nb, t = 2, 24, 5, 11  # head_dim 24: a padded (non power of two) head
+    src_dtype = torch.bfloat16 if cache_dtype == torch.float16 else torch.float32  # fp16 cache: a converting write
+    key = (torch.randn(t, hk, d, generator=g) * 3).to(src_dtype)
+    value = (torch.randn(t, hk, d, generator=g) * 3).to(src_dtype)
+    key[0, 0, :2] = torch.tensor([500.0, -500.0])  # / 0.5 = +-1000: fp8 e4m3 must saturate to +-448, not NaN
+    slots = torch.randperm(nb * block_size, generator=g)[:t]
+    slots[[2, 7]] = -1  # padding: skipped, and must not wrap around to the pool's last slot
+    # Both caches as strided views into one buffer (non-contiguous), pre-filled with a marker.
+    buf = torch.full((hk, nb, 2, block_size, d), 3.0).to(cache_dtype)
+    expected = buf.clone()
+    reference.write_kv_cache(key, value, expected[:, :, 0], expected[:, :, 1], slots, 0.5, 0.25)
+    ta.write_kv_cache(key, value, buf[:, :, 0], buf[:, :, 1], slots, 0.5, 0.25)
+    assert torch.equal(buf.view(torch.uint8), expected.view(torch.uint8))
+
+
+# --------------------------------------------------------------------------- paged attention
+def _paged_batch(specs: list[tuple[int, int]], hq: int, hk: int, d: int, block_size: int, dtype: torch.dtype,
+                 cache_dtype: torch.dtype | None = None, k_scale: float = 1.0, v_scale: float = 1.0, seed: int = 0):
+    """Random K/V for every context position written with the reference; garbage everywhere else, and table
+    entries past each sequence's blocks that would fault if read."""
+    g = torch.Generator().manual_seed(seed)
+    cache_dtype = cache_dtype or dtype
+    per_seq = [math.ceil(n / block_size) for _, n in specs]
+    num_blocks = sum(per_seq) + 3
+    ids = torch.randperm(num_blocks, generator=g)
+    tables = torch.randint(2**30, 2**31 - 1, (len(specs), max(per_seq) + 1), generator=g)
+    garbage = torch.full((hk, num_blocks, block_size, d), 100.0).to(cache_dtype)
+    k_cache, v_cache = garbage.clone(), garbage.clone()
+    keys, values, used = [], [], 0
+    for s, (_, n) in enumerate(specs):
+        own = ids[used:used + per_seq[s]]
+        used += per_seq[s]
+        tables[s, :len(own)] = own
+        pos = torch.arange(n)
+        k, v = torch.randn(n, hk, d, generator=g).to(dtype), torch.randn(n, hk, d, generator=g).to(dtype)
+        reference.write_kv_cache(k, v, k_cache, v_cache, own[pos // block_size] * block_size + pos % block_size,
+                                 k_scale, v_scale)
+        if cache_dtype in (FP8, E5M2):  # what the cache holds, dequantized
+            k = (k.float() / k_scale).clamp(-448, 448).to(cache_dtype).float() * k_scale
+            v = (v.float() / v_scale).clamp(-448, 448).to(cache_dtype).float() * v_scale
+        keys.append(k.float())
+        values.append(v.float())
+    q_lens = [q for q, _ in specs]
+    query = torch.randn(sum(q_lens), hq, d, generator=g).to(dtype)
+    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    seq_lens = torch.tensor([n for _, n in specs], dtype=torch.int32)
+    return query, k_cache, v_cache, tables.to(torch.int32), seq_lens, qsl, keys, values
+
+
+def _oracle(query: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
+            specs: list[tuple[int, int]], scale: float) -> torch.Tensor:
+    """Dense causal attention in float64, one sequence at a time."""
+    hq, hk = query.shape[1], keys[0].shape[1]
+    out, start = [], 0
+    for s, (q_len, n) in enumerate(specs):
+        q = query[start:start + q_len].double()
+        k = keys[s].double().repeat_interleave(hq // hk, dim=1)
+        v = values[s].double().repeat_interleave(hq // hk, dim=1)
+        scores = torch.einsum("qhd,lhd->hql", q, k) * scale
+        causal = torch.arange(n)[None, :] <= torch.arange(n - q_len, n)[:, None]
+        probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)
+        out.append(torch.einsum("hql,lhd->qhd", probs, v))
+        start += q_len
+    return torch.cat(out).float()
+
+
+# (q_len, seq_len): decodes (a 1-token context, block-boundary lengths), a prefill without a cached prefix, and
+# prefill chunks on top of cached prefixes (one spanning several query tiles).
+MIXED = [(1, 1), (6, 6), (1, 33), (5, 40), (1, 64), (3, 19), (1, 17), (20, 70), (1, 100)]
+ATTN_TOL = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
+
+
+def _attend(batch, specs, scale: float, k_scale: float = 1.0, v_scale: float = 1.0, max_query_len: object = "max",
+            num_splits: int | None = None) -> torch.Tensor:
+    query, k_cache, v_cache, tables, seq_lens, qsl, _, _ = batch
+    mql = max(q for q, _ in specs) if max_query_len == "max" else max_query_len
+    return ta.paged_attention(query, k_cache, v_cache, tables, seq_lens, qsl, scale, k_scale, v_scale, mql,
+                              num_splits=num_splits)
+
+
+# GQA (4 query heads per kv head) and MHA, block sizes 16 and 32, every activation dtype: a covering subset of
+# the full product, which would cost the interpreter three times as long.
+@pytest.mark.parametrize(("hq", "hk", "block_size", "dtype"), [(8, 2, 16, torch.float32), (8, 2, 32, torch.bfloat16),
+                                                               (4, 4, 16, torch.float16), (4, 4, 32, torch.float32)])
+def test_paged_attention_mixed(hq: int, hk: int, block_size: int, dtype: torch.dtype) -> None:
+    d = 32
+    batch = _paged_batch(MIXED, hq, hk, d, block_size, dtype, seed=block_size + hq)
+    out = _attend(batch, MIXED, d**-0.5)
+    assert out.shape == batch[0].shape and out.dtype == dtype
+    expected = _oracle(batch[0], batch[6], batch[7], MIXED, d**-0.5)
+    tol = ATTN_TOL[dtype]
+    torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
+    if dtype == torch.float32:
+        ref = reference.paged_attention(*batch[:6], d**-0.5, max_query_len=20)
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("cache_dtype", "dtype"), [(FP8, torch.float32), (FP8, torch.bfloat16),
+                                                    (E5M2, torch.float32)])
+def test_paged_attention_fp8_cache(cache_dtype: torch.dtype, dtype: torch.dtype) -> None:
+    k_scale, v_scale = 0.02, 0.01  # |randn| / scale stays inside +-448: nothing clamps
+    batch = _paged_batch(MIXED, 8, 2, 64, 16, dtype, cache_dtype, k_scale, v_scale, seed=11)
+    out = _attend(batch, MIXED, 0.125, k_scale, v_scale)
+    # Against the oracle on the dequantized cache: the dequantized K/V are rounded to the query's dtype first.
+    tol = ATTN_TOL[dtype]
+    torch.testing.assert_close(out.float(), _oracle(batch[0], batch[6], batch[7], MIXED, 0.125), atol=tol, rtol=tol)
+    ref = reference.paged_attention(*batch[:6], 0.125, k_scale, v_scale)
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("num_splits", [None, 2, 3])
+def test_paged_attention_decode_grid_and_splits(num_splits: int | None) -> None:
+    # Decode-only batch with max_query_len=1: one program per sequence; split-KV forced (the heuristic gives 1
+    # on CPU), including slices that are empty for short contexts.
+    specs = [(1, 5), (1, 1), (1, 48), (1, 31), (1, 130)]
+    batch = _paged_batch(specs, 8, 2, 32, 16, torch.float32, seed=3)
+    out = _attend(batch, specs, 0.2, max_query_len=1, num_splits=num_splits)
+    torch.testing.assert_close(out, _oracle(batch[0], batch[6], batch[7], specs, 0.2), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_paged_attention_mixed_grid_unknown_max_and_odd_shapes(num_splits: int) -> None:
+    # max_query_len unknown (None: the grid is sized from T), block size 8, head_dim 48 (padded to 64), 6 query
+    # heads per kv head (padded to 8), padding rows after the last sequence (must stay zero).
+    specs = [(4, 4), (1, 9), (7, 25)]
+    batch = list(_paged_batch(specs, 12, 2, 48, 8, torch.float32, seed=4))
+    batch[0] = torch.cat([batch[0], torch.randn(3, 12, 48)])  # 3 padding rows owned by no sequence
+    out = _attend(batch, specs, 0.15, max_query_len=None, num_splits=num_splits)
+    expected = _oracle(batch[0][:-3], batch[6], batch[7], specs, 0.15)
+    torch.testing.assert_close(out[:-3], expected, atol=1e-5, rtol=1e-5)
+    assert not out[-3:].any()
+
+
+# --------------------------------------------------------------------------- norms and rotary
+ULP = {torch.float32: 1e-6, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_rms_norms_match_reference(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(0)
+    # Strided inputs (a column slice; a transposed residual), hidden size 96 (padded to 128).
+    x = (torch.randn(9, 200, generator=g) * 3).to(dtype)[:, :96]
+    residual = torch.randn(96, 9, generator=g).to(dtype).t()
+    weight = torch.randn(96, generator=g).to(dtype)
+    x_before, residual_before = x.clone(), residual.clone()
+    tol = ULP[dtype]
+    torch.testing.assert_close(tn.rms_norm(x, weight, 1e-5), reference.rms_norm(x, weight, 1e-5), atol=tol,
+                               rtol=2 * tol)
+    normed, summed = tn.fused_add_rms_norm(x, residual, weight, 1e-6)
+    ref_normed, ref_summed = reference.fused_add_rms_norm(x, residual, weight, 1e-6)
+    assert torch.equal(summed, ref_summed) and summed.dtype == dtype
+    torch.testing.assert_close(normed, ref_normed, atol=tol, rtol=2 * tol)
+    assert torch.equal(x, x_before) and torch.equal(residual, residual_before)
+    # A float32 weight with bfloat16 activations promotes, as torch does.
+    if dtype == torch.bfloat16:
+        out = tn.rms_norm(x, weight.float(), 1e-5)
+        assert out.dtype == torch.float32
+        torch.testing.assert_close(out, reference.rms_norm(x, weight.float(), 1e-5), atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rot_dim", [32, 16])
+@pytest.mark.parametrize("is_neox", [True, False])
+def test_rotary_matches_reference(is_neox: bool, rot_dim: int, dtype: torch.dtype) -> None:
+    head_dim, hq, hk, t = 32, 4, 2, 7
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, rot_dim, 2, dtype=torch.float32) / rot_dim))
+    cache = kernels.build_cos_sin_cache(rot_dim, 64, inv_freq)
+    g = torch.Generator().manual_seed(rot_dim)
+    positions = torch.randint(0, 64, (t,), generator=g)
+    # q and k as the model has them: column slices of the fused qkv output (strided rows).
+    qkv = torch.randn(t, (hq + 2 * hk) * head_dim, generator=g).to(dtype)
+    q, k, _ = qkv.split([hq * head_dim, hk * head_dim, hk * head_dim], dim=-1)
+    q_out, k_out = tn.rotary_embedding(positions, q, k, head_dim, cache, is_neox)
+    q_ref, k_ref = reference.rotary_embedding(positions, q, k, head_dim, cache, is_neox)
+    assert q_out.shape == q.shape and q_out.dtype == dtype
+    assert torch.equal(q_out, q_ref) and torch.equal(k_out, k_ref)
+    # [T, H, D] inputs keep their shape.
+    q3, k3 = tn.rotary_embedding(positions, q.reshape(t, hq, head_dim), k.reshape(t, hk, head_dim), head_dim, cache,
+                                 is_neox)
+    assert q3.shape == (t, hq, head_dim) and torch.equal(q3.reshape(t, -1), q_ref)
+
+
+# --------------------------------------------------------------------------- weight-only quantized matmuls
+MM_TOL = {torch.float32: 1e-6, torch.float16: 2.0**-9, torch.bfloat16: 2.0**-7}
+
+
+def _mm_close(y: torch.Tensor, ref: torch.Tensor, x: torch.Tensor, w: torch.Tensor, dtype: torch.dtype) -> None:
+    mag = float((x.float().abs().reshape(-1, x.shape[-1]) @ w.float().abs().T).max())
+    err = float((y.float() - ref.float()).abs().max())
+    assert err <= MM_TOL[dtype] * mag, f"max error {err:.3g} > {MM_TOL[dtype]:.3g} * {mag:.3g}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("scheme", ["int8", "fp8", "int4"])
+def test_quantized_linear_matches_reference(scheme: str, dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(2)
+    n, k = 80, 96  # N not a multiple of the tile; int4 groups of 32
+    w = torch.randn(n, k, generator=g) * 0.05
+    w[0] = 0.0  # an all-zero row / group
+    meta, parts = quantize(w, scheme, dtype, "cuda", group_size=32)  # "cuda": int4's canonical layout
+    qw = QuantizedWeight.from_parts(meta, parts)
+    dense = qw.dequantize(dtype)
+    fn = getattr(tq, f"linear_{scheme}")
+    for rows in ((1,), (5,), (2, 3), (70,)):  # the three tile configurations, and a 3-D input
+        x = torch.randn(*rows, k, generator=g).to(dtype)
+        bias = torch.randn(n, generator=g).to(dtype) if len(rows) == 2 else None
+        y = fn(x, qw, bias)
+        assert y.shape == (*rows, n) and y.dtype == dtype
+        _mm_close(y, quant.linear_reference(x, qw, bias), x, dense, dtype)
+
+
+def test_int4_cpu_layout_falls_back_to_reference() -> None:
+    from keepwarm.daemon.quantize import cpu_int4_layout
+
+    if cpu_int4_layout() is None:
+        pytest.skip("this torch has no recognised CPU int4 pack")
+    qw = QuantizedWeight.from_parts(*quantize(torch.randn(32, 64) * 0.05, "int4", torch.bfloat16, "cpu",
+                                              group_size=32))
+    x = torch.randn(3, 64).bfloat16()
+    assert torch.equal(tq.linear_int4(x, qw), quant.linear_reference(x, qw))
+
+
+def test_fp8_path_selection(monkeypatch: pytest.MonkeyPatch) -> None:
+    qw = QuantizedWeight.from_parts(*quantize(torch.randn(64, 128), "fp8", torch.bfloat16, "cuda"))
+    big, small = torch.randn(256, 128).bfloat16(), torch.randn(4, 128).bfloat16()
+    hopper, ampere = (9, 0), (8, 0)
+    assert tq.fp8_path(big, qw, hopper) == "scaled_mm"
+    assert tq.fp8_path(small, qw, hopper) == "triton"  # few rows: weight-bandwidth bound
+    assert tq.fp8_path(big, qw, ampere) == "triton"
+    assert tq.fp8_path(big.float(), qw, hopper) == "triton"  # rowwise _scaled_mm outputs bfloat16 only
+    odd = QuantizedWeight.from_parts(*quantize(torch.randn(40, 120), "fp8", torch.bfloat16, "cuda"))
+    assert tq.fp8_path(torch.randn(256, 120).bfloat16(), odd, hopper) == "triton"  # K, N not multiples of 16
+    monkeypatch.setenv(tq.FP8_MATMUL_ENV, "scaled_mm")
+    assert tq.fp8_path(small, qw, ampere) == "scaled_mm"
+    monkeypatch.setenv(tq.FP8_MATMUL_ENV, "triton")
+    assert tq.fp8_path(big, qw, hopper) == "triton"
+    monkeypatch.setenv(tq.FP8_MATMUL_ENV, "fast")
+    with pytest.raises(ValueError, match=tq.FP8_MATMUL_ENV):
+        tq.fp8_path(big, qw, hopper)
+
+
+def test_fp8_scaled_mm_is_w8a8() -> None:
+    # torch._scaled_mm runs on the CPU too (torch 2.13): checks the per-token scaling against a W8A8 oracle.
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(64, 128, generator=g) * 0.05
+    qw = QuantizedWeight.from_parts(*quantize(w, "fp8", torch.bfloat16, "cuda"))
+    x = (torch.randn(2, 9, 128, generator=g) * torch.linspace(0.1, 10, 9)[:, None]).bfloat16()
+    x[0, 0] = 0  # an all-zero row
+    bias = torch.randn(64, generator=g).bfloat16()
+    y = tq.fp8_scaled_mm(x, qw, bias)
+    assert y.shape == (2, 9, 64) and y.dtype == torch.bfloat16
+    xf = x.float().reshape(-1, 128)
+    s = (xf.abs().amax(1, keepdim=True) / 448).clamp(min=1e-12)
+    xq = (xf / s).clamp(-448, 448).to(FP8).float() * s
+    oracle = xq @ qw.dequantize().t() + bias.float()
+    _mm_close(y.reshape(-1, 64), oracle, x, qw.dequantize(), torch.bfloat16)
+    # ... and it is within fp8 activation rounding (3 mantissa bits) of the weight-only product.
+    err = (y.float().reshape(-1, 64) - (xf @ qw.dequantize().t() + bias.float())).abs().max()
+    assert err < 2.0**-4 * float((xf.abs() @ qw.dequantize().abs().t()).max())
+
+
+# --------------------------------------------------------------------------- LoRA
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rank", [8, 16])
+def test_lora_shrink_and_expand_match_reference(rank: int, dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(rank)
+    t, k, groups, slots = 21, 96, 3, 2
+    x = torch.randn(t, k, generator=g).to(dtype)
+    a = (torch.randn(groups * slots * rank, k, generator=g) * 0.1).to(dtype)
+    # Runs of tokens per adapter, as the engine's batches have them, plus base-model tokens (-1).
+    token_slots = torch.tensor([-1] * 3 + [0] * 7 + [1] * 5 + [0] * 2 + [-1] * 4)
+    buf = tlora.lora_shrink(x, a, token_slots, rank, slots)
+    ref = reference.lora_shrink(x, a, token_slots, rank, slots)
+    assert buf.shape == ref.shape and buf.dtype == dtype
+    _mm_close(buf, ref, x, a, dtype)
+    assert torch.equal(buf == 0, ref == 0) or dtype != torch.float32  # exact zeros outside each token's slot
+    assert not buf[token_slots < 0].any()
+    width = slots * rank
+    b = (torch.randn(40, width, generator=g) * 0.1).to(dtype)
+    y = torch.randn(t, 100, generator=g).to(dtype)
+    for grp in range(groups):  # a column slice of buf, as LoRALayer.apply passes it (strided)
+        part = ref[:, grp * width:(grp + 1) * width]
+        out = tlora.lora_expand(y.clone(), part, b, 30)
+        expected = reference.lora_expand(y.clone(), part, b, 30)
+        assert torch.equal(out[:, :30], y[:, :30]) and torch.equal(out[:, 70:], y[:, 70:])
+        tol = MM_TOL[dtype] * (1.0 + float((part.float().abs() @ b.float().abs().t()).max()))
+        assert float((out.float() - expected.float()).abs().max()) <= max(tol, 2 * ULP[dtype] * 8)
+
+
+# --------------------------------------------------------------------------- the whole model on the triton backend
+def test_tiny_model_greedy_same_tokens_on_triton(tiny_llama: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every kernel of a forward (norms, rotary, KV write, paged attention, the int8 matmul) through the
+    interpreted triton backend: greedy tokens equal the torch backend's, prefill chunks and decodes alike."""
+    from keepwarm import LLM, SamplingParams
+
+    kernels._register_triton()
+    prompts = [[5, 6, 7, 8, 9], list(range(20, 44)), [100, 200, 300]]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    tokens = {}
+    for backend in ("torch", "triton"):
+        monkeypatch.setenv(kernels.ENV_VAR, backend)
+        llm = LLM(model=tiny_llama, dtype="float32", max_model_len=128, num_gpu_blocks=32, block_size=16,
+                  daemon=False, device="cpu", quantization="int8", max_num_batched_tokens=24)
+        tokens[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        llm.close()
+    assert tokens["triton"] == tokens["torch"]
+
+
+# Collect either the cases above (this process interprets) or the one test that runs them in a subprocess.
+for _name in [n for n in globals() if n.startswith("test_")]:
+    if (_name == SUITE) == IN_PROCESS:
+        del globals()[_name]
+del _name
