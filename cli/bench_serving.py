@@ -93,16 +93,20 @@ def _kill(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
 
 
 def _import_floor(env: dict[str, str]) -> tuple[float, float]:
-    """Process start to exit for `python -c pass`, and for importing the server's own modules."""
+    """Process start until `python -c pass` prints, and until the server's own modules are imported (the floor
+    of any restart: what `keepwarm serve` imports before it can do anything), best of 3. Exit time not counted."""
     def timed(code: str) -> float:
         best = float("inf")
         for _ in range(3):
             t = time.monotonic()
-            subprocess.run([sys.executable, "-c", code], env=env, check=True)
+            proc = subprocess.Popen([sys.executable, "-c", code + "; print('ready', flush=True)"], env=env,
+                                    stdout=subprocess.PIPE, text=True)
+            proc.stdout.readline()
             best = min(best, time.monotonic() - t)
+            proc.wait()
         return best
 
-    return timed("pass"), timed("import keepwarm.worker.api.server, keepwarm.worker.engine, keepwarm.cli.main")
+    return timed("pass"), timed("import keepwarm.cli.main, keepwarm.worker.api.server, keepwarm.worker.engine")
 
 
 def _keepwarm_cmd(model: Path, port: int, dtype: str, threads: int, *extra: str) -> list[str]:
@@ -113,8 +117,7 @@ def _keepwarm_cmd(model: Path, port: int, dtype: str, threads: int, *extra: str)
 
 def _vllm_cmd(vllm_python: str, model: Path, port: int, dtype: str, eager: bool) -> list[str]:
     cmd = [vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--port", str(port),
-           "--host", "127.0.0.1", "--dtype", dtype, "--max-model-len", "2048", "--served-model-name", "bench",
-           "--disable-log-requests"]
+           "--host", "127.0.0.1", "--dtype", dtype, "--max-model-len", "2048", "--served-model-name", "bench"]
     return cmd + (["--enforce-eager"] if eager else [])
 
 
