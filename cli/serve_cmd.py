@@ -8,6 +8,35 @@ from typing import Annotated
 
 import typer
 
+EXAMPLE_QUESTION = "What is the capital of France?"
+
+
+def _print_example_when_ready(host: str, port: int, model: str, api_key: str | None) -> None:
+    """Once the server answers, ask it one question and print the answer: `make run` shows real text."""
+    import json
+    import threading
+    import urllib.request
+
+    def run() -> None:
+        base = f"http://{host}:{port}"
+        headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
+        body = json.dumps({"model": model, "messages": [{"role": "user", "content": EXAMPLE_QUESTION}],
+                           "max_tokens": 32, "temperature": 0}).encode()
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(base + "/health", timeout=2):
+                    pass
+                req = urllib.request.Request(base + "/v1/chat/completions", data=body, headers=headers)
+                with urllib.request.urlopen(req, timeout=120) as r:
+                    answer = json.loads(r.read())["choices"][0]["message"]["content"].strip()
+                print(f"  example: {EXAMPLE_QUESTION} -> {answer}", flush=True)
+                return
+            except OSError:
+                time.sleep(0.2)
+
+    threading.Thread(target=run, name="keepwarm-example", daemon=True).start()
+
 
 def register(app: typer.Typer) -> None:
     @app.command()
@@ -30,6 +59,7 @@ def register(app: typer.Typer) -> None:
         try:
             path = preload_model(model, quantization, "auto")
             names = [Path(path).name] if model is None else None  # the bundled model: its short name
+            _print_example_when_ready(host, port, (names or [path])[0], api_key)
             code = run_server(ServerConfig(model=path, host=host, port=port, quantization=quantization,
                                            api_key=api_key, served_model_name=names), process_start=start)
         except (ModelConfigError, DaemonError, FileNotFoundError, ValueError) as e:

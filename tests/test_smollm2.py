@@ -66,3 +66,39 @@ def test_cli_version_and_help() -> None:
     assert out.returncode == 0 and out.stdout.strip() == f"keepwarm {__version__}"
     out = subprocess.run([sys.executable, "-m", "keepwarm.cli.main", "--help"], capture_output=True, text=True)
     assert out.returncode == 0 and "generate" in out.stdout
+
+
+def test_keepwarm_up_serves_the_bundled_model(smollm2_dir: str, tmp_path) -> None:
+    """What `make run` runs: daemon + preload + serve, a ready line with the attach time and a real answer."""
+    import os
+    import signal
+    import socket
+    import tempfile
+    import time
+    from pathlib import Path
+
+    from keepwarm.daemon.client import DaemonClient
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    rt = Path(tempfile.mkdtemp(prefix="kwrt-", dir="/tmp"))
+    log = tmp_path / "up.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "keepwarm.cli.main", "up", "--port", str(port)],
+                                stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, "KEEPWARM_RUNTIME_DIR": str(rt)})
+    try:
+        deadline = time.monotonic() + 300
+        while "example:" not in log.read_text():
+            assert proc.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+        text = log.read_text()
+        assert f"on http://127.0.0.1:{port}" in text and "attached in" in text and "try: curl" in text
+        assert "Paris" in text.split("example:")[1]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        with DaemonClient(rt) as c:
+            c.shutdown()
