@@ -534,17 +534,7 @@ class Daemon:
                 if arena_digest_of(storage.flat, m.tensors, self.threads) != m.arena_digest:
                     raise ProtocolError("bad_image", f"the image {job.image} does not match its manifest's "
                                                      "arena_digest (corrupt or not this model's image)")
-                final = self.arena_dir / f"{m.fingerprint}.arena"
-                mpath = None
-                if not final.exists():  # else a preload of the same model got there first: ours is dropped
-                    os.replace(tmp, final)
-                    storage.path = final
-                    mpath = self.arena_dir / f"{m.fingerprint}.json"
-                storage = storage.seal()
-                if mpath is not None:
-                    tmp_manifest = mpath.with_suffix(".json.tmp")
-                    tmp_manifest.write_text(m.to_json())
-                    os.replace(tmp_manifest, mpath)  # the manifest lands last: it marks the arena complete
+                storage, mpath = self._install_cpu_arena(storage, m)
             else:
                 mpath = None
                 storage = CudaArena.create(job.arena_bytes, self.device)
@@ -563,16 +553,7 @@ class Daemon:
             log.error("loading the image %s failed: %s\n%s", job.image, e, traceback.format_exc())
             job.error = ProtocolError("load_failed", f"loading the image {job.image} failed: {e}")
         finally:
-            if job.error is not None and storage is not None:
-                if isinstance(storage, CpuArenaFile):
-                    storage.close()
-                    storage.unlink()
-                storage = None
-            if job.error is not None and tmp is not None:
-                tmp.unlink(missing_ok=True)
-            job.done.set()
-            with contextlib.suppress(OSError):
-                os.write(self._wake_w, b"x")
+            self._end_job(job, storage, tmp)
 
     # -- loading ---------------------------------------------------------------------------------------------------
     def _load_or_wait(self, identity: bytes, rid: str, verb: str, args: Any, model: str, quantization: str,
@@ -624,14 +605,7 @@ class Daemon:
                                                             f"{manifest.fingerprint[:16]}, not {fingerprint[:16]}")
             mpath = None
             if isinstance(storage, CpuArenaFile):
-                final = self.arena_dir / f"{manifest.fingerprint}.arena"
-                os.replace(tmp, final)
-                storage.path = final
-                storage = storage.seal()
-                mpath = self.arena_dir / f"{manifest.fingerprint}.json"
-                tmp_manifest = mpath.with_suffix(".json.tmp")
-                tmp_manifest.write_text(manifest.to_json())
-                os.replace(tmp_manifest, mpath)  # the manifest lands last: it marks the arena complete
+                storage, mpath = self._install_cpu_arena(storage, manifest)
             seconds = time.perf_counter() - t0
             now = time.time()
             job.result = Resident(manifest, storage, "preload", now, seconds, now, mpath)
@@ -645,14 +619,37 @@ class Daemon:
             log.error("preload of %s failed: %s\n%s", job.ckpt.model_dir, e, traceback.format_exc())
             job.error = ProtocolError("load_failed", f"preload of {job.ckpt.model_dir} failed: {e}")
         finally:
-            if job.error is not None and storage is not None:
-                if isinstance(storage, CpuArenaFile):
-                    storage.close()
-                    storage.unlink()
-                storage = None
-            job.done.set()
-            with contextlib.suppress(OSError):
-                os.write(self._wake_w, b"x")
+            self._end_job(job, storage, tmp)
+
+    def _install_cpu_arena(self, storage: CpuArenaFile, manifest: ArenaManifest,
+                           ) -> tuple[CpuArenaFile, Path | None]:
+        """Give a freshly built CPU arena its fingerprint's name, seal it read-only and write its manifest last (the
+        manifest marks the arena complete). If a file of that fingerprint exists already (another job of the same
+        bytes got there first), ours keeps its temporary name and is dropped when the job finishes."""
+        final = self.arena_dir / f"{manifest.fingerprint}.arena"
+        mpath = None
+        if not final.exists():
+            os.replace(storage.path, final)
+            storage.path = final
+            mpath = self.arena_dir / f"{manifest.fingerprint}.json"
+        storage = storage.seal()
+        if mpath is not None:
+            tmp_manifest = mpath.with_suffix(".json.tmp")
+            tmp_manifest.write_text(manifest.to_json())
+            os.replace(tmp_manifest, mpath)
+        return storage, mpath
+
+    def _end_job(self, job: PreloadJob | ImageJob, storage: CpuArenaFile | CudaArena | None, tmp: Path | None) -> None:
+        """A job thread's last step: on failure remove what it built, then wake the socket loop to answer."""
+        if job.error is not None:
+            if isinstance(storage, CpuArenaFile):
+                storage.close()
+                storage.unlink()
+            if tmp is not None:
+                tmp.unlink(missing_ok=True)
+        job.done.set()
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"x")
 
     def _finish_jobs(self, router: zmq.Socket) -> None:
         for key, job in list(self.jobs.items()):
