@@ -77,6 +77,12 @@ def stop_hold_back(stop: Sequence[str]) -> int:
     return max((len(s) for s in stop), default=1) - 1
 
 
+def streamable_end(text: str, sent: int, finished: bool, hold_back: int) -> int:
+    """How far a streaming API may send ``text``: all of it once the sequence finished, else all but the last
+    ``hold_back`` characters (a stop string may still complete there and be cut), never less than already sent."""
+    return len(text) if finished else max(sent, len(text) - hold_back)
+
+
 def check_stop_strings(output_text: str, new_text: str, stop: Sequence[str],
                        include_stop_str_in_output: bool = False) -> StopMatch | None:
     """Find the earliest stop string occurrence that ends inside ``new_text``.

@@ -308,13 +308,14 @@ class LLMEngine:
         token_rows: list[int] = []
         sample_index: list[int] = []  # into token_rows, one per sampling sequence
         sampled_seqs: list[Sequence] = []
-        prompt_rows: list[tuple[Sequence, int, int]] = []  # (seq, first index into token_rows, first position)
+        # (seq, first index into token_rows, first position, rows): prompt rows whose logprobs were asked for
+        prompt_rows: list[tuple[Sequence, int, int, int]] = []
         row = 0
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             c = seq.num_computed_tokens
             if seq.prompt_logprobs is not None and c + 1 < seq.num_prompt_tokens:
                 last_pos = min(c + n, seq.num_prompt_tokens - 1)  # positions c..last_pos-1 predict prompt tokens
-                prompt_rows.append((seq, len(token_rows), c))
+                prompt_rows.append((seq, len(token_rows), c, last_pos - c))
                 token_rows.extend(range(row, row + last_pos - c))
             if c + n == seq.num_tokens:
                 if token_rows and token_rows[-1] == row + n - 1:
@@ -326,7 +327,7 @@ class LLMEngine:
             row += n
         logits = self.runner.execute(batch, token_rows)
         if prompt_rows:
-            self._record_prompt_logprobs(logits, token_rows, prompt_rows, batch)
+            self._record_prompt_logprobs(logits, prompt_rows)
         self.scheduler.advance(batch)
         if not sampled_seqs:
             return []
@@ -344,10 +345,9 @@ class LLMEngine:
             self._process_token(req, seq, token)
         return [self._make_output(req) for req in touched.values()]
 
-    def _record_prompt_logprobs(self, logits: torch.Tensor, token_rows: list[int],
-                                prompt_rows: list[tuple[Sequence, int, int]], batch) -> None:
-        for seq, first, start_pos in prompt_rows:
-            n = min(start_pos + batch.num_new_tokens[batch.seqs.index(seq)], seq.num_prompt_tokens - 1) - start_pos
+    def _record_prompt_logprobs(self, logits: torch.Tensor, prompt_rows: list[tuple[Sequence, int, int, int]],
+                                ) -> None:
+        for seq, first, start_pos, n in prompt_rows:
             lp = torch.log_softmax(logits[first:first + n], dim=-1)
             targets = torch.tensor(seq.prompt_token_ids[start_pos + 1:start_pos + 1 + n])
             chosen = lp.gather(1, targets[:, None])[:, 0]
@@ -399,7 +399,9 @@ class LLMEngine:
         req.metrics.num_cached_tokens = req.seqs[0].num_cached_prompt_tokens
         outs = []
         for i, seq in enumerate(req.seqs):
-            lps = seq.output_logprobs if seq.sampling_params.logprobs is not None else None
+            # Copies, like token_ids: the engine thread keeps appending to the sequence's own lists while a
+            # front end reads this output.
+            lps = list(seq.output_logprobs) if seq.sampling_params.logprobs is not None else None
             outs.append(CompletionOutput(
                 index=i, text=req.texts[i], token_ids=list(seq.output_token_ids),
                 cumulative_logprob=sum(x.logprob for x in lps) if lps else None, logprobs=lps,

@@ -24,7 +24,7 @@ from keepwarm.worker.api.grpc_gen import keepwarm_pb2 as pb
 from keepwarm.worker.api.grpc_gen import keepwarm_pb2_grpc as pb_grpc
 from keepwarm.worker.api.protocol import APIError, bad_request, new_id
 from keepwarm.worker.api.server import ServerState, _check_length, _resolve_model
-from keepwarm.worker.detokenizer import stop_hold_back
+from keepwarm.worker.detokenizer import stop_hold_back, streamable_end
 from keepwarm.worker.engine import RequestError
 from keepwarm.worker.outputs import RequestOutput
 from keepwarm.worker.sampling_params import SamplingParams, SamplingParamsError
@@ -155,16 +155,15 @@ class KeepwarmServicer(pb_grpc.KeepwarmServicer):
             if c.index in done:
                 continue
             st, sk = sent_text.get(c.index, 0), sent_tokens.get(c.index, 0)
-            limit = len(c.text) if c.finished else max(st, len(c.text) - hold)
+            limit = streamable_end(c.text, st, c.finished, hold)
             delta, new_ids = c.text[st:limit], c.token_ids[sk:]
             if not (delta or new_ids or c.finished):
                 continue
             m = pb.GenerateResponse(request_id=rid, index=c.index, text=delta, token_ids=new_ids)
             if params.logprobs is not None and c.logprobs:
-                # Bounded by the token count: the engine thread may already have appended the next step's entry.
                 m.logprobs.extend(pb.TokenLogprob(token_id=x.token_id, logprob=x.logprob,
                                                   top=[pb.TopLogprob(token_id=t, logprob=lp) for t, lp in x.top])
-                                  for x in c.logprobs[sk:len(c.token_ids)])
+                                  for x in c.logprobs[sk:])
             if c.finished:
                 m.finish_reason = c.finish_reason
                 if isinstance(c.stop_reason, str):

@@ -40,7 +40,7 @@ from keepwarm.worker.api.protocol import (
     now,
 )
 from keepwarm.worker.async_engine import AsyncEngine
-from keepwarm.worker.detokenizer import stop_hold_back
+from keepwarm.worker.detokenizer import stop_hold_back, streamable_end
 from keepwarm.worker.engine import LLMEngine, RequestError
 from keepwarm.worker.outputs import CompletionOutput, RequestOutput
 from keepwarm.worker.sampling_params import SamplingParams, SamplingParamsError
@@ -112,10 +112,6 @@ def _params(req: Any, max_tokens: int, logprobs: int | None) -> SamplingParams:
         return req.sampling(max_tokens, logprobs, max_tokens)
     except SamplingParamsError as e:
         raise bad_request(str(e), str(e).split(" ", 1)[0]) from None
-
-
-def _token_str(tokenizer, token_id: int) -> str:
-    return tokenizer.convert_ids_to_tokens(token_id) or ""
 
 
 def _completion_logprobs(tokenizer, lps: list[TokenLogprob], text_offset0: int) -> dict[str, Any]:
@@ -435,7 +431,7 @@ def build_app(state: ServerState) -> FastAPI:
                                                                             tok.decode(out.prompt_token_ids),
                                                                             "logprobs": None,
                                                                             "finish_reason": None}]})
-                            limit = len(c.text) if c.finished else max(sent_text[idx], len(c.text) - hold)
+                            limit = streamable_end(c.text, sent_text[idx], c.finished, hold)
                             delta = c.text[sent_text[idx]:limit]
                             lp = choice_logprobs(c, sent_tokens[idx], len(c.token_ids), sent_text[idx])
                             if delta or c.finished or lp:
@@ -539,7 +535,7 @@ def build_app(state: ServerState) -> FastAPI:
                                 sent_text[c.index], sent_tokens[c.index] = 0, 0
                                 yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""},
                                               "logprobs": None, "finish_reason": None}])
-                            limit = len(c.text) if c.finished else max(sent_text[c.index], len(c.text) - hold)
+                            limit = streamable_end(c.text, sent_text[c.index], c.finished, hold)
                             delta = c.text[sent_text[c.index]:limit]
                             new_lps = (c.logprobs or [])[sent_tokens[c.index]:]
                             lp = _chat_logprobs(tok, new_lps) if req.logprobs and new_lps else None
