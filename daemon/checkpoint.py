@@ -9,8 +9,7 @@ from __future__ import annotations
 import json
 import os
 import struct
-from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -181,31 +180,6 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     """A writable byte view of a contiguous CPU tensor's storage (no copy)."""
     return memoryview(t.view(torch.uint8).numpy()).cast("B") if t.dtype != torch.uint8 else \
         memoryview(t.numpy()).cast("B")
-
-
-def load_fused_tensors(ckpt: Checkpoint, dtype: torch.dtype | None = None, threads: int = 4,
-                       names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
-    """Read every fused tensor into its own CPU tensor (parts read in place), cast to ``dtype`` if given.
-
-    Files are read by a few threads at once; ``preadv`` releases the GIL.
-    """
-    wanted = set(names) if names is not None else None
-    specs = [t for t in ckpt.tensors if wanted is None or t.name in wanted]
-
-    def load(spec: FusedTensor) -> tuple[str, torch.Tensor]:
-        flat = torch.empty(spec.nbytes, dtype=torch.uint8)
-        view = tensor_bytes(flat)
-        off = 0
-        for part in spec.parts:
-            read_into(part, view[off:off + part.nbytes])
-            off += part.nbytes
-        t = flat.view(spec.dtype).view(spec.shape)
-        if dtype is not None and t.is_floating_point() and t.dtype != dtype:
-            t = t.to(dtype)
-        return spec.name, t
-
-    with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
-        return dict(pool.map(load, specs))
 
 
 def tensors_from_buffer(flat: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from keepwarm.daemon.checkpoint import Checkpoint, load_fused_tensors
+from keepwarm.daemon.arena import model_tensors
+from keepwarm.daemon.checkpoint import Checkpoint
+from keepwarm.daemon.loader import build_arena, plan_arena
 from keepwarm.worker.models.config import ModelConfigError, load_model_config
 
 
@@ -87,6 +89,13 @@ def test_cli_reports_bad_model_in_one_line(tmp_path: Path) -> None:
     assert "Traceback" not in proc.stderr
 
 
+def _fused(ckpt: Checkpoint) -> dict[str, torch.Tensor]:
+    """The fused tensors a disk load gives the model (float32: plain tensors, nothing packed)."""
+    _, total = plan_arena(ckpt, "none", torch.float32)
+    flat = torch.empty(total, dtype=torch.uint8)
+    return model_tensors(build_arena(ckpt, "none", "float32", flat, "cpu"), flat)
+
+
 def test_sharded_checkpoint_loads_like_single_file(tmp_path: Path) -> None:
     from keepwarm.worker.models.random_model import make_random_model
 
@@ -94,7 +103,7 @@ def test_sharded_checkpoint_loads_like_single_file(tmp_path: Path) -> None:
     sharded = make_random_model(tmp_path / "sharded", "llama", head_dim=32, seed=5, max_shard_size="200KB")
     assert (sharded / "model.safetensors.index.json").is_file()
     assert len(list(sharded.glob("*.safetensors"))) > 1
-    a, b = load_fused_tensors(Checkpoint(single)), load_fused_tensors(Checkpoint(sharded))
+    a, b = _fused(Checkpoint(single)), _fused(Checkpoint(sharded))
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a)
     # Fusion: qkv is q, k and v stacked along the output dimension.
