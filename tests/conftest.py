@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+
+# Test helpers beside this file (tests/_serve.py) import as top-level modules under --import-mode=importlib.
+sys.path.insert(0, str(Path(__file__).parent))
 
 # Oversubscribed threads cost ~10x on a 2-core machine; tests that start worker processes set their own.
 torch.set_num_threads(int(os.environ.get("KEEPWARM_TEST_THREADS", "2")))

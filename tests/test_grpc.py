@@ -9,13 +9,13 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import grpc
 import httpx
 import pytest
+from _serve import ServeProcess, free_port
 
 from keepwarm.worker.api.grpc_gen import keepwarm_pb2 as pb
 from keepwarm.worker.api.grpc_gen import keepwarm_pb2_grpc as pb_grpc
@@ -29,42 +29,14 @@ SHUTDOWN_TIMEOUT = 10.0
 PROMPT = "The quick brown"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class GrpcServerProc:
+class GrpcServerProc(ServeProcess):
     def __init__(self, model: str) -> None:
-        self.port, self.grpc_port = free_port(), free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "keepwarm.cli.main", "serve", model, "--grpc", "--grpc-port", str(self.grpc_port),
-               "--port", str(self.port), "--no-daemon", "--dtype", "float32", "--max-model-len", "256",
-               "--threads", "1", "--shutdown-timeout", str(SHUTDOWN_TIMEOUT)]
-        self.log = tempfile.NamedTemporaryFile(prefix="kw-grpc-", suffix=".log", delete=False)  # noqa: SIM115
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, "OMP_NUM_THREADS": "1"})
-        self.wait_ready()
+        self.grpc_port = free_port()
+        super().__init__(model, "--grpc", "--grpc-port", str(self.grpc_port), "--no-daemon", "--dtype", "float32",
+                         "--max-model-len", "256", "--threads", "1", "--shutdown-timeout", str(SHUTDOWN_TIMEOUT))
         self.channel = grpc.insecure_channel(f"127.0.0.1:{self.grpc_port}")
         grpc.channel_ready_future(self.channel).result(timeout=30)
         self.stub = pb_grpc.KeepwarmStub(self.channel)
-
-    def wait_ready(self, timeout: float = 90.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"server exited {self.proc.returncode}: {self.output()}")
-            try:
-                if httpx.get(self.base + "/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        raise AssertionError(f"server not ready: {self.output()}")
-
-    def output(self) -> str:
-        return Path(self.log.name).read_text()
 
     def metrics(self) -> dict[str, float]:
         """Samples by name with labels, e.g. ``vllm:request_success{...,finished_reason="abort"}``."""

@@ -4,19 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import random
 import signal
-import socket
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
+from _serve import ServeProcess
 
 from keepwarm import LLM, LoRARequest, SamplingParams
 
@@ -25,39 +21,12 @@ pytestmark = pytest.mark.slow  # real server processes; CI runs them
 PROMPTS = ["The quick brown fox", "Caches keep", "A paged key value cache", "Numbers like 12345"]
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+class Server(ServeProcess):
+    """The tiny model in float32, its base model served as "base"."""
 
-
-class Server:
     def __init__(self, model: str, *args: str, env: dict | None = None) -> None:
-        self.port = _port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        fd, self.log = tempfile.mkstemp(prefix="kw-lora-", suffix=".log")
-        with os.fdopen(fd, "wb") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "keepwarm.cli.main", "serve", model, "--port", str(self.port), "--dtype",
-                 "float32", "--max-model-len", "256", "--threads", "1", "--served-model-name", "base", *args],
-                stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
-        deadline = time.monotonic() + 90
-        while True:
-            assert self.proc.poll() is None, Path(self.log).read_text()
-            try:
-                if httpx.get(self.base + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, Path(self.log).read_text()
-            time.sleep(0.1)
-
-    def output(self) -> str:
-        return Path(self.log).read_text()
-
-    def stop(self) -> int:
-        self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(timeout=60)
+        super().__init__(model, "--dtype", "float32", "--max-model-len", "256", "--threads", "1",
+                         "--served-model-name", "base", *args, env=env)
 
 
 @pytest.fixture(scope="module")

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -16,45 +14,18 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from _serve import ServeProcess, free_port
 
 from keepwarm import LLM, SamplingParams
 
 # End-to-end: real server processes. CI runs them (make test); skip locally with -m "not slow".
 pytestmark = pytest.mark.slow
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+class ServerProc(ServeProcess):
+    """A tiny model in float32 on one thread."""
 
-
-class ServerProc:
     def __init__(self, model: str, *args: str, env: dict[str, str] | None = None) -> None:
-        self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "keepwarm.cli.main", "serve", model, "--port", str(self.port), "--dtype",
-               "float32", "--max-model-len", "256", "--threads", "1", *args]
-        fd, self.log_path = tempfile.mkstemp(prefix="kw-serve-", suffix=".log")
-        with os.fdopen(fd, "wb") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                         env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
-        self.wait_ready()
-
-    def wait_ready(self, timeout: float = 90.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"server exited {self.proc.returncode}: {self.output()}")
-            try:
-                if httpx.get(self.base + "/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        raise AssertionError(f"server not ready: {self.output()}")
-
-    def output(self) -> str:
-        return Path(self.log_path).read_text()
+        super().__init__(model, "--dtype", "float32", "--max-model-len", "256", "--threads", "1", *args, env=env)
 
     def metrics(self) -> dict[str, float]:
         out = {}
@@ -63,15 +34,6 @@ class ServerProc:
                 name, value = line.rsplit(" ", 1)
                 out[name.split("{")[0]] = float(value) if name.split("{")[0] not in out else out[name.split("{")[0]]
         return out
-
-    def stop(self, sig: int = signal.SIGTERM) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                return self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-        return self.proc.wait()
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import stat
 import subprocess
 import sys
@@ -21,6 +20,7 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
+from _serve import ServeProcess
 
 from keepwarm.daemon import paths
 from keepwarm.daemon.client import DaemonClient, DaemonError
@@ -47,12 +47,6 @@ def one_line_error(r: subprocess.CompletedProcess) -> str:
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
     return lines[0]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Side:
@@ -106,25 +100,9 @@ class Side:
             shutil.rmtree(self.rt, ignore_errors=True)
 
 
-class Server:
+class Server(ServeProcess):
     def __init__(self, env: dict[str, str], *args: str) -> None:
-        self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        fd, self.log_path = tempfile.mkstemp(prefix="kw-snap-serve-", suffix=".log")
-        with os.fdopen(fd, "wb") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "keepwarm.cli.main", "serve", *map(str, args),
-                                          "--port", str(self.port), "--threads", "1"], env=env, stdout=log,
-                                         stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 120
-        while True:
-            assert self.proc.poll() is None, f"server exited: {Path(self.log_path).read_text()[-3000:]}"
-            assert time.monotonic() < deadline, f"server not ready: {Path(self.log_path).read_text()[-3000:]}"
-            try:
-                if httpx.get(self.base + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
+        super().__init__(*args, "--threads", "1", env=env, timeout=120)
 
     def config(self) -> dict:
         return httpx.get(self.base + "/keepwarm/config").json()
