@@ -94,7 +94,7 @@ def _progress_printer() -> Any:
     return show
 
 
-def preload_model(model: str | None, quantization: str = "none", dtype: str = "auto",
+def preload_model(model: str | None, quantization: str = "auto", dtype: str = "auto",
                   memory_budget: str | None = None, device: str = "cpu") -> str:
     """Preload through the daemon (started if needed) with a progress bar on stderr; returns the model path."""
     from keepwarm.daemon.client import ensure_daemon
@@ -127,7 +127,9 @@ def register(app: typer.Typer) -> None:
     @app.command()
     def preload(
         model: Annotated[str | None, typer.Argument(help="Model directory (default: bundled SmolLM2).")] = None,
-        quantization: Annotated[str, typer.Option("--quantization", "-q", help="none, int8, fp8 or int4.")] = "none",
+        quantization: Annotated[str, typer.Option(
+            "--quantization", "-q", help="auto (the checkpoint's own), none, int8, fp8, int4, int4-g64, int4-g32.")
+        ] = "auto",
         dtype: Annotated[str, typer.Option(help="auto (the checkpoint's), bfloat16, float16, float32.")] = "auto",
         memory_budget: Annotated[str | None, typer.Option("--memory-budget",
                                                           help="For a daemon started now.")] = None,

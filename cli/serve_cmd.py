@@ -44,7 +44,7 @@ def register(app: typer.Typer) -> None:
         model: Annotated[str | None, typer.Argument(help="Model directory (default: bundled SmolLM2).")] = None,
         host: Annotated[str, typer.Option("--host")] = "127.0.0.1",
         port: Annotated[int, typer.Option("--port")] = 8000,
-        quantization: Annotated[str, typer.Option("--quantization", "-q")] = "none",
+        quantization: Annotated[str, typer.Option("--quantization", "-q")] = "auto",
         api_key: Annotated[str | None, typer.Option("--api-key", envvar="KEEPWARM_API_KEY")] = None,
     ) -> None:
         """Start the daemon (if none runs), preload MODEL with a progress bar, and serve it (what `make run` does)."""
@@ -90,7 +90,7 @@ def register(app: typer.Typer) -> None:
         num_gpu_blocks_override: Annotated[int | None, typer.Option("--num-gpu-blocks-override")] = None,
         kv_cache_memory_bytes: Annotated[int | None, typer.Option("--kv-cache-memory-bytes")] = None,
         quantization: Annotated[str | None, typer.Option("--quantization", "-q",
-                                                         help="none, int8, fp8 or int4.")] = None,
+                                                         help="auto, none, int8, fp8 or int4.")] = None,
         seed: Annotated[int | None, typer.Option("--seed")] = None,
         enforce_eager: Annotated[bool | None, typer.Option("--enforce-eager/--no-enforce-eager")] = None,
         device: Annotated[str | None, typer.Option("--device")] = None,

@@ -15,6 +15,9 @@ from pathlib import Path
 
 import torch
 
+from keepwarm.daemon.convert import dense_shape
+from keepwarm.daemon.prequant import SourceQuant, detect, resolve_quantization
+from keepwarm.daemon.quantize import QuantizationError
 from keepwarm.worker.models.config import ModelConfig, ModelConfigError, load_model_config
 
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
@@ -22,6 +25,10 @@ SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
     "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
 }
+
+# Tensor name suffixes that only quantized checkpoints have (compressed-tensors, fp8, GPTQ, AWQ).
+_QUANTIZED_TENSOR_SUFFIXES = frozenset({"weight_packed", "weight_scale", "weight_scale_inv", "weight_zero_point",
+                                        "weight_g_idx", "qweight", "qzeros", "scales", "g_idx"})
 
 # Reads this large keep the kernel's readahead busy without holding big Python buffers.
 _READ_CHUNK = 64 << 20
@@ -41,12 +48,18 @@ class SourceTensor:
 
 @dataclass(frozen=True)
 class FusedTensor:
-    """A tensor the model code uses, made of source tensors concatenated along dim 0 (one part if unfused)."""
+    """A tensor the model code uses, made of source tensors concatenated along dim 0 (one part if unfused).
+
+    A pre-quantized projection weight (``roles`` non-empty) is instead all its projections' source tensors (codes,
+    scales, zero points, ...) read back to back; ``roles[i]`` names part i as "<projection index>.<suffix>",
+    ``dense_shapes`` are the projections' dense [N, K] and ``shape`` the fused one."""
 
     name: str
     parts: tuple[SourceTensor, ...]
     dtype: torch.dtype
     shape: tuple[int, ...]
+    roles: tuple[str, ...] = ()
+    dense_shapes: tuple[tuple[int, int], ...] = ()
 
     @property
     def nbytes(self) -> int:
@@ -107,15 +120,31 @@ class Checkpoint:
     def __init__(self, model_dir: str | Path) -> None:
         self.model_dir = Path(model_dir).resolve() if Path(model_dir).exists() else Path(model_dir)
         self.config: ModelConfig = load_model_config(self.model_dir)
+        # What config.json's quantization_config says (None: a plain checkpoint); refuses what cannot run exactly.
+        self.quant: SourceQuant | None = detect(json.loads((self.model_dir / "config.json").read_text()))
         self.files = _safetensors_files(self.model_dir)
         self.sources: dict[str, SourceTensor] = {}
         for f in self.files:
             self.sources.update(read_safetensors_header(f))
+        if self.quant is None:
+            self._refuse_stray_quantized_tensors()
         self.tensors: list[FusedTensor] = self._plan()
 
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.tensors)
+
+    def resolve_quantization(self, requested: str) -> str:
+        """The keepwarm scheme this checkpoint is served as for a requested `--quantization` (auto, a scheme, or
+        the checkpoint's own method); QuantizationError when they conflict."""
+        return resolve_quantization(requested, self.quant, self.model_dir.name)
+
+    def _refuse_stray_quantized_tensors(self) -> None:
+        # Quantized tensors without a quantization_config would be read as plain weights: wrong numbers.
+        stray = sorted(n for n in self.sources if n.rsplit(".", 1)[-1] in _QUANTIZED_TENSOR_SUFFIXES)
+        if stray:
+            raise QuantizationError(f"{self.model_dir.name}: tensor {stray[0]!r} is a quantized weight's part, but "
+                                    f"config.json has no quantization_config")
 
     def _get(self, name: str) -> SourceTensor:
         try:
@@ -124,6 +153,8 @@ class Checkpoint:
             raise ModelConfigError(f"{self.model_dir}: checkpoint lacks tensor {name!r}") from None
 
     def _fuse(self, name: str, part_names: list[str]) -> FusedTensor:
+        if self.quant is not None and name.endswith("_proj.weight"):
+            return self._fuse_quantized(name, [p.removesuffix(".weight") for p in part_names])
         parts = tuple(self._get(p) for p in part_names)
         dtypes = {p.dtype for p in parts}
         if len(dtypes) != 1:
@@ -133,6 +164,30 @@ class Checkpoint:
             raise ModelConfigError(f"{self.model_dir}: parts of {name} have mismatched shapes")
         shape = (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
         return FusedTensor(name, parts, parts[0].dtype, shape)
+
+    def _fuse_quantized(self, name: str, projections: list[str]) -> FusedTensor:
+        assert self.quant is not None
+        parts: list[SourceTensor] = []
+        roles: list[str] = []
+        shapes: list[tuple[int, int]] = []
+        for i, proj in enumerate(projections):
+            found: dict[str, tuple[int, ...]] = {}
+            for suffix, required in self.quant.tensor_suffixes():
+                src = self.sources.get(f"{proj}.{suffix}")
+                if src is None:
+                    if required:
+                        raise QuantizationError(f"{self.model_dir.name}: tensor {proj}.{suffix} is missing "
+                                                f"({self.quant.description} needs it)")
+                    continue
+                parts.append(src)
+                roles.append(f"{i}.{suffix}")
+                found[suffix] = src.shape
+            shapes.append(dense_shape(self.quant, found, proj))
+        ks = {k for _, k in shapes}
+        if len(ks) != 1:
+            raise QuantizationError(f"{self.model_dir.name}: parts of {name} have different K: {sorted(ks)}")
+        shape = (sum(n for n, _ in shapes), shapes[0][1])
+        return FusedTensor(name, tuple(parts), torch.uint8, shape, tuple(roles), tuple(shapes))
 
     def _plan(self) -> list[FusedTensor]:
         c = self.config

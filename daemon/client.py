@@ -107,14 +107,14 @@ class DaemonClient:
     def status(self) -> dict[str, Any]:
         return self.request("status")
 
-    def preload(self, model: str, quantization: str = "none", dtype: str = "auto", fingerprint: str | None = None,
+    def preload(self, model: str, quantization: str = "auto", dtype: str = "auto", fingerprint: str | None = None,
                 on_event: ProgressCallback | None = None) -> dict[str, Any]:
         args = {"model": model, "quantization": quantization, "dtype": dtype}
         if fingerprint:
             args["fingerprint"] = fingerprint
         return self.request("preload", args, timeout=60.0, on_event=on_event)
 
-    def attach(self, model: str, quantization: str = "none", dtype: str = "auto", fingerprint: str | None = None,
+    def attach(self, model: str, quantization: str = "auto", dtype: str = "auto", fingerprint: str | None = None,
                preload: bool = True, on_event: ProgressCallback | None = None) -> dict[str, Any]:
         args = {"model": model, "quantization": quantization, "dtype": dtype, "pid": os.getpid(), "preload": preload}
         if fingerprint:

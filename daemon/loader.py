@@ -9,11 +9,16 @@ weights and ``lm_head.weight`` are stored packed for oneDNN (one ``packed`` uint
 ``mkldnn_packed``); a tied-embedding model gets a packed ``lm_head.weight`` made from the embedding, which stays
 plain for the lookup. That derived entry re-reads the embedding's bytes but counts neither in the fingerprint nor
 in progress: both stay functions of the checkpoint.
+
+A pre-quantized checkpoint's projections (``FusedTensor.roles``) are read whole (codes, scales, zero points, all
+fingerprinted) and converted into their arena layout by :mod:`keepwarm.daemon.convert`, never re-quantized; its
+dynamic activation quantization, if any, is logged as run weight-only.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -34,16 +39,19 @@ from keepwarm.daemon.arena import (
     source_signature,
 )
 from keepwarm.daemon.checkpoint import Checkpoint, FusedTensor, read_into, tensor_bytes
+from keepwarm.daemon.convert import convert_weight, plan_weight
 from keepwarm.daemon.quantize import (
     LAYOUT_MKLDNN_PACKED,
     QuantMeta,
     is_quantized_target,
+    layout_parts,
     quantize,
     quantized_layout,
-    validate_scheme,
 )
 from keepwarm.kernels.cpu_packed import pack, packed_layout, packed_nbytes, packing_available
 from keepwarm.worker.models.config import parse_dtype
+
+log = logging.getLogger("keepwarm.daemon")
 
 Progress = Callable[[int], None]  # called with the number of source bytes just processed
 
@@ -55,6 +63,7 @@ class PlannedTensor:
     entries: list[TensorEntry]
     packed: bool = False  # stored for oneDNN (kernels/cpu_packed.py): one "packed" uint8 entry
     derived: bool = False  # made from another planned tensor's source (tied lm_head): not fingerprinted again
+    meta: QuantMeta | None = None  # a pre-quantized projection's arena layout
 
     @property
     def name(self) -> str:
@@ -76,7 +85,7 @@ def resolve_dtype(ckpt: Checkpoint, dtype: str) -> torch.dtype:
 def plan_arena(ckpt: Checkpoint, quantization: str, dtype: torch.dtype, device_type: str = "cpu",
                ) -> tuple[list[PlannedTensor], int]:
     """Every tensor's place in the arena, from the checkpoint's headers alone (nothing is read)."""
-    quantization = validate_scheme(quantization)
+    quantization = ckpt.resolve_quantization(quantization)
     packing = quantization == "none" and device_type == "cpu" and packing_available(dtype)
     sources: list[tuple[str, FusedTensor, bool]] = [(t.name, t, False) for t in ckpt.tensors]
     if packing and ckpt.config.tie_word_embeddings and all(t.name != _LM_HEAD for t in ckpt.tensors):
@@ -88,7 +97,13 @@ def plan_arena(ckpt: Checkpoint, quantization: str, dtype: torch.dtype, device_t
     for name, t, derived in sources:
         quantized = quantization != "none" and is_quantized_target(name) and len(t.shape) == 2
         packed = packing and _packs(name, t)
-        if quantized:
+        meta = None
+        if t.roles:
+            assert ckpt.quant is not None
+            meta = plan_weight(ckpt.quant, t.dense_shapes, dtype, device_type)
+            layout = layout_parts(meta, dtype)
+            quantized = True
+        elif quantized:
             layout = quantized_layout(t.shape, quantization, dtype, device_type)
         elif packed:
             layout = {"packed": (torch.uint8, (packed_nbytes(t.shape, dtype),))}
@@ -103,7 +118,7 @@ def plan_arena(ckpt: Checkpoint, quantization: str, dtype: torch.dtype, device_t
                 n *= s
             entries.append(TensorEntry(name, part, offset, n, dtype_name(pdtype), tuple(shape)))
             offset = align(offset + n)
-        planned.append(PlannedTensor(t, quantized, entries, packed, derived))
+        planned.append(PlannedTensor(t, quantized, entries, packed, derived, meta))
     return planned, offset
 
 
@@ -118,12 +133,26 @@ def _read_hashed(t: FusedTensor, dest: memoryview) -> list[str]:
     return digests
 
 
+def _role_views(t: FusedTensor, staging: torch.Tensor) -> list[dict[str, torch.Tensor]]:
+    """A pre-quantized fused weight's staging bytes as one {suffix: tensor} per projection (views, no copy)."""
+    out: list[dict[str, torch.Tensor]] = [{} for _ in t.dense_shapes]
+    off = 0
+    for part, role in zip(t.parts, t.roles, strict=True):
+        index, suffix = role.split(".", 1)
+        chunk = staging[off:off + part.nbytes]
+        if off % 8:  # parts lie back to back: one after an odd-sized part may sit misaligned for its dtype
+            chunk = chunk.clone()
+        out[int(index)][suffix] = chunk.view(part.dtype).view(part.shape)
+        off += part.nbytes
+    return out
+
+
 def build_arena(ckpt: Checkpoint, quantization: str, dtype: str, flat: torch.Tensor, device: str,
                 progress: Progress | None = None, threads: int = 4,
                 planned: list[PlannedTensor] | None = None) -> ArenaManifest:
     """Fill ``flat`` (the arena's uint8 buffer, CPU or CUDA, sized by :func:`plan_arena`) and return its manifest."""
     target = resolve_dtype(ckpt, dtype)
-    quantization = validate_scheme(quantization)
+    quantization = ckpt.resolve_quantization(quantization)
     device_type = flat.device.type
     if planned is None:
         planned, total = plan_arena(ckpt, quantization, target, device_type)
@@ -132,6 +161,10 @@ def build_arena(ckpt: Checkpoint, quantization: str, dtype: str, flat: torch.Ten
     quant_meta: dict[str, dict] = {}
     lock = threading.Lock()
     on_cpu = flat.device.type == "cpu"
+    if ckpt.quant is not None:
+        log.info("%s: %s read as is into the arena (no re-quantization)", ckpt.model_dir.name, ckpt.quant.description)
+        if ckpt.quant.activation_note:
+            log.info("%s: %s", ckpt.model_dir.name, ckpt.quant.activation_note)
 
     def process(p: PlannedTensor) -> tuple[list[str], list[str]]:
         t = p.source
@@ -143,12 +176,19 @@ def build_arena(ckpt: Checkpoint, quantization: str, dtype: str, flat: torch.Ten
         else:
             staging = torch.empty(t.nbytes, dtype=torch.uint8)
             src_digests = _read_hashed(t, tensor_bytes(staging))
-            w = staging.view(t.dtype).view(t.shape)
-            if p.quantized:
+            if p.meta is not None:
+                assert ckpt.quant is not None
+                meta = p.meta
+                parts = convert_weight(ckpt.quant, meta, _role_views(t, staging), t.dense_shapes, target, p.name)
+                with lock:
+                    quant_meta[p.name] = meta.to_dict()
+            elif p.quantized:
+                w = staging.view(t.dtype).view(t.shape)
                 meta, parts = quantize(w, quantization, target, device_type)
                 with lock:
                     quant_meta[p.name] = meta.to_dict()
             elif p.packed:
+                w = staging.view(t.dtype).view(t.shape)
                 raw, desc = pack(w.to(target))
                 if desc != packed_layout(tuple(t.shape), target)[1]:
                     # The arena was sized from the zeros probe; a data-dependent format would break that.
@@ -158,6 +198,7 @@ def build_arena(ckpt: Checkpoint, quantization: str, dtype: str, flat: torch.Ten
                     quant_meta[p.name] = meta.to_dict()
                 parts = {"packed": raw}
             else:
+                w = staging.view(t.dtype).view(t.shape)
                 parts = {"": w.to(target) if w.is_floating_point() else w}
             arena_digests = []
             for e in p.entries:

@@ -31,7 +31,7 @@ class ProtocolError(Exception):
 @dataclass(frozen=True)
 class PreloadArgs:
     model: str
-    quantization: str = "none"
+    quantization: str = "auto"
     dtype: str = "auto"
     fingerprint: str | None = None  # when given, the resident arena must have exactly this fingerprint
 
@@ -40,7 +40,7 @@ class PreloadArgs:
 class AttachArgs:
     model: str
     pid: int
-    quantization: str = "none"
+    quantization: str = "auto"
     dtype: str = "auto"
     fingerprint: str | None = None
     preload: bool = True  # preload the model when it is not resident

@@ -5,7 +5,8 @@ Schemes (every dequantization is computed in float32, then cast):
   int8  symmetric, one scale per output channel: w ~ q * scale[n], q in [-127, 127].
   fp8   float8 e4m3fn, one float32 scale per tensor: w ~ q * scale, scale = amax / 448.
   int4  asymmetric, one (scale, zero) per group of `group_size` along K, q in [0, 15], torch's tinygemm
-        convention: w ~ (q - 8) * scale + zero (so zero = min + 8 * scale).
+        convention: w ~ (q - 8) * scale + zero (so zero = min + 8 * scale). Groups of 128 where 128 divides K,
+        else 64, else 32; `int4-g64` / `int4-g32` ask for smaller groups (better quality, more scale bytes).
 
 The parts a weight is stored as (`quantized_layout`) are known from the shape alone, before any data is read,
 so the daemon can lay out its arena first. Layouts, named in `QuantMeta.layout`:
@@ -15,6 +16,13 @@ so the daemon can lay out its arena first. Layouts, named in `QuantMeta.layout`:
   int4_cpu_<mode><B>  qweight uint8 [N, K/2] from torch._convert_weight_to_int4pack_for_cpu;
                       scales_and_zeros act_dtype [K/gs, N, 2] (what torch._weight_int4pack_mm_for_cpu takes)
   int4_canonical      qweight uint8 [N, K/2], low nibble = even k; scales, zeros act_dtype [N, K/gs]
+  fp8_block           scheme "fp8_block" (pre-quantized fp8 per channel / block): qweight float8_e4m3fn [N, K];
+                      scales float32 [N, ceil(K/gs)], w = q * scales[n, k // gs] (gs = K: per channel)
+  int8_group          scheme "int8_group": qweight int8 [N, K]; scales, zeros act_dtype [N, K/gs],
+                      w = q * scale + zero per group
+  int8_gidx           the same with g_idx int32 [K]: column k's group is g_idx[k] (GPTQ desc_act)
+  int4_gidx           scheme "int4_gidx": qweight uint8 [N, K/2] as int4_canonical; scales, zeros act_dtype [N, G];
+                      g_idx int32 [K] (compressed-tensors actorder group, GPTQ desc_act)
   mkldnn_packed       scheme "none" only: packed uint8 [nbytes], the weight in oneDNN's blocked layout, described by
                       `QuantMeta.descriptor` (see keepwarm.kernels.cpu_packed; CPU arenas only)
 
@@ -34,6 +42,11 @@ from typing import Any
 import torch
 
 SCHEMES = ("none", "int8", "fp8", "int4")
+# int4 with a smaller preferred group (the largest of it, 64, 32 that divides K): a scheme of its own, so the
+# fingerprint and the daemon's resident key tell them apart.
+INT4_GROUP_SCHEMES = {"int4-g64": 64, "int4-g32": 32}
+# Kernel families a weight can have besides SCHEMES: layouts only pre-quantized checkpoints produce.
+WEIGHT_SCHEMES = (*SCHEMES, "fp8_block", "int8_group", "int4_gidx")
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # what torch._weight_int4pack_mm_for_cpu accepts
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -44,6 +57,13 @@ LAYOUT_INT8 = "int8_channel"
 LAYOUT_FP8 = "fp8_tensor"
 LAYOUT_INT4_CANONICAL = "int4_canonical"
 LAYOUT_MKLDNN_PACKED = "mkldnn_packed"
+LAYOUT_FP8_BLOCK = "fp8_block"
+LAYOUT_INT8_GROUP = "int8_group"
+LAYOUT_INT8_GIDX = "int8_gidx"
+LAYOUT_INT4_GIDX = "int4_gidx"
+_SCHEME_LAYOUTS = {"none": (LAYOUT_DENSE,), "int8": (LAYOUT_INT8,), "fp8": (LAYOUT_FP8,),
+                   "fp8_block": (LAYOUT_FP8_BLOCK,), "int8_group": (LAYOUT_INT8_GROUP, LAYOUT_INT8_GIDX),
+                   "int4_gidx": (LAYOUT_INT4_GIDX,)}
 _INT4_CPU_RE = re.compile(r"int4_cpu_(pairs|halves)(16|32|64)")
 
 # Fused linear weights as planned by daemon/checkpoint.py; embeddings, norms, lm_head and biases stay dense.
@@ -62,7 +82,7 @@ class QuantMeta:
 
     scheme: str
     layout: str
-    group_size: int | None  # int4 only
+    group_size: int | None  # int4, int4_gidx, int8_group, fp8_block: columns per scale
     shape: tuple[int, int]  # the dense weight's [N, K]
     # mkldnn_packed only: oneDNN's serialized memory descriptor (hex); a worker needs it to view the bytes.
     descriptor: str | None = None
@@ -80,7 +100,9 @@ class QuantMeta:
             n, k = (int(v) for v in d["shape"])
             gs = d.get("group_size")
             desc = d.get("descriptor")
-            meta = cls(validate_scheme(d["scheme"]), str(d["layout"]), None if gs is None else int(gs), (n, k),
+            if d["scheme"] not in WEIGHT_SCHEMES:
+                raise ValueError(f"unknown scheme {d['scheme']!r}")
+            meta = cls(str(d["scheme"]), str(d["layout"]), None if gs is None else int(gs), (n, k),
                        None if desc is None else bytes.fromhex(desc).hex())
         except (KeyError, TypeError, ValueError) as e:
             raise QuantizationError(f"bad quantization metadata {d!r}: {e}") from None
@@ -94,8 +116,8 @@ class QuantMeta:
 
 
 def validate_scheme(name: str) -> str:
-    if name not in SCHEMES:
-        raise QuantizationError(f"unknown quantization {name!r} (choose none, int8, fp8 or int4)")
+    if name not in SCHEMES and name not in INT4_GROUP_SCHEMES:
+        raise QuantizationError(f"unknown quantization {name!r} (choose none, int8, fp8, int4, int4-g64 or int4-g32)")
     return name
 
 
@@ -108,7 +130,7 @@ def is_quantized_target(name: str) -> bool:
 def unpack_int4(qweight: torch.Tensor, layout: str, shape: tuple[int, int]) -> torch.Tensor:
     """The 4-bit codes [N, K] (uint8, 0..15) of an int4 `qweight` in `layout`; plain torch, any device."""
     n, k = shape
-    if layout == LAYOUT_INT4_CANONICAL:
+    if layout in (LAYOUT_INT4_CANONICAL, LAYOUT_INT4_GIDX):
         return torch.stack((qweight & 15, qweight >> 4), dim=-1).reshape(n, k)
     m = _INT4_CPU_RE.fullmatch(layout)
     if m is None:
@@ -148,20 +170,23 @@ def cpu_int4_layout() -> str | None:
 
 
 # ---------------------------------------------------------------------------------------------- planning
-def _group_size(k: int, requested: int) -> int:
+def _group_size(k: int, requested: int, fallback: bool = True) -> int:
     if requested not in INT4_GROUP_SIZES:
         raise QuantizationError(f"int4 group size must be one of {INT4_GROUP_SIZES}, got {requested}")
-    # The requested size, else the largest smaller one of 64/32 that divides K.
-    for gs in (requested, *(g for g in (64, 32) if g < requested)):
+    # The requested size, else (when we quantize, not for a checkpoint's own groups) the largest smaller one of
+    # 64/32 that divides K.
+    for gs in (requested, *(g for g in (64, 32) if g < requested and fallback)):
         if k % gs == 0:
             return gs
     raise QuantizationError(f"int4 needs K divisible by {requested}, 64 or 32; got K={k}")
 
 
 def plan(shape: tuple[int, int], scheme: str, act_dtype: torch.dtype, device_type: str = "cpu",
-         group_size: int = 128) -> QuantMeta:
+         group_size: int = 128, fallback: bool = True) -> QuantMeta:
     """The QuantMeta `quantize` will produce for a weight of `shape`; raises QuantizationError if unsupported."""
     validate_scheme(scheme)
+    if scheme in INT4_GROUP_SCHEMES:
+        scheme, group_size = "int4", INT4_GROUP_SCHEMES[scheme]
     if act_dtype not in ACT_DTYPES:
         raise QuantizationError(f"activation dtype must be float32, bfloat16 or float16, got {act_dtype}")
     if len(shape) != 2 or min(shape) <= 0:
@@ -173,7 +198,7 @@ def plan(shape: tuple[int, int], scheme: str, act_dtype: torch.dtype, device_typ
         return QuantMeta(scheme, LAYOUT_INT8, None, (n, k))
     if scheme == "fp8":
         return QuantMeta(scheme, LAYOUT_FP8, None, (n, k))
-    gs = _group_size(k, group_size)
+    gs = _group_size(k, group_size, fallback)
     layout = cpu_int4_layout() if device_type == "cpu" else None
     if layout is None:
         return QuantMeta(scheme, LAYOUT_INT4_CANONICAL, gs, (n, k))
@@ -191,9 +216,9 @@ def layout_parts(meta: QuantMeta, act_dtype: torch.dtype) -> PartsLayout:
         from keepwarm.kernels.cpu_packed import packed_nbytes  # lazy: oneDNN is asked only for this layout
 
         return {"packed": (torch.uint8, (packed_nbytes((n, k), act_dtype),))}
-    expected = {"none": LAYOUT_DENSE, "int8": LAYOUT_INT8, "fp8": LAYOUT_FP8}.get(meta.scheme)
-    if expected is not None and lay != expected:
-        raise QuantizationError(f"scheme {meta.scheme!r} has layout {expected!r}, not {lay!r}")
+    expected = _SCHEME_LAYOUTS.get(meta.scheme)
+    if expected is not None and lay not in expected:
+        raise QuantizationError(f"scheme {meta.scheme!r} has layout {' or '.join(expected)}, not {lay!r}")
     if meta.scheme == "int4" and not (lay == LAYOUT_INT4_CANONICAL or _INT4_CPU_RE.fullmatch(lay)):
         raise QuantizationError(f"unknown layout {lay!r} for scheme 'int4'")
     if lay == LAYOUT_DENSE:
@@ -203,13 +228,22 @@ def layout_parts(meta: QuantMeta, act_dtype: torch.dtype) -> PartsLayout:
     if lay == LAYOUT_FP8:
         return {"qweight": (FP8_DTYPE, (n, k)), "scale": (torch.float32, (1,))}
     gs = meta.group_size
+    if lay == LAYOUT_FP8_BLOCK:
+        if not gs:
+            raise QuantizationError(f"fp8_block needs a positive group size, got {gs}")
+        return {"qweight": (FP8_DTYPE, (n, k)), "scales": (torch.float32, (n, -(-k // gs)))}
     if not gs or k % gs or k % 2:
         raise QuantizationError(f"int4 group size {gs} does not divide K={k}")
     if lay != LAYOUT_INT4_CANONICAL and n % 16:
         raise QuantizationError(f"int4 on cpu needs N (output features) divisible by 16; got N={n}")
-    if lay == LAYOUT_INT4_CANONICAL:
-        return {"qweight": (torch.uint8, (n, k // 2)), "scales": (act_dtype, (n, k // gs)),
-                "zeros": (act_dtype, (n, k // gs))}
+    if lay in (LAYOUT_INT8_GROUP, LAYOUT_INT8_GIDX):
+        parts = {"qweight": (torch.int8, (n, k)), "scales": (act_dtype, (n, k // gs)),
+                 "zeros": (act_dtype, (n, k // gs))}
+        return {**parts, "g_idx": (torch.int32, (k,))} if lay == LAYOUT_INT8_GIDX else parts
+    if lay in (LAYOUT_INT4_CANONICAL, LAYOUT_INT4_GIDX):
+        parts = {"qweight": (torch.uint8, (n, k // 2)), "scales": (act_dtype, (n, k // gs)),
+                 "zeros": (act_dtype, (n, k // gs))}
+        return {**parts, "g_idx": (torch.int32, (k,))} if lay == LAYOUT_INT4_GIDX else parts
     return {"qweight": (torch.uint8, (n, k // 2)), "scales_and_zeros": (act_dtype, (k // gs, n, 2))}
 
 
@@ -267,15 +301,20 @@ def quantize(w: torch.Tensor, scheme: str, act_dtype: torch.dtype, device_type: 
         zeros = torch.where(span > 0, lo + 8.0 * scales.float(), lo).to(act_dtype)
         # Codes from the stored (rounded) scale and zero: the best codes for what will be dequantized.
         q = torch.round((wg - zeros.float()[..., None]) / scales.float()[..., None]) + 8.0
-        codes = q.clamp_(0, 15).to(torch.uint8).view(n, k)
-        if meta.layout == LAYOUT_INT4_CANONICAL:
-            parts = {"qweight": codes[:, 0::2] | (codes[:, 1::2] << 4), "scales": scales, "zeros": zeros}
-        else:
-            packed = torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 2)  # inner_k_tiles: unused
-            parts = {"qweight": packed, "scales_and_zeros": torch.stack((scales.t(), zeros.t()), dim=-1)}
+        parts = pack_int4(meta, q.clamp_(0, 15).to(torch.uint8).view(n, k), scales, zeros)
     parts = {name: t.contiguous() for name, t in parts.items()}
     _check_parts(meta, parts, act_dtype)
     return meta, parts
+
+
+def pack_int4(meta: QuantMeta, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+              ) -> dict[str, torch.Tensor]:
+    """The parts of an int4 weight in `meta`'s layout from its codes [N, K] (uint8, 0..15) and per-group scales and
+    zeros [N, K/gs] (w = (code - 8) * scale + zero)."""
+    if meta.layout == LAYOUT_INT4_CANONICAL:
+        return {"qweight": codes[:, 0::2] | (codes[:, 1::2] << 4), "scales": scales, "zeros": zeros}
+    packed = torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 2)  # inner_k_tiles: unused
+    return {"qweight": packed, "scales_and_zeros": torch.stack((scales.t(), zeros.t()), dim=-1)}
 
 
 def _check_parts(meta: QuantMeta, parts: dict[str, torch.Tensor], act_dtype: torch.dtype) -> None:

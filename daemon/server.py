@@ -70,7 +70,7 @@ from keepwarm.daemon.protocol import (
     reply_error,
     reply_ok,
 )
-from keepwarm.daemon.quantize import QuantizationError, validate_scheme
+from keepwarm.daemon.quantize import QuantizationError
 from keepwarm.worker.models.config import ModelConfigError
 
 log = logging.getLogger("keepwarm.daemon")
@@ -358,8 +358,8 @@ class Daemon:
 
     def _resolve_model(self, model: str, quantization: str, dtype: str) -> tuple[Checkpoint, tuple[str, str, str]]:
         try:
-            quantization = validate_scheme(quantization)
             ckpt = Checkpoint(model)
+            quantization = ckpt.resolve_quantization(quantization)
             target = resolve_dtype(ckpt, dtype)
         except (QuantizationError, ModelConfigError) as e:
             code = "bad_quantization" if isinstance(e, QuantizationError) else "bad_model"
@@ -567,7 +567,11 @@ class Daemon:
             return self._done_reply(rid, verb, args, r, cached=True)
         job = self.jobs.get(key)
         if job is None:
-            _, total = plan_arena(ckpt, key[1], resolve_dtype(ckpt, dtype), self.device.type)
+            try:
+                _, total = plan_arena(ckpt, key[1], resolve_dtype(ckpt, dtype), self.device.type)
+            except (QuantizationError, ModelConfigError) as e:
+                raise ProtocolError("bad_quantization" if isinstance(e, QuantizationError) else "bad_model",
+                                    str(e)) from None
             self._make_room(total, ckpt.model_dir.name)
             job = PreloadJob(key, ckpt, key[1], dtype, ckpt.nbytes, total)
             self.jobs[key] = job
@@ -615,6 +619,9 @@ class Daemon:
                      manifest.fingerprint[:16])
         except ProtocolError as e:
             job.error = e
+        except (QuantizationError, ModelConfigError) as e:  # a checkpoint's bad data: one line, nothing resident
+            log.info("preload of %s refused: %s", job.ckpt.model_dir, e)
+            job.error = ProtocolError("bad_quantization" if isinstance(e, QuantizationError) else "bad_model", str(e))
         except Exception as e:
             log.error("preload of %s failed: %s\n%s", job.ckpt.model_dir, e, traceback.format_exc())
             job.error = ProtocolError("load_failed", f"preload of {job.ckpt.model_dir} failed: {e}")

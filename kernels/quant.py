@@ -15,7 +15,12 @@ in float32, cast to x's dtype, F.linear), correct for every layout and device, a
   fp8   no fused CPU op for weight-only fp8 (torch._scaled_mm would quantize x too, and is slower), and torch's
         fp8 -> float cast is a slow scalar loop (1.2 ms for 0.9M weights). The codes are re-read as float16 with
         integer ops instead (exact, q / 256), then matmul and one scalar scale (0.15-0.24 ms vs 1.25-1.3 ms).
-Off CPU every scheme takes the reference (a GPU backend registers its own kernels).
+  fp8_block   (pre-quantized fp8 per channel / block) the same float16 re-read; per channel the scale is applied to
+        the [M, N] output, per block to the weight before the matmul.
+  int8_group, int4_gidx   (pre-quantized groups with zero points or a group index) the reference, on every device:
+        no fused op takes their layout (logged once per path, like every choice here).
+Off CPU every scheme takes the reference (a GPU backend registers its own kernels; the Triton backend has none for
+fp8_block, int8_group and int4_gidx, so those take this reference on CUDA too, logged by keepwarm.kernels).
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ import torch.nn.functional as F
 
 from keepwarm.daemon.quantize import (
     LAYOUT_INT4_CANONICAL,
+    LAYOUT_INT4_GIDX,
+    WEIGHT_SCHEMES,
     QuantizationError,
     QuantMeta,
     cpu_int4_layout,
@@ -88,6 +95,15 @@ class QuantizedWeight:
             w = p["qweight"].float().mul_(p["scales"].float()[:, None])
         elif m.scheme == "fp8":
             w = p["qweight"].float().mul_(p["scale"].float())
+        elif m.scheme == "fp8_block":
+            w = p["qweight"].float().mul_(_per_column(p["scales"].float(), m))
+        elif m.scheme == "int8_group":
+            w = p["qweight"].float().mul_(_per_column(p["scales"].float(), m, p.get("g_idx")))
+            w = w.add_(_per_column(p["zeros"].float(), m, p.get("g_idx")))
+        elif m.layout == LAYOUT_INT4_GIDX:
+            g = p["g_idx"].long()
+            w = unpack_int4(p["qweight"], m.layout, m.shape).float()
+            w = w.sub_(8.0).mul_(p["scales"].float()[:, g]).add_(p["zeros"].float()[:, g])
         else:
             n, k = m.shape
             gs = m.group_size
@@ -104,6 +120,14 @@ class QuantizedWeight:
 
     def __repr__(self) -> str:
         return f"QuantizedWeight({self.meta.scheme}, layout={self.meta.layout}, shape={tuple(self.meta.shape)})"
+
+
+def _per_column(s: torch.Tensor, meta: QuantMeta, g_idx: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-group values [N, G] spread to [N, K]: by the group index when there is one, else groups of group_size."""
+    if g_idx is not None:
+        return s[:, g_idx.long()]
+    assert meta.group_size is not None
+    return s.repeat_interleave(meta.group_size, dim=1)[:, :meta.shape[1]]
 
 
 def _act_dtype(parts: Mapping[str, torch.Tensor]) -> torch.dtype:
@@ -170,11 +194,23 @@ def _fp8_bits(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) ->
     return _add_bias(y, x, bias)
 
 
+def _fp8_block_bits(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    w16 = fp8_as_float16(w.parts["qweight"])
+    scales = w.parts["scales"].float() * 256.0  # undoes fp8_as_float16's / 256 (exact: a power of two)
+    if w.meta.group_size is not None and w.meta.group_size >= w.meta.shape[1] and x.dtype != torch.float16:
+        # Per channel: scale the small [M, N] output, in float32 (see _fp8_bits).
+        y = F.linear(x, w16.float().to(x.dtype))
+        y = y.mul_(scales[:, 0]) if x.dtype == torch.float32 else y.float().mul_(scales[:, 0]).to(x.dtype)
+        return _add_bias(y, x, bias)
+    return F.linear(x, w16.float().mul_(_per_column(scales, w.meta)).to(x.dtype), bias)
+
+
 # scheme -> path name (as logged) -> implementation; every path computes the same product as the reference.
 PATHS: dict[str, dict[str, Callable[..., torch.Tensor]]] = {
     "int8": {"torch._weight_int8pack_mm": _int8_op, "int8->dtype cast + matmul, per-channel scale": _int8_cast},
     "int4": {"torch._weight_int4pack_mm_for_cpu": _int4_op},
     "fp8": {"fp8 bits->float16 + matmul, scalar scale": _fp8_bits},
+    "fp8_block": {"fp8 bits->float16 + matmul, channel/block scales": _fp8_block_bits},
 }
 _REFERENCE = "reference dequantize+matmul"
 
@@ -197,7 +233,11 @@ def select_path(scheme: str, x: torch.Tensor, w: QuantizedWeight) -> str:
         # The packed order is per CPU capability: only a weight packed as this process packs can use the op.
         use_op = vectorized and w.meta.layout == cpu_int4_layout()
         return "torch._weight_int4pack_mm_for_cpu" if use_op else _REFERENCE
-    return "fp8 bits->float16 + matmul, scalar scale"
+    if scheme == "fp8":
+        return "fp8 bits->float16 + matmul, scalar scale"
+    if scheme == "fp8_block":
+        return "fp8 bits->float16 + matmul, channel/block scales"
+    return _REFERENCE
 
 
 def _run(scheme: str, x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
@@ -220,4 +260,4 @@ def _torch_impl(scheme: str) -> Callable[..., torch.Tensor]:
 
 
 # scheme -> the "torch" backend of kernel f"linear_{scheme}" (registered by keepwarm.kernels).
-TORCH_IMPLS: dict[str, Callable[..., torch.Tensor]] = {s: _torch_impl(s) for s in ("none", "int8", "fp8", "int4")}
+TORCH_IMPLS: dict[str, Callable[..., torch.Tensor]] = {s: _torch_impl(s) for s in WEIGHT_SCHEMES}

@@ -168,7 +168,7 @@ def _attach(source: Source, rt: Path | None, preload: bool, say: Say):
     from keepwarm.worker.attach import Attachment, LeaseKeeper
 
     cfg = source.config
-    quant, dtype = cfg.get("quantization", "none"), cfg.get("dtype", "auto")
+    quant, dtype = cfg.get("quantization", "auto"), cfg.get("dtype", "auto")
     client = DaemonClient(rt)
     try:
         if client.ping(timeout=2.0) is None:

@@ -60,7 +60,8 @@ def _close(y: torch.Tensor, ref: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
 
 # ---------------------------------------------------------------------------------------------- API basics
 def test_unknown_scheme() -> None:
-    with pytest.raises(QuantizationError, match=r"^unknown quantization 'int3' \(choose none, int8, fp8 or int4\)$"):
+    msg = r"^unknown quantization 'int3' \(choose none, int8, fp8, int4, int4-g64 or int4-g32\)$"
+    with pytest.raises(QuantizationError, match=msg):
         validate_scheme("int3")
     with pytest.raises(QuantizationError, match="unknown quantization"):
         quantize(torch.zeros(16, 64), "int3", torch.float32)
@@ -207,6 +208,21 @@ def _cases() -> list[tuple[str, str]]:
     return [(scheme, path) for scheme, paths in PATHS.items() for path in paths]
 
 
+def fp8_block_weight(w: torch.Tensor, gs: int) -> QuantizedWeight:
+    """A pre-quantized fp8 weight with one float32 scale per row and `gs` columns (gs = K: per channel)."""
+    n, k = w.shape
+    groups = w.float().view(n, k // gs, gs)
+    scales = (groups.abs().amax(dim=-1) / 448.0).clamp(min=1e-8)
+    q = (groups / scales[..., None]).to(torch.float8_e4m3fn).view(n, k)
+    return QuantizedWeight.from_parts(QuantMeta("fp8_block", "fp8_block", gs, (n, k)), {"qweight": q, "scales": scales})
+
+
+def _quantized(scheme: str, n: int, k: int, dtype: torch.dtype, seed: int) -> QuantizedWeight:
+    if scheme == "fp8_block":  # only checkpoints have it: per channel for even seeds, blocks of 32 for odd ones
+        return fp8_block_weight(_weight(n, k, seed=seed), k if seed % 2 == 0 else 32)
+    return QuantizedWeight.from_parts(*quantize(_weight(n, k, seed=seed), scheme, dtype))
+
+
 @pytest.mark.parametrize(("scheme", "path"), _cases())
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_path_matches_reference(scheme: str, path: str, dtype: torch.dtype) -> None:
@@ -214,7 +230,7 @@ def test_path_matches_reference(scheme: str, path: str, dtype: torch.dtype) -> N
         pytest.skip("this torch has no recognised CPU int4 pack")
     g = torch.Generator().manual_seed(1)
     for i, (n, k) in enumerate(SHAPES):
-        qw = QuantizedWeight.from_parts(*quantize(_weight(n, k, seed=i), scheme, dtype))
+        qw = _quantized(scheme, n, k, dtype, i)
         w = qw.dequantize(dtype)
         for rows in ((1,), (33,), (2, 3)):
             x = torch.randn(*rows, k, generator=g).to(dtype)

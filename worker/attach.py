@@ -42,7 +42,7 @@ class Attachment:
             self.keeper = None
 
 
-def attach_weights(model: str, quantization: str = "none", dtype: str = "auto", fingerprint: str | None = None,
+def attach_weights(model: str, quantization: str = "auto", dtype: str = "auto", fingerprint: str | None = None,
                    runtime_dir: Path | None = None, preload: bool = True, on_event: ProgressCallback | None = None,
                    keep_lease: bool = True) -> Attachment:
     """Ask the daemon for ``model`` (preloading it if needed) and build views into its arena."""

@@ -60,7 +60,8 @@ class EngineConfig:
     seed: int = 0
     device: str = "auto"
     enforce_eager: bool = False
-    quantization: str = "none"  # none | int8 | fp8 | int4 (weight-only, applied at preload)
+    # auto (the checkpoint's own, else none) | none | int8 | fp8 | int4 (weight-only, applied at preload)
+    quantization: str = "auto"
     # True: attach to the daemon's arena (starting a daemon if none runs); "auto": attach if a daemon answers,
     # else load from disk and say so; False: load from disk.
     daemon: bool | str = "auto"

@@ -36,7 +36,7 @@ class ServerConfig:
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
     kv_cache_memory_bytes: int | None = None
-    quantization: str = "none"
+    quantization: str = "auto"
     seed: int = 0
     enforce_eager: bool = False
     device: str = "auto"

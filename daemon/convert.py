@@ -1,0 +1,284 @@
+"""Pre-quantized projections into keepwarm's arena layouts, exactly (no dequantize and re-quantize).
+
+Rules:
+- Each projection's codes are unpacked by its format's published packing rule and stored in the kernel-native layout
+  they map to exactly; its scales and zero points become that layout's scales and zeros, computed in float32
+  (exact for the integer zero points and the scales' own dtype) and stored in the activation dtype. Where that
+  store rounds (e.g. fp16 scales in a bfloat16 arena) it is logged once per weight kind, never silent.
+- A fused weight (q|k|v, gate|up) is the projections' codes and scales concatenated along N; scales that cannot be
+  concatenated as they are (per-tensor, or row blocks) are expanded to per row first, which is exact.
+- Layouts, by what the source is (see keepwarm.daemon.quantize for each layout's parts):
+    int4 codes, contiguous groups      int4 (torch's CPU pack or canonical): (u - 8) * scale + zero
+    int4 codes with a group index      int4_gidx: canonical nibbles + per-column group index
+    int8 symmetric per channel         int8_channel (torch._weight_int8pack_mm's layout)
+    other int8 (groups, zero points)   int8_group: q * scale + zero per group (int8_gidx with a group index)
+    fp8, one scale for the weight      fp8_tensor
+    fp8, per channel / block scales    fp8_block: float32 scales [N, ceil(K / block columns)]
+- Every size and shape is checked against the planned layout: a scale of the wrong shape is refused naming the
+  tensor, never broadcast into a wrong answer.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from keepwarm.daemon.prequant import SourceQuant
+from keepwarm.daemon.quantize import (
+    FP8_DTYPE,
+    LAYOUT_FP8,
+    LAYOUT_FP8_BLOCK,
+    LAYOUT_INT4_GIDX,
+    LAYOUT_INT8,
+    LAYOUT_INT8_GIDX,
+    LAYOUT_INT8_GROUP,
+    QuantizationError,
+    QuantMeta,
+    layout_parts,
+    pack_int4,
+    plan,
+)
+
+log = logging.getLogger("keepwarm.daemon")
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AWQ GEMM: nibble i of an int32 holds column AWQ_ORDER[i] of its 8
+_INT4_ARENA_GROUPS = (128, 64, 32, 256)  # per-channel int4 becomes groups of the first of these dividing K
+_ROUNDING_LOGGED: set[tuple[str, str]] = set()
+
+Shape = tuple[int, int]
+
+
+# ---------------------------------------------------------------------------------------------- shapes
+def dense_shape(src: SourceQuant, tensors: Mapping[str, tuple[int, ...]], proj: str) -> Shape:
+    """A projection's dense [N, K] from its source tensors' shapes (headers only)."""
+    def need(name: str, dims: int) -> tuple[int, ...]:
+        shape = tensors[name]
+        if len(shape) != dims:
+            raise QuantizationError(f"{proj}.{name} has shape {list(shape)}, expected {dims} dimensions")
+        return shape
+
+    per_int32 = 32 // src.bits
+    if src.kind == "ct_pack":
+        n, cols = need("weight_packed", 2)
+        return n, cols * per_int32
+    if src.kind == "gptq":
+        rows, n = need("qweight", 2)
+        return n, rows * per_int32
+    if src.kind == "awq":
+        k, cols = need("qweight", 2)
+        return cols * per_int32, k
+    n, k = need("weight", 2)
+    return n, k
+
+
+def _groups(k: int, src: SourceQuant) -> int:
+    """Columns per scale in the source."""
+    if src.strategy == "group":
+        assert src.group_size is not None
+        if k % src.group_size:
+            raise QuantizationError(f"{src.method} group size {src.group_size} does not divide K={k}")
+        return src.group_size
+    if src.strategy == "block":
+        assert src.block is not None
+        return src.block[1]
+    return k
+
+
+def plan_weight(src: SourceQuant, shapes: Sequence[Shape], act_dtype: torch.dtype, device_type: str) -> QuantMeta:
+    """The arena layout of a fused weight made of projections of `shapes` (headers only, nothing read)."""
+    ks = {k for _, k in shapes}
+    if len(ks) != 1:
+        raise QuantizationError(f"fused projections have different K: {sorted(ks)}")
+    (k,) = ks
+    shape = (sum(n for n, _ in shapes), k)
+    gs = _groups(k, src)
+    if src.scheme == "fp8":
+        if src.strategy == "tensor" and len(shapes) == 1:
+            return QuantMeta("fp8", LAYOUT_FP8, None, shape)
+        return QuantMeta("fp8_block", LAYOUT_FP8_BLOCK, gs, shape)
+    if src.bits == 4:
+        if src.g_idx:
+            return QuantMeta("int4_gidx", LAYOUT_INT4_GIDX, gs, shape)
+        if src.strategy == "channel":
+            gs = next((g for g in _INT4_ARENA_GROUPS if k % g == 0), 0)
+            if not gs:
+                raise QuantizationError(f"{src.description}: K={k} is not a multiple of 32 (int4 arena groups)")
+        return plan(shape, "int4", act_dtype, device_type, gs, fallback=False)
+    if src.symmetric and src.strategy == "channel" and not src.g_idx and src.zero_offset == 0 and \
+            src.kind != "gptq":
+        return QuantMeta("int8", LAYOUT_INT8, None, shape)
+    return QuantMeta("int8_group", LAYOUT_INT8_GIDX if src.g_idx else LAYOUT_INT8_GROUP, gs, shape)
+
+
+# ---------------------------------------------------------------------------------------------- unpacking
+def unpack_int32(packed: torch.Tensor, bits: int, dim: int, order: Sequence[int] | None = None) -> torch.Tensor:
+    """Unsigned codes from int32 words packing 32/bits values along `dim`, lowest bits first (value i of a word
+    goes to position order[i] of its run, default i)."""
+    per = 32 // bits
+    mask = (1 << bits) - 1
+    p = packed.to(torch.int64) & 0xFFFFFFFF  # the words as unsigned
+    shifts = torch.arange(0, 32, bits, dtype=torch.int64)
+    moved = p.movedim(dim, -1)
+    vals = (moved[..., None] >> shifts) & mask  # [..., words, per]
+    if order is not None:
+        inv = [0] * per
+        for i, pos in enumerate(order):
+            inv[pos] = i
+        vals = vals[..., inv]
+    return vals.reshape(*moved.shape[:-1], moved.shape[-1] * per).movedim(-1, dim)
+
+
+def _part(t: Mapping[str, torch.Tensor], name: str, proj: str, shape: tuple[int, ...] | None = None,
+          ) -> torch.Tensor:
+    if name not in t:
+        raise QuantizationError(f"{proj}.{name} is missing")
+    x = t[name]
+    if shape is not None and tuple(x.shape) != tuple(shape):
+        raise QuantizationError(f"{proj}.{name} has shape {list(x.shape)}, expected {list(shape)}")
+    return x
+
+
+def _scale_2d(s: torch.Tensor, rows: int, cols: int, proj: str, name: str) -> torch.Tensor:
+    """A scale of [rows, cols] (a [rows] vector or a scalar accepted where cols or both are 1), float32."""
+    if s.numel() == rows * cols and (s.dim() == 2 and tuple(s.shape) == (rows, cols) or
+                                     s.dim() <= 1 and (cols == 1)):
+        return s.float().reshape(rows, cols)
+    raise QuantizationError(f"{proj}.{name} has shape {list(s.shape)}, expected {[rows, cols]}")
+
+
+def _codes_and_params(src: SourceQuant, t: Mapping[str, torch.Tensor], shape: Shape, proj: str,
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Integer formats: unsigned codes [N, K] (int64), scale [N, G] and unsigned zero point [N, G] (float32, so
+    w = (code - zero) * scale), and the group index [K] or None."""
+    n, k = shape
+    gs = _groups(k, src)
+    g = k // gs
+    mid = 1 << (src.bits - 1)
+    per = 32 // src.bits
+    g_idx = None
+    if src.kind in ("ct_pack", "ct_int"):
+        if src.kind == "ct_pack":
+            words = _part(t, "weight_packed", proj, (n, -(-k // per)))
+            codes = unpack_int32(words, src.bits, 1)[:, :k]
+            if "weight_shape" in t and [int(v) for v in t["weight_shape"].reshape(-1)] != [n, k]:
+                raise QuantizationError(f"{proj}.weight_shape = {t['weight_shape'].tolist()}, expected {[n, k]}")
+        else:
+            codes = _part(t, "weight", proj, (n, k)).to(torch.int64) + mid
+        scale = _scale_2d(_part(t, "weight_scale", proj), n, g, proj, "weight_scale")
+        if src.symmetric:
+            zero = torch.full((n, g), float(mid))
+        else:
+            zp = _part(t, "weight_zero_point", proj)
+            if src.kind == "ct_pack" and zp.dtype == torch.int32 and tuple(zp.shape) == (-(-n // per), g):
+                zp = unpack_int32(zp, src.bits, 0)[:n] - mid  # packed along N, like the codes' offset
+            zero = _scale_2d(zp.to(torch.float32), n, g, proj, "weight_zero_point") + mid
+        if src.g_idx:
+            g_idx = _part(t, "weight_g_idx", proj, (k,)).to(torch.int64)
+    elif src.kind == "gptq":
+        codes = unpack_int32(_part(t, "qweight", proj, (k // per, n)), src.bits, 0).t()
+        scale = _part(t, "scales", proj, (g, n)).float().t()
+        zeros = unpack_int32(_part(t, "qzeros", proj, (g, -(-n // per))), src.bits, 1)[:, :n]
+        zero = (zeros + src.zero_offset).float().t()
+        if src.g_idx:
+            g_idx = _part(t, "g_idx", proj, (k,)).to(torch.int64)
+    else:  # awq
+        codes = unpack_int32(_part(t, "qweight", proj, (k, n // per)), 4, 1, AWQ_ORDER).t()
+        scale = _part(t, "scales", proj, (g, n)).float().t()
+        if src.symmetric:
+            zero = torch.full((n, g), float(mid))
+        else:
+            zero = unpack_int32(_part(t, "qzeros", proj, (g, n // per)), 4, 1, AWQ_ORDER).float().t()
+    if g_idx is not None and (int(g_idx.min()) < 0 or int(g_idx.max()) >= g):
+        raise QuantizationError(f"{proj}: group index values outside [0, {g})")
+    return codes.contiguous(), scale.contiguous(), zero.contiguous(), g_idx
+
+
+def _fp8_parts(src: SourceQuant, t: Mapping[str, torch.Tensor], shape: Shape, proj: str,
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp8 codes [N, K] and float32 scales [N, ceil(K / columns per scale)] (rows expanded)."""
+    n, k = shape
+    q = _part(t, "weight", proj, (n, k))
+    if q.dtype != FP8_DTYPE:
+        raise QuantizationError(f"{proj}.weight is {str(q.dtype).removeprefix('torch.')}, expected float8_e4m3fn")
+    name = "weight_scale_inv" if "weight_scale_inv" in t else "weight_scale"
+    s = _part(t, name, proj)
+    if src.strategy == "block":
+        assert src.block is not None
+        bn, bk = src.block
+        rows, cols = -(-n // bn), -(-k // bk)
+        s = _scale_2d(s, rows, cols, proj, name).repeat_interleave(bn, dim=0)[:n]
+    elif src.strategy == "channel":
+        s = _scale_2d(s, n, 1, proj, name)
+    else:
+        s = _scale_2d(s, 1, 1, proj, name).expand(n, 1)
+    return q, s.contiguous()
+
+
+def _store(x: torch.Tensor, dtype: torch.dtype, what: str, weight: str) -> torch.Tensor:
+    """x (float32) in dtype; a rounding store is logged once per (what, dtype), never silent."""
+    stored = x.to(dtype)
+    key = (what, str(dtype))
+    if key not in _ROUNDING_LOGGED and not torch.equal(stored.float(), x):
+        _ROUNDING_LOGGED.add(key)
+        log.warning("%s of %s rounded when stored as %s (first seen; the checkpoint's values do not fit the arena "
+                    "dtype exactly)", what, weight, str(dtype).removeprefix("torch."))
+    return stored
+
+
+def convert_weight(src: SourceQuant, meta: QuantMeta, projections: Sequence[Mapping[str, torch.Tensor]],
+                   shapes: Sequence[Shape], act_dtype: torch.dtype, name: str) -> dict[str, torch.Tensor]:
+    """The arena parts of a fused weight from its projections' source tensors (CPU), for `meta`'s layout."""
+    projs = [f"{name}[{i}]" for i in range(len(shapes))]
+    if src.scheme == "fp8":
+        qs, ss = zip(*(_fp8_parts(src, t, s, p) for t, s, p in zip(projections, shapes, projs, strict=True)),
+                     strict=True)
+        q, s = torch.cat(qs), torch.cat(ss)
+        scale_part = {"scale": s[:1, 0]} if meta.layout == LAYOUT_FP8 else {"scales": s}
+        parts = {"qweight": q, **scale_part}
+    else:
+        unpacked = [_codes_and_params(src, t, s, p) for t, s, p in zip(projections, shapes, projs, strict=True)]
+        codes = torch.cat([u[0] for u in unpacked])
+        scale = torch.cat([u[1] for u in unpacked])
+        zero = torch.cat([u[2] for u in unpacked])
+        g_idx = unpacked[0][3]
+        if any(not torch.equal(u[3], g_idx) for u in unpacked[1:] if u[3] is not None and g_idx is not None):
+            raise QuantizationError(f"{name}: fused projections have different group indices (act order); "
+                                    f"keepwarm fuses them into one weight and needs one order")
+        parts = _int_parts(meta, codes, scale, zero, g_idx, src.bits, act_dtype, name)
+    parts = {k: v.contiguous() for k, v in parts.items()}
+    want = layout_parts(meta, act_dtype)
+    got = {k: (v.dtype, tuple(v.shape)) for k, v in parts.items()}
+    if got != want:
+        raise QuantizationError(f"{name}: converted parts {got} do not match layout {want}")
+    return parts
+
+
+def _int_parts(meta: QuantMeta, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+               g_idx: torch.Tensor | None, bits: int, act_dtype: torch.dtype, name: str) -> dict[str, torch.Tensor]:
+    n, k = meta.shape
+    if bits == 4:
+        # w = (u - zp) * s = (u - 8) * s + (8 - zp) * s: the tinygemm convention, exact in float32.
+        z = (8.0 - zero) * scale
+        if meta.layout == LAYOUT_INT4_GIDX:
+            c = codes.to(torch.uint8)
+            return {"qweight": c[:, 0::2] | (c[:, 1::2] << 4), "scales": _store(scale, act_dtype, "scales", name),
+                    "zeros": _store(z, act_dtype, "zeros", name), "g_idx": g_idx.to(torch.int32)}
+        gs = meta.group_size
+        assert gs is not None
+        src_gs = k // scale.shape[1]
+        if src_gs != gs:  # per-channel source: the one scale repeated over the arena's groups
+            scale, z = scale.repeat_interleave(k // gs // scale.shape[1], dim=1), \
+                z.repeat_interleave(k // gs // z.shape[1], dim=1)
+        return pack_int4(meta, codes.to(torch.uint8), _store(scale, act_dtype, "scales", name),
+                         _store(z, act_dtype, "zeros", name))
+    # int8: q = u - 128 (int8); w = (u - zp) * s = q * s + (128 - zp) * s.
+    q = (codes - 128).to(torch.int8)
+    if meta.layout == LAYOUT_INT8:
+        return {"qweight": q, "scales": _store(scale[:, 0], act_dtype, "scales", name)}
+    parts = {"qweight": q, "scales": _store(scale, act_dtype, "scales", name),
+             "zeros": _store((128.0 - zero) * scale, act_dtype, "zeros", name)}
+    if meta.layout == LAYOUT_INT8_GIDX:
+        parts["g_idx"] = g_idx.to(torch.int32)
+    return parts
