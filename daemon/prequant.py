@@ -112,8 +112,9 @@ def detect(config: dict[str, Any]) -> SourceQuant | None:
 
 
 # ---------------------------------------------------------------------------------------------- compressed-tensors
-_CT_FORMATS = {"pack-quantized": "ct_pack", "naive-quantized": "ct_int", "int-quantized": "ct_int",
-               "float-quantized": "ct_float"}
+# format -> weight type -> kind ("naive-quantized" holds either type as is, one value per element).
+_CT_FORMATS = {"pack-quantized": {"int": "ct_pack"}, "naive-quantized": {"int": "ct_int", "float": "ct_float"},
+               "int-quantized": {"int": "ct_int"}, "float-quantized": {"float": "ct_float"}}
 
 
 def _compressed_tensors(qc: dict) -> SourceQuant:
@@ -143,24 +144,22 @@ def _compressed_tensors(qc: dict) -> SourceQuant:
     if fmt not in _CT_FORMATS:
         raise _field(f"{gp}.format" if group.get("format") else "format", fmt,
                      f"is not supported (supported: {', '.join(_CT_FORMATS)})")
-    kind = _CT_FORMATS[fmt]
     w = _get(group, "weights", gp)
     wp = f"{gp}.weights"
     if not isinstance(w, dict):
         raise _field(wp, w, "must be a JSON object")
     wtype, bits, sym = w.get("type"), w.get("num_bits"), w.get("symmetric", True)
+    kind = _CT_FORMATS[fmt].get(wtype)
+    if kind is None:
+        raise _field(f"{wp}.type", wtype, f"is not supported with {fmt} (supported: {', '.join(_CT_FORMATS[fmt])})")
     if w.get("dynamic"):
         raise _field(f"{wp}.dynamic", w["dynamic"])
     if kind == "ct_float":
-        if wtype != "float":
-            raise _field(f"{wp}.type", wtype, "is not supported with float-quantized (only 'float' is)")
         if bits != 8:
             raise _field(f"{wp}.num_bits", bits, "is not supported (float-quantized: 8, fp8 e4m3)")
         if not sym:
             raise _field(f"{wp}.symmetric", sym, "is not supported for fp8 weights")
     else:
-        if wtype != "int":
-            raise _field(f"{wp}.type", wtype, f"is not supported with {fmt} (only 'int' is)")
         allowed = (4, 8) if kind == "ct_pack" else (8,)
         if bits not in allowed:
             raise _field(f"{wp}.num_bits", bits, f"is not supported (supported with {fmt}: "
@@ -180,12 +179,12 @@ def _compressed_tensors(qc: dict) -> SourceQuant:
         block = (bs[0], bs[1])
     elif strategy not in ("channel", "tensor") or (strategy == "tensor" and kind != "ct_float"):
         raise _field(f"{wp}.strategy", strategy, f"is not supported with {fmt}")
+    # "weight" (alias "static") only changed GPTQ's rounding order; "group" (alias "dynamic", written by older
+    # compressed-tensors) stores a per-column group index, weight_g_idx.
     actorder = w.get("actorder")
     if actorder not in (None, "group", "weight", "static", "dynamic", False):
         raise _field(f"{wp}.actorder", actorder)
-    if actorder == "dynamic":
-        raise _field(f"{wp}.actorder", actorder)
-    g_idx = actorder in ("group", "static") and strategy == "group"
+    g_idx = actorder in ("group", "dynamic") and strategy == "group"
     note = _ct_activations(group.get("input_activations"), f"{gp}.input_activations")
     scheme = "fp8" if kind == "ct_float" else f"int{bits}"
     return SourceQuant("compressed-tensors", kind, scheme, bits, bool(sym), strategy, group_size, block, g_idx,

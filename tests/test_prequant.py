@@ -52,7 +52,7 @@ def _with(base: dict, path: tuple[str, ...], value) -> dict:
     (W4A16, (*_W, "type"), "float", "quantization_config.config_groups.group_0.weights.type = \"float\""),
     (W4A16, (*_W, "group_size"), 16, "quantization_config.config_groups.group_0.weights.group_size = 16"),
     (W4A16, (*_W, "strategy"), "tensor_group", "weights.strategy = \"tensor_group\" is not supported"),
-    (W4A16, (*_W, "actorder"), "dynamic", "weights.actorder = \"dynamic\""),
+    (W4A16, (*_W, "actorder"), "sorted", "weights.actorder = \"sorted\""),
     (W4A16, (*_W, "dynamic"), True, "weights.dynamic = true"),
     (W4A16, ("config_groups", "group_0", "format"), "nvfp4-pack-quantized",
      "quantization_config.config_groups.group_0.format = \"nvfp4-pack-quantized\" is not supported"),
