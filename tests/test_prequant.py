@@ -159,3 +159,83 @@ def test_unsupported_checkpoint_refused_on_disk_load_and_by_cli(tiny_llama, tmp_
     assert out.returncode != 0
     assert out.stderr.strip().splitlines()[-1].startswith("error: quantization_config.config_groups.group_0.weights"
                                                           ".num_bits = 2"), out.stderr
+
+
+# ---------------------------------------------------------------------------------------------- bad input, daemon
+DATA = Path(__file__).parent / "data" / "quantized"
+
+
+def _edit_tensors(model: Path, edit) -> None:
+    from safetensors.torch import load_file, save_file
+
+    t = load_file(model / "model.safetensors")
+    edit(t)
+    save_file(t, model / "model.safetensors", metadata={"format": "pt"})
+
+
+def _bad_checkpoint(case: str, tmp_path: Path) -> Path:
+    import torch
+
+    src = {"num_bits": "w4a16_g128", "missing_scale": "w4a16_g128", "scale_shape": "w4a16_asym_g32",
+           "block_scale_shape": "fp8_block", "zero_point_shape": "w4a16_asym_g32"}[case]
+    model = tmp_path / case
+    shutil.copytree(DATA / src, model)
+    p = "model.layers.1.mlp.down_proj."
+    if case == "num_bits":
+        cfg = json.loads((model / "config.json").read_text())
+        cfg["quantization_config"]["config_groups"]["group_0"]["weights"]["num_bits"] = 2
+        (model / "config.json").write_text(json.dumps(cfg))
+    elif case == "missing_scale":
+        _edit_tensors(model, lambda t: t.pop(p + "weight_scale"))
+    elif case == "scale_shape":
+        _edit_tensors(model, lambda t: t.update({p + "weight_scale": t[p + "weight_scale"][:, :-1].contiguous()}))
+    elif case == "block_scale_shape":
+        _edit_tensors(model, lambda t: t.update({p + "weight_scale": torch.ones(3, 3, dtype=torch.bfloat16)}))
+    else:
+        _edit_tensors(model, lambda t: t.update({p + "weight_zero_point": t[p + "weight_zero_point"][:2].contiguous()}))
+    return model
+
+
+BAD_INPUTS = [
+    ("num_bits", "quantization_config.config_groups.group_0.weights.num_bits = 2 is not supported"),
+    ("missing_scale", "tensor model.layers.1.mlp.down_proj.weight_scale is missing (compressed-tensors int4"),
+    ("scale_shape", "model.layers.1.mlp.down_proj.weight[0].weight_scale has shape [128, 7], expected [128, 8]"),
+    ("block_scale_shape", "model.layers.1.mlp.down_proj.weight[0].weight_scale has shape [3, 3], expected [1, 2]"),
+    ("zero_point_shape", "down_proj.weight[0].weight_zero_point has shape [2, 8], expected [128, 8]"),
+]
+
+
+@pytest.mark.slow
+def test_bad_quantized_checkpoints_one_line_nothing_resident_daemon_serves(tmp_path) -> None:
+    from test_daemon import DaemonProc
+
+    from keepwarm.daemon import paths
+    from keepwarm.daemon.client import DaemonError
+
+    runtime = Path(tempfile.mkdtemp(prefix="kwrt-", dir="/tmp"))
+    d = DaemonProc(runtime).start()
+    try:
+        with d.client() as c:
+            good = c.preload(str(DATA / "w8a16_channel"))
+            for case, message in BAD_INPUTS:
+                model = _bad_checkpoint(case, tmp_path)
+                with pytest.raises(DaemonError) as e:
+                    c.preload(str(model))
+                assert e.value.code == "bad_quantization", (case, e.value.code, e.value.message)
+                assert message in e.value.message and "\n" not in e.value.message, (case, e.value.message)
+                assert [m["fingerprint"] for m in c.status()["models"]] == [good["fingerprint"]], case
+                files = sorted(p.name for p in paths.shm_dir(runtime).iterdir())
+                assert files == [f"{good['fingerprint']}.arena", f"{good['fingerprint']}.json"], (case, files)
+            for flag in ("none", "int4"):  # never dequantized silently, never re-quantized into another scheme
+                with pytest.raises(DaemonError, match=f"--quantization {flag} "):
+                    c.preload(str(DATA / "fp8_dynamic"), quantization=flag)
+            assert c.preload(str(DATA / "w8a16_channel"))["cached"] is True  # still serving what it held
+        out = subprocess.run([sys.executable, "-m", "keepwarm.cli.main", "preload", str(tmp_path / "scale_shape")],
+                             env=d.env, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 1
+        lines = out.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: ") and "weight_scale has shape" in lines[0], out.stderr
+    finally:
+        d.stop()
+        shutil.rmtree(paths.shm_dir(runtime), ignore_errors=True)
+        shutil.rmtree(runtime, ignore_errors=True)
