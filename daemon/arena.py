@@ -111,11 +111,13 @@ class ArenaManifest:
 
 def source_signature(model_dir: Path, files: list[Path]) -> tuple[tuple[str, int, int], ...]:
     """Size, mtime and inode of every weight file and config.json: a cheap check that the checkpoint did not
-    change since preload (a rewrite or a replacement changes mtime or inode)."""
-    names = sorted({f.name for f in files} | {"config.json"})
+    change since preload (a rewrite or a replacement changes mtime or inode). A GGUF `model_dir` is the file."""
+    single = model_dir.suffix == ".gguf" and not model_dir.is_dir()
+    base = model_dir.parent if single else model_dir
+    names = sorted({f.name for f in files} | (set() if single else {"config.json"}))
     sig = []
     for name in names:
-        st = (model_dir / name).stat()
+        st = (base / name).stat()
         sig.append((name, st.st_size, st.st_mtime_ns, st.st_ino))
     return tuple(sig)
 

@@ -1,4 +1,5 @@
-"""Read a Hugging Face checkpoint's safetensors and plan the fused tensors the model code uses.
+"""Read a Hugging Face checkpoint's safetensors (or a llama.cpp GGUF file) and plan the fused tensors the model
+code uses.
 
 We parse the safetensors header ourselves so that bytes can be read straight from the file into their final
 place (a fused tensor's slice, or later the daemon's arena) with ``readinto``: no second copy in host memory.
@@ -15,10 +16,12 @@ from pathlib import Path
 
 import torch
 
-from keepwarm.daemon.convert import dense_shape
-from keepwarm.daemon.prequant import SourceQuant, detect, resolve_quantization
-from keepwarm.daemon.quantize import QuantizationError
-from keepwarm.worker.models.config import ModelConfig, ModelConfigError, load_model_config
+from keepwarm.daemon.arena import source_signature
+from keepwarm.daemon.convert import convert_gguf, convert_weight, dense_shape, plan_gguf, plan_weight
+from keepwarm.daemon.gguf_file import PLAIN_TYPES, dequantize_dense, is_gguf, read_gguf
+from keepwarm.daemon.prequant import GGUF_SOURCE, SourceQuant, detect, resolve_quantization
+from keepwarm.daemon.quantize import QuantizationError, QuantMeta, is_quantized_target
+from keepwarm.worker.models.config import ModelConfig, ModelConfigError, load_model_config, parse_model_config
 
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -115,20 +118,47 @@ def _safetensors_files(model_dir: Path) -> list[Path]:
 
 
 class Checkpoint:
-    """A model directory: its config, its source tensors, and the fused tensors the model code needs."""
+    """A model directory (or a .gguf file): its config, its source tensors, and the fused tensors the model code
+    needs. ``model_dir`` is the path the user named; ``config_json`` the config as keepwarm reads it."""
 
     def __init__(self, model_dir: str | Path) -> None:
         self.model_dir = Path(model_dir).resolve() if Path(model_dir).exists() else Path(model_dir)
-        self.config: ModelConfig = load_model_config(self.model_dir)
-        # What config.json's quantization_config says (None: a plain checkpoint); refuses what cannot run exactly.
-        self.quant: SourceQuant | None = detect(json.loads((self.model_dir / "config.json").read_text()))
-        self.files = _safetensors_files(self.model_dir)
-        self.sources: dict[str, SourceTensor] = {}
-        for f in self.files:
-            self.sources.update(read_safetensors_header(f))
-        if self.quant is None:
-            self._refuse_stray_quantized_tensors()
+        self.gguf_types: dict[str, str] = {}  # GGUF only: quantized tensor name -> ggml type name
+        self._gguf_shapes: dict[str, tuple[int, int]] = {}
+        if is_gguf(self.model_dir):
+            self._init_gguf()
+        else:
+            self.config: ModelConfig = load_model_config(self.model_dir)
+            self.config_json = (self.model_dir / "config.json").read_text()
+            gen = self.model_dir / "generation_config.json"
+            self.generation_config_json = gen.read_text() if gen.is_file() else None
+            # What config.json's quantization_config says (None: a plain checkpoint); refuses what cannot run
+            # exactly.
+            self.quant: SourceQuant | None = detect(json.loads(self.config_json))
+            self.files = _safetensors_files(self.model_dir)
+            self.sources: dict[str, SourceTensor] = {}
+            for f in self.files:
+                self.sources.update(read_safetensors_header(f))
+            if self.quant is None:
+                self._refuse_stray_quantized_tensors()
         self.tensors: list[FusedTensor] = self._plan()
+
+    def _init_gguf(self) -> None:
+        cfg, tensors = read_gguf(self.model_dir)
+        self.config_json = json.dumps(cfg, indent=1, sort_keys=True)
+        self.generation_config_json = None
+        self.config = parse_model_config(self.config_json, None, source=str(self.model_dir))
+        self.quant = GGUF_SOURCE
+        self.files = [self.model_dir]
+        self.sources = {}
+        for name, t in tensors.items():
+            if t.type_name in PLAIN_TYPES:
+                self.sources[name] = SourceTensor(name, self.model_dir, PLAIN_TYPES[t.type_name], t.shape, t.offset,
+                                                  t.nbytes)
+            else:
+                self.sources[name] = SourceTensor(name, self.model_dir, torch.uint8, (t.nbytes,), t.offset, t.nbytes)
+                self.gguf_types[name] = t.type_name
+                self._gguf_shapes[name] = (t.shape[0], t.shape[1])
 
     @property
     def nbytes(self) -> int:
@@ -153,7 +183,9 @@ class Checkpoint:
             raise ModelConfigError(f"{self.model_dir}: checkpoint lacks tensor {name!r}") from None
 
     def _fuse(self, name: str, part_names: list[str]) -> FusedTensor:
-        if self.quant is not None and name.endswith("_proj.weight"):
+        if self.gguf_types and part_names[0] in self.gguf_types:
+            return self._fuse_gguf(name, part_names)
+        if self.quant is not None and self.quant.kind != "gguf" and name.endswith("_proj.weight"):
             return self._fuse_quantized(name, [p.removesuffix(".weight") for p in part_names])
         parts = tuple(self._get(p) for p in part_names)
         dtypes = {p.dtype for p in parts}
@@ -189,6 +221,52 @@ class Checkpoint:
         shape = (sum(n for n, _ in shapes), shapes[0][1])
         return FusedTensor(name, tuple(parts), torch.uint8, shape, tuple(roles), tuple(shapes))
 
+    def _fuse_gguf(self, name: str, part_names: list[str]) -> FusedTensor:
+        c = self.config
+        parts, roles, shapes = [], [], []
+        for i, p in enumerate(part_names):
+            if p not in self.gguf_types:
+                raise QuantizationError(f"{self.model_dir.name}: {p} is not quantized but {part_names[0]} is; "
+                                        f"keepwarm fuses them into one weight")
+            # llama.cpp permuted Q and K rows for its rotary layout: undone at conversion (whole rows).
+            heads = c.num_attention_heads if p.endswith("q_proj.weight") else \
+                c.num_key_value_heads if p.endswith("k_proj.weight") else 0
+            parts.append(self._get(p))
+            roles.append(f"{i}.{self.gguf_types[p]}.{heads}")
+            shapes.append(self._gguf_shapes[p])
+        shape = (sum(n for n, _ in shapes), shapes[0][1])
+        return FusedTensor(name, tuple(parts), torch.uint8, shape, tuple(roles), tuple(shapes))
+
+    def plan_quantized(self, t: FusedTensor, act_dtype: torch.dtype, device_type: str) -> QuantMeta | None:
+        """A pre-quantized tensor's arena layout (headers only); None: it is stored dense (a GGUF embedding)."""
+        assert self.quant is not None and t.roles
+        if self.quant.kind != "gguf":
+            return plan_weight(self.quant, t.dense_shapes, act_dtype, device_type)
+        if not is_quantized_target(t.name):
+            if len(t.parts) != 1:
+                raise QuantizationError(f"{t.name}: a fused GGUF tensor that is not a projection")
+            return None
+        return plan_gguf([r.split(".")[1] for r in t.roles], t.dense_shapes, act_dtype, device_type)
+
+    def convert_quantized(self, t: FusedTensor, meta: QuantMeta | None, staging: torch.Tensor,
+                          act_dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """The arena parts of a pre-quantized tensor from its source bytes read back to back into `staging`."""
+        assert self.quant is not None
+        views = _role_views(t, staging)
+        if self.quant.kind != "gguf":
+            assert meta is not None
+            return convert_weight(self.quant, meta, [{k: v for k, v in p.items()} for p in views], t.dense_shapes,
+                                  act_dtype, t.name)
+        raws = [next(iter(p.items())) for p in views]  # one raw block tensor per projection, keyed "TYPE.heads"
+        if meta is None:
+            (key, raw), = raws
+            return {"": dequantize_dense(key.split(".")[0], raw, t.dense_shapes[0]).to(act_dtype)}
+        projections = [(key.split(".")[0], raw, int(key.split(".")[1])) for key, raw in raws]
+        return convert_gguf(meta, projections, t.dense_shapes, act_dtype, t.name)
+
+    def signature(self) -> tuple[tuple[str, int, int, int], ...]:
+        return source_signature(self.model_dir, self.files)
+
     def _plan(self) -> list[FusedTensor]:
         c = self.config
         plan = [self._fuse("model.embed_tokens.weight", ["model.embed_tokens.weight"])]
@@ -212,6 +290,20 @@ class Checkpoint:
         if not c.tie_word_embeddings:
             plan.append(self._fuse("lm_head.weight", ["lm_head.weight"]))
         return plan
+
+
+def _role_views(t: FusedTensor, staging: torch.Tensor) -> list[dict[str, torch.Tensor]]:
+    """A pre-quantized tensor's staging bytes as one {role suffix: tensor} per projection (views where aligned)."""
+    out: list[dict[str, torch.Tensor]] = [{} for _ in t.dense_shapes]
+    off = 0
+    for part, role in zip(t.parts, t.roles, strict=True):
+        index, suffix = role.split(".", 1)
+        chunk = staging[off:off + part.nbytes]
+        if off % 8:  # parts lie back to back: one after an odd-sized part may sit misaligned for its dtype
+            chunk = chunk.clone()
+        out[int(index)][suffix] = chunk.view(part.dtype).view(part.shape)
+        off += part.nbytes
+    return out
 
 
 def read_into(part: SourceTensor, dest: memoryview, on_bytes: Callable[[bytes | memoryview], None] | None = None,

@@ -25,6 +25,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from keepwarm.daemon.gguf_file import QUANT_TYPES, decode, unpermute_rows
 from keepwarm.daemon.prequant import SourceQuant
 from keepwarm.daemon.quantize import (
     FP8_DTYPE,
@@ -112,6 +113,40 @@ def plan_weight(src: SourceQuant, shapes: Sequence[Shape], act_dtype: torch.dtyp
     return QuantMeta("int8_group", LAYOUT_INT8_GIDX if src.g_idx else LAYOUT_INT8_GROUP, gs, shape)
 
 
+def plan_gguf(types: Sequence[str], shapes: Sequence[Shape], act_dtype: torch.dtype, device_type: str,
+              ) -> QuantMeta:
+    """A fused GGUF weight's layout: int4 groups when every projection is a 4-bit type of one group size, else int8
+    groups of the smallest group size (every code fits)."""
+    ks = {k for _, k in shapes}
+    if len(ks) != 1:
+        raise QuantizationError(f"fused projections have different K: {sorted(ks)}")
+    shape = (sum(n for n, _ in shapes), ks.pop())
+    bits = {QUANT_TYPES[t][0] for t in types}
+    groups = {QUANT_TYPES[t][3] for t in types}
+    if bits == {4} and len(groups) == 1:
+        return plan(shape, "int4", act_dtype, device_type, groups.pop(), fallback=False)
+    return QuantMeta("int8_group", LAYOUT_INT8_GROUP, min(groups), shape)
+
+
+def convert_gguf(meta: QuantMeta, projections: Sequence[tuple[str, torch.Tensor, int]], shapes: Sequence[Shape],
+                 act_dtype: torch.dtype, name: str) -> dict[str, torch.Tensor]:
+    """The arena parts of a fused GGUF weight from its projections' (type, raw blocks, Q/K heads or 0)."""
+    decoded = []
+    for (type_name, raw, heads), (n, k) in zip(projections, shapes, strict=True):
+        if raw.numel() % n:
+            raise QuantizationError(f"{name}: {raw.numel()} bytes of {type_name} do not split into {n} rows")
+        rows = raw.reshape(n, -1)
+        if heads:
+            rows = unpermute_rows(rows, heads)
+        codes, scale, offset = decode(type_name, rows, (n, k))
+        if scale.shape[1] != k // meta.group_size:  # expand to the layout's (smaller) groups
+            rep = k // meta.group_size // scale.shape[1]
+            scale, offset = scale.repeat_interleave(rep, dim=1), offset.repeat_interleave(rep, dim=1)
+        decoded.append((codes, scale, offset))
+    codes, scale, offset = (torch.cat(x) for x in zip(*decoded, strict=True))
+    return _checked(meta, _int_parts(meta, codes, scale, offset, None, act_dtype, name), act_dtype, name)
+
+
 # ---------------------------------------------------------------------------------------------- unpacking
 def unpack_int32(packed: torch.Tensor, bits: int, dim: int, order: Sequence[int] | None = None) -> torch.Tensor:
     """Unsigned codes from int32 words packing 32/bits values along `dim`, lowest bits first (value i of a word
@@ -150,8 +185,8 @@ def _scale_2d(s: torch.Tensor, rows: int, cols: int, proj: str, name: str) -> to
 
 def _codes_and_params(src: SourceQuant, t: Mapping[str, torch.Tensor], shape: Shape, proj: str,
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Integer formats: unsigned codes [N, K] (int64), scale [N, G] and unsigned zero point [N, G] (float32, so
-    w = (code - zero) * scale), and the group index [K] or None."""
+    """Integer formats: unsigned codes [N, K] (int64), scale [N, G] and offset [N, G] (float32, so
+    w = code * scale + offset, offset = -zero point * scale: exact), and the group index [K] or None."""
     n, k = shape
     gs = _groups(k, src)
     g = k // gs
@@ -192,7 +227,7 @@ def _codes_and_params(src: SourceQuant, t: Mapping[str, torch.Tensor], shape: Sh
             zero = unpack_int32(_part(t, "qzeros", proj, (g, n // per)), 4, 1, AWQ_ORDER).float().t()
     if g_idx is not None and (int(g_idx.min()) < 0 or int(g_idx.max()) >= g):
         raise QuantizationError(f"{proj}: group index values outside [0, {g})")
-    return codes.contiguous(), scale.contiguous(), zero.contiguous(), g_idx
+    return codes.contiguous(), scale.contiguous(), (-zero * scale).contiguous(), g_idx
 
 
 def _fp8_parts(src: SourceQuant, t: Mapping[str, torch.Tensor], shape: Shape, proj: str,
@@ -241,12 +276,17 @@ def convert_weight(src: SourceQuant, meta: QuantMeta, projections: Sequence[Mapp
         unpacked = [_codes_and_params(src, t, s, p) for t, s, p in zip(projections, shapes, projs, strict=True)]
         codes = torch.cat([u[0] for u in unpacked])
         scale = torch.cat([u[1] for u in unpacked])
-        zero = torch.cat([u[2] for u in unpacked])
+        offset = torch.cat([u[2] for u in unpacked])
         g_idx = unpacked[0][3]
         if any(not torch.equal(u[3], g_idx) for u in unpacked[1:] if u[3] is not None and g_idx is not None):
             raise QuantizationError(f"{name}: fused projections have different group indices (act order); "
                                     f"keepwarm fuses them into one weight and needs one order")
-        parts = _int_parts(meta, codes, scale, zero, g_idx, src.bits, act_dtype, name)
+        parts = _int_parts(meta, codes, scale, offset, g_idx, act_dtype, name)
+    return _checked(meta, parts, act_dtype, name)
+
+
+def _checked(meta: QuantMeta, parts: dict[str, torch.Tensor], act_dtype: torch.dtype, name: str,
+             ) -> dict[str, torch.Tensor]:
     parts = {k: v.contiguous() for k, v in parts.items()}
     want = layout_parts(meta, act_dtype)
     got = {k: (v.dtype, tuple(v.shape)) for k, v in parts.items()}
@@ -255,30 +295,32 @@ def convert_weight(src: SourceQuant, meta: QuantMeta, projections: Sequence[Mapp
     return parts
 
 
-def _int_parts(meta: QuantMeta, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
-               g_idx: torch.Tensor | None, bits: int, act_dtype: torch.dtype, name: str) -> dict[str, torch.Tensor]:
+def _int_parts(meta: QuantMeta, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
+               g_idx: torch.Tensor | None, act_dtype: torch.dtype, name: str) -> dict[str, torch.Tensor]:
+    """The parts of `meta`'s integer layout from w = codes * scale + offset (codes unsigned, per-group scale and
+    offset; groups by g_idx when given, else contiguous and possibly larger than the layout's: then repeated)."""
     n, k = meta.shape
-    if bits == 4:
-        # w = (u - zp) * s = (u - 8) * s + (8 - zp) * s: the tinygemm convention, exact in float32.
-        z = (8.0 - zero) * scale
+    if g_idx is None and meta.group_size is not None and scale.shape[1] != k // meta.group_size:
+        rep = k // meta.group_size // scale.shape[1]  # a coarser source group spread over the layout's groups
+        scale, offset = scale.repeat_interleave(rep, dim=1), offset.repeat_interleave(rep, dim=1)
+    if meta.scheme in ("int4", "int4_gidx"):
+        # w = u * s + o = (u - 8) * s + (o + 8 * s): the tinygemm convention, exact in float32.
+        z = offset + 8.0 * scale
         if meta.layout == LAYOUT_INT4_GIDX:
             c = codes.to(torch.uint8)
             return {"qweight": c[:, 0::2] | (c[:, 1::2] << 4), "scales": _store(scale, act_dtype, "scales", name),
                     "zeros": _store(z, act_dtype, "zeros", name), "g_idx": g_idx.to(torch.int32)}
-        gs = meta.group_size
-        assert gs is not None
-        src_gs = k // scale.shape[1]
-        if src_gs != gs:  # per-channel source: the one scale repeated over the arena's groups
-            scale, z = scale.repeat_interleave(k // gs // scale.shape[1], dim=1), \
-                z.repeat_interleave(k // gs // z.shape[1], dim=1)
         return pack_int4(meta, codes.to(torch.uint8), _store(scale, act_dtype, "scales", name),
                          _store(z, act_dtype, "zeros", name))
-    # int8: q = u - 128 (int8); w = (u - zp) * s = q * s + (128 - zp) * s.
+    # int8: q = u - 128 (int8); w = u * s + o = q * s + (o + 128 * s).
     q = (codes - 128).to(torch.int8)
+    zeros = offset + 128.0 * scale
     if meta.layout == LAYOUT_INT8:
+        if bool(zeros.any()):
+            raise QuantizationError(f"{name}: per-channel int8 with a zero point has no int8_channel layout")
         return {"qweight": q, "scales": _store(scale[:, 0], act_dtype, "scales", name)}
     parts = {"qweight": q, "scales": _store(scale, act_dtype, "scales", name),
-             "zeros": _store((128.0 - zero) * scale, act_dtype, "zeros", name)}
+             "zeros": _store(zeros, act_dtype, "zeros", name)}
     if meta.layout == LAYOUT_INT8_GIDX:
         parts["g_idx"] = g_idx.to(torch.int32)
     return parts

@@ -39,7 +39,6 @@ from keepwarm.daemon.arena import (
     source_signature,
 )
 from keepwarm.daemon.checkpoint import Checkpoint, FusedTensor, read_into, tensor_bytes
-from keepwarm.daemon.convert import convert_weight, plan_weight
 from keepwarm.daemon.quantize import (
     LAYOUT_MKLDNN_PACKED,
     QuantMeta,
@@ -99,9 +98,8 @@ def plan_arena(ckpt: Checkpoint, quantization: str, dtype: torch.dtype, device_t
         packed = packing and _packs(name, t)
         meta = None
         if t.roles:
-            assert ckpt.quant is not None
-            meta = plan_weight(ckpt.quant, t.dense_shapes, dtype, device_type)
-            layout = layout_parts(meta, dtype)
+            meta = ckpt.plan_quantized(t, dtype, device_type)
+            layout = layout_parts(meta, dtype) if meta is not None else {"": (dtype, t.shape)}
             quantized = True
         elif quantized:
             layout = quantized_layout(t.shape, quantization, dtype, device_type)
@@ -133,20 +131,6 @@ def _read_hashed(t: FusedTensor, dest: memoryview) -> list[str]:
     return digests
 
 
-def _role_views(t: FusedTensor, staging: torch.Tensor) -> list[dict[str, torch.Tensor]]:
-    """A pre-quantized fused weight's staging bytes as one {suffix: tensor} per projection (views, no copy)."""
-    out: list[dict[str, torch.Tensor]] = [{} for _ in t.dense_shapes]
-    off = 0
-    for part, role in zip(t.parts, t.roles, strict=True):
-        index, suffix = role.split(".", 1)
-        chunk = staging[off:off + part.nbytes]
-        if off % 8:  # parts lie back to back: one after an odd-sized part may sit misaligned for its dtype
-            chunk = chunk.clone()
-        out[int(index)][suffix] = chunk.view(part.dtype).view(part.shape)
-        off += part.nbytes
-    return out
-
-
 def build_arena(ckpt: Checkpoint, quantization: str, dtype: str, flat: torch.Tensor, device: str,
                 progress: Progress | None = None, threads: int = 4,
                 planned: list[PlannedTensor] | None = None) -> ArenaManifest:
@@ -176,12 +160,11 @@ def build_arena(ckpt: Checkpoint, quantization: str, dtype: str, flat: torch.Ten
         else:
             staging = torch.empty(t.nbytes, dtype=torch.uint8)
             src_digests = _read_hashed(t, tensor_bytes(staging))
-            if p.meta is not None:
-                assert ckpt.quant is not None
-                meta = p.meta
-                parts = convert_weight(ckpt.quant, meta, _role_views(t, staging), t.dense_shapes, target, p.name)
-                with lock:
-                    quant_meta[p.name] = meta.to_dict()
+            if t.roles:
+                parts = ckpt.convert_quantized(t, p.meta, staging, target)
+                if p.meta is not None:
+                    with lock:
+                        quant_meta[p.name] = p.meta.to_dict()
             elif p.quantized:
                 w = staging.view(t.dtype).view(t.shape)
                 meta, parts = quantize(w, quantization, target, device_type)
@@ -220,8 +203,7 @@ def build_arena(ckpt: Checkpoint, quantization: str, dtype: str, flat: torch.Ten
                     for d in src]
     entries = tuple(e for p in planned for e in p.entries)
     arena_digest = combine_digests("arena", [d for _, arena in results for d in arena])
-    gen = ckpt.model_dir / "generation_config.json"
-    config_json = (ckpt.model_dir / "config.json").read_text()
+    config_json = ckpt.config_json
     return ArenaManifest(
         layout_version=LAYOUT_VERSION,
         fingerprint=fingerprint_of(quantization, dtype_name(target), part_digests, config_json),
@@ -234,8 +216,8 @@ def build_arena(ckpt: Checkpoint, quantization: str, dtype: str, flat: torch.Ten
         tensors=entries,
         quant=quant_meta,
         config_json=config_json,
-        generation_config_json=gen.read_text() if gen.is_file() else None,
-        source_files=source_signature(ckpt.model_dir, ckpt.files),
+        generation_config_json=ckpt.generation_config_json,
+        source_files=ckpt.signature(),
         keepwarm_version=__version__,
     )
 

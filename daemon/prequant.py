@@ -63,6 +63,8 @@ class SourceQuant:
 
     @property
     def description(self) -> str:
+        if self.kind == "gguf":
+            return "GGUF (per-tensor types)"
         detail = f"{self.strategy}" + (f" {self.group_size}" if self.group_size else "") + \
             (f" {self.block[0]}x{self.block[1]}" if self.block else "")
         sym = "symmetric" if self.symmetric else "asymmetric"
@@ -267,6 +269,11 @@ def _awq(qc: dict) -> SourceQuant:
     strategy, gs = _gptq_awq_group(qc, "group_size" if "group_size" in qc else "q_group_size")
     zero_point = qc.get("zero_point", True)
     return SourceQuant("awq", "awq", "int4", 4, not zero_point, strategy, gs)
+
+
+# A GGUF file: its tensors' types say how each is stored (keepwarm.daemon.gguf_file); "gguf" names it for
+# --quantization and in the daemon's listing.
+GGUF_SOURCE = SourceQuant("gguf", "gguf", "gguf", 0, False, "group")
 
 
 # ---------------------------------------------------------------------------------------------- --quantization

@@ -115,9 +115,44 @@ class FastTokenizer:
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
 
+def gguf_tokenizer_dir(path: Path) -> Path:
+    """A directory with the tokenizer of a .gguf file: the file's own directory when it holds tokenizer.json,
+    else one converted once from the GGUF metadata (transformers' GGUF tokenizer) under $KEEPWARM_HOME/tokenizers,
+    keyed by the file's name, size and mtime."""
+    if (path.parent / "tokenizer.json").is_file():
+        return path.parent
+    import fcntl
+    import hashlib
+    import os
+    import shutil
+    import tempfile
+
+    from keepwarm.worker.default_model import keepwarm_home
+
+    st = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    target = keepwarm_home() / "tokenizers" / f"{path.stem}-{key}"
+    if (target / "tokenizer.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (target / "tokenizer.json").is_file():
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+            tmp = Path(tempfile.mkdtemp(prefix=".tok-", dir=target.parent))
+            tok.save_pretrained(tmp)
+            os.replace(tmp, target) if not target.exists() else shutil.rmtree(tmp)
+    return target
+
+
 def load_tokenizer(path: str | Path):
-    """FastTokenizer when the directory has tokenizer.json, else transformers' AutoTokenizer."""
+    """FastTokenizer when the directory has tokenizer.json, else transformers' AutoTokenizer; for a .gguf file,
+    the tokenizer beside it or converted from its metadata (see gguf_tokenizer_dir)."""
     p = Path(path)
+    if p.suffix == ".gguf" and p.is_file():
+        p = gguf_tokenizer_dir(p)
     if (p / "tokenizer.json").is_file():
         return FastTokenizer(p)
     from transformers import AutoTokenizer
