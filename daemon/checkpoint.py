@@ -16,12 +16,12 @@ from pathlib import Path
 
 import torch
 
-from keepwarm.daemon.arena import source_signature
 from keepwarm.daemon.convert import convert_gguf, convert_weight, dense_shape, plan_gguf, plan_weight
-from keepwarm.daemon.gguf_file import PLAIN_TYPES, dequantize_dense, is_gguf, read_gguf
 from keepwarm.daemon.prequant import GGUF_SOURCE, SourceQuant, detect, resolve_quantization
-from keepwarm.daemon.quantize import QuantizationError, QuantMeta, is_quantized_target
-from keepwarm.worker.models.config import ModelConfig, ModelConfigError, load_model_config, parse_model_config
+from keepwarm.formats.arena import source_signature
+from keepwarm.formats.gguf import PLAIN_TYPES, dequantize_dense, is_gguf, read_gguf
+from keepwarm.formats.model_config import ModelConfig, ModelConfigError, load_model_config, parse_model_config
+from keepwarm.formats.quant import QuantizationError, QuantMeta, is_quantized_target
 
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -264,7 +264,7 @@ class Checkpoint:
         projections = [(key.split(".")[0], raw, int(key.split(".")[1])) for key, raw in raws]
         return convert_gguf(meta, projections, t.dense_shapes, act_dtype, t.name)
 
-    def signature(self) -> tuple[tuple[str, int, int, int], ...]:
+    def signature(self) -> tuple[tuple[str, int, int], ...]:
         return source_signature(self.model_dir, self.files)
 
     def _plan(self) -> list[FusedTensor]:

@@ -7,7 +7,7 @@ Rules:
   store rounds (e.g. fp16 scales in a bfloat16 arena) it is logged once per weight kind, never silent.
 - A fused weight (q|k|v, gate|up) is the projections' codes and scales concatenated along N; scales that cannot be
   concatenated as they are (per-tensor, or row blocks) are expanded to per row first, which is exact.
-- Layouts, by what the source is (see keepwarm.daemon.quantize for each layout's parts):
+- Layouts, by what the source is (see keepwarm.formats.quant for each layout's parts):
     int4 codes, contiguous groups      int4 (torch's CPU pack or canonical): (u - 8) * scale + zero
     int4 codes with a group index      int4_gidx: canonical nibbles + per-column group index
     int8 symmetric per channel         int8_channel (torch._weight_int8pack_mm's layout)
@@ -25,9 +25,9 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from keepwarm.daemon.gguf_file import QUANT_TYPES, decode, unpermute_rows
 from keepwarm.daemon.prequant import SourceQuant
-from keepwarm.daemon.quantize import (
+from keepwarm.formats.gguf import QUANT_TYPES, decode, unpermute_rows
+from keepwarm.formats.quant import (
     FP8_DTYPE,
     LAYOUT_FP8,
     LAYOUT_FP8_BLOCK,
@@ -139,9 +139,6 @@ def convert_gguf(meta: QuantMeta, projections: Sequence[tuple[str, torch.Tensor,
         if heads:
             rows = unpermute_rows(rows, heads)
         codes, scale, offset = decode(type_name, rows, (n, k))
-        if scale.shape[1] != k // meta.group_size:  # expand to the layout's (smaller) groups
-            rep = k // meta.group_size // scale.shape[1]
-            scale, offset = scale.repeat_interleave(rep, dim=1), offset.repeat_interleave(rep, dim=1)
         decoded.append((codes, scale, offset))
     codes, scale, offset = (torch.cat(x) for x in zip(*decoded, strict=True))
     return _checked(meta, _int_parts(meta, codes, scale, offset, None, act_dtype, name), act_dtype, name)
@@ -308,6 +305,7 @@ def _int_parts(meta: QuantMeta, codes: torch.Tensor, scale: torch.Tensor, offset
         z = offset + 8.0 * scale
         if meta.layout == LAYOUT_INT4_GIDX:
             c = codes.to(torch.uint8)
+            assert g_idx is not None
             return {"qweight": c[:, 0::2] | (c[:, 1::2] << 4), "scales": _store(scale, act_dtype, "scales", name),
                     "zeros": _store(z, act_dtype, "zeros", name), "g_idx": g_idx.to(torch.int32)}
         return pack_int4(meta, codes.to(torch.uint8), _store(scale, act_dtype, "scales", name),
@@ -322,5 +320,6 @@ def _int_parts(meta: QuantMeta, codes: torch.Tensor, scale: torch.Tensor, offset
     parts = {"qweight": q, "scales": _store(scale, act_dtype, "scales", name),
              "zeros": _store(zeros, act_dtype, "zeros", name)}
     if meta.layout == LAYOUT_INT8_GIDX:
+        assert g_idx is not None
         parts["g_idx"] = g_idx.to(torch.int32)
     return parts

@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 
-from keepwarm import __version__
-from keepwarm.daemon.arena import (
+from keepwarm.daemon.checkpoint import Checkpoint, FusedTensor, read_into, tensor_bytes
+from keepwarm.formats.arena import (
     LAYOUT_VERSION,
     ArenaManifest,
     TensorEntry,
@@ -38,8 +38,8 @@ from keepwarm.daemon.arena import (
     fingerprint_of,
     source_signature,
 )
-from keepwarm.daemon.checkpoint import Checkpoint, FusedTensor, read_into, tensor_bytes
-from keepwarm.daemon.quantize import (
+from keepwarm.formats.model_config import parse_dtype
+from keepwarm.formats.quant import (
     LAYOUT_MKLDNN_PACKED,
     QuantMeta,
     is_quantized_target,
@@ -47,8 +47,8 @@ from keepwarm.daemon.quantize import (
     quantize,
     quantized_layout,
 )
+from keepwarm.formats.version import __version__
 from keepwarm.kernels.cpu_packed import pack, packed_layout, packed_nbytes, packing_available
-from keepwarm.worker.models.config import parse_dtype
 
 log = logging.getLogger("keepwarm.daemon")
 

@@ -34,7 +34,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from keepwarm.daemon.quantize import INT4_GROUP_SIZES, SCHEMES, QuantizationError, validate_scheme
+from keepwarm.formats.quant import INT4_GROUP_SIZES, SCHEMES, QuantizationError, validate_scheme
 
 log = logging.getLogger("keepwarm.daemon")
 
@@ -151,7 +151,7 @@ def _compressed_tensors(qc: dict) -> SourceQuant:
     if not isinstance(w, dict):
         raise _field(wp, w, "must be a JSON object")
     wtype, bits, sym = w.get("type"), w.get("num_bits"), w.get("symmetric", True)
-    kind = _CT_FORMATS[fmt].get(wtype)
+    kind = _CT_FORMATS[fmt].get(str(wtype))
     if kind is None:
         raise _field(f"{wp}.type", wtype, f"is not supported with {fmt} (supported: {', '.join(_CT_FORMATS[fmt])})")
     if w.get("dynamic"):
@@ -189,8 +189,9 @@ def _compressed_tensors(qc: dict) -> SourceQuant:
     g_idx = actorder in ("group", "dynamic") and strategy == "group"
     note = _ct_activations(group.get("input_activations"), f"{gp}.input_activations")
     scheme = "fp8" if kind == "ct_float" else f"int{bits}"
-    return SourceQuant("compressed-tensors", kind, scheme, bits, bool(sym), strategy, group_size, block, g_idx,
-                       activation_note=note)
+    assert isinstance(bits, int)  # checked above against the allowed widths
+    return SourceQuant("compressed-tensors", kind, scheme, bits, bool(sym), str(strategy), group_size, block,
+                       g_idx, activation_note=note)
 
 
 def _ct_activations(a: Any, path: str) -> str | None:
@@ -271,7 +272,7 @@ def _awq(qc: dict) -> SourceQuant:
     return SourceQuant("awq", "awq", "int4", 4, not zero_point, strategy, gs)
 
 
-# A GGUF file: its tensors' types say how each is stored (keepwarm.daemon.gguf_file); "gguf" names it for
+# A GGUF file: its tensors' types say how each is stored (keepwarm.formats.gguf); "gguf" names it for
 # --quantization and in the daemon's listing.
 GGUF_SOURCE = SourceQuant("gguf", "gguf", "gguf", 0, False, "group")
 

@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from keepwarm.daemon.arena import model_tensors
 from keepwarm.daemon.checkpoint import Checkpoint
 from keepwarm.daemon.loader import build_arena, plan_arena
 from keepwarm.kernels.quant import QuantizedWeight
+from keepwarm.worker.attach import model_tensors
 
 DATA = Path(__file__).parent / "data" / "quantized"
 # case -> the arena layout of (qkv_proj, down_proj); "int4_cpu" stands for whatever this CPU's int4 pack is.

@@ -12,12 +12,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from keepwarm.daemon.arena import model_tensors
 from keepwarm.daemon.checkpoint import Checkpoint
 from keepwarm.daemon.convert import convert_weight, plan_weight
 from keepwarm.daemon.loader import build_arena, plan_arena
 from keepwarm.daemon.prequant import detect
 from keepwarm.kernels.quant import QuantizedWeight
+from keepwarm.worker.attach import model_tensors
 
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 AWQ_PACK_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # AutoAWQ's GEMM pack: nibble i of a word = column AWQ_PACK_ORDER[i]

@@ -15,7 +15,7 @@ import pytest
 
 from keepwarm.daemon.checkpoint import Checkpoint
 from keepwarm.daemon.prequant import detect, resolve_quantization
-from keepwarm.daemon.quantize import QuantizationError
+from keepwarm.formats.quant import QuantizationError
 
 # llm-compressor's W4A16 (data-free) config as it writes it, and its FP8_DYNAMIC one.
 W4A16 = {

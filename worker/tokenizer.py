@@ -127,7 +127,7 @@ def gguf_tokenizer_dir(path: Path) -> Path:
     import shutil
     import tempfile
 
-    from keepwarm.worker.default_model import keepwarm_home
+    from keepwarm.formats.paths import keepwarm_home
 
     st = path.stat()
     key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]

@@ -24,7 +24,7 @@ so the daemon can lay out its arena first. Layouts, named in `QuantMeta.layout`:
   int4_gidx           scheme "int4_gidx": qweight uint8 [N, K/2] as int4_canonical; scales, zeros act_dtype [N, G];
                       g_idx int32 [K] (compressed-tensors actorder group, GPTQ desc_act)
   mkldnn_packed       scheme "none" only: packed uint8 [nbytes], the weight in oneDNN's blocked layout, described by
-                      `QuantMeta.descriptor` (see keepwarm.kernels.cpu_packed; CPU arenas only)
+                      `QuantMeta.descriptor` (see keepwarm.formats.packed; CPU arenas only)
 
 The CPU int4 pack order depends on the ATen CPU capability of the process (AVX512 packs blocks of 64 rows as
 two interleaved halves, AVX2 blocks of 32, the scalar build adjacent row pairs), so it is probed once and named
@@ -213,7 +213,7 @@ def layout_parts(meta: QuantMeta, act_dtype: torch.dtype) -> PartsLayout:
     n, k = meta.shape
     lay = meta.layout
     if lay == LAYOUT_MKLDNN_PACKED and meta.scheme == "none":
-        from keepwarm.kernels.cpu_packed import packed_nbytes  # lazy: oneDNN is asked only for this layout
+        from keepwarm.formats.packed import packed_nbytes  # lazy: oneDNN is asked only for this layout
 
         return {"packed": (torch.uint8, (packed_nbytes((n, k), act_dtype),))}
     expected = _SCHEME_LAYOUTS.get(meta.scheme)
@@ -236,14 +236,12 @@ def layout_parts(meta: QuantMeta, act_dtype: torch.dtype) -> PartsLayout:
         raise QuantizationError(f"int4 group size {gs} does not divide K={k}")
     if lay != LAYOUT_INT4_CANONICAL and n % 16:
         raise QuantizationError(f"int4 on cpu needs N (output features) divisible by 16; got N={n}")
-    if lay in (LAYOUT_INT8_GROUP, LAYOUT_INT8_GIDX):
-        parts = {"qweight": (torch.int8, (n, k)), "scales": (act_dtype, (n, k // gs)),
-                 "zeros": (act_dtype, (n, k // gs))}
-        return {**parts, "g_idx": (torch.int32, (k,))} if lay == LAYOUT_INT8_GIDX else parts
-    if lay in (LAYOUT_INT4_CANONICAL, LAYOUT_INT4_GIDX):
-        parts = {"qweight": (torch.uint8, (n, k // 2)), "scales": (act_dtype, (n, k // gs)),
-                 "zeros": (act_dtype, (n, k // gs))}
-        return {**parts, "g_idx": (torch.int32, (k,))} if lay == LAYOUT_INT4_GIDX else parts
+    if lay in (LAYOUT_INT8_GROUP, LAYOUT_INT8_GIDX, LAYOUT_INT4_CANONICAL, LAYOUT_INT4_GIDX):
+        codes = (torch.int8, (n, k)) if lay in (LAYOUT_INT8_GROUP, LAYOUT_INT8_GIDX) else (torch.uint8, (n, k // 2))
+        parts: PartsLayout = {"qweight": codes, "scales": (act_dtype, (n, k // gs)), "zeros": (act_dtype, (n, k // gs))}
+        if lay in (LAYOUT_INT8_GIDX, LAYOUT_INT4_GIDX):
+            parts["g_idx"] = (torch.int32, (k,))
+        return parts
     return {"qweight": (torch.uint8, (n, k // 2)), "scales_and_zeros": (act_dtype, (k // gs, n, 2))}
 
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from keepwarm.daemon.quantize import QuantizationError
+from keepwarm.formats.quant import QuantizationError
 
 # ggml type name -> (bits of the stored code, values per block, bytes per block, values per scale)
 QUANT_TYPES: dict[str, tuple[int, int, int, int]] = {
@@ -52,7 +52,7 @@ def is_gguf(path: str | Path) -> bool:
     return str(path).endswith(".gguf") and Path(path).is_file()
 
 
-def _reader(path: Path):
+def _reader(path: Path) -> Any:
     import gguf
 
     try:
@@ -63,7 +63,7 @@ def _reader(path: Path):
                                 f"an unknown tensor type?): {str(e).splitlines()[0]}") from None
 
 
-def _field(r, key: str, default: Any = None) -> Any:
+def _field(r: Any, key: str, default: Any = None) -> Any:
     f = r.fields.get(key)
     if f is None:
         return default
