@@ -44,6 +44,10 @@ from keepwarm.formats.quant import (
 
 log = logging.getLogger("keepwarm.daemon")
 
+# GGUF types whose blocks are torch's int4 groups of 32: (q - 8) * d + 0 and q * d + m = (q - 8) * d + (m + 8d).
+# Q4_K's w = d*sc*q - dmin*m has a zero that does not fold into the tinygemm form without rounding: it goes to int8
+# groups, which store the offset as it is.
+INT4_EXACT_TYPES = frozenset({"Q4_0", "Q4_1"})
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AWQ GEMM: nibble i of an int32 holds column AWQ_ORDER[i] of its 8
 _INT4_ARENA_GROUPS = (128, 64, 32, 256)  # per-channel int4 becomes groups of the first of these dividing K
 _ROUNDING_LOGGED: set[tuple[str, str]] = set()
@@ -121,10 +125,9 @@ def plan_gguf(types: Sequence[str], shapes: Sequence[Shape], act_dtype: torch.dt
     if len(ks) != 1:
         raise QuantizationError(f"fused projections have different K: {sorted(ks)}")
     shape = (sum(n for n, _ in shapes), ks.pop())
-    bits = {QUANT_TYPES[t][0] for t in types}
     groups = {QUANT_TYPES[t][3] for t in types}
-    if bits == {4} and len(groups) == 1:
-        return plan(shape, "int4", act_dtype, device_type, groups.pop(), fallback=False)
+    if set(types) <= INT4_EXACT_TYPES:
+        return plan(shape, "int4", act_dtype, device_type, 32, fallback=False)
     return QuantMeta("int8_group", LAYOUT_INT8_GROUP, min(groups), shape)
 
 
@@ -139,6 +142,10 @@ def convert_gguf(meta: QuantMeta, projections: Sequence[tuple[str, torch.Tensor,
         if heads:
             rows = unpermute_rows(rows, heads)
         codes, scale, offset = decode(type_name, rows, (n, k))
+        assert meta.group_size is not None
+        if scale.shape[1] != k // meta.group_size:  # a coarser type beside a finer one: spread its groups
+            rep = k // meta.group_size // scale.shape[1]
+            scale, offset = scale.repeat_interleave(rep, dim=1), offset.repeat_interleave(rep, dim=1)
         decoded.append((codes, scale, offset))
     codes, scale, offset = (torch.cat(x) for x in zip(*decoded, strict=True))
     return _checked(meta, _int_parts(meta, codes, scale, offset, None, act_dtype, name), act_dtype, name)
@@ -248,6 +255,20 @@ def _fp8_parts(src: SourceQuant, t: Mapping[str, torch.Tensor], shape: Shape, pr
     return q, s.contiguous()
 
 
+def _check_folded(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, folded: torch.Tensor,
+                  shift: float, name: str) -> None:
+    """Logs when (u - shift) * s + folded differs from u * s + offset in float32 for any weight."""
+    n, k = codes.shape
+    g = scale.shape[1]
+    c = codes.float().view(n, g, k // g)
+    src = c * scale[..., None] + offset[..., None]
+    got = (c - shift) * scale[..., None] + folded[..., None]
+    bad = int((src != got).sum())
+    if bad:
+        log.warning("%s: %d of %d weights differ in the last float32 bit after folding the offset into a zero "
+                    "(tinygemm's (q - %d) * scale + zero form)", name, bad, codes.numel(), int(shift))
+
+
 def _store(x: torch.Tensor, dtype: torch.dtype, what: str, weight: str) -> torch.Tensor:
     """x (float32) in dtype; a rounding store is logged once per (what, dtype), never silent."""
     stored = x.to(dtype)
@@ -301,8 +322,10 @@ def _int_parts(meta: QuantMeta, codes: torch.Tensor, scale: torch.Tensor, offset
         rep = k // meta.group_size // scale.shape[1]  # a coarser source group spread over the layout's groups
         scale, offset = scale.repeat_interleave(rep, dim=1), offset.repeat_interleave(rep, dim=1)
     if meta.scheme in ("int4", "int4_gidx"):
-        # w = u * s + o = (u - 8) * s + (o + 8 * s): the tinygemm convention, exact in float32.
+        # w = u * s + o = (u - 8) * s + (o + 8 * s): the tinygemm convention; o + 8 * s is exact in float32 for
+        # integer zero points, and checked (logged where a float offset such as Q4_1's m rounds) otherwise.
         z = offset + 8.0 * scale
+        _check_folded(codes, scale, offset, z, 8.0, name)
         if meta.layout == LAYOUT_INT4_GIDX:
             c = codes.to(torch.uint8)
             assert g_idx is not None
@@ -310,9 +333,13 @@ def _int_parts(meta: QuantMeta, codes: torch.Tensor, scale: torch.Tensor, offset
                     "zeros": _store(z, act_dtype, "zeros", name), "g_idx": g_idx.to(torch.int32)}
         return pack_int4(meta, codes.to(torch.uint8), _store(scale, act_dtype, "scales", name),
                          _store(z, act_dtype, "zeros", name))
-    # int8: q = u - 128 (int8); w = u * s + o = q * s + (o + 128 * s).
-    q = (codes - 128).to(torch.int8)
-    zeros = offset + 128.0 * scale
+    # int8: q = u - shift; w = u * s + o = q * s + (o + shift * s). Codes that fit int8 as they are (GGUF's
+    # 4/5/6-bit ones) keep shift 0 and their offset unchanged: no rounding at all.
+    shift = 128 if meta.layout == LAYOUT_INT8 or int(codes.max()) > 127 else 0
+    q = (codes - shift).to(torch.int8)
+    zeros = offset + float(shift) * scale if shift else offset
+    if shift:
+        _check_folded(codes, scale, offset, zeros, float(shift), name)
     if meta.layout == LAYOUT_INT8:
         if bool(zeros.any()):
             raise QuantizationError(f"{name}: per-channel int8 with a zero point has no int8_channel layout")

@@ -4,10 +4,11 @@ formats, so keepwarm.daemon.convert stores them in the arena's int4 / int8 layou
 
 Rules:
 - The container (header, metadata, tensor table) is parsed by the `gguf` package; the blocks are decoded here.
-- Supported tensor types: F32, F16, BF16 (plain), Q4_0, Q4_1, Q4_K (int4 groups of 32: torch's int4 op),
-  Q8_0 (int8 groups of 32), Q5_K (5-bit codes in int8 groups of 32), Q6_K (6-bit codes in int8 groups of 16).
-  A fused weight whose projections have different types is stored as int8 groups (4-bit codes fit exactly) of the
-  smallest group size. Anything else (Q2_K, IQ*, a type the package does not know, a truncated file) is refused in
+- Supported tensor types: F32, F16, BF16 (plain), Q4_0 and Q4_1 (int4 groups of 32: torch's int4 op), Q4_K
+  (4-bit codes in int8 groups of 32: its d*sc*q - dmin*m does not fold into the int4 op's (q - 8) * s + z form
+  without rounding), Q8_0 (int8 groups of 32), Q5_K (5-bit codes, int8 groups of 32), Q6_K (6-bit codes, int8 groups
+  of 16). A fused weight whose projections have different types is stored as int8 groups of the smallest group
+  size (every code fits). Anything else (Q2_K, IQ*, a type the package does not know, a truncated file) is refused in
   one line naming the tensor and its type.
 - llama.cpp's converter permutes the rows of Q and K for its rotary layout; they are permuted back (whole rows, so
   the blocks stay intact), as transformers does.

@@ -209,7 +209,7 @@ BAD_INPUTS = [
 def test_bad_quantized_checkpoints_one_line_nothing_resident_daemon_serves(tmp_path) -> None:
     from test_daemon import DaemonProc
 
-    from keepwarm.daemon import paths
+    from keepwarm.formats import paths
     from keepwarm.daemon.client import DaemonError
 
     runtime = Path(tempfile.mkdtemp(prefix="kwrt-", dir="/tmp"))

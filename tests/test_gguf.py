@@ -1,0 +1,271 @@
+"""GGUF files read without transformers' dequantization: each block type decoded exactly as the `gguf` package's
+own (independent) dequantizer does, a tiny llama written with the `gguf` package's writer serves the same greedy
+tokens as transformers on its dequantized weights, bad files are refused in one line, and the bundled SmolLM2 is
+served from its own Q4_1 weights (slow)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from keepwarm.daemon.checkpoint import Checkpoint
+from keepwarm.daemon.loader import build_arena, plan_arena
+from keepwarm.formats.gguf import QUANT_TYPES, dequantize_dense
+from keepwarm.formats.quant import QuantizationError
+from keepwarm.kernels.quant import QuantizedWeight
+from keepwarm.worker.attach import model_tensors
+
+# Where each type keeps its float16 scale fields in a block (the rest of a block is any bytes).
+F16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
+def random_blocks(type_name: str, n: int, k: int, seed: int) -> np.ndarray:
+    """Valid blocks of `type_name` for an [n, k] weight: random codes and sub-scales, sane float16 scales."""
+    _, per_block, block_bytes, _ = QUANT_TYPES[type_name]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(n, k // per_block, block_bytes), dtype=np.uint8)
+    for pos in F16_FIELDS[type_name]:
+        scale = rng.uniform(-0.01, 0.01, size=(n, k // per_block)).astype(np.float16)
+        raw[..., pos:pos + 2] = scale.view(np.uint8).reshape(n, k // per_block, 2)
+    return raw.reshape(n, -1)
+
+
+@pytest.mark.parametrize("type_name", sorted(QUANT_TYPES))
+def test_block_decoding_equals_the_gguf_package(type_name: str) -> None:
+    raw = random_blocks(type_name, 6, 512, seed=len(type_name))
+    ours = dequantize_dense(type_name, torch.from_numpy(raw), (6, 512))
+    ref = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[type_name])
+    assert torch.equal(ours, torch.from_numpy(np.ascontiguousarray(ref)).float())
+
+
+# A tiny llama with K = 256 / 512 (K-quants need multiples of 256) and a type per projection: layer 0 fuses Q4_K
+# with Q6_K (stored as int8 groups of 16); in layer 1 Q4_0 and Q4_1 are torch's int4 groups of 32, Q4_K int8 groups.
+HIDDEN, INTER, HEADS, KV_HEADS, VOCAB = 256, 512, 4, 2, 512
+TYPES = [
+    {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q8_0", "ffn_gate": "Q5_K",
+     "ffn_up": "Q5_K", "ffn_down": "Q6_K"},
+    {"attn_q": "Q4_0", "attn_k": "Q4_0", "attn_v": "Q4_0", "attn_output": "Q4_1", "ffn_gate": "Q4_1",
+     "ffn_up": "Q4_1", "ffn_down": "Q4_K"},
+]
+HF = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+      "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+      "ffn_down": "mlp.down_proj"}
+
+
+def _shape(proj: str) -> tuple[int, int]:
+    hd = HIDDEN // HEADS
+    return {"attn_q": (HIDDEN, HIDDEN), "attn_k": (KV_HEADS * hd, HIDDEN), "attn_v": (KV_HEADS * hd, HIDDEN),
+            "attn_output": (HIDDEN, HIDDEN), "ffn_gate": (INTER, HIDDEN), "ffn_up": (INTER, HIDDEN),
+            "ffn_down": (HIDDEN, INTER)}[proj]
+
+
+def write_tiny_gguf(path: Path, extra: dict[str, tuple[str, np.ndarray]] | None = None) -> dict[str, torch.Tensor]:
+    """Write the tiny llama; returns its expected dense weights (Hugging Face names and row order)."""
+    from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
+
+    unpermute = LlamaTensorProcessor(config={"num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS})
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(len(TYPES))
+    w.add_context_length(256)
+    w.add_embedding_length(HIDDEN)
+    w.add_feed_forward_length(INTER)
+    w.add_head_count(HEADS)
+    w.add_head_count_kv(KV_HEADS)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(VOCAB)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    rng = np.random.default_rng(0)
+    expected: dict[str, torch.Tensor] = {}
+    embed = rng.normal(0, 0.5, size=(VOCAB, HIDDEN)).astype(np.float32)
+    w.add_tensor("token_embd.weight", embed)
+    expected["model.embed_tokens.weight"] = torch.from_numpy(embed)
+    w.add_tensor("output_norm.weight", np.ones(HIDDEN, dtype=np.float32))
+    expected["model.norm.weight"] = torch.ones(HIDDEN)
+    for i, types in enumerate(TYPES):
+        for norm, hf in (("attn_norm", "input_layernorm"), ("ffn_norm", "post_attention_layernorm")):
+            v = rng.uniform(0.5, 1.5, HIDDEN).astype(np.float32)
+            w.add_tensor(f"blk.{i}.{norm}.weight", v)
+            expected[f"model.layers.{i}.{hf}.weight"] = torch.from_numpy(v)
+        for proj, type_name in types.items():
+            n, k = _shape(proj)
+            raw = random_blocks(type_name, n, k, seed=100 * i + len(proj))
+            qtype = gguf.GGMLQuantizationType[type_name]
+            name = f"blk.{i}.{proj}.weight"
+            w.add_tensor(name, raw, raw_dtype=qtype)
+            dense = gguf.quants.dequantize(raw, qtype)
+            dense = unpermute.process(dense, name).weights  # transformers' own un-permutation of Q and K
+            expected[f"model.layers.{i}.{HF[proj]}.weight"] = torch.from_numpy(np.ascontiguousarray(dense)).float()
+    for name, (type_name, raw) in (extra or {}).items():
+        w.add_tensor(name, raw, raw_dtype=gguf.GGMLQuantizationType[type_name])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return expected
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory, tiny_llama) -> tuple[Path, dict[str, torch.Tensor]]:
+    d = tmp_path_factory.mktemp("gguf")
+    for f in Path(tiny_llama).iterdir():  # the tokenizer beside the file (the same 512-token vocabulary)
+        if f.suffix != ".safetensors" and f.name not in ("config.json", "generation_config.json"):
+            shutil.copy(f, d / f.name)
+    expected = write_tiny_gguf(d / "tiny.gguf")
+    return d / "tiny.gguf", expected
+
+
+def test_gguf_arena_weights_and_layouts(tiny_gguf) -> None:
+    path, expected = tiny_gguf
+    ckpt = Checkpoint(path)
+    assert ckpt.resolve_quantization("auto") == "gguf"
+    _, total = plan_arena(ckpt, "auto", torch.float32)
+    flat = torch.empty(total, dtype=torch.uint8)
+    got = model_tensors(build_arena(ckpt, "auto", "float32", flat, "cpu"), flat)
+    layouts = {n: w.meta.layout for n, w in got.items() if isinstance(w, QuantizedWeight)}
+    assert layouts["model.layers.0.self_attn.qkv_proj.weight"] == "int8_group"  # Q4_K | Q6_K: groups of 16
+    assert got["model.layers.0.self_attn.qkv_proj.weight"].meta.group_size == 16
+    assert layouts["model.layers.0.self_attn.o_proj.weight"] == "int8_group"  # Q8_0
+    assert layouts["model.layers.1.self_attn.qkv_proj.weight"].startswith("int4_cpu")  # Q4_0
+    assert layouts["model.layers.1.mlp.gate_up_proj.weight"].startswith("int4_cpu")  # Q4_1
+    for i in range(len(TYPES)):
+        p = f"model.layers.{i}."
+        a, m = p + "self_attn.", p + "mlp."
+        fused = {a + "qkv_proj.weight": [a + f"{x}_proj.weight" for x in "qkv"],
+                 a + "o_proj.weight": [a + "o_proj.weight"],
+                 m + "gate_up_proj.weight": [m + "gate_proj.weight", m + "up_proj.weight"],
+                 m + "down_proj.weight": [m + "down_proj.weight"]}
+        for name, parts in fused.items():
+            assert torch.equal(got[name].dequantize(), torch.cat([expected[x] for x in parts])), name
+    assert torch.equal(got["model.embed_tokens.weight"], expected["model.embed_tokens.weight"])
+
+
+def _dense_dir(path: Path, expected: dict[str, torch.Tensor], out: Path) -> Path:
+    from safetensors.torch import save_file
+
+    out.mkdir()
+    for f in path.parent.iterdir():
+        if f.suffix != ".gguf":
+            shutil.copy(f, out / f.name)
+    save_file({k: v.contiguous() for k, v in expected.items()}, out / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads(Checkpoint(path).config_json)
+    cfg["dtype"] = "float32"
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out
+
+
+def test_gguf_greedy_tokens_equal_transformers_on_its_dequantized_weights(tiny_gguf, tmp_path) -> None:
+    import transformers
+
+    from keepwarm import LLM, SamplingParams
+
+    path, expected = tiny_gguf
+    prompts = [[5, 17, 99, 240, 7], [300, 12, 45]]
+    llm = LLM(model=str(path), dtype="float32", daemon=False, max_model_len=128)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(_dense_dir(path, expected, tmp_path / "dense"),
+                                                           dtype=torch.float32)
+    hf.generation_config.eos_token_id = None
+    for p, out in zip(prompts, outs, strict=True):
+        ids = torch.tensor([p])
+        ref = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=12,
+                          pad_token_id=0)[0, len(p):].tolist()
+        assert out.outputs[0].token_ids == ref
+
+
+# ---------------------------------------------------------------------------------------------- bad files
+def bad_gguf(case: str, tmp_path: Path, tiny_gguf_path: Path) -> Path:
+    out = tmp_path / f"{case}.gguf"
+    if case == "truncated":
+        data = tiny_gguf_path.read_bytes()
+        out.write_bytes(data[:len(data) - 5000])
+    elif case == "unsupported_type":  # a type the package knows but keepwarm does not run (Q2_K)
+        write_tiny_gguf(out, {"blk.0.extra.weight": ("Q2_K", np.zeros((4, 84), dtype=np.uint8))})
+    else:  # a tensor type number no GGUF version defines
+        write_tiny_gguf(out)
+        data = bytearray(out.read_bytes())
+        name = b"blk.1.ffn_down.weight"
+        at = data.index(name) + len(name) + 4 + 2 * 8  # after the name: n_dims (u32), two dims (u64 each)
+        data[at:at + 4] = (250).to_bytes(4, "little")
+        out.write_bytes(bytes(data))
+    return out
+
+
+GGUF_BAD = [
+    ("truncated", "is not a complete, readable GGUF file"),
+    ("unsupported_type", "tensor blk.0.extra.weight has GGUF type Q2_K, which is not supported"),
+    ("unknown_type", "is not a complete, readable GGUF file"),
+]
+
+
+@pytest.mark.parametrize("case, message", GGUF_BAD)
+def test_bad_gguf_files_are_refused_in_one_line(tiny_gguf, tmp_path, case, message) -> None:
+    with pytest.raises(QuantizationError) as e:
+        Checkpoint(bad_gguf(case, tmp_path, tiny_gguf[0]))
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+# ---------------------------------------------------------------------------------------------- SmolLM2 (slow)
+@pytest.mark.slow
+def test_smollm2_served_from_its_own_q4_1_weights(tmp_path) -> None:
+    from safetensors.torch import load_file
+
+    from keepwarm import LLM, SamplingParams
+    from keepwarm.worker.default_model import bundled_gguf, default_model
+
+    path = bundled_gguf()
+    ckpt = Checkpoint(path)
+    _, total = plan_arena(ckpt, "auto", torch.float32)
+    flat = torch.empty(total, dtype=torch.uint8)
+    got = model_tensors(build_arena(ckpt, "auto", "float32", flat, "cpu"), flat)
+    converted = load_file(default_model() / "model.safetensors")  # transformers' GGUF dequantization, in bf16
+    a = "model.layers.7.self_attn."
+    qkv = torch.cat([converted[a + f"{x}_proj.weight"] for x in "qkv"])
+    assert got[a + "qkv_proj.weight"].meta.layout.startswith("int4_cpu")  # Q4_1: int4 groups of 32
+    assert torch.equal(got[a + "qkv_proj.weight"].dequantize().to(torch.bfloat16), qkv)
+    llm = LLM(model=str(path), max_model_len=512, daemon=False)
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(temperature=0, max_tokens=24))[0].outputs[0]
+    assert "Paris" in out.text
+
+
+@pytest.mark.slow
+def test_daemon_preloads_gguf_and_refuses_bad_ones(tiny_gguf, tmp_path) -> None:
+    import subprocess
+    import sys
+    import tempfile
+
+    from test_daemon import DaemonProc
+
+    from keepwarm.daemon.client import DaemonError
+    from keepwarm.formats import paths
+
+    runtime = Path(tempfile.mkdtemp(prefix="kwrt-", dir="/tmp"))
+    d = DaemonProc(runtime).start()
+    try:
+        out = subprocess.run([sys.executable, "-m", "keepwarm.cli.main", "preload", str(tiny_gguf[0])], env=d.env,
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr
+        with d.client() as c:
+            (model,) = c.status()["models"]
+            assert model["quantization"] == "gguf"
+            for case, message in GGUF_BAD:
+                with pytest.raises(DaemonError) as e:
+                    c.preload(str(bad_gguf(case, tmp_path, tiny_gguf[0])))
+                assert e.value.code == "bad_quantization" and message in e.value.message, e.value.message
+                assert "\n" not in e.value.message
+                assert [m["fingerprint"] for m in c.status()["models"]] == [model["fingerprint"]], case
+                assert len(list(paths.shm_dir(runtime).iterdir())) == 2, case  # one arena + its manifest
+            assert c.preload(str(tiny_gguf[0]))["cached"] is True
+    finally:
+        d.stop()
+        shutil.rmtree(paths.shm_dir(runtime), ignore_errors=True)
+        shutil.rmtree(runtime, ignore_errors=True)
