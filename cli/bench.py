@@ -200,7 +200,8 @@ def quality(
     from keepwarm.cli.heldout import HELDOUT_TEXT
 
     torch.set_num_threads(threads)
-    variants = [(s, "auto") for s in schemes.split(",")] + [("none", "fp8")]
+    names = schemes.split(",")
+    variants = [(s, "auto") for s in names] + [(names[0], "fp8")]  # the fp8 KV cache over the first scheme
     rows = []
     reference_tokens: list[list[int]] | None = None
     typer.echo(f"# machine: {machine_line()}")
@@ -225,7 +226,7 @@ def quality(
                "greedy_token_agreement": agree / sum(map(len, greedy)),
                "greedy_identical_prefix_mean": sum(prefix) / len(prefix)}
         rows.append(row)
-        typer.echo(f"{scheme:5s} kv={kv:4s} ppl {ppl:8.3f}  weights {row['weight_bytes'] / 1e6:7.1f} MB  "
+        typer.echo(f"{scheme:8s} kv={kv:4s} ppl {ppl:8.3f}  weights {row['weight_bytes'] / 1e6:7.1f} MB  "
                    f"greedy agreement {row['greedy_token_agreement']:.1%}  "
                    f"identical prefix {row['greedy_identical_prefix_mean']:.1f}/64")
         del llm

@@ -209,8 +209,8 @@ BAD_INPUTS = [
 def test_bad_quantized_checkpoints_one_line_nothing_resident_daemon_serves(tmp_path) -> None:
     from test_daemon import DaemonProc
 
-    from keepwarm.formats import paths
     from keepwarm.daemon.client import DaemonError
+    from keepwarm.formats import paths
 
     runtime = Path(tempfile.mkdtemp(prefix="kwrt-", dir="/tmp"))
     d = DaemonProc(runtime).start()
