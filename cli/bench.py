@@ -144,7 +144,7 @@ def throughput(
     ns = [int(x) for x in concurrency.split(",")]
     rows: list[dict] = []
     typer.echo(f"# machine: {machine_line()}")
-    model_dir, prompts = "", []
+    model_dir, prompts = "", list[list[int]]()
     for scheme in quantization.split(","):
         model_dir, prompts = _keepwarm_throughput(model, dtype, scheme, ns, max_tokens, repeats, rows)
 
