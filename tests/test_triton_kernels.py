@@ -377,6 +377,64 @@ def test_quantized_linear_matches_reference(scheme: str, dtype: torch.dtype) -> 
         _mm_close(y, quant.linear_reference(x, qw, bias), x, dense, dtype)
 
 
+@pytest.mark.parametrize("scheme", ["int8", "fp8", "int4"])
+def test_quantized_linear_split_k_and_tiles(scheme: str) -> None:
+    """Every tile shape the table can hold, with split-K (3 slices over 4 K tiles: a short last slice) and
+    without: the same result as the reference. The CPU has no SM count, so split-K is only reached like this."""
+    g = torch.Generator().manual_seed(3)
+    n, k = 72, 256
+    w = torch.randn(n, k, generator=g) * 0.05
+    qw = QuantizedWeight.from_parts(*quantize(w, scheme, torch.bfloat16, "cuda", group_size=64))
+    dense = qw.dequantize(torch.bfloat16)
+    kind = getattr(tq, f"KIND_{scheme.upper()}")
+    for rows, tile in ((1, tq.Tile(16, 32, 64, 3)), (5, tq.Tile(16, 64, 64, 2)), (20, tq.Tile(32, 16, 128, 1)),
+                       (3, tq.Tile(16, 16, 32, 8))):
+        x = torch.randn(rows, k, generator=g).bfloat16()
+        bias = torch.randn(n, generator=g).bfloat16()
+        if scheme == "int4" and tile.block_k > 64:
+            tile = tq.Tile(tile.block_m, tile.block_n, 64, tile.split_k)
+        y = tq.launch(x, qw, bias, kind, tile)
+        _mm_close(y, quant.linear_reference(x, qw, bias), x, dense, torch.bfloat16)
+
+
+def test_fp8_per_channel_scale() -> None:
+    """A per-output-channel fp8 scale (pre-quantized checkpoints) is applied per row of W, by both paths' math."""
+    g = torch.Generator().manual_seed(4)
+    n, k = 48, 128
+    w = torch.randn(n, k, generator=g) * torch.linspace(0.01, 1.0, n)[:, None]
+    scale = w.abs().amax(1) / 448.0
+    meta, _ = quantize(w, "fp8", torch.bfloat16, "cuda")
+    qw = QuantizedWeight(meta, {"qweight": (w / scale[:, None]).to(FP8), "scale": scale})  # no [1]-shape check
+    dense = (qw.parts["qweight"].float() * scale[:, None]).bfloat16()
+    x = torch.randn(5, k, generator=g).bfloat16()
+    y = tq.launch(x, qw, None, tq.KIND_FP8, tq.Tile(16, 16, 64, 2))
+    _mm_close(y, x.float() @ dense.float().t(), x, dense, torch.bfloat16)
+
+
+def test_tile_table_lookup(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Shape row, then the kind and M range's '*' row, then the built-in heuristic; int4 K tiles stay in a group."""
+    table = {"tiles": {"int4": {"1": {"4096x4096": [16, 128, 256, 4, 4, 4], "*": [16, 32, 64, 2, 4, 3]}},
+                       "int8": {"64": {"*": [64, 64, 128, 1, 4, 3]}}},
+             "fp8_scaled_mm_min_rows": 48}
+    monkeypatch.setattr(tq, "load_table", lambda path=None: table)
+    cpu = torch.device("cpu")
+    assert tq.m_bucket(1) == 1 and tq.m_bucket(2) == 16 and tq.m_bucket(17) == 64 and tq.m_bucket(10**6) == 256
+    t = tq.choose_tile(tq.KIND_INT4, 1, 4096, 4096, 128, False, cpu)
+    assert (t.block_n, t.block_k, t.split_k) == (128, 128, 4)  # 256 legalised to the group of 128
+    assert tq.choose_tile(tq.KIND_INT4, 1, 6144, 4096, 128, False, cpu).block_n == 32  # '*'
+    assert tq.choose_tile(tq.KIND_INT8, 40, 6144, 4096, 0, False, cpu) == tq.Tile(64, 64, 128, 1, 4, 3)
+    assert tq.choose_tile(tq.KIND_INT8, 1, 6144, 4096, 0, False, cpu) == tq._default_tile(
+        tq.KIND_INT8, 1, 6144, 4096, 0)  # no row at all
+    assert tq.fp8_min_rows() == 48
+
+
+def test_default_tile_splits_k_only_to_fill_the_gpu() -> None:
+    small_n = tq._default_tile(tq.KIND_INT8, 1, 4096, 14336, 132)  # 64 tiles of N: split to fill 132 SMs
+    wide_n = tq._default_tile(tq.KIND_INT8, 1, 28672, 4096, 132)  # 448 tiles: no split
+    assert small_n.split_k > 1 and wide_n.split_k == 1
+    assert tq._default_tile(tq.KIND_INT8, 1, 4096, 14336, 0).split_k == 1  # interpreter: no SMs to fill
+
+
 def test_int4_cpu_layout_falls_back_to_reference() -> None:
     from keepwarm.daemon.quantize import cpu_int4_layout
 
