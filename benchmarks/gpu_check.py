@@ -445,22 +445,24 @@ def phase_matmul(ctx: dict) -> dict:
 
 
 def _stream_request(client, base: str, prompt: str, max_tokens: int) -> dict:
-    """One streaming completion: seconds to the first token, token count, seconds in all."""
+    """One streaming completion: seconds to the first chunk (the first token; its text may be held back while it
+    is an incomplete character, so chunks are not tokens), the completion's token count from the usage chunk,
+    seconds in all."""
     t0 = time.perf_counter()
     first = None
     tokens = 0
     body = {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "ignore_eos": True}
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
     with client.stream("POST", base + "/v1/completions", json=body, timeout=300) as r:
         r.raise_for_status()
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
-            if chunk.get("choices") and chunk["choices"][0].get("text") is not None:
-                tokens += 1
-                if first is None:
-                    first = time.perf_counter()
+            if chunk.get("choices") and first is None:
+                first = time.perf_counter()
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
     return {"ttft": first - t0 if first else None, "first_at": first, "tokens": tokens,
             "seconds": time.perf_counter() - t0}
 

@@ -40,6 +40,11 @@ def candidates(kind: str, m: int) -> list[tuple[int, int, int, int, int, int]]:
     """(block_m, block_n, block_k, split_k, warps, stages) to try; int4 K tiles stay inside a 128-group."""
     bks = (64, 128) if kind == "int4" else (128, 256)
     out = []
+    if m == 1:  # the GEMV kernel (block_m 1): float32 FMAs, no MMA padding
+        for bn in (16, 32, 64):
+            for bk in bks:
+                for split in (1, 2, 4, 8):
+                    out.append((1, bn, bk, split, 4, 3))
     if m <= 16:
         for bn in (32, 64, 128):
             for bk in bks:
@@ -117,7 +122,7 @@ def _compile_worker(args: tuple[list, bool]) -> int:
         try:
             # K = 2048: int4's scale stride (K / 128) divisible by 16, like the real shapes (Triton specializes it)
             w = _weights(kind, 256, 2048, device, 1)[0]
-            x = torch.randn(tile[0], 2048, device=device, dtype=torch.bfloat16)
+            x = torch.randn(max(1, tile[0]), 2048, device=device, dtype=torch.bfloat16)
             tq.launch(x, w, None, getattr(tq, f"KIND_{kind.upper()}"), tq.Tile(*tile))
         except Exception:
             failed += 1

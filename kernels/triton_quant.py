@@ -105,11 +105,15 @@ def _wq_linear_kernel(
             x_o = tl.load(x_cols + (ke + 1)[:, None] * stride_xk, mask=x_mask, other=0.0).to(DOT_DTYPE)
             part = tl.dot(w_lo, x_e, input_precision=PRECISION)
             part = tl.dot(w_hi, x_o, part, input_precision=PRECISION)
+            # sum_k x_k per column, broadcast over the rows, by the tensor cores (idle at decode anyway): a
+            # cross-warp reduction here, once per K tile, cost more than the whole weight load.
+            ones = tl.full([BLOCK_N, HALF], 1.0, DOT_DTYPE)
+            xz = tl.dot(ones, x_e, input_precision=PRECISION)
+            xz = tl.dot(ones, x_o, xz, input_precision=PRECISION)
             g = k0 // GROUP_SIZE  # BLOCK_K divides GROUP_SIZE: the whole tile is in group g
             sc = tl.load(s_ptr + rn * stride_sn + g * stride_sg, mask=n_ok, other=0.0).to(tl.float32)
             zr = tl.load(z_ptr + rn * stride_zn + g * stride_zg, mask=n_ok, other=0.0).to(tl.float32)
-            xs = tl.sum(x_e.to(tl.float32), 0) + tl.sum(x_o.to(tl.float32), 0)  # [BLOCK_M]
-            acc += part * sc[:, None] + zr[:, None] * xs[None, :]
+            acc += part * sc[:, None] + zr[:, None] * xz
     else:
         rk = tl.arange(0, BLOCK_K)
         for k0 in range(k_lo, k_hi, BLOCK_K):
@@ -136,6 +140,70 @@ def _wq_linear_kernel(
             acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[:, None]
         y = y_ptr + rm[None, :].to(tl.int64) * stride_ym + rn[:, None] * stride_yn
         tl.store(y, tc.to_dtype(acc, OUT_DTYPE), mask=out_mask)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _wq_gemv_kernel(
+    x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, M, N, K, k_per_split,
+    stride_xm, stride_xk, stride_qn, stride_qk, stride_sn, stride_sg, stride_zn, stride_zg, stride_ym, stride_yn,
+    KIND: tl.constexpr, GROUP_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, OUT_DTYPE: tl.constexpr, NATIVE_FP8: tl.constexpr,
+):
+    """One row of x per program (grid axis 1), float32 FMAs instead of an MMA padded to 16 rows: for M = 1 the
+    work per weight byte is a handful of integer/float ops, with the products summed per lane across the whole K
+    slice and reduced across lanes once at the end. Codes become floats exactly without the (quarter-rate)
+    int-to-float conversion: a code OR-ed into the mantissa of 2**23 is 2**23 + code."""
+    pid_n = tl.program_id(0)
+    row = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = rn < N
+    q_rows = q_ptr + rn.to(tl.int64)[:, None] * stride_qn
+    x_row = x_ptr + row.to(tl.int64) * stride_xm
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    if KIND == 2:
+        HALF: tl.constexpr = BLOCK_K // 2
+        rb = tl.arange(0, HALF)
+        acc2 = tl.zeros([BLOCK_N, HALF], dtype=tl.float32)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            ke = k0 + 2 * rb
+            e_ok = ke < K
+            packed = tl.load(q_rows + (k0 // 2 + rb)[None, :] * stride_qk, mask=n_ok[:, None] & e_ok[None, :],
+                             other=0).to(tl.int32)
+            w_lo = ((packed & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0  # q - 8, exactly
+            w_hi = (((packed >> 4) & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
+            x_e = tl.load(x_row + ke * stride_xk, mask=e_ok, other=0.0).to(tl.float32)
+            x_o = tl.load(x_row + (ke + 1) * stride_xk, mask=e_ok, other=0.0).to(tl.float32)
+            g = k0 // GROUP_SIZE  # BLOCK_K divides GROUP_SIZE: the whole tile is in group g
+            sc = tl.load(s_ptr + rn * stride_sn + g * stride_sg, mask=n_ok, other=0.0).to(tl.float32)
+            zr = tl.load(z_ptr + rn * stride_zn + g * stride_zg, mask=n_ok, other=0.0).to(tl.float32)
+            t = w_lo * x_e[None, :] + w_hi * x_o[None, :]
+            acc2 += sc[:, None] * t + zr[:, None] * (x_e + x_o)[None, :]
+        acc = tl.sum(acc2, 1)
+    else:
+        rk = tl.arange(0, BLOCK_K)
+        acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            kk = k0 + rk
+            k_ok = kk < K
+            raw = tl.load(q_rows + kk[None, :] * stride_qk, mask=n_ok[:, None] & k_ok[None, :], other=0)
+            if KIND == 1:
+                if NATIVE_FP8:
+                    w = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+                else:
+                    w = tc.fp8_to_f32(raw, 1)
+            else:  # int8: q + 128 in [0, 255], into the mantissa of 2**23
+                w = ((raw.to(tl.int32) + 128) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0
+            xv = tl.load(x_row + kk * stride_xk, mask=k_ok, other=0.0).to(tl.float32)
+            acc2 += w * xv[None, :]
+        acc = tl.sum(acc2, 1) * tl.load(s_ptr + rn * stride_sn, mask=n_ok, other=0.0).to(tl.float32)
+    if SPLIT:
+        tl.store(ws_ptr + pid_k.to(tl.int64) * M * N + row.to(tl.int64) * N + rn, acc, mask=n_ok)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+        tl.store(y_ptr + row.to(tl.int64) * stride_ym + rn * stride_yn, tc.to_dtype(acc, OUT_DTYPE), mask=n_ok)
 
 
 @triton.jit
@@ -211,11 +279,15 @@ def choose_tile(kind: int, m: int, n: int, k: int, group_size: int, fp32: bool, 
         t = Tile(16, 32, 32, 1, 4, 3) if m <= 16 else Tile(32, 64, 32, 1, 4, 3)
     else:
         t = _table_tile(kind, m, n, k) or _default_tile(kind, m, n, k, tc.sm_count(device))
+    if t.block_m == 1 and m > 1:  # a GEMV row of the table is for M = 1; more rows would each re-read W
+        t = Tile(16, t.block_n, t.block_k, t.split_k, t.warps, t.stages)
     bk = t.block_k
     if kind == KIND_INT4:
         bk = max(32, min(bk, group_size))  # two half-K dots of >= 16
         while group_size % bk:
             bk //= 2
+    if t.block_m == 1:
+        bk = max(bk, 32)
     return Tile(t.block_m, t.block_n, bk, max(1, t.split_k), t.warps, t.stages)
 
 
@@ -250,14 +322,16 @@ def launch(x: torch.Tensor, w, bias: torch.Tensor | None, kind: int, tile: Tile 
     splits = triton.cdiv(k, k_per_split)
     ws = torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if splits > 1 else y
     out_dtype = tc.tl_dtype(x.dtype)
-    _wq_linear_kernel[(triton.cdiv(n, t.block_n), triton.cdiv(m, t.block_m), splits)](
-        x2, q, s, z, bias if bias is not None else y, y, ws, m, n, k, k_per_split,
-        *x2.stride(), *q.stride(), *s_strides, *z_strides, *y.stride(),
-        KIND=kind, GROUP_SIZE=max(gs, 1), HAS_BIAS=bias is not None, SPLIT=splits > 1,
-        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, OUT_DTYPE=out_dtype, DOT_DTYPE=dot,
-        PRECISION=tc.dot_precision(dot), NATIVE_FP8=tc.native_fp8(x.device), num_warps=t.warps,
-        num_stages=t.stages,
-    )
+    args = (x2, q, s, z, bias if bias is not None else y, y, ws, m, n, k, k_per_split,
+            *x2.stride(), *q.stride(), *s_strides, *z_strides, *y.stride())
+    common = dict(KIND=kind, GROUP_SIZE=max(gs, 1), HAS_BIAS=bias is not None, SPLIT=splits > 1,
+                  BLOCK_N=t.block_n, BLOCK_K=t.block_k, OUT_DTYPE=out_dtype, NATIVE_FP8=tc.native_fp8(x.device),
+                  num_warps=t.warps, num_stages=t.stages)
+    if t.block_m == 1:  # GEMV: one program column per row of x
+        _wq_gemv_kernel[(triton.cdiv(n, t.block_n), m, splits)](*args, **common)
+    else:
+        _wq_linear_kernel[(triton.cdiv(n, t.block_n), triton.cdiv(m, t.block_m), splits)](
+            *args, BLOCK_M=t.block_m, DOT_DTYPE=dot, PRECISION=tc.dot_precision(dot), **common)
     if splits > 1:
         block = 1024
         _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](
@@ -302,13 +376,46 @@ def fp8_path(x: torch.Tensor, w, capability: tuple[int, int] | None = None) -> s
     return "scaled_mm" if cap[0] == 9 and rows >= fp8_min_rows() else "triton"
 
 
+@triton.jit
+def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, BLOCK: tl.constexpr):
+    """One row of x per program: scale = max(amax / 448, 1e-12), codes = e4m3(clamp(x / scale)), bit for bit
+    what the torch expression in `quantize_rows` gives (true divisions, round to nearest even)."""
+    row = tl.program_id(0).to(tl.int64)
+    amax = tl.zeros([BLOCK], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK):
+        k = k0 + tl.arange(0, BLOCK)
+        amax = tl.maximum(amax, tl.abs(tl.load(x_ptr + row * stride_xm + k, mask=k < K, other=0.0).to(tl.float32)))
+    scale = tl.maximum(tl.math.div_rn(tl.max(amax, 0), 448.0), 1e-12)
+    for k0 in range(0, K, BLOCK):
+        k = k0 + tl.arange(0, BLOCK)
+        v = tl.load(x_ptr + row * stride_xm + k, mask=k < K, other=0.0).to(tl.float32)
+        v = tl.minimum(tl.maximum(tl.math.div_rn(v, scale), -448.0), 448.0)
+        tl.store(q_ptr + row * stride_qm + k, tc.f32_to_fp8(v, 1), mask=k < K)
+    tl.store(s_ptr + row, scale)
+
+
+def quantize_rows(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row e4m3 codes and float32 scales [M, 1] of a 2-D x: one Triton launch on CUDA (the torch expression
+    took ~6 kernels, which cost more than a decode-sized matmul), the torch expression elsewhere."""
+    m, k = x2.shape
+    if x2.device.type != "cuda" and not tc.INTERPRETED:
+        xf = x2.float()
+        scale = (xf.abs().amax(dim=1, keepdim=True) / _FP8_MAX).clamp_(min=1e-12)  # an all-zero row -> 0s
+        return (xf / scale).clamp_(-_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn), scale
+    codes = torch.empty(m, k, dtype=torch.uint8, device=x2.device)
+    scale = torch.empty(m, 1, dtype=torch.float32, device=x2.device)
+    if m:
+        _quant_rows_kernel[(m,)](x2, codes, scale, k, x2.stride(0), codes.stride(0), BLOCK=1024, num_warps=4)
+    return codes.view(torch.float8_e4m3fn), scale
+
+
 def fp8_scaled_mm(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
     """W8A8 through torch._scaled_mm: x quantized to e4m3 per row (scale = row amax / 448), rowwise scales."""
     n, k = w.meta.shape
     x2 = x.reshape(-1, k)
-    xf = x2.float()
-    x_scale = (xf.abs().amax(dim=1, keepdim=True) / _FP8_MAX).clamp_(min=1e-12)  # [M, 1]; an all-zero row -> 0s
-    xq = (xf / x_scale).clamp_(-_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn)
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    xq, x_scale = quantize_rows(x2)
     # Rowwise scaling wants scale_b as [1, N] float32: a per-channel scale as is, a per-tensor one broadcast
     # (no host sync either way).
     scale = w.parts["scale"].float()

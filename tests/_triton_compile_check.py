@@ -110,6 +110,14 @@ def _compile_all(quick: bool) -> list[tuple[str, object, dict]]:
     for scheme, dtype, rows in cases:
         qw = QuantizedWeight.from_parts(*quantize(torch.randn(256, 512), scheme, dtype, "cuda"))
         getattr(tq, f"linear_{scheme}")(torch.empty(rows, 512, dtype=dtype), qw, torch.empty(256, dtype=dtype))
+    for scheme in ("int8", "fp8", "int4"):  # decode tiles as the tile table holds them: GEMV and split-K
+        qw = QuantizedWeight.from_parts(*quantize(torch.randn(256, 2048), scheme, bf16, "cuda"))
+        kind = getattr(tq, f"KIND_{scheme.upper()}")
+        bks = (64, 128) if scheme == "int4" else (128, 256)
+        for tile in [tq.Tile(1, bn, bk, 2, 4, 4) for bn in (32, 64) for bk in bks] + [tq.Tile(16, 64, bks[1], 4)]:
+            tq.launch(torch.empty(1, 2048, dtype=bf16), qw, None, kind, tile)
+            if quick:
+                break
     for dtype in dtypes:
         buf = tlora.lora_shrink(torch.empty(40, 4096, dtype=dtype), torch.empty(3 * 4 * 16, 4096, dtype=dtype),
                                 torch.zeros(40, dtype=torch.int64), 16, 4)

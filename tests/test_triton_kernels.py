@@ -379,8 +379,8 @@ def test_quantized_linear_matches_reference(scheme: str, dtype: torch.dtype) -> 
 
 @pytest.mark.parametrize("scheme", ["int8", "fp8", "int4"])
 def test_quantized_linear_split_k_and_tiles(scheme: str) -> None:
-    """Every tile shape the table can hold, with split-K (3 slices over 4 K tiles: a short last slice) and
-    without: the same result as the reference. The CPU has no SM count, so split-K is only reached like this."""
+    """Every tile shape the table can hold (MMA tiles and GEMV, block_m 1), with split-K (3 slices over 4 K tiles:
+    a short last slice) and without: the same result as the reference. The CPU has no SM count, so split-K is only reached like this."""
     g = torch.Generator().manual_seed(3)
     n, k = 72, 256
     w = torch.randn(n, k, generator=g) * 0.05
@@ -388,7 +388,8 @@ def test_quantized_linear_split_k_and_tiles(scheme: str) -> None:
     dense = qw.dequantize(torch.bfloat16)
     kind = getattr(tq, f"KIND_{scheme.upper()}")
     for rows, tile in ((1, tq.Tile(16, 32, 64, 3)), (5, tq.Tile(16, 64, 64, 2)), (20, tq.Tile(32, 16, 128, 1)),
-                       (3, tq.Tile(16, 16, 32, 8))):
+                       (3, tq.Tile(16, 16, 32, 8)), (1, tq.Tile(1, 32, 64, 3)), (1, tq.Tile(1, 16, 128, 1)),
+                       (2, tq.Tile(1, 64, 32, 2))):  # the last three: the GEMV kernel (one program row per x row)
         x = torch.randn(rows, k, generator=g).bfloat16()
         bias = torch.randn(n, generator=g).bfloat16()
         if scheme == "int4" and tile.block_k > 64:
@@ -463,6 +464,20 @@ def test_fp8_path_selection(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(tq.FP8_MATMUL_ENV, "fast")
     with pytest.raises(ValueError, match=tq.FP8_MATMUL_ENV):
         tq.fp8_path(big, qw, hopper)
+
+
+def test_quantize_rows_kernel_matches_torch_bit_for_bit() -> None:
+    """The one-launch per-token fp8 quantization feeding _scaled_mm equals the torch expression exactly: same
+    scales, same codes (an all-zero row, values that saturate, K not a multiple of the kernel's block)."""
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(4, 1500, generator=g) * torch.tensor([1e-3, 1.0, 30.0, 1.0])[:, None]).bfloat16()
+    x[0] = 0
+    codes, scale = tq.quantize_rows(x)
+    xf = x.float()
+    want_scale = (xf.abs().amax(dim=1, keepdim=True) / 448.0).clamp(min=1e-12)
+    want = (xf / want_scale).clamp(-448, 448).to(FP8)
+    assert torch.equal(scale, want_scale)
+    assert torch.equal(codes.view(torch.uint8), want.view(torch.uint8))
 
 
 def test_fp8_scaled_mm_is_w8a8() -> None:

@@ -85,14 +85,28 @@ class ModelRunner:
         block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)
         slots = block_tables[seq_idx, positions // self.block_size] * self.block_size + positions % self.block_size
         dev = self.device
+        ids_t = torch.tensor(ids, dtype=torch.int64)
+        seq_lens = (start + q_lens).to(torch.int32)
+        if dev.type == "cuda":
+            # Two host-to-device copies from pinned memory, asynchronous, instead of six from pageable memory,
+            # each of which blocked the host (a decode step's host side is on its critical path); torch's caching
+            # host allocator keeps a pinned block alive until its copy has run.
+            i64 = torch.cat([ids_t, positions, slots]).pin_memory().to(dev, non_blocking=True)
+            i32 = torch.cat([block_tables.to(torch.int32).flatten(), seq_lens, qsl.to(torch.int32)])
+            i32 = i32.pin_memory().to(dev, non_blocking=True)
+            s, nb = block_tables.shape
+            attn = AttentionMetadata(slot_mapping=i64[2 * T:], block_tables=i32[:s * nb].view(s, nb),
+                                     seq_lens=i32[s * nb:s * nb + s], query_start_loc=i32[s * nb + s:],
+                                     max_query_len=int(q_lens.max()))
+            return i64[:T], i64[T:2 * T], attn
         attn = AttentionMetadata(
             slot_mapping=slots.to(dev),
             block_tables=block_tables.to(torch.int32).to(dev),
-            seq_lens=(start + q_lens).to(torch.int32).to(dev),
+            seq_lens=seq_lens.to(dev),
             query_start_loc=qsl.to(torch.int32).to(dev),
             max_query_len=int(q_lens.max()),
         )
-        return torch.tensor(ids, dtype=torch.int64, device=dev), positions.to(dev), attn
+        return ids_t.to(dev), positions.to(dev), attn
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, token_rows: list[int]) -> torch.Tensor:
