@@ -168,7 +168,7 @@ def _paged_attention_kernel(
             elif KV_CAST:
                 v = tc.round_as(v.to(tl.float32), Q_DTYPE)
             # Probabilities rounded to the model dtype before P @ V, as the reference does.
-            if F16_KV:
+            if F16_KV:  # noqa: SIM108 (a static branch on a constexpr, kept as a plain if for Triton)
                 p = p.to(KV_DOT)  # float16 holds probabilities more precisely than bfloat16
             else:
                 p = tc.round_as(p, Q_DTYPE).to(DOT_DTYPE)
@@ -295,7 +295,8 @@ def paged_attention(
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=group_pad,
         BLOCK_Q=block_q, BLOCK_N=block_n, DECODE=decode, SPLIT=split, FP8_KIND=fp8,
         KV_CAST=not fp8 and key_cache.dtype != query.dtype, Q_DTYPE=tc.tl_dtype(query.dtype), DOT_DTYPE=dot,
-        PRECISION=tc.dot_precision(dot), NATIVE_FP8=native_fp8, F16_KV=f16_kv, KV_DOT=tl.float16 if f16_kv else dot, num_warps=warps,
+        PRECISION=tc.dot_precision(dot), NATIVE_FP8=native_fp8, F16_KV=f16_kv, KV_DOT=tl.float16 if f16_kv else dot,
+        num_warps=warps,
     )
     if split:
         # Grid: one program per (token row, query head): it reads that row's NUM_SPLITS partials (a few KB) and

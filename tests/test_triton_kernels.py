@@ -380,7 +380,8 @@ def test_quantized_linear_matches_reference(scheme: str, dtype: torch.dtype) -> 
 @pytest.mark.parametrize("scheme", ["int8", "fp8", "int4"])
 def test_quantized_linear_split_k_and_tiles(scheme: str) -> None:
     """Every tile shape the table can hold (MMA tiles and GEMV, block_m 1), with split-K (3 slices over 4 K tiles:
-    a short last slice) and without: the same result as the reference. The CPU has no SM count, so split-K is only reached like this."""
+    a short last slice) and without: the same result as the reference. The CPU has no SM count, so split-K is
+    only reached like this."""
     g = torch.Generator().manual_seed(3)
     n, k = 72, 256
     w = torch.randn(n, k, generator=g) * 0.05
@@ -405,7 +406,8 @@ def test_fp8_per_channel_scale() -> None:
     w = torch.randn(n, k, generator=g) * torch.linspace(0.01, 1.0, n)[:, None]
     scale = w.abs().amax(1) / 448.0
     meta, _ = quantize(w, "fp8", torch.bfloat16, "cuda")
-    qw = QuantizedWeight(meta, {"qweight": (w / scale[:, None]).to(FP8), "scale": scale})  # no [1]-shape check
+    # Built directly: from_parts checks the [1]-shaped per-tensor scale of today's layout.
+    qw = QuantizedWeight(meta, {"qweight": (w / scale[:, None]).to(FP8), "scale": scale})
     dense = (qw.parts["qweight"].float() * scale[:, None]).bfloat16()
     x = torch.randn(5, k, generator=g).bfloat16()
     y = tq.launch(x, qw, None, tq.KIND_FP8, tq.Tile(16, 16, 64, 2))
