@@ -695,7 +695,7 @@ def main() -> int:
     signal.alarm(max(1, int(a.budget + 15)))
     # Rough seconds each phase needs at most (16 GB of weights on an H200-class machine); skipped if less is left.
     needs = {"bandwidth": 5, "model": 120, "load": 150, "decode": 60, "attention": 20, "matmul": 20,
-             "decode_int4": 60, "decode_fp8": 60, "serve": 90}
+             "decode_int4": 60, "decode_fp8": 60, "serve": 45}
     after = {"load": "model", "decode": "load", "decode_int4": "load", "decode_fp8": "load", "serve": "load"}
     try:
         phases = (("bandwidth", phase_bandwidth), ("model", phase_model), ("load", phase_load),

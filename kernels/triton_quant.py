@@ -100,9 +100,14 @@ def _wq_linear_kernel(
                              other=0)
             w_lo = ((packed & 15).to(tl.int32) - 8).to(DOT_DTYPE)  # exact: small integers
             w_hi = ((packed >> 4).to(tl.int32) - 8).to(DOT_DTYPE)
-            x_mask = e_ok[:, None] & m_ok[None, :]
-            x_e = tl.load(x_cols + ke[:, None] * stride_xk, mask=x_mask, other=0.0).to(DOT_DTYPE)
-            x_o = tl.load(x_cols + (ke + 1)[:, None] * stride_xk, mask=x_mask, other=0.0).to(DOT_DTYPE)
+            # x's tile loaded contiguously (16-byte loads), then split into its even and odd columns in registers:
+            # two stride-2 gathers cost more load instructions than the weight tile itself.
+            kx = k0 + tl.arange(0, BLOCK_K)
+            xr = tl.load(x_ptr + rm[:, None] * stride_xm + kx[None, :] * stride_xk,
+                         mask=m_ok[:, None] & (kx < K)[None, :], other=0.0)
+            x_e, x_o = tl.split(tl.reshape(xr, [BLOCK_M, HALF, 2]))
+            x_e = tl.trans(x_e).to(DOT_DTYPE)
+            x_o = tl.trans(x_o).to(DOT_DTYPE)
             part = tl.dot(w_lo, x_e, input_precision=PRECISION)
             part = tl.dot(w_hi, x_o, part, input_precision=PRECISION)
             # sum_k x_k per column, broadcast over the rows, by the tensor cores (idle at decode anyway): a
@@ -173,8 +178,9 @@ def _wq_gemv_kernel(
                              other=0).to(tl.int32)
             w_lo = ((packed & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0  # q - 8, exactly
             w_hi = (((packed >> 4) & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
-            x_e = tl.load(x_row + ke * stride_xk, mask=e_ok, other=0.0).to(tl.float32)
-            x_o = tl.load(x_row + (ke + 1) * stride_xk, mask=e_ok, other=0.0).to(tl.float32)
+            kx = k0 + tl.arange(0, BLOCK_K)  # contiguous, then split in registers (see the MMA kernel)
+            x_e, x_o = tl.split(tl.reshape(tl.load(x_row + kx * stride_xk, mask=kx < K, other=0.0).to(tl.float32),
+                                           [HALF, 2]))
             g = k0 // GROUP_SIZE  # BLOCK_K divides GROUP_SIZE: the whole tile is in group g
             sc = tl.load(s_ptr + rn * stride_sn + g * stride_sg, mask=n_ok, other=0.0).to(tl.float32)
             zr = tl.load(z_ptr + rn * stride_zn + g * stride_zg, mask=n_ok, other=0.0).to(tl.float32)
