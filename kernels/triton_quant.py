@@ -33,8 +33,9 @@ the table takes its kind and M range's default row, then the built-in heuristic 
 
 FP8 W8A8 on Hopper: `torch._scaled_mm` with per-token activation scales (x quantized to e4m3 per row, the weight
 scale per column) uses fp8 tensor cores. It changes the numbers (x is rounded to 3 mantissa bits), so it is taken
-only where it wins: bfloat16 activations, compute capability 9.x, M >= the table's ``fp8_scaled_mm_min_rows``
-(the measured crossover; without a table entry, 128), K and N multiples of 16. ``KEEPWARM_FP8_MATMUL=auto|triton|
+only where it wins: bfloat16 activations, compute capability 9.x, M at or above the measured crossover for the
+shape (`fp8_min_rows`, from the table's timings; else the table's all-shapes ``fp8_scaled_mm_min_rows``; else 128),
+K and N multiples of 16. ``KEEPWARM_FP8_MATMUL=auto|triton|
 scaled_mm`` overrides the choice (read per call, for A/B runs on a GPU).
 """
 
@@ -360,9 +361,19 @@ def linear_int4(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.T
 
 
 # ---------------------------------------------------------------------------------------------- fp8
-def fp8_min_rows() -> int:
-    """The measured M from which W8A8 `_scaled_mm` beats the weight-only kernel (the table's), else 128."""
-    return int(load_table().get("fp8_scaled_mm_min_rows") or FP8_SCALED_MM_MIN_ROWS)
+def fp8_min_rows(n: int | None = None, k: int | None = None) -> int:
+    """The M from which W8A8 `_scaled_mm` beats the weight-only kernel: for a shape the table timed, the smallest
+    timed M from which it won at every larger timed M (twice the largest if it never won); else the table's
+    all-shapes crossover; else 128."""
+    table = load_table()
+    if n is not None:
+        wins = {int(m): r["scaled_mm_us"] < r["best_us"]
+                for m, rows in table.get("timings_us", {}).get("fp8", {}).items()
+                if (r := rows.get(f"{n}x{k}")) and "scaled_mm_us" in r and "best_us" in r}
+        if wins:
+            ms = sorted(wins)
+            return next((m for m in ms if all(wins[x] for x in ms if x >= m)), 2 * ms[-1])
+    return int(table.get("fp8_scaled_mm_min_rows") or FP8_SCALED_MM_MIN_ROWS)
 
 
 def fp8_path(x: torch.Tensor, w, capability: tuple[int, int] | None = None) -> str:
@@ -379,7 +390,7 @@ def fp8_path(x: torch.Tensor, w, capability: tuple[int, int] | None = None) -> s
         return "scaled_mm"
     cap = capability or torch.cuda.get_device_capability(x.device)
     rows = x.numel() // max(k, 1)
-    return "scaled_mm" if cap[0] == 9 and rows >= fp8_min_rows() else "triton"
+    return "scaled_mm" if cap[0] == 9 and rows >= fp8_min_rows(n, k) else "triton"
 
 
 @triton.jit

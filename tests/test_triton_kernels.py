@@ -429,6 +429,15 @@ def test_tile_table_lookup(monkeypatch: pytest.MonkeyPatch) -> None:
     assert tq.choose_tile(tq.KIND_INT8, 1, 6144, 4096, 0, False, cpu) == tq._default_tile(
         tq.KIND_INT8, 1, 6144, 4096, 0)  # no row at all
     assert tq.fp8_min_rows() == 48
+    # Per shape, from the table's timings: the smallest timed M from which _scaled_mm won at every larger one.
+    table["timings_us"] = {"fp8": {"16": {"64x128": {"best_us": 5.0, "scaled_mm_us": 4.0}},
+                                   "64": {"64x128": {"best_us": 5.0, "scaled_mm_us": 6.0},
+                                          "32x128": {"best_us": 5.0, "scaled_mm_us": 6.0}},
+                                   "256": {"64x128": {"best_us": 9.0, "scaled_mm_us": 8.0},
+                                           "32x128": {"best_us": 5.0, "scaled_mm_us": 6.0}}}}
+    assert tq.fp8_min_rows(64, 128) == 256  # won at 16, lost at 64: not from 16
+    assert tq.fp8_min_rows(32, 128) == 512  # never won: past the largest timed M
+    assert tq.fp8_min_rows(48, 128) == 48  # not timed: the all-shapes value
 
 
 def test_default_tile_splits_k_only_to_fill_the_gpu() -> None:
