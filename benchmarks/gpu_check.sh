@@ -45,7 +45,7 @@ fi
 # check always runs this tree (not an installed keepwarm, not a stray folder).
 mkdir -p "$SCRATCH/pkg/keepwarm"
 ln -s "$ROOT/keepwarm/__init__.py" "$SCRATCH/pkg/keepwarm/__init__.py"
-for d in daemon worker kernels snapshot cli; do ln -s "$ROOT/$d" "$SCRATCH/pkg/keepwarm/$d"; done
+for d in formats daemon worker kernels snapshot cli; do ln -s "$ROOT/$d" "$SCRATCH/pkg/keepwarm/$d"; done
 export PYTHONPATH="$SCRATCH/pkg${PYTHONPATH:+:$PYTHONPATH}"
 "$PY" - "$SCRATCH/pkg" "$ROOT" <<'PYEOF' || { echo "[gpu-check] the package does not import from $SCRATCH/pkg" >&2; exit 2; }
 import importlib.util, sys

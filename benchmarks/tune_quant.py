@@ -63,7 +63,7 @@ def candidates(kind: str, m: int) -> list[tuple[int, int, int, int, int, int]]:
 def _weights(kind: str, n: int, k: int, device, copies: int):
     import torch
 
-    from keepwarm.daemon.quantize import quantize
+    from keepwarm.formats.quant import quantize
     from keepwarm.kernels.quant import QuantizedWeight
 
     g = torch.Generator(device=device).manual_seed(n * 7 + k)

@@ -3,7 +3,7 @@
 At decode these matmuls are weight-bandwidth bound: the point is to read the packed weight once, at memory
 bandwidth, and spend as few instructions per weight element as possible on the way to the tensor cores.
 
-Weight layouts (the CUDA arena keeps the canonical layouts of `daemon/quantize.py`; the CPU arena its own):
+Weight layouts (the CUDA arena keeps the canonical layouts of `formats/quant.py`; the CPU arena its own):
   int8  qweight int8 [N, K], scales [N]                          w = q * scale[n]
   fp8   qweight float8_e4m3fn [N, K], scale float32 [1] or [N]   w = q * scale (per tensor or per output channel)
   int4  qweight uint8 [N, K/2] (low nibble = even k), scales/zeros [N, K/gs]

@@ -190,7 +190,7 @@ def test_quantized_linear_real_sizes(scheme: str, dtype: torch.dtype, monkeypatc
 def test_quantized_linear_split_k_real_sizes_and_deterministic(scheme: str) -> None:
     """Decode tiles with and without split-K at the 8B down projection (K = 14336) match the reference, and a
     CUDA graph replay gives the same bits as the eager call (the split-K reduction has a fixed order)."""
-    from keepwarm.daemon.quantize import quantize
+    from keepwarm.formats.quant import quantize
     from keepwarm.kernels import triton_quant as tq
     from keepwarm.kernels.quant import QuantizedWeight
 
