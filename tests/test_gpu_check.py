@@ -40,7 +40,8 @@ def test_the_root_shadows_the_package_for_a_bare_python(bare_python: Path) -> No
     """The hazard is real: from the root, a Python without the editable install finds the root's `keepwarm/`."""
     r = subprocess.run([str(bare_python), "-c", "import keepwarm.kernels"], cwd=ROOT, capture_output=True,
                        text=True, env=_env(bare_python))
-    assert r.returncode != 0 and "No module named 'keepwarm.kernels'" in r.stderr, r.stderr[-2000:]
+    # The root's keepwarm/ holds only __init__.py: the first subpackage it or the caller imports is missing.
+    assert r.returncode != 0 and "No module named 'keepwarm." in r.stderr, r.stderr[-2000:]
 
 
 def test_check_imports_the_tree_from_the_root_without_an_install(bare_python: Path) -> None:
