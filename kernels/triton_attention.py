@@ -75,7 +75,7 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     DECODE: tl.constexpr, SPLIT: tl.constexpr, FP8_KIND: tl.constexpr, KV_CAST: tl.constexpr,
     Q_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, NATIVE_FP8: tl.constexpr,
-    F16_KV: tl.constexpr, KV_DOT: tl.constexpr,
+    F16_KV: tl.constexpr,
 ):
     ROWS: tl.constexpr = BLOCK_Q * GROUP_PAD
     tile = tl.program_id(0)
@@ -113,16 +113,15 @@ def _paged_attention_kernel(
         row = q_start + tok
         q = tl.load(q_ptr + row[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :] * stride_qd,
                     mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-        qk_eff = qk_scale
         if F16_KV:
-            # float8 K/V go to the MMA as float16: exact, and one conversion instruction per two values (float8
-            # -> bfloat16 takes a detour through float32). q goes to float16 as well, scaled by a power of two so
-            # that it cannot overflow (exact; undone in the softmax scale).
+            # float8 K/V go to the MMA as float16 (DOT_DTYPE): exact, and one conversion instruction per two values
+            # (float8 -> bfloat16 takes a detour through float32). q goes to float16 as well, scaled by a power of
+            # two so that it cannot overflow (exact; undone in the softmax scale).
             qf = q.to(tl.float32)
             qmax = tl.max(tl.max(tl.abs(qf), 1), 0)
             shift = tl.maximum(((qmax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 141, 0)  # qmax < 2**15 after
-            q = (qf * ((127 - shift) << 23).to(tl.float32, bitcast=True)).to(tl.float16)
-            qk_eff = qk_scale * ((127 + shift) << 23).to(tl.float32, bitcast=True)
+            q = (qf * ((127 - shift) << 23).to(tl.float32, bitcast=True)).to(DOT_DTYPE)
+            qk_scale = qk_scale * ((127 + shift) << 23).to(tl.float32, bitcast=True)
         else:
             q = q.to(DOT_DTYPE)
 
@@ -151,10 +150,10 @@ def _paged_attention_kernel(
             k = tl.load(k_base + block[:, None] * stride_kb + off[:, None] * stride_ks + d[None, :] * stride_kd,
                         mask=kv_mask, other=0.0)
             if FP8_KIND != 0:  # the raw codes, exact in q's dtype; k_scale is folded into qk_scale
-                k = _fp8_codes(k, FP8_KIND, NATIVE_FP8, KV_DOT)
+                k = _fp8_codes(k, FP8_KIND, NATIVE_FP8, DOT_DTYPE)
             elif KV_CAST:
                 k = tc.round_as(k.to(tl.float32), Q_DTYPE)
-            s = tl.dot(q, tl.trans(k.to(KV_DOT)), input_precision=PRECISION) * qk_eff  # [ROWS, BLOCK_N]
+            s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=PRECISION) * qk_scale  # [ROWS, BLOCK_N]
             seen = (pos[None, :] <= q_pos[:, None]) & pos_ok[None, :]
             s = tl.where(seen, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -164,15 +163,15 @@ def _paged_attention_kernel(
             v = tl.load(v_base + block[:, None] * stride_vb + off[:, None] * stride_vs + d[None, :] * stride_vd,
                         mask=kv_mask, other=0.0)
             if FP8_KIND != 0:  # v_scale is applied to the accumulator once, after the loop
-                v = _fp8_codes(v, FP8_KIND, NATIVE_FP8, KV_DOT)
+                v = _fp8_codes(v, FP8_KIND, NATIVE_FP8, DOT_DTYPE)
             elif KV_CAST:
                 v = tc.round_as(v.to(tl.float32), Q_DTYPE)
             # Probabilities rounded to the model dtype before P @ V, as the reference does.
             if F16_KV:  # noqa: SIM108 (a static branch on a constexpr, kept as a plain if for Triton)
-                p = p.to(KV_DOT)  # float16 holds probabilities more precisely than bfloat16
+                p = p.to(DOT_DTYPE)  # float16 holds probabilities more precisely than bfloat16
             else:
                 p = tc.round_as(p, Q_DTYPE).to(DOT_DTYPE)
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(KV_DOT), input_precision=PRECISION)
+            acc = acc * alpha[:, None] + tl.dot(p, v.to(DOT_DTYPE), input_precision=PRECISION)
             m_i = m_new
 
         if FP8_KIND != 0:
@@ -294,9 +293,9 @@ def paged_attention(
         *part_acc.stride(), *part_ml.stride()[:3],
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=group_pad,
         BLOCK_Q=block_q, BLOCK_N=block_n, DECODE=decode, SPLIT=split, FP8_KIND=fp8,
-        KV_CAST=not fp8 and key_cache.dtype != query.dtype, Q_DTYPE=tc.tl_dtype(query.dtype), DOT_DTYPE=dot,
-        PRECISION=tc.dot_precision(dot), NATIVE_FP8=native_fp8, F16_KV=f16_kv, KV_DOT=tl.float16 if f16_kv else dot,
-        num_warps=warps,
+        KV_CAST=not fp8 and key_cache.dtype != query.dtype, Q_DTYPE=tc.tl_dtype(query.dtype),
+        DOT_DTYPE=tl.float16 if f16_kv else dot,
+        PRECISION=tc.dot_precision(dot), NATIVE_FP8=native_fp8, F16_KV=f16_kv, num_warps=warps,
     )
     if split:
         # Grid: one program per (token row, query head): it reads that row's NUM_SPLITS partials (a few KB) and

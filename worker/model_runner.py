@@ -85,38 +85,14 @@ class ModelRunner:
         block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)
         slots = block_tables[seq_idx, positions // self.block_size] * self.block_size + positions % self.block_size
         dev = self.device
-        ids_t = torch.tensor(ids, dtype=torch.int64)
-        seq_lens = (start + q_lens).to(torch.int32)
-        if dev.type == "cuda":
-            # Two host-to-device copies from pinned memory, asynchronous, instead of six from pageable memory,
-            # each of which blocked the host (a decode step's host side is on its critical path); torch's caching
-            # host allocator keeps a pinned block alive until its copy has run.
-            # Each piece starts 16-byte aligned (padded): Triton specializes kernels on pointer alignment, and an
-            # offset that moved with the batch shape compiled new variants (and loaded unvectorized).
-            t2 = -(-T // 2) * 2
-            i64 = torch.zeros(3 * t2, dtype=torch.int64)
-            for j, part in enumerate((ids_t, positions, slots)):
-                i64[j * t2:j * t2 + T] = part
-            s, nb = block_tables.shape
-            a, b = -(-s * nb // 4) * 4, -(-s // 4) * 4
-            i32 = torch.zeros(a + b + s + 1, dtype=torch.int32)
-            i32[:s * nb] = block_tables.flatten()
-            i32[a:a + s] = seq_lens
-            i32[a + b:] = qsl
-            i64 = i64.pin_memory().to(dev, non_blocking=True)
-            i32 = i32.pin_memory().to(dev, non_blocking=True)
-            attn = AttentionMetadata(slot_mapping=i64[2 * t2:2 * t2 + T], block_tables=i32[:s * nb].view(s, nb),
-                                     seq_lens=i32[a:a + s], query_start_loc=i32[a + b:],
-                                     max_query_len=int(q_lens.max()))
-            return i64[:T], i64[t2:t2 + T], attn
         attn = AttentionMetadata(
             slot_mapping=slots.to(dev),
             block_tables=block_tables.to(torch.int32).to(dev),
-            seq_lens=seq_lens.to(dev),
+            seq_lens=(start + q_lens).to(torch.int32).to(dev),
             query_start_loc=qsl.to(torch.int32).to(dev),
             max_query_len=int(q_lens.max()),
         )
-        return ids_t.to(dev), positions.to(dev), attn
+        return torch.tensor(ids, dtype=torch.int64, device=dev), positions.to(dev), attn
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, token_rows: list[int]) -> torch.Tensor:
