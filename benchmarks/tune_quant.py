@@ -206,6 +206,7 @@ def sweep(a: argparse.Namespace) -> dict:
         "comment": "Measured by benchmarks/tune_quant.py; do not edit by hand. tiles[kind][M bucket]['NxK'] = "
                    "[block_m, block_n, block_k, split_k, warps, stages]; '*' = the default for shapes not listed.",
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "none (smoke run)",
+        "capability": list(torch.cuda.get_device_capability(device)) if device.type == "cuda" else None,
         "torch": torch.__version__, "triton": triton.__version__,
         "measured": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "seconds": round(time.monotonic() - t_start, 1), "compile_seconds": round(compile_s, 1),

@@ -134,6 +134,11 @@ def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
+def capability(device: torch.device) -> tuple[int, int]:
+    """(major, minor) of a CUDA device, cached (host-only: safe during CUDA graph capture)."""
+    return _capability(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of `device` (cached: host-only, so it is safe during CUDA graph capture);
     0 on CPU (the interpreter), where occupancy heuristics do not apply."""
@@ -150,6 +155,6 @@ def native_fp8(device: torch.device) -> bool:
     if INTERPRETED:
         return False
     if device.type == "cuda":
-        return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= (8, 9)
+        return capability(device) >= (8, 9)
     target = triton.runtime.driver.active.get_current_target()
     return isinstance(target.arch, int) and target.arch >= 89

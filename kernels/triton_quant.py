@@ -45,6 +45,7 @@ import functools
 import json
 import logging
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -258,8 +259,31 @@ def load_table(path: str = str(TILES_FILE)) -> dict:
         return {}
 
 
-def _table_tile(kind: int, m: int, n: int, k: int) -> Tile | None:
-    rows = load_table().get("tiles", {}).get(KIND_NAMES[kind], {}).get(str(m_bucket(m)), {})
+def table_arch(table: dict) -> int | None:
+    """The compute capability major the table was measured on ("capability", or Hopper for an H100/H200 name)."""
+    cap = table.get("capability")
+    if cap:
+        return int(cap[0])
+    return 9 if re.search(r"\bH(100|200)\b", str(table.get("device", ""))) else None
+
+
+def _device_arch(device: torch.device) -> int | None:
+    if device.type == "cuda":
+        return tc.capability(device)[0]
+    if tc.INTERPRETED:
+        return None  # the interpreter runs any tile: the table's, to test the same rows
+    arch = triton.runtime.driver.active.get_current_target().arch  # the compile check's stand-in target
+    return arch // 10 if isinstance(arch, int) else None
+
+
+def _table_tile(kind: int, m: int, n: int, k: int, device: torch.device) -> Tile | None:
+    """The table's row, if the table was measured on this device's architecture (tiles tuned on an H200 can
+    spill registers on an A100)."""
+    table = load_table()
+    arch = _device_arch(device)
+    if arch is not None and table_arch(table) != arch:
+        return None
+    rows = table.get("tiles", {}).get(KIND_NAMES[kind], {}).get(str(m_bucket(m)), {})
     row = rows.get(f"{n}x{k}") or rows.get("*")
     return Tile(*row) if row else None
 
@@ -269,6 +293,8 @@ def _default_tile(kind: int, m: int, n: int, k: int, sms: int) -> Tile:
     per SM while every slice keeps at least 4 K tiles."""
     if m <= 16:
         bm, bn, bk, warps, stages = 16, 64, 128, 4, 4
+    elif kind == KIND_INT4:  # int4's extra operands (two half-K dots, scale/zero epilogue): K tiles of 64, or
+        bm, bn, bk, warps, stages = (64, 64, 64, 4, 3) if m <= 64 else (64, 128, 64, 8, 3)  # sm_80 spills
     elif m <= 64:
         bm, bn, bk, warps, stages = 64, 64, 128, 4, 3
     else:
@@ -285,7 +311,7 @@ def choose_tile(kind: int, m: int, n: int, k: int, group_size: int, fp32: bool, 
     if fp32:  # true float32 products: Triton's FMA dot, whose operands live in registers; small, no spills
         t = Tile(16, 32, 32, 1, 4, 3) if m <= 16 else Tile(32, 64, 32, 1, 4, 3)
     else:
-        t = _table_tile(kind, m, n, k) or _default_tile(kind, m, n, k, tc.sm_count(device))
+        t = _table_tile(kind, m, n, k, device) or _default_tile(kind, m, n, k, tc.sm_count(device))
     if t.block_m == 1 and m > 1:  # a GEMV row of the table is for M = 1; more rows would each re-read W
         t = Tile(16, t.block_n, t.block_k, t.split_k, t.warps, t.stages)
     bk = t.block_k

@@ -429,6 +429,8 @@ def test_tile_table_lookup(monkeypatch: pytest.MonkeyPatch) -> None:
     assert tq.choose_tile(tq.KIND_INT8, 1, 6144, 4096, 0, False, cpu) == tq._default_tile(
         tq.KIND_INT8, 1, 6144, 4096, 0)  # no row at all
     assert tq.fp8_min_rows() == 48
+    assert tq.table_arch({"device": "NVIDIA H200"}) == 9 and tq.table_arch({"capability": [8, 0]}) == 8
+    assert tq.table_arch({"device": "none (smoke run)"}) is None
     # Per shape, from the table's timings: the smallest timed M from which _scaled_mm won at every larger one.
     table["timings_us"] = {"fp8": {"16": {"64x128": {"best_us": 5.0, "scaled_mm_us": 4.0}},
                                    "64": {"64x128": {"best_us": 5.0, "scaled_mm_us": 6.0},
