@@ -113,6 +113,9 @@ def register(app: typer.Typer) -> None:
                                                                help="Seconds to drain on SIGTERM.")] = None,
         threads: Annotated[int | None, typer.Option("--threads", help="torch threads.")] = None,
         uvicorn_log_level: Annotated[str | None, typer.Option("--uvicorn-log-level")] = None,
+        trust_request_chat_template: Annotated[bool | None, typer.Option(
+            "--trust-request-chat-template/--no-trust-request-chat-template",
+            help="Allow a request's own chat_template (rendered sandboxed and time-bounded).")] = None,
     ) -> None:
         """Serve the OpenAI-compatible API (and gRPC with --grpc) from weights the daemon keeps warm."""
         start = time.time()

@@ -56,6 +56,8 @@ class ServerConfig:
     shutdown_timeout: float = 30.0
     threads: int | None = None  # torch threads (default: torch's choice)
     uvicorn_log_level: str = "warning"
+    # limits (docs/reliability.md)
+    trust_request_chat_template: bool = False  # vLLM's flag: a request's own chat_template is refused without it
 
     def to_dict(self) -> dict[str, Any]:
         """The effective config, as `server.toml` keys (what a snapshot records)."""

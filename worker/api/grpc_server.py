@@ -5,12 +5,17 @@ A ``grpc.aio`` server on its own event loop in a background thread, beside uvico
 engine. Requests are checked as the HTTP server checks them (same helpers, same messages); a bad one ends with
 INVALID_ARGUMENT, an unknown model with NOT_FOUND. A client that cancels its stream cancels the handler, which
 closes the engine's stream and so aborts the request (its KV blocks are freed).
+
+With ``--api-key``, Generate and Models need the ``authorization`` metadata ``Bearer <key>`` (the header the
+HTTP API takes), else UNAUTHENTICATED; Health stays open, as /health does. A request that fails inside the
+engine ends with INTERNAL; an engine that cannot go on with UNAVAILABLE.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import hmac
 import logging
 import math
 import threading
@@ -25,7 +30,7 @@ from keepwarm.worker.api.grpc_gen import keepwarm_pb2_grpc as pb_grpc
 from keepwarm.worker.api.protocol import APIError, bad_request, new_id
 from keepwarm.worker.api.server import ServerState, _check_length, _resolve_model
 from keepwarm.worker.detokenizer import stop_hold_back, streamable_end
-from keepwarm.worker.engine import RequestError
+from keepwarm.worker.engine import RequestError, RequestFailed
 from keepwarm.worker.outputs import RequestOutput
 from keepwarm.worker.sampling_params import SamplingParams, SamplingParamsError
 
@@ -143,6 +148,8 @@ class KeepwarmServicer(pb_grpc.KeepwarmServicer):
         except RequestError as e:
             code = grpc.StatusCode.UNAVAILABLE if state.draining else grpc.StatusCode.INVALID_ARGUMENT
             await context.abort(code, _one_line(str(e)))
+        except RequestFailed as e:
+            await context.abort(grpc.StatusCode.INTERNAL, _one_line(str(e)))
         except RuntimeError as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, _one_line(f"the engine cannot serve: {e}"))
 
@@ -182,6 +189,35 @@ class KeepwarmServicer(pb_grpc.KeepwarmServicer):
             metrics.observe_request(m.arrival_time, m.first_token_time, m.finished_time, n)
 
 
+class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
+    """Refuses every RPC but Health without ``authorization: Bearer <key>`` metadata (UNAUTHENTICATED)."""
+
+    OPEN = frozenset({"/keepwarm.v1.Keepwarm/Health"})
+
+    def __init__(self, api_key: str) -> None:
+        self._expected = f"Bearer {api_key}".encode()
+
+        async def refuse(request, context: grpc.aio.ServicerContext):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "Incorrect API key provided.")
+
+        self._refusals = {
+            (False, False): grpc.unary_unary_rpc_method_handler(refuse),
+            (False, True): grpc.unary_stream_rpc_method_handler(refuse),
+        }
+
+    async def intercept_service(self, continuation, handler_call_details):
+        if handler_call_details.method in self.OPEN:
+            return await continuation(handler_call_details)
+        given = next((v for k, v in handler_call_details.invocation_metadata or () if k == "authorization"), "")
+        given = given.encode() if isinstance(given, str) else bytes(given)
+        if hmac.compare_digest(given, self._expected):
+            return await continuation(handler_call_details)
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None  # UNIMPLEMENTED, as without a key
+        return self._refusals[(False, bool(handler.response_streaming))]
+
+
 class GrpcServer:
     """A running ``grpc.aio`` server on its own event loop and thread; ``stop(grace)`` from any other thread."""
 
@@ -216,7 +252,8 @@ class GrpcServer:
 
     async def _start(self, state: ServerState, host: str, port: int, ready: concurrent.futures.Future) -> None:
         # No SO_REUSEPORT: a port another process serves must fail to bind here rather than be shared silently.
-        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        interceptors = [ApiKeyInterceptor(state.config.api_key)] if state.config.api_key else []
+        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)], interceptors=interceptors)
         pb_grpc.add_KeepwarmServicer_to_server(KeepwarmServicer(state), server)
         try:
             bound = server.add_insecure_port(f"{_host(host)}:{port}")

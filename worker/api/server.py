@@ -14,6 +14,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing, asynccontextmanager
@@ -28,6 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from keepwarm import __version__
 from keepwarm.worker.api.config import ServerConfig
+from keepwarm.worker.api.limits import offload
 from keepwarm.worker.api.metrics import CONTENT_TYPE, ServerMetrics
 from keepwarm.worker.api.protocol import (
     APIError,
@@ -41,7 +43,7 @@ from keepwarm.worker.api.protocol import (
 )
 from keepwarm.worker.async_engine import AsyncEngine
 from keepwarm.worker.detokenizer import stop_hold_back, streamable_end
-from keepwarm.worker.engine import LLMEngine, RequestError
+from keepwarm.worker.engine import LLMEngine, RequestError, RequestFailed
 from keepwarm.worker.outputs import CompletionOutput, RequestOutput
 from keepwarm.worker.sampling_params import SamplingParams, SamplingParamsError
 from keepwarm.worker.sequence import TokenLogprob
@@ -60,6 +62,7 @@ class ServerState:
     started_at: float = field(default_factory=time.time)
     draining: bool = False
     metrics: ServerMetrics | None = None
+    fatal: BaseException | None = None  # the engine died: the process is exiting non-zero
 
     @property
     def tokenizer(self):
@@ -114,13 +117,17 @@ def _params(req: Any, max_tokens: int, logprobs: int | None) -> SamplingParams:
         raise bad_request(str(e), str(e).split(" ", 1)[0]) from None
 
 
-def _completion_logprobs(tokenizer, lps: list[TokenLogprob], text_offset0: int) -> dict[str, Any]:
-    tokens = [tokenizer.decode([x.token_id]) for x in lps]
-    offsets, pos = [], text_offset0
-    for t in tokens:
-        offsets.append(pos)
-        pos += len(t)
-    return {"tokens": tokens, "token_logprobs": [x.logprob for x in lps],
+def text_offsets(tokenizer, token_ids: list[int], start: int, end: int, skip_special_tokens: bool,
+                 text_len: int) -> list[int]:
+    """Where each of ``token_ids[start:end]`` begins in the returned text: the length of the text decoded from the
+    tokens before it, decoded as the output was (hidden special tokens add nothing), capped at the text's length
+    (a stop string cuts the text)."""
+    return [min(len(tokenizer.decode(token_ids[:i], skip_special_tokens=skip_special_tokens)), text_len)
+            for i in range(start, end)]
+
+
+def _completion_logprobs(tokenizer, lps: list[TokenLogprob], offsets: list[int]) -> dict[str, Any]:
+    return {"tokens": [tokenizer.decode([x.token_id]) for x in lps], "token_logprobs": [x.logprob for x in lps],
             "top_logprobs": [{tokenizer.decode([t]): lp for t, lp in x.top} for x in lps],
             "text_offset": offsets}
 
@@ -227,9 +234,15 @@ def build_app(state: ServerState) -> FastAPI:
     @app.get("/health")
     async def health():
         info = state.weights_info()
-        ok = state.async_engine.running and not state.draining
-        body = {"status": "ok" if ok else ("draining" if state.draining else "engine stopped"),
-                "weights": info, "model": state.model_name, "version": __version__}
+        ok = state.async_engine.running and not state.draining and state.fatal is None
+        status = "ok" if ok else ("draining" if state.draining else "engine stopped")
+        snap = state.async_engine.snapshot
+        engine = {"running": state.async_engine.running, "error": None if state.async_engine.errored is None else
+                  f"{type(state.async_engine.errored).__name__}: {state.async_engine.errored}",
+                  "requests_in_flight": state.async_engine.num_in_flight,
+                  "seconds_since_step": round(max(0.0, time.monotonic() - snap.last_step_time), 3)}
+        body = {"status": status, "engine": engine, "weights": info, "model": state.model_name,
+                "version": __version__}
         return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/version")
@@ -350,6 +363,8 @@ def build_app(state: ServerState) -> FastAPI:
     def engine_errors(e: Exception) -> APIError:
         if isinstance(e, RequestError):
             return bad_request(str(e))
+        if isinstance(e, RequestFailed):
+            return APIError(500, str(e), "InternalServerError")
         return APIError(503, f"the engine cannot serve: {e}", "ServiceUnavailable")
 
     # -- completions -----------------------------------------------------------------------------------------
@@ -365,9 +380,9 @@ def build_app(state: ServerState) -> FastAPI:
         tok = state.tokenizer
         p = req.prompt
         if isinstance(p, str):
-            prompts, texts = [tok.encode(p)], [p]
+            prompts, texts = [await offload(tok.encode, p)], [p]
         elif p and all(isinstance(x, str) for x in p):
-            prompts, texts = [tok.encode(x) for x in p], list(p)
+            prompts, texts = await offload(lambda: [tok.encode(x) for x in p]), list(p)
         elif p and all(isinstance(x, int) for x in p):
             prompts, texts = [list(p)], [None]
         elif p and all(isinstance(x, list) for x in p):
@@ -388,10 +403,13 @@ def build_app(state: ServerState) -> FastAPI:
         except (RequestError, RuntimeError) as e:
             raise engine_errors(e) from None
 
-        def choice_logprobs(c: CompletionOutput, start: int, end: int, offset0: int) -> dict | None:
+        def choice_logprobs(c: CompletionOutput, start: int, end: int, prefix: int, text_len: int) -> dict | None:
+            """Logprobs of tokens start..end; text_offset counts from the start of the returned text (after an
+            echoed prompt of ``prefix`` characters)."""
             if req.logprobs is None or c.logprobs is None:
                 return None
-            return _completion_logprobs(tok, c.logprobs[start:end], offset0)
+            offsets = text_offsets(tok, c.token_ids, start, end, params.skip_special_tokens, text_len)
+            return _completion_logprobs(tok, c.logprobs[start:end], [prefix + o for o in offsets])
 
         if not req.stream:
             try:
@@ -405,7 +423,8 @@ def build_app(state: ServerState) -> FastAPI:
                     completion_tokens += len(c.token_ids)
                     text = (texts[i] or tok.decode(out.prompt_token_ids)) + c.text if req.echo else c.text
                     choices.append({"index": i * req.n + c.index, "text": text,
-                                    "logprobs": choice_logprobs(c, 0, len(c.token_ids), 0),
+                                    "logprobs": await offload(choice_logprobs, c, 0, len(c.token_ids), 0,
+                                                              len(c.text)),
                                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
             return {"id": rid, "object": "text_completion", "created": created, "model": name, "choices": choices,
                     "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
@@ -433,7 +452,7 @@ def build_app(state: ServerState) -> FastAPI:
                                                                             "finish_reason": None}]})
                             limit = streamable_end(c.text, sent_text[idx], c.finished, hold)
                             delta = c.text[sent_text[idx]:limit]
-                            lp = choice_logprobs(c, sent_tokens[idx], len(c.token_ids), sent_text[idx])
+                            lp = choice_logprobs(c, sent_tokens[idx], len(c.token_ids), 0, len(c.text))
                             if delta or c.finished or lp:
                                 yield _sse({"id": rid, "object": "text_completion", "created": created,
                                             "model": name, "choices": [{
@@ -478,16 +497,24 @@ def build_app(state: ServerState) -> FastAPI:
                     parts.append(part["text"])
                 content = "".join(parts)
             messages.append({"role": m.role, "content": content or ""})
+        if req.chat_template is not None and not state.config.trust_request_chat_template:
+            raise bad_request("a request's own chat_template is refused unless the server runs with "
+                              "--trust-request-chat-template", "chat_template")
         tok = state.tokenizer
-        try:
+
+        def render() -> tuple[str, list[int]]:
             text = tok.apply_chat_template(messages, chat_template=req.chat_template, tokenize=False,
                                            add_generation_prompt=req.add_generation_prompt and
                                            not req.continue_final_message,
                                            continue_final_message=req.continue_final_message,
                                            **(req.chat_template_kwargs or {}))
-        except Exception as e:  # jinja errors, missing template
-            raise bad_request(f"cannot apply the chat template: {e}", "messages") from None
-        ids = tok.encode(text, add_special_tokens=False)
+            return text, tok.encode(text, add_special_tokens=False)
+
+        try:
+            _text, ids = await offload(render)
+        except Exception as e:  # jinja errors, time/size limits, missing template
+            raise bad_request(f"cannot apply the chat template: {' '.join(str(e).split())}",
+                              "chat_template" if req.chat_template is not None else "messages") from None
         max_tokens = _check_length(state, len(ids), req.max_completion_tokens if req.max_completion_tokens
                                    is not None else req.max_tokens)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
@@ -641,7 +668,8 @@ def serve(config: ServerConfig, process_start: float | None = None) -> int:
     t0 = time.perf_counter()
     # Take systemd's socket (and drop LISTEN_*) before anything can start a child process.
     inherited = systemd_socket()
-    async_engine = AsyncEngine(lambda: create_engine(config))
+    fatal_hook: list[Any] = []  # set below, once the server exists; the engine may die at any time after start
+    async_engine = AsyncEngine(lambda: create_engine(config), on_fatal=lambda e: [f(e) for f in fatal_hook])
     names = config.served_model_name or [config.model or "SmolLM2-135M-Instruct"]
     state = ServerState(config, async_engine.engine, async_engine, names)
     app = build_app(state)
@@ -663,6 +691,9 @@ def serve(config: ServerConfig, process_start: float | None = None) -> int:
             super().handle_exit(sig, frame)
 
     server = _Server(uv_config)
+    fatal_hook.append(lambda e: _exit_on_fatal(state, server, e))
+    if async_engine.errored is not None:
+        _exit_on_fatal(state, server, async_engine.errored)
     info = state.weights_info()
     where = f"systemd socket fd 3 ({inherited.getsockname()})" if inherited else \
         f"http://{config.host}:{config.port}"
@@ -685,4 +716,26 @@ def serve(config: ServerConfig, process_start: float | None = None) -> int:
     finally:
         if grpc_server is not None:
             grpc_server.stop(grace=1.0)
+    if state.fatal is not None:
+        print(f"keepwarm: the engine failed ({type(state.fatal).__name__}: {state.fatal}); exiting with status "
+              f"{FATAL_EXIT_CODE} so the supervisor restarts the server", file=sys.stderr, flush=True)
+        return FATAL_EXIT_CODE
     return 0
+
+
+FATAL_EXIT_CODE = 70  # EX_SOFTWARE: the engine died; systemd's Restart=on-failure brings a fresh worker up warm
+FATAL_EXIT_GRACE_S = 5.0
+
+
+def _exit_on_fatal(state: ServerState, server: Any, error: BaseException) -> None:
+    """The engine cannot go on: stop serving now (waiting requests already got their error) and exit non-zero;
+    if the orderly stop hangs, end the process after a short grace."""
+    if state.fatal is not None:
+        return
+    state.fatal = error
+    state.draining = True
+    state.async_engine.stop_accepting()
+    server.should_exit = True
+    timer = threading.Timer(FATAL_EXIT_GRACE_S, os._exit, (FATAL_EXIT_CODE,))
+    timer.daemon = True
+    timer.start()
