@@ -111,7 +111,8 @@ class _SamplingFields(_Strict):
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
     user: str | None = None
-    logit_bias: dict[str, float] | None = None
+    # Refused when non-empty (keepwarm does not apply logit biases); the schema says so with maxProperties 0.
+    logit_bias: Annotated[dict[str, float], Field(max_length=0)] | None = None
     # vLLM's extra sampling parameters
     top_k: Annotated[StrictInt, Field(ge=-1, le=INT64_MAX)] | None = None
     min_p: Unit | None = None
@@ -124,8 +125,6 @@ class _SamplingFields(_Strict):
     request_id: Annotated[str, Field(max_length=256)] | None = None
 
     def sampling(self, max_tokens: int | None, logprobs: int | None, default_max: int) -> SamplingParams:
-        if self.logit_bias:
-            raise bad_request("logit_bias is not supported", "logit_bias")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed with stream: true", "stream_options")
         return SamplingParams(
@@ -153,12 +152,13 @@ MaxTokens = Annotated[StrictInt, Field(ge=1, le=INT64_MAX)]
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | Annotated[list[str], Field(min_length=1)] | Annotated[list[TokenId], Field(min_length=1)] | \
+    prompt: Annotated[str, Field(min_length=1)] | Annotated[list[str], Field(min_length=1)] | \
+        Annotated[list[TokenId], Field(min_length=1)] | \
         Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
     max_tokens: MaxTokens | None = 16
     logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: StrictBool = False
-    suffix: str | None = None
+    suffix: None = None  # not supported: only null is accepted
     best_of: Annotated[StrictInt, Field(ge=1, le=16)] | None = None
 
 

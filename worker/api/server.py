@@ -28,6 +28,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from keepwarm import __version__
+from keepwarm.worker.api import openapi
 from keepwarm.worker.api.config import ServerConfig
 from keepwarm.worker.api.limits import offload
 from keepwarm.worker.api.metrics import CONTENT_TYPE, ServerMetrics
@@ -371,8 +372,6 @@ def build_app(state: ServerState) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
         salt = _resolve_model(state, req.model)
-        if req.suffix is not None:
-            raise bad_request("suffix is not supported", "suffix")
         if req.best_of is not None and req.best_of != req.n:
             raise bad_request("best_of is not supported (it must equal n)", "best_of")
         if req.echo and req.logprobs is not None:
@@ -587,6 +586,7 @@ def build_app(state: ServerState) -> FastAPI:
 
         return StreamingResponse(stream(), media_type="text/event-stream")
 
+    openapi.install(app)
     return app
 
 
