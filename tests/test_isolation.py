@@ -309,3 +309,24 @@ def test_a_weight_packed_elsewhere_computes_exactly(restore_threads, run_threads
     for rows in (1, 7, 32):
         x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
         assert torch.equal(cp.linear_none(x, pw), F.linear(x, w))
+
+
+# -- logprob offsets (issue 17 item 8) ---------------------------------------------------------------------------
+def test_text_offsets_index_the_returned_text_with_special_tokens_hidden(tiny_llama) -> None:
+    from keepwarm.worker.api.server import text_offsets
+
+    tok = FastTokenizer(tiny_llama)
+    assert tok.eos_token_id is not None
+    ids = tok.encode("Hello world", add_special_tokens=False) + [tok.eos_token_id] + \
+        tok.encode(" again and again", add_special_tokens=False)
+    for skip in (True, False):
+        text = tok.decode(ids, skip_special_tokens=skip)
+        offsets = text_offsets(tok, ids, 0, len(ids), skip, len(text))
+        pieces = [text[a:b] for a, b in zip(offsets, [*offsets[1:], len(text)], strict=True)]
+        assert "".join(pieces) == text
+        assert pieces == [tok.decode(ids[:i + 1], skip_special_tokens=skip)[len(tok.decode(
+            ids[:i], skip_special_tokens=skip)):] for i in range(len(ids))]
+        eos_at = ids.index(tok.eos_token_id)
+        assert (pieces[eos_at] == "") == skip  # a hidden special token takes no room in the text
+    # A stop string cut the text: offsets never point past its end.
+    assert max(text_offsets(tok, ids, 0, len(ids), True, 3)) == 3

@@ -1,0 +1,159 @@
+"""Issue 17's table of hostile requests, as regression tests against a real `keepwarm serve` (HTTP + gRPC, with
+an API key). After each, the server keeps serving: /health answers 200 and a normal request completes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+
+import grpc
+import httpx
+import pytest
+from _serve import ServeProcess, free_port
+
+from keepwarm.worker.api.grpc_gen import keepwarm_pb2 as pb
+from keepwarm.worker.api.grpc_gen import keepwarm_pb2_grpc as pb_grpc
+
+pytestmark = pytest.mark.slow
+
+KEY = "hostile-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+class HostileServer(ServeProcess):
+    def __init__(self, model: str, *args: str) -> None:
+        self.grpc_port = free_port()
+        super().__init__(model, "--no-daemon", "--dtype", "float32", "--max-model-len", "512", "--threads", "1",
+                         "--served-model-name", "tiny", "--api-key", KEY, "--grpc", "--grpc-port",
+                         str(self.grpc_port), *args)
+
+    def post(self, route: str, body: dict | str, headers: dict | None = None, **kw) -> httpx.Response:
+        content = body if isinstance(body, str) else json.dumps(body)
+        return httpx.post(f"{self.base}/v1/{route}", content=content,
+                          headers={"Content-Type": "application/json", **AUTH, **(headers or {})}, **kw)
+
+    def still_serving(self) -> None:
+        assert httpx.get(self.base + "/health").status_code == 200
+        r = self.post("completions", {"model": "tiny", "prompt": "ok", "max_tokens": 2})
+        assert r.status_code == 200, r.text
+
+    def metric(self, name: str, **labels: str) -> float:
+        for line in httpx.get(self.base + "/metrics").text.splitlines():
+            if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+                return float(line.rsplit(" ", 1)[1])
+        raise KeyError(name)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama):
+    s = HostileServer(tiny_llama)
+    yield s
+    assert s.stop() == 0, s.output()[-3000:]
+
+
+def _error(r: httpx.Response, status: int, param: str | None) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["message"] and "\n" not in err["message"]
+    if param is not None:
+        assert err["param"] == param, err
+    return err
+
+
+COMPLETION = {"model": "tiny", "prompt": "Hi", "max_tokens": 2}
+
+
+def test_item1_a_seed_torch_cannot_take_is_a_400_and_the_engine_goes_on(server) -> None:
+    for seed in ("18446744073709551616", "-9223372036854775809"):
+        r = server.post("completions", '{"model": "tiny", "prompt": "Hi", "max_tokens": 2, "seed": ' + seed + "}")
+        _error(r, 400, "seed")
+    ok = server.post("completions", {**COMPLETION, "seed": 9223372036854775807, "temperature": 1.0})
+    assert ok.status_code == 200, ok.text
+    server.still_serving()
+
+
+def test_item4_grpc_needs_the_key(server) -> None:
+    with grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
+        stub = pb_grpc.KeepwarmStub(channel)
+        request = pb.GenerateRequest(prompt="Hi", sampling_params=pb.SamplingParams(max_tokens=2, temperature=0))
+        for call in (lambda md: list(stub.Generate(request, metadata=md)),
+                     lambda md: stub.Models(pb.ModelsRequest(), metadata=md)):
+            for md in (None, [("authorization", "Bearer wrong")], [("authorization", KEY)]):
+                with pytest.raises(grpc.RpcError) as info:
+                    call(md)
+                assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        good = [("authorization", f"Bearer {KEY}")]
+        assert stub.Models(pb.ModelsRequest(), metadata=good).ids == ["tiny"]
+        assert "".join(m.text for m in stub.Generate(request, metadata=good)) is not None
+        assert stub.Health(pb.HealthRequest()).status == pb.HealthResponse.SERVING  # open, as /health
+
+
+def test_item5_a_request_chat_template_needs_the_trust_flag(server) -> None:
+    loop = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+    r = server.post("chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                                         "chat_template": loop})
+    assert "--trust-request-chat-template" in _error(r, 400, "chat_template")["message"]
+    server.still_serving()
+
+
+@pytest.mark.parametrize("field", ["temperature", "repetition_penalty", "top_p", "presence_penalty"])
+@pytest.mark.parametrize("value", ["NaN", "Infinity", "-Infinity"])
+def test_item6_non_finite_numbers_are_400(server, field: str, value: str) -> None:
+    r = server.post("completions", f'{{"model": "tiny", "prompt": "Hi", "max_tokens": 2, "{field}": {value}}}')
+    _error(r, 400, field)
+
+
+SURROGATES = [
+    ("completions", '{"model": "tiny", "prompt": "ab\\ud800cd", "max_tokens": 2}', "prompt"),
+    ("completions", '{"model": "ti\\udfffny", "prompt": "x", "max_tokens": 2}', "model"),
+    ("completions", '{"model": "tiny", "prompt": "x", "max_tokens": 2, "request_id": "\\ud800"}', "request_id"),
+    ("chat/completions", '{"model": "tiny", "messages": [{"role": "user", "content": "ab\\ud800cd"}]}',
+     "messages.0.content"),
+]
+
+
+@pytest.mark.parametrize("route, body, where", SURROGATES, ids=[w for _, _, w in SURROGATES])
+def test_item7_lone_surrogates_are_400(server, route: str, body: str, where: str) -> None:
+    err = _error(server.post(route, body), 400, None)
+    assert where in err["message"]
+    server.still_serving()
+
+
+def test_item8_text_offsets_index_the_returned_text(server) -> None:
+    for skip in (True, False):
+        r = server.post("completions", {**COMPLETION, "max_tokens": 24, "logprobs": 1, "temperature": 0,
+                                        "ignore_eos": True, "skip_special_tokens": skip, "prompt": "The"})
+        choice = r.json()["choices"][0]
+        text, offsets = choice["text"], choice["logprobs"]["text_offset"]
+        assert offsets == sorted(offsets) and all(0 <= o <= len(text) for o in offsets)
+        assert offsets[0] == 0
+
+
+def test_item9_clients_cannot_collide_on_request_ids(server) -> None:
+    body = {"model": "tiny", "prompt": "Hello there", "max_tokens": 24, "temperature": 0, "ignore_eos": True,
+            "request_id": "mine"}
+
+    async def both() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=60) as client:
+            return await asyncio.gather(*[client.post(server.base + "/v1/completions", json=body, headers=AUTH)
+                                          for _ in range(2)])
+
+    a, b = asyncio.run(both())
+    assert a.status_code == b.status_code == 200, (a.text, b.text)
+    assert a.json()["id"] == b.json()["id"] == "mine"
+    assert a.json()["choices"][0]["text"] == b.json()["choices"][0]["text"]
+
+
+def test_item10_token_ids_are_strict(server) -> None:
+    for prompt in ([[False]], [True, 5], [[1.5]], [-1], [[]]):
+        _error(server.post("completions", {**COMPLETION, "prompt": prompt}), 400, "prompt")
+
+
+def test_health_says_what_the_engine_does(server) -> None:
+    body = httpx.get(server.base + "/health").json()
+    assert body["status"] == "ok" and body["engine"]["running"] is True and body["engine"]["error"] is None
+    assert re.fullmatch(r"[0-9a-f]{64}", body["weights"]["fingerprint"])
+    time.sleep(0)  # nothing in flight: no request is holding the engine
+    assert body["engine"]["requests_in_flight"] == 0
