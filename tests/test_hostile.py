@@ -157,3 +157,45 @@ def test_health_says_what_the_engine_does(server) -> None:
     assert re.fullmatch(r"[0-9a-f]{64}", body["weights"]["fingerprint"])
     time.sleep(0)  # nothing in flight: no request is holding the engine
     assert body["engine"]["requests_in_flight"] == 0
+
+
+SITECUSTOMIZE = '''
+# Test-only fault injection, loaded by the server process through PYTHONPATH: the forward pass fails once a
+# prompt holds the token id MAGIC, as a kernel or device failure would.
+import os
+from keepwarm.worker import model_runner
+
+MAGIC = int(os.environ["KEEPWARM_TEST_FAIL_ON_TOKEN"])
+_execute = model_runner.ModelRunner.execute
+
+
+def execute(self, batch, *args, **kwargs):
+    if any(MAGIC in seq.prompt_token_ids for seq in batch.seqs):
+        raise RuntimeError("injected device failure")
+    return _execute(self, batch, *args, **kwargs)
+
+
+model_runner.ModelRunner.execute = execute
+'''
+
+
+def test_an_engine_that_cannot_go_on_exits_non_zero(tiny_llama, tmp_path) -> None:
+    """The issue's item 1 left a process that answered 503 forever; a dead engine must end the process (status
+    70) so its supervisor restarts it, after failing the requests in flight."""
+    (tmp_path / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    import os
+
+    env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]),
+           "KEEPWARM_TEST_FAIL_ON_TOKEN": "7"}
+    s = ServeProcess(tiny_llama, "--no-daemon", "--dtype", "float32", "--max-model-len", "128", "--threads", "1",
+                     "--served-model-name", "tiny", env=env)
+    try:
+        assert httpx.post(s.base + "/v1/completions", json={"model": "tiny", "prompt": [5, 6],
+                                                            "max_tokens": 2}).status_code == 200
+        r = httpx.post(s.base + "/v1/completions", json={"model": "tiny", "prompt": [5, 7], "max_tokens": 2})
+        assert r.status_code == 503 and "injected device failure" in r.json()["error"]["message"], r.text
+        code = s.proc.wait(timeout=60)
+        assert code == 70, s.output()[-3000:]
+        assert "the engine cannot go on" in s.output() and "exiting with status 70" in s.output()
+    finally:
+        s.stop()
