@@ -244,3 +244,36 @@ def test_full_filesystem_during_create_and_import(side, tiny_llama, tmp_path, sm
     assert not store.exists("int8") and store_consistent(store) == []
     assert list(store.tmp_dir.iterdir()) == []
     kw(home_env, "snapshot", "verify", "fp32")
+
+
+def test_a_worker_holding_the_gil_keeps_its_lease(side, tiny_llama) -> None:
+    """Native code holding the GIL for several lease TTLs (issue 17 saw a 72 s parse of a 50 MB body) must not
+    cost the worker its lease: renewals come from the keeper process, not a thread of the worker."""
+    import re
+
+    from keepwarm import LLM
+
+    with open(side.rt / "test-daemon.log", "ab") as log:
+        side.proc = subprocess.Popen([sys.executable, "-m", "keepwarm.cli.main", "daemon", "run", "--threads", "2",
+                                      "--lease-ttl", "1.0"], env=side.env, stdout=log, stderr=log)
+    deadline = time.monotonic() + 60
+    with DaemonClient(side.rt) as c:
+        while c.ping(timeout=0.5) is None:
+            assert side.proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+    llm = LLM(model=tiny_llama, dtype="float32", daemon=True, runtime_dir=str(side.rt), max_model_len=64)
+    try:
+        att = llm.llm_engine.loaded.attachment
+        lease = att.lease_id
+        time.sleep(1.0)
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 4.0:  # catastrophic backtracking: `re` holds the GIL throughout each call
+            re.match(r"(a+)+$", "a" * 23 + "b")
+        time.sleep(0.5)
+        status = side.status()
+        assert status["counters"].get("leases_dropped", 0) == 0, (side.rt / "test-daemon.log").read_text()[-2000:]
+        assert att.lease_id == lease and att.keeper.reattaches == 0
+        assert lease in [x["lease_id"] for m in status["models"] for x in m["leases"]]
+        assert att.keeper.renewals >= 3
+    finally:
+        llm.close()
