@@ -330,3 +330,108 @@ def test_text_offsets_index_the_returned_text_with_special_tokens_hidden(tiny_ll
         assert (pieces[eos_at] == "") == skip  # a hidden special token takes no room in the text
     # A stop string cut the text: offsets never point past its end.
     assert max(text_offsets(tok, ids, 0, len(ids), True, 3)) == 3
+
+
+# -- connection limits, admission, prompt characters (worker/api/limits.py) -------------------------------------
+def _asgi_run(middleware, messages: list, headers: dict[str, str] | None = None,
+              send_blocks: bool = False) -> list[dict]:
+    """Drive an ASGI middleware with scripted client messages ("stall": nothing more comes); returns what it sent."""
+    sent: list[dict] = []
+
+    async def main() -> None:
+        incoming = list(messages)
+
+        async def receive():
+            if incoming:
+                item = incoming.pop(0)
+                if item == "stall":
+                    await asyncio.sleep(3600)
+                return item
+            await asyncio.sleep(3600)
+
+        async def send(message):
+            if send_blocks and message["type"] == "http.response.body":
+                await asyncio.sleep(3600)
+            sent.append(message)
+
+        await middleware({"type": "http", "method": "POST", "path": "/v1/completions",
+                          "headers": [(k.encode(), v.encode()) for k, v in (headers or {}).items()]}, receive, send)
+
+    asyncio.run(asyncio.wait_for(main(), 30))
+    return sent
+
+
+def _echo_app(seen: list[str]):
+    async def app(scope, receive, send):
+        body = b""
+        while True:
+            m = await receive()
+            seen.append(m["type"])
+            if m["type"] == "http.disconnect":
+                break
+            body += m.get("body", b"")
+            if not m.get("more_body"):
+                break
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": body})
+    return app
+
+
+def test_body_limit_from_content_length_reads_nothing() -> None:
+    from keepwarm.worker.api.limits import ConnectionLimits
+
+    seen: list[str] = []
+    mw = ConnectionLimits(_echo_app(seen), max_body_bytes=1000, timeout=5)
+    sent = _asgi_run(mw, [], headers={"content-length": str(50 << 20)})
+    assert sent[0]["status"] == 413 and seen == []
+    assert b"--max-request-body-mb" in sent[1]["body"]
+
+
+def test_body_limit_while_streaming_answers_once() -> None:
+    from keepwarm.worker.api.limits import ConnectionLimits
+
+    seen: list[str] = []
+    mw = ConnectionLimits(_echo_app(seen), max_body_bytes=1000, timeout=5)
+    chunk = {"type": "http.request", "body": b"x" * 600, "more_body": True}
+    sent = _asgi_run(mw, [chunk, chunk, chunk])
+    assert [m["status"] for m in sent if m["type"] == "http.response.start"] == [413]
+    assert seen == ["http.request", "http.disconnect"]  # the app learns the client is gone; its answer is dropped
+
+
+def test_a_stalled_client_gets_408_and_a_stalled_reader_is_dropped() -> None:
+    from keepwarm.worker.api.limits import ConnectionLimits
+
+    seen: list[str] = []
+    mw = ConnectionLimits(_echo_app(seen), max_body_bytes=1000, timeout=0.2)
+    sent = _asgi_run(mw, [{"type": "http.request", "body": b"x", "more_body": True}, "stall"])
+    assert [m["status"] for m in sent if m["type"] == "http.response.start"] == [408]
+    sent = _asgi_run(mw, [{"type": "http.request", "body": b"x"}], send_blocks=True)
+    assert [m["type"] for m in sent] == ["http.response.start"]  # the body never got out; no hang
+
+
+def test_admission_refuses_past_the_queue_bound() -> None:
+    from keepwarm.worker.api.limits import Admission
+    from keepwarm.worker.api.protocol import APIError
+
+    adm = Admission(max_running=2, max_queued=1)
+    for _ in range(3):
+        adm.enter()
+    with pytest.raises(APIError) as info:
+        adm.enter()
+    assert info.value.status == 429 and "--max-queued-requests" in info.value.message
+    adm.exit()
+    adm.enter()
+    assert adm.active == 3 and adm.refused == 1
+
+
+def test_prompt_characters_that_cannot_fit_are_refused_before_tokenizing(tiny_llama) -> None:
+    from keepwarm.worker.api.limits import check_prompt_chars, longest_token_chars
+    from keepwarm.worker.api.protocol import APIError
+
+    tok = FastTokenizer(tiny_llama)
+    chars = longest_token_chars(tok)
+    assert chars >= max(len(tok.decode([i])) for i in range(tok.vocab_size))
+    check_prompt_chars(64 * chars * 4, 64, chars, "prompt")  # could still fit: tokenize it
+    with pytest.raises(APIError, match="cannot fit") as info:
+        check_prompt_chars(64 * chars * 4 + 1, 64, chars, "prompt")
+    assert info.value.status == 400 and info.value.param == "prompt"
