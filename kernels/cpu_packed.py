@@ -25,11 +25,10 @@ the same descriptor and bytes, and M=1/32/128 calls ran equally fast on each (wi
 does not matter here; it is 1 because decode (one row per sequence) dominates serving.
 
 Thread count: oneDNN picks the blocked format from shape, dtype, CPU *and the calling thread's OpenMP thread
-count* (measured: [576, 576] bf16 packs with 144-row blocks at 1-8 threads, 72 at 16). So every pack (the zeros
-probe that sizes the arena and the real weights) runs under ``PACK_THREADS`` threads, whatever the process uses:
-the layout is a function of (shape, dtype, CPU) alone. A packed weight carries its descriptor, and oneDNN computes
-with it exactly at any thread count (tested at 1, 2, 8 and 16: equal to ``F.linear``), so a worker whose thread
-count differs from the daemon's computes the same tokens.
+count* (measured: [576, 576] bf16 packs with 144-row blocks at 1-8 threads, 72 at 16), so every pack runs under
+``keepwarm.formats.packed.PACK_THREADS`` threads, whatever the process uses. A packed weight carries its
+descriptor, and oneDNN computes with it exactly at any thread count (tested at 1, 2, 8 and 16: equal to
+``F.linear``), so a worker whose thread count differs from the daemon's computes the same tokens.
 
 ``KEEPWARM_CPU_PACK=0`` turns packing off (A/B benchmarks, escape hatch); read on every call of
 :func:`packing_available`, the probe of what this process can do is cached.
@@ -37,31 +36,25 @@ count differs from the daemon's computes the same tokens.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import functools
 import logging
 import os
-import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from keepwarm.daemon.quantize import LAYOUT_MKLDNN_PACKED, QuantizationError, QuantMeta
+from keepwarm.formats.packed import BATCH_HINT, pack, packed_layout, packed_nbytes
+from keepwarm.formats.quant import LAYOUT_MKLDNN_PACKED, QuantizationError, QuantMeta
 
-__all__ = ["BATCH_HINT", "ENV_VAR", "PACK_THREADS", "PackedWeight", "linear_none", "pack", "packed_layout",
-           "packed_nbytes", "packing_available"]
+__all__ = ["BATCH_HINT", "ENV_VAR", "PackedWeight", "linear_none", "pack", "packed_layout", "packed_nbytes",
+           "packing_available"]
 
 logger = logging.getLogger("keepwarm.kernels")
 
 ENV_VAR = "KEEPWARM_CPU_PACK"
-BATCH_HINT = 1
-# The thread count every pack runs under (see the module docstring): 1-8 threads give the same format here.
-PACK_THREADS = 1
-_PACK_LOCK = threading.Lock()  # torch's thread count is process-wide: packs take turns setting it
 # Measured above: only bfloat16 beats F.linear on every shape at M=1 and M=32 (and matches it exactly).
 _PACK_DTYPES = (torch.bfloat16,)
 _LOGGED: set[tuple[str, torch.dtype]] = set()
@@ -156,53 +149,6 @@ def _probe(dtype: torch.dtype) -> bool:
 def packing_available(dtype: torch.dtype) -> bool:
     """True when CPU linear weights of ``dtype`` are stored packed (off under ``KEEPWARM_CPU_PACK=0``)."""
     return not _disabled_by_env() and _probe(dtype)
-
-
-# ---------------------------------------------------------------------------------------------- packing
-@contextlib.contextmanager
-def _pack_threads() -> Iterator[None]:
-    """Run the block under ``PACK_THREADS`` torch/OpenMP threads, then restore the caller's count."""
-    with _PACK_LOCK:
-        before = torch.get_num_threads()
-        torch.set_num_threads(PACK_THREADS)
-        try:
-            yield
-        finally:
-            torch.set_num_threads(before)
-
-
-def pack(w: torch.Tensor) -> tuple[torch.Tensor, bytes]:
-    """Pack a [N, K] CPU weight for oneDNN: (packed bytes as a uint8 tensor [nbytes], serialized descriptor).
-
-    Always under ``PACK_THREADS`` threads, so the format does not depend on the caller's thread count."""
-    if w.dim() != 2 or w.device.type != "cpu":
-        raise QuantizationError(f"packing needs a 2-D CPU weight, got {tuple(w.shape)} on {w.device}")
-    w = w.contiguous()
-    with _pack_threads():
-        pw = torch.ops.mkldnn._reorder_linear_weight(w, BATCH_HINT)
-        desc = bytes(torch.ops.mkldnn._get_mkldnn_serialized_md(pw).numpy())
-    n = int(torch.ops.mkldnn._nbytes(pw))
-    raw = torch.empty(n, dtype=torch.uint8)
-    ctypes.memmove(raw.data_ptr(), torch.ops.mkldnn.data_ptr(pw), n)  # releases the GIL, like a tensor copy
-    return raw, desc
-
-
-@functools.cache
-def packed_layout(shape: tuple[int, int], dtype: torch.dtype) -> tuple[int, bytes]:
-    """(nbytes, descriptor) of a packed ``dtype`` weight of ``shape``, known before any data is read.
-
-    Packs zeros once per (shape, dtype) under ``PACK_THREADS`` like every real pack: oneDNN then picks the blocked
-    format from shape, dtype and CPU alone (checked: zeros and random weights give the same descriptor), and the
-    preload checks every real pack against this."""
-    n, k = (int(s) for s in shape)
-    raw, desc = pack(torch.zeros(n, k, dtype=dtype))
-    return raw.numel(), desc
-
-
-def packed_nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
-    """Bytes the packed weight takes in the arena (exact: see :func:`packed_layout`)."""
-    n, k = shape
-    return packed_layout((int(n), int(k)), dtype)[0]
 
 
 # ---------------------------------------------------------------------------------------------- the weight

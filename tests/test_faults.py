@@ -23,8 +23,8 @@ import pytest
 from test_daemon import Worker
 from test_snapshot import Side, kw, one_line_error
 
-from keepwarm.daemon import paths
 from keepwarm.daemon.client import DaemonClient
+from keepwarm.formats import paths
 from keepwarm.snapshot.store import Store
 
 pytestmark = pytest.mark.slow

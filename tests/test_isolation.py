@@ -299,7 +299,7 @@ def test_packed_layout_does_not_depend_on_the_thread_count(restore_threads) -> N
 def test_a_weight_packed_elsewhere_computes_exactly(restore_threads, run_threads: int) -> None:
     """A worker whose thread count differs from the daemon's computes with the daemon's packed weight exactly."""
     cp = _packing()
-    from keepwarm.daemon.quantize import LAYOUT_MKLDNN_PACKED, QuantMeta
+    from keepwarm.formats.quant import LAYOUT_MKLDNN_PACKED, QuantMeta
 
     w = torch.randn(576, 576, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     torch.set_num_threads(16)  # the daemon's count

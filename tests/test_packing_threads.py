@@ -16,7 +16,7 @@ import torch
 from test_daemon import DaemonProc
 
 from keepwarm import LLM, SamplingParams
-from keepwarm.daemon import paths
+from keepwarm.formats import paths
 from keepwarm.kernels import cpu_packed
 
 pytestmark = pytest.mark.slow

@@ -102,7 +102,7 @@ def _bounded_sandbox():
         _size_of_replace(str(s), str(old), str(new))
         return replace(eval_ctx, s, old, new, count)
 
-    checked_replace.jinja_pass_arg = replace.jinja_pass_arg  # type: ignore[attr-defined]
+    checked_replace.jinja_pass_arg = replace.jinja_pass_arg
     env.filters["replace"] = checked_replace
     return env
 
@@ -121,7 +121,7 @@ def _width_checked(fn):
         return fn(*args, **kwargs)
 
     if hasattr(fn, "jinja_pass_arg"):
-        checked.jinja_pass_arg = fn.jinja_pass_arg  # type: ignore[attr-defined]
+        checked.jinja_pass_arg = fn.jinja_pass_arg
     checked.__name__ = fn.__name__
     return checked
 

@@ -25,6 +25,9 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from fastapi.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
 T = TypeVar("T")
 log = logging.getLogger("keepwarm.server")
 
@@ -104,9 +107,7 @@ class ClientStalled(Exception):
     pass
 
 
-def _error_response(status: int, message: str, type_: str, code: str | None = None):
-    from fastapi.responses import JSONResponse
-
+def _error_response(status: int, message: str, type_: str, code: str | None = None) -> JSONResponse:
     from keepwarm.worker.api.protocol import APIError
 
     return JSONResponse(APIError(status, message, type_, code=code).body(), status_code=status)
@@ -124,12 +125,12 @@ class ConnectionLimits:
     is dropped: the client gets exactly one response.
     """
 
-    def __init__(self, app, max_body_bytes: int, timeout: float) -> None:
+    def __init__(self, app: ASGIApp, max_body_bytes: int, timeout: float) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
         self.timeout = timeout
 
-    async def __call__(self, scope, receive, send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         length = next((v for k, v in scope.get("headers", ()) if k == b"content-length"), None)
@@ -137,12 +138,12 @@ class ConnectionLimits:
             return await self._too_large(int(length))(scope, receive, send)
         state = {"received": 0, "body_done": False, "answered": False}
 
-        async def answer(response) -> dict:
+        async def answer(response: JSONResponse) -> Message:
             state["answered"] = True
             await response(scope, receive, send)
             return {"type": "http.disconnect"}
 
-        async def limited_receive():
+        async def limited_receive() -> Message:
             if state["answered"]:
                 return {"type": "http.disconnect"}
             if state["body_done"]:
@@ -159,7 +160,7 @@ class ConnectionLimits:
                 state["body_done"] = not message.get("more_body", False)
             return message
 
-        async def watched_send(message) -> None:
+        async def watched_send(message: Message) -> None:
             if state["answered"]:
                 return
             try:
@@ -173,14 +174,14 @@ class ConnectionLimits:
             log.info("%s %s: the client stopped reading for %.0fs; disconnected", scope.get("method"),
                      scope.get("path"), self.timeout)
 
-    def _too_large(self, size: int):
+    def _too_large(self, size: int) -> JSONResponse:
         limit_mb = self.max_body_bytes / (1 << 20)
         return _error_response(413, f"the request body ({size} bytes or more) is larger than the server's limit of "
                                     f"{limit_mb:g} MiB (--max-request-body-mb)", "RequestTooLarge",
                                "request_too_large")
 
 
-async def until_disconnected(receive) -> None:
+async def until_disconnected(receive: Receive) -> None:
     """Return when the client disconnects (an ``http.disconnect`` message); for a request whose body was read."""
     while True:
         message = await receive()
