@@ -19,6 +19,9 @@ from keepwarm.worker.api.grpc_gen import keepwarm_pb2_grpc as pb_grpc
 pytestmark = pytest.mark.slow
 
 KEY = "hostile-key"
+MAX_NUM_SEQS = 8
+MAX_QUEUED = 4
+CLIENT_TIMEOUT = 2.0
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
@@ -27,7 +30,9 @@ class HostileServer(ServeProcess):
         self.grpc_port = free_port()
         super().__init__(model, "--no-daemon", "--dtype", "float32", "--max-model-len", "512", "--threads", "1",
                          "--served-model-name", "tiny", "--api-key", KEY, "--grpc", "--grpc-port",
-                         str(self.grpc_port), *args)
+                         str(self.grpc_port), "--max-num-seqs", str(MAX_NUM_SEQS), "--max-queued-requests",
+                         str(MAX_QUEUED), "--client-timeout", str(CLIENT_TIMEOUT), "--max-request-body-mb", "4",
+                         *args)
 
     def post(self, route: str, body: dict | str, headers: dict | None = None, **kw) -> httpx.Response:
         content = body if isinstance(body, str) else json.dumps(body)
@@ -72,6 +77,96 @@ def test_item1_a_seed_torch_cannot_take_is_a_400_and_the_engine_goes_on(server) 
     ok = server.post("completions", {**COMPLETION, "seed": 9223372036854775807, "temperature": 1.0})
     assert ok.status_code == 200, ok.text
     server.still_serving()
+
+
+def _aborts_and_lengths(server: HostileServer) -> tuple[float, float]:
+    return (server.metric("vllm:request_success_total", finished_reason="abort"),
+            server.metric("vllm:request_success_total", finished_reason="length"))
+
+
+def _wait_idle(server: HostileServer) -> None:
+    deadline = time.monotonic() + 60
+    while server.metric("vllm:num_requests_running") or server.metric("vllm:num_requests_waiting"):
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+
+
+def test_item2_a_non_streaming_request_is_aborted_when_its_client_leaves(server) -> None:
+    _wait_idle(server)
+    aborts, lengths = _aborts_and_lengths(server)
+    body = {"model": "tiny", "prompt": "Hi", "max_tokens": 500, "ignore_eos": True, "temperature": 0}
+    with pytest.raises(httpx.ReadTimeout):
+        server.post("completions", body, timeout=0.5)
+    _wait_idle(server)
+    assert _aborts_and_lengths(server) == (aborts + 1, lengths)  # aborted, not run to its 500 tokens
+    kv = (server.metric("keepwarm:kv_cache_free_blocks"), server.metric("keepwarm:kv_cache_total_blocks"))
+    assert kv[0] == kv[1]
+
+
+def test_item3_a_huge_body_is_413_at_once_and_memory_stays(server) -> None:
+    import psutil
+
+    rss = psutil.Process(server.proc.pid).memory_info().rss
+    prompt = "x" * (50 << 20)
+    r = server.post("completions", {"model": "tiny", "prompt": prompt, "max_tokens": 2}, timeout=60)
+    err = _error(r, 413, None)
+    assert "--max-request-body-mb" in err["message"]
+
+    def chunks():  # no Content-Length: the limit applies to the bytes as they come
+        yield b'{"model": "tiny", "prompt": "'
+        for _ in range(50):
+            yield b"x" * (1 << 20)
+        yield b'"}'
+
+    r = httpx.post(server.base + "/v1/completions", content=chunks(), headers={**AUTH, "Content-Type":
+                                                                               "application/json"}, timeout=60)
+    assert r.status_code == 413, r.text
+    # Under the body limit but more characters than 512 tokens can hold: refused before tokenizing.
+    r = server.post("completions", {"model": "tiny", "prompt": "word " * 400_000, "max_tokens": 2})
+    assert "cannot fit" in _error(r, 400, "prompt")["message"]
+    assert psutil.Process(server.proc.pid).memory_info().rss - rss < 200 << 20
+    server.still_serving()
+
+
+def test_a_stalled_client_gets_408(server) -> None:
+    import socket
+
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: 100\r\n\r\n{\"model\"")
+        sock.settimeout(CLIENT_TIMEOUT * 10)
+        head = sock.recv(4096).decode()
+    assert head.startswith("HTTP/1.1 408"), head
+    server.still_serving()
+
+
+def test_past_the_queue_bound_is_429(server) -> None:
+    _wait_idle(server)
+    body = {"model": "tiny", "prompt": "Hi", "max_tokens": 200, "ignore_eos": True, "temperature": 0,
+            "stream": True}
+    n = MAX_NUM_SEQS + MAX_QUEUED + 3
+
+    async def one(client: httpx.AsyncClient) -> int:
+        async with client.stream("POST", server.base + "/v1/completions", json=body, headers=AUTH) as r:
+            await r.aread()
+            return r.status_code
+
+    async def flood() -> list[int]:
+        async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=n + 5)) as client:
+            return await asyncio.gather(*[one(client) for _ in range(n)])
+
+    codes = asyncio.run(flood())
+    assert codes.count(429) >= 1 and codes.count(200) >= MAX_NUM_SEQS, codes
+    assert set(codes) <= {200, 429}
+    server.still_serving()
+
+
+def test_item4_admin_and_docs_need_the_key(server) -> None:
+    for path in ("/keepwarm/config", "/docs", "/openapi.json", "/v1/models"):
+        assert httpx.get(server.base + path).status_code == 401, path
+        assert httpx.get(server.base + path, headers=AUTH).status_code == 200, path
+    for path in ("/health", "/metrics", "/version"):
+        assert httpx.get(server.base + path).status_code == 200, path
 
 
 def test_item4_grpc_needs_the_key(server) -> None:

@@ -313,7 +313,7 @@ def test_a_weight_packed_elsewhere_computes_exactly(restore_threads, run_threads
 
 # -- logprob offsets (issue 17 item 8) ---------------------------------------------------------------------------
 def test_text_offsets_index_the_returned_text_with_special_tokens_hidden(tiny_llama) -> None:
-    from keepwarm.worker.api.server import text_offsets
+    from keepwarm.worker.api.routes.completions import text_offsets
 
     tok = FastTokenizer(tiny_llama)
     assert tok.eos_token_id is not None

@@ -37,7 +37,14 @@ def test_schemathesis_finds_no_failures(tiny_llama, tmp_path, with_key: bool) ->
     server = ServeProcess(tiny_llama, "--no-daemon", "--dtype", "float32", "--max-model-len", "64",
                           "--threads", "1", "--served-model-name", "tiny", *extra)
     try:
-        cmd = [_st(), "run", f"{server.base}/openapi.json", "--checks", CHECKS, "--max-examples",
+        import httpx
+
+        headers = {"Authorization": f"Bearer {API_KEY}"} if with_key else {}
+        # With a key the schema itself is behind it: fetch it here, point schemathesis at the file and the server.
+        schema = httpx.get(server.base + "/openapi.json", headers=headers)
+        assert schema.status_code == 200, schema.text
+        (tmp_path / "openapi.json").write_bytes(schema.content)
+        cmd = [_st(), "run", "openapi.json", "--url", server.base, "--checks", CHECKS, "--max-examples",
                str(MAX_EXAMPLES), "--seed", "17", "--workers", "1", "--no-shrink", "--request-timeout", "60",
                "--phases", "examples,coverage,fuzzing"]
         if with_key:
@@ -48,9 +55,6 @@ def test_schemathesis_finds_no_failures(tiny_llama, tmp_path, with_key: bool) ->
         assert run.returncode == 0, out[-12000:]
         assert " passed" in out and "failed" not in out.split("SUMMARY")[-1], out[-3000:]
         # The server survived all of it and still answers.
-        import httpx
-
-        headers = {"Authorization": f"Bearer {API_KEY}"} if with_key else {}
         assert httpx.get(server.base + "/health").status_code == 200
         ok = httpx.post(server.base + "/v1/completions", headers=headers,
                         json={"model": "tiny", "prompt": "ok", "max_tokens": 2})

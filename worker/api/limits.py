@@ -51,8 +51,9 @@ class Admission:
     """Bounds the requests a server holds: ``max_running`` run in the engine's batch, up to ``max_queued`` more
     wait; one past that is refused at once with 429 (vLLM's answer under overload), before any tokenizing.
 
-    Counted from the moment a request is admitted (before tokenization) until its response ends, so a flood of
-    long prompts cannot pile up in the tokenizer either."""
+    Counted from the moment a request is admitted (before its body is read) until its response ends (the ASGI call
+    returns: the stream is done or the client went away), so a flood of long prompts cannot pile up in the
+    tokenizer either. :class:`AdmissionLimit` applies it to the generation routes."""
 
     def __init__(self, max_running: int, max_queued: int) -> None:
         self.max_running = max_running
@@ -76,6 +77,29 @@ class Admission:
 
     def exit(self) -> None:
         self.active -= 1
+
+
+class AdmissionLimit:
+    """ASGI middleware: requests to ``paths`` pass through ``admission`` (429 when it is full)."""
+
+    def __init__(self, app: ASGIApp, admission: Admission, paths: frozenset[str]) -> None:
+        self.app = app
+        self.admission = admission
+        self.paths = paths
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope.get("path") not in self.paths:
+            return await self.app(scope, receive, send)
+        from keepwarm.worker.api.protocol import APIError
+
+        try:
+            self.admission.enter()
+        except APIError as e:
+            return await JSONResponse(e.body(), status_code=e.status)(scope, receive, send)
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.admission.exit()
 
 
 # -- prompt length before tokenizing ---------------------------------------------------------------------------------
