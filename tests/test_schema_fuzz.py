@@ -20,7 +20,7 @@ from _serve import ServeProcess
 pytestmark = pytest.mark.slow
 
 CHECKS = "not_a_server_error,status_code_conformance,content_type_conformance,response_schema_conformance"
-MAX_EXAMPLES = 25
+MAX_EXAMPLES = 20
 API_KEY = "fuzz-key"
 
 
