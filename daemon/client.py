@@ -115,8 +115,11 @@ class DaemonClient:
         return self.request("preload", args, timeout=60.0, on_event=on_event)
 
     def attach(self, model: str, quantization: str = "none", dtype: str = "auto", fingerprint: str | None = None,
-               preload: bool = True, on_event: ProgressCallback | None = None) -> dict[str, Any]:
-        args = {"model": model, "quantization": quantization, "dtype": dtype, "pid": os.getpid(), "preload": preload}
+               preload: bool = True, on_event: ProgressCallback | None = None,
+               pid: int | None = None) -> dict[str, Any]:
+        """Lease ``model`` for ``pid`` (default: this process; a lease keeper attaches for its worker)."""
+        args = {"model": model, "quantization": quantization, "dtype": dtype, "pid": pid or os.getpid(),
+                "preload": preload}
         if fingerprint:
             args["fingerprint"] = fingerprint
         return self.request("attach", args, timeout=60.0, on_event=on_event)

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -30,7 +33,7 @@ log = logging.getLogger("keepwarm.worker")
 
 @dataclass
 class Attachment:
-    """Weights viewed in place in the daemon's arena, held under a lease that a background thread renews."""
+    """Weights viewed in place in the daemon's arena, held under a lease that a keeper process renews."""
 
     manifest: ArenaManifest
     tensors: dict[str, Any]
@@ -99,60 +102,78 @@ def attach_weights(model: str, quantization: str = "none", dtype: str = "auto", 
     return att
 
 
-class LeaseKeeper(threading.Thread):
-    """Renews the lease every ``ttl / 3`` seconds. When the daemon answers ``unknown_lease`` (it restarted, or
-    dropped us), it attaches again by fingerprint to get a new lease. A CPU arena we view stays valid either way (a
-    mapped tmpfs file outlives its creator); a CUDA arena does not survive its daemon, so a CUDA worker whose
-    daemon died must be restarted."""
+class LeaseKeeper:
+    """Keeps the lease renewed from a child process (``keepwarm.worker.lease_keeper``: a thread here could be
+    starved by native code holding the GIL). It re-attaches by fingerprint when the daemon answers
+    ``unknown_lease`` (it restarted, or dropped us); a reader thread mirrors the keeper's events here
+    (``renewals``, ``reattaches``, ``att.lease_id``). A CPU arena we view stays valid either way (a mapped tmpfs
+    file outlives its creator); a CUDA arena does not survive its daemon, so a CUDA worker whose daemon died must
+    be restarted."""
 
     def __init__(self, att: Attachment, runtime_dir: Path | None, ttl: float, quantization: str, dtype: str) -> None:
-        super().__init__(name="keepwarm-lease", daemon=True)
         self.att = att
         self.runtime_dir = runtime_dir
+        self.ttl = ttl
         self.interval = max(0.2, ttl / 3)
         self.quantization = quantization
         self.dtype = dtype
-        self._stopped = threading.Event()
         self.renewals = 0
         self.reattaches = 0
+        self._proc: subprocess.Popen | None = None
+        self._reader: threading.Thread | None = None
 
-    def run(self) -> None:
-        client = DaemonClient(self.runtime_dir, timeout=max(1.0, self.interval))
-        try:
-            while not self._stopped.wait(self.interval):
-                try:
-                    client.heartbeat(self.att.lease_id)
-                    self.renewals += 1
-                except DaemonError as e:
-                    if e.code == "unknown_lease":
-                        self._reattach(client)
-                    else:
-                        log.warning("lease %s: cannot renew: %s", self.att.lease_id, e.message)
-        finally:
-            client.close()
+    def start(self) -> None:
+        m = self.att.manifest
+        cmd = [sys.executable, "-m", "keepwarm.worker.lease_keeper", str(self.runtime_dir or ""), self.att.lease_id,
+               str(os.getpid()), repr(self.ttl), m.model, self.quantization, self.dtype, self.att.fingerprint]
+        # Its own session: a Ctrl-C meant for the worker must not end the keeper before the worker detaches.
+        self._proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
+                                      close_fds=True, start_new_session=True)
+        self._reader = threading.Thread(target=self._read, name="keepwarm-lease", daemon=True)
+        self._reader.start()
 
-    def _reattach(self, client: DaemonClient) -> None:
-        try:
-            reply = client.attach(self.att.manifest.model, self.quantization, self.dtype,
-                                  fingerprint=self.att.fingerprint, preload=False)
-        except DaemonError as e:
-            log.warning("lease %s lost and re-attach failed (%s); the weights stay mapped", self.att.lease_id,
-                        e.message)
-            return
-        log.info("lease %s lost (daemon restarted?); re-attached with lease %s", self.att.lease_id,
-                 reply["lease_id"])
-        self.att.lease_id = reply["lease_id"]
-        self.reattaches += 1
+    def _read(self) -> None:
+        assert self._proc is not None and self._proc.stdout is not None
+        for line in self._proc.stdout:
+            event, _, rest = line.strip().partition(" ")
+            if event == "renewed":
+                self.renewals += 1
+            elif event == "lease":
+                log.info("lease %s lost (daemon restarted?); re-attached with lease %s", self.att.lease_id, rest)
+                self.att.lease_id = rest
+                self.reattaches += 1
+            elif event == "warn":
+                log.warning("%s", rest)
+
+    def is_alive(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
 
     def stop(self, detach: bool = True) -> None:
-        self._stopped.set()
-        self.join(timeout=5)
-        if detach:
-            try:
-                with DaemonClient(self.runtime_dir, timeout=2.0) as client:
-                    client.detach(self.att.lease_id)
-            except DaemonError as e:
-                log.info("detach of lease %s: %s", self.att.lease_id, e.message)
+        proc = self._proc
+        if proc is None:
+            return
+        if proc.poll() is not None:  # the keeper is gone (killed?): detach from here
+            log.warning("lease keeper of %s exited (%s) before the worker", self.att.lease_id, proc.returncode)
+            if detach:
+                try:
+                    with DaemonClient(self.runtime_dir, timeout=2.0) as client:
+                        client.detach(self.att.lease_id)
+                except DaemonError as e:
+                    log.info("detach of lease %s: %s", self.att.lease_id, e.message)
+            return
+        try:
+            assert proc.stdin is not None
+            proc.stdin.write("stop detach\n" if detach else "stop keep\n")
+            proc.stdin.close()
+        except (BrokenPipeError, ValueError, OSError):
+            pass
+        try:
+            proc.wait(timeout=5 + self.interval)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        if self._reader is not None:
+            self._reader.join(timeout=5)
 
 
 def attach_adapter(name: str, path: str, model_config, max_lora_rank: int, dtype: torch.dtype,
