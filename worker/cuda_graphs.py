@@ -60,7 +60,7 @@ class CudaGraphRunner:
         self.kv_cache = kv_cache
         self.device = device
         self.batch_sizes = tuple(sorted(set(batch_sizes)))
-        max_position = max_position or int(model.cos_sin_cache.shape[0])
+        max_position = max_position or int(model.max_position)
         self.max_blocks = -(-max_position // block_size)
         n = self.batch_sizes[-1]
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)

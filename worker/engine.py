@@ -110,6 +110,9 @@ class LLMEngine:
         mc = self.model_config = load_model_config(self._model_dir)
         self.dtype = mc.dtype if config.dtype == "auto" else parse_dtype(config.dtype)
         self.max_model_len = self._resolve_max_model_len(config, mc)
+        # longrope: sequences longer than this use the long factors (None: the model has no longrope).
+        self._long_rope_after = mc.rope.original_max_position_embeddings if mc.rope.rope_type == "longrope" \
+            else None
         self.tokenizer = self._load_tokenizer(config.tokenizer or config.model)
         torch.manual_seed(config.seed)
 
@@ -150,15 +153,11 @@ class LLMEngine:
     @staticmethod
     def _resolve_max_model_len(config: EngineConfig, mc) -> int:
         limit = mc.max_position_embeddings
-        if mc.sliding_window is not None and mc.sliding_window < limit:
-            # Within the window, full attention equals sliding-window attention; beyond it we would differ.
-            log.info("capping max_model_len at the model's sliding window (%d)", mc.sliding_window)
-            limit = mc.sliding_window
         if config.max_model_len is None:
             return limit
         if config.max_model_len > limit:
             raise ModelConfigError(f"max_model_len {config.max_model_len} exceeds the model's limit of {limit} "
-                                   "(max_position_embeddings or sliding window)")
+                                   "(max_position_embeddings)")
         if config.max_model_len < 2:
             raise ModelConfigError("max_model_len must be at least 2")
         return config.max_model_len
@@ -259,6 +258,8 @@ class LLMEngine:
                 p.eos_token_ids = params.eos_token_ids
             seq = Sequence(f"{request_id}#{i}", prompt_token_ids, p, cache_salt=cache_salt, arrival_time=now,
                            lora=lora)
+            if self._long_rope_after is not None and n > self._long_rope_after:
+                self._use_long_rope(seq)
             seqs.append(seq)
             detoks.append(IncrementalDetokenizer(self.tokenizer, prompt_token_ids, p.skip_special_tokens)
                           if p.detokenize else None)
@@ -386,6 +387,16 @@ class LLMEngine:
                 req.texts[idx] = detok.output_text
         if status is not None:
             self._finish(seq, status)
+        elif self._long_rope_after is not None and not seq.rope_long and seq.num_tokens > self._long_rope_after:
+            # transformers recomputes the whole cache with the long factors when a sequence first outgrows the
+            # original context (Phi3ForCausalLM.prepare_inputs_for_generation): so do we, by recompute.
+            self.scheduler.recompute(seq)
+            self._use_long_rope(seq)
+
+    @staticmethod
+    def _use_long_rope(seq: Sequence) -> None:
+        seq.rope_long = True
+        seq.cache_salt = f"{seq.cache_salt or ''}longrope"  # blocks rotated with other factors are never shared
 
     def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
         self.scheduler.finish(seq, status)
