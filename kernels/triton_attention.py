@@ -16,6 +16,9 @@ Paged attention, one kernel for a mixed batch of prefill chunks (with their cach
     cache block size works (8, 16, 32, ...), and a tile may span several cache blocks. Online softmax in float32
     with exp2; causal masking per row; positions past the sequence are never read (table entries past a
     sequence's last block may be garbage).
+  - sliding window (``window`` > 0): a row at position p sees p-window+1..p; a tile's walk starts at its first
+    row's first visible position, so blocks wholly before every row's window are never read. Soft-capping
+    (``SOFTCAP``): scores become softcap * tanh(score / softcap) before the mask.
   - split-KV (flash-decoding): when there are too few programs to fill the GPU (few sequences x kv heads, long
     contexts), each program covers one of NUM_SPLITS contiguous slices of the context and writes an
     unnormalised partial (acc, max, sum) to a float32 workspace; a second kernel combines them. The split count
@@ -57,7 +60,7 @@ _MAX_SPLITS = 16
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-    num_seqs, num_splits, qk_scale, k_scale, v_scale,
+    num_seqs, num_splits, qk_scale, k_scale, v_scale, window, softcap,
     stride_qt, stride_qh, stride_qd,
     stride_kh, stride_kb, stride_ks, stride_kd,
     stride_vh, stride_vb, stride_vs, stride_vd,
@@ -68,7 +71,7 @@ def _paged_attention_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     DECODE: tl.constexpr, SPLIT: tl.constexpr, FP8_KIND: tl.constexpr, KV_CAST: tl.constexpr,
-    Q_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+    Q_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     ROWS: tl.constexpr = BLOCK_Q * GROUP_PAD
     tile = tl.program_id(0)
@@ -116,6 +119,8 @@ def _paged_attention_kernel(
         else:
             kv_lo = 0
             kv_hi = kv_end
+        if window > 0:  # nothing before the tile's first row's window is visible to any of its rows
+            kv_lo = tl.maximum(kv_lo, ctx_len - q_len + first - window + 1)
 
         # Finite start (not -inf): a row with nothing to see in this slice keeps m=-1e30, l=0, acc=0, no NaN.
         m_i = tl.full([ROWS], -1.0e30, dtype=tl.float32)
@@ -137,7 +142,12 @@ def _paged_attention_kernel(
             elif KV_CAST:
                 k = tc.round_as(k.to(tl.float32), Q_DTYPE)
             s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=PRECISION) * qk_scale  # [ROWS, BLOCK_N]
+            if SOFTCAP:  # qk_scale carries log2(e): cap the natural-log score, then back to base 2
+                x = s * (1.0 / 1.4426950408889634) / softcap
+                s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)) * 1.4426950408889634  # softcap * tanh(x)
             seen = (pos[None, :] <= q_pos[:, None]) & pos_ok[None, :]
+            if window > 0:
+                seen = seen & (pos[None, :] > q_pos[:, None] - window)
             s = tl.where(seen, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             alpha = tl.exp2(m_i - m_new)
@@ -210,6 +220,8 @@ def paged_attention(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     max_query_len: int | None = None,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
     *,
     num_splits: int | None = None,
 ) -> torch.Tensor:
@@ -250,13 +262,14 @@ def paged_attention(
     _paged_attention_kernel[(tiles, num_kv_heads, num_splits)](
         query, key_cache, value_cache, out, part_acc, part_ml,
         block_tables, seq_lens, query_start_loc,
-        num_seqs, num_splits, scale * _LOG2E, float(k_scale), float(v_scale),
+        num_seqs, num_splits, scale * _LOG2E, float(k_scale), float(v_scale), int(sliding_window or 0),
+        float(logit_softcap or 0.0),
         *query.stride(), *key_cache.stride(), *value_cache.stride(), *block_tables.stride(), *out.stride(),
         *part_acc.stride(), *part_ml.stride()[:3],
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=group_pad,
         BLOCK_Q=block_q, BLOCK_N=block_n, DECODE=decode, SPLIT=split, FP8_KIND=fp8,
         KV_CAST=not fp8 and key_cache.dtype != query.dtype, Q_DTYPE=tc.tl_dtype(query.dtype), DOT_DTYPE=dot,
-        PRECISION=tc.dot_precision(dot), num_warps=warps,
+        PRECISION=tc.dot_precision(dot), SOFTCAP=logit_softcap is not None, num_warps=warps,
     )
     if split:
         # Grid: one program per (token row, query head): it reads that row's NUM_SPLITS partials (a few KB) and
