@@ -47,6 +47,8 @@ class EngineConfig:
 
     model: str
     tokenizer: str | None = None
+    # vLLM's option: no tokenizer files are read; prompts are token ids and outputs carry ids only (text "").
+    skip_tokenizer_init: bool = False
     dtype: str = "auto"
     max_model_len: int | None = None
     max_num_seqs: int = 256
@@ -113,7 +115,7 @@ class LLMEngine:
         # longrope: sequences longer than this use the long factors (None: the model has no longrope).
         self._long_rope_after = mc.rope.original_max_position_embeddings if mc.rope.rope_type == "longrope" \
             else None
-        self.tokenizer = self._load_tokenizer(config.tokenizer or config.model)
+        self.tokenizer = None if config.skip_tokenizer_init else self._load_tokenizer(config.tokenizer or config.model)
         torch.manual_seed(config.seed)
 
         self.loaded = loaded or load_model(
@@ -133,6 +135,9 @@ class LLMEngine:
         self.loras: dict[str, LoRAAdapter] = {}
         self.lora_manager = None
         if config.enable_lora:
+            if mc.family == "moe":
+                raise ModelConfigError(f"LoRA is not supported for {mc.architecture} (experts have no PEFT "
+                                       "projections keepwarm maps; supported: the Llama and Gemma families)")
             self.lora_manager = LoRAManager(self.loaded.model, mc, config.max_loras, config.max_lora_rank,
                                             self.dtype, self.device)
         budget = config.max_num_batched_tokens or max(2048, config.block_size)
@@ -246,6 +251,8 @@ class LLMEngine:
         if any(t < 0 or t >= vocab for t in prompt_token_ids):
             raise RequestError(f"prompt token ids must be in [0, {vocab})")
         params.validate()
+        if self.tokenizer is None and params.stop:
+            raise RequestError("stop strings need a tokenizer (the engine runs with skip_tokenizer_init)")
         if not params.ignore_eos:
             params.eos_token_ids = self.eos_token_ids
         now = time.monotonic()
@@ -262,7 +269,7 @@ class LLMEngine:
                 self._use_long_rope(seq)
             seqs.append(seq)
             detoks.append(IncrementalDetokenizer(self.tokenizer, prompt_token_ids, p.skip_special_tokens)
-                          if p.detokenize else None)
+                          if p.detokenize and self.tokenizer is not None else None)
         req = _Request(request_id, prompt, seqs, detoks, [""] * len(seqs), RequestMetrics(now))
         self._requests[request_id] = req
         for seq in seqs:
@@ -273,7 +280,7 @@ class LLMEngine:
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
         ids = set(self.model_config.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None:
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)
         return tuple(sorted(ids))
 
