@@ -231,16 +231,22 @@ def _paged_decode(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tenso
     seqs = torch.tensor(decodes, dtype=torch.long, device=device)
     rows = torch.tensor([starts[s] for s in decodes], dtype=torch.long, device=device)
     ctx = seq_lens.to(device=device, dtype=torch.long)[seqs]
-    lo = [max(0, lens[s] - window) if window else 0 for s in decodes]  # first visible position
-    first = torch.tensor([p // block_size for p in lo], dtype=torch.long, device=device)
-    num_blocks = max(-(-lens[s] // block_size) - p // block_size for s, p in zip(decodes, lo, strict=True))
-    cols = first[:, None] + torch.arange(num_blocks, device=device)[None, :]  # [Sd, nb] table columns
-    pos = cols[:, :, None] * block_size + torch.arange(block_size, device=device)  # [Sd, nb, bs]
+    if window:
+        lo = [max(0, lens[s] - window) for s in decodes]  # each sequence's first visible position
+        first = torch.tensor([p // block_size for p in lo], dtype=torch.long, device=device)
+        num_blocks = max(-(-lens[s] // block_size) - p // block_size for s, p in zip(decodes, lo, strict=True))
+        cols = first[:, None] + torch.arange(num_blocks, device=device)[None, :]  # [Sd, nb] table columns
+        table = block_tables[seqs].long().gather(1, cols.clamp(max=block_tables.shape[1] - 1))
+    else:
+        num_blocks = -(-max(lens[s] for s in decodes) // block_size)
+        cols = torch.arange(num_blocks, device=device)[None, :]
+        table = block_tables[seqs, :num_blocks].long()
     # Columns past a sequence's last block may be garbage or past the table: point them at block 0 instead.
-    used = cols * block_size < ctx[:, None]
-    table = torch.where(used, block_tables[seqs].long().gather(1, cols.clamp(max=block_tables.shape[1] - 1)), 0)
-    pos = pos.reshape(len(decodes), -1)
-    pos_ok = (pos < ctx[:, None]) & (pos >= torch.tensor(lo, device=device)[:, None])  # [Sd, L]
+    table = torch.where(cols * block_size < ctx[:, None], table, 0)
+    pos = (cols[:, :, None] * block_size + torch.arange(block_size, device=device)).reshape(cols.shape[0], -1)
+    pos_ok = pos < ctx[:, None]  # [Sd, L]
+    if window:
+        pos_ok &= pos >= torch.tensor(lo, device=device)[:, None]
     out[rows] = _decode_attention(query[rows], _gather_blocks(key_cache, table), _gather_blocks(value_cache, table),
                                   pos_ok, scale, k_scale, v_scale, softcap)
 

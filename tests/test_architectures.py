@@ -93,14 +93,17 @@ def test_int8_experts_match_the_dequantized_model(tiny_model_factory, model_name
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(hf)
 
 
-@pytest.mark.parametrize("model_name", ["qwen3", "gemma3"])
-def test_lora_matches_peft(tiny_model_factory, make_adapter, tmp_path, model_name: str) -> None:
+SEVEN = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+# Phi-3's checkpoint has qkv_proj and gate_up_proj fused, so its adapters target those.
+@pytest.mark.parametrize(("model_name", "targets"), [("qwen3", SEVEN), ("gemma3", SEVEN),
+                                                     ("phi3", ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"])])
+def test_lora_matches_peft(tiny_model_factory, make_adapter, tmp_path, model_name: str, targets: list[str]) -> None:
     from peft import PeftModel
 
     base = tiny_model_factory(model_name)
-    adapter = make_adapter(base, tmp_path / "ad", seed=3, r=8, lora_alpha=16,
-                           target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                                           "down_proj"])
+    adapter = make_adapter(base, tmp_path / "ad", seed=3, r=8, lora_alpha=16, target_modules=targets)
     llm = LLM(model=base, dtype="float32", max_model_len=256, enable_lora=True, max_lora_rank=8, daemon=False)
     lora = LoRARequest("ad", 1, adapter)
     outs = llm.generate(PROMPTS * 2, GREEDY, lora_request=[lora] * len(PROMPTS) + [None] * len(PROMPTS))
@@ -113,6 +116,16 @@ def test_lora_matches_peft(tiny_model_factory, make_adapter, tmp_path, model_nam
 def test_lora_on_moe_is_refused_with_one_line(tiny_model_factory) -> None:
     with pytest.raises(ModelConfigError, match=r"^LoRA is not supported for MixtralForCausalLM"):
         LLM(model=tiny_model_factory("mixtral"), dtype="float32", enable_lora=True, daemon=False)
+
+
+def test_lora_for_another_layout_is_refused(tiny_model_factory, make_adapter, tmp_path) -> None:
+    """An adapter with q_proj/k_proj/v_proj cannot apply to Phi-3's fused qkv_proj (nor the reverse): refused."""
+    from keepwarm.worker.lora import LoRAError
+
+    adapter = make_adapter(tiny_model_factory("qwen3"), tmp_path / "q", target_modules=["q_proj", "v_proj"])
+    llm = LLM(model=tiny_model_factory("phi3"), dtype="float32", enable_lora=True, daemon=False, max_model_len=128)
+    with pytest.raises(LoRAError, match=r"targets module 'q_proj', which the model lacks \(supported: qkv_proj"):
+        llm.generate([[5, 6, 7]], GREEDY, lora_request=LoRARequest("q", 1, adapter))
 
 
 def test_unsupported_architecture_lists_the_supported(tiny_llama, tmp_path) -> None:
