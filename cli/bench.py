@@ -189,7 +189,7 @@ def moe(
 ) -> None:
     """Offline throughput of a tiny random Mixtral (hidden 256, 4 layers, 8 experts, top-2; made once under
     $KEEPWARM_HOME/models) against transformers' generate, in the same run."""
-    from keepwarm.worker.default_model import keepwarm_home
+    from keepwarm.formats.paths import keepwarm_home
     from keepwarm.worker.models.random_model import make_random_model
 
     path = keepwarm_home() / "models" / "tiny-mixtral-8x2"

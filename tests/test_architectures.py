@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from keepwarm import LLM, LoRARequest, SamplingParams
-from keepwarm.daemon import paths
-from keepwarm.worker.models.config import ModelConfigError
+from keepwarm.formats import paths
+from keepwarm.formats.model_config import ModelConfigError
 
 MAX_TOKENS = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -66,7 +66,7 @@ def test_greedy_from_the_daemon_matches_transformers(tiny_model_factory, daemon_
 
 
 def _dequantized_int8(w: torch.Tensor) -> torch.Tensor:
-    from keepwarm.daemon.quantize import quantize
+    from keepwarm.formats.quant import quantize
     from keepwarm.kernels.quant import QuantizedWeight
 
     meta, parts = quantize(w, "int8", torch.float32)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from keepwarm.worker.models.config import ModelConfig
+from keepwarm.formats.model_config import ModelConfig
 from keepwarm.worker.models.layers import BoundModule
 from keepwarm.worker.models.llama import (
     AttentionMetadata,
@@ -28,6 +28,8 @@ from keepwarm.worker.models.llama import (
 
 
 class GemmaRMSNorm(BoundModule):
+    weight: torch.Tensor
+
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.eps = eps

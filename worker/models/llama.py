@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from keepwarm import kernels
-from keepwarm.worker.models.config import ModelConfig, RopeConfig, rope_inv_freq
+from keepwarm.formats.model_config import ModelConfig, RopeConfig, rope_inv_freq
 from keepwarm.worker.models.layers import BoundModule, Embedding, Linear, RMSNorm, WeightBindError
 
 
@@ -72,7 +72,7 @@ class LlamaAttention(nn.Module):
                 attn: AttentionMetadata, kv: KVCache) -> torch.Tensor:
         T = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        if self.q_norm is not None:  # per head, before rotary (Qwen3, Gemma 3)
+        if self.q_norm is not None and self.k_norm is not None:  # per head, before rotary (Qwen3, Gemma 3)
             q = self.q_norm(q.reshape(-1, self.head_dim)).reshape(T, self.q_size)
             k = self.k_norm(k.reshape(-1, self.head_dim)).reshape(T, self.kv_size)
         q, k = kernels.rotary_embedding(positions, q, k, self.head_dim, cos_sin[self.rope])

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from keepwarm.worker.models.config import ModelConfig
+from keepwarm.formats.model_config import ModelConfig
 from keepwarm.worker.models.layers import Linear
 from keepwarm.worker.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 

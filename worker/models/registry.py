@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from keepwarm.worker.models.config import ModelConfig
+from keepwarm.formats.model_config import ModelConfig
 from keepwarm.worker.models.gemma import GemmaForCausalLM
 from keepwarm.worker.models.llama import LlamaForCausalLM
 from keepwarm.worker.models.moe import MoEForCausalLM
