@@ -243,10 +243,11 @@ def _paged_decode(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tenso
         table = block_tables[seqs, :num_blocks].long()
     # Columns past a sequence's last block may be garbage or past the table: point them at block 0 instead.
     table = torch.where(cols * block_size < ctx[:, None], table, 0)
-    pos = (cols[:, :, None] * block_size + torch.arange(block_size, device=device)).reshape(cols.shape[0], -1)
-    pos_ok = pos < ctx[:, None]  # [Sd, L]
     if window:
-        pos_ok &= pos >= torch.tensor(lo, device=device)[:, None]
+        pos = (cols[:, :, None] * block_size + torch.arange(block_size, device=device)).reshape(len(decodes), -1)
+        pos_ok = (pos < ctx[:, None]) & (pos >= torch.tensor(lo, device=device)[:, None])  # [Sd, L]
+    else:
+        pos_ok = torch.arange(num_blocks * block_size, device=device)[None, :] < ctx[:, None]
     out[rows] = _decode_attention(query[rows], _gather_blocks(key_cache, table), _gather_blocks(value_cache, table),
                                   pos_ok, scale, k_scale, v_scale, softcap)
 
