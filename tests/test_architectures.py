@@ -157,3 +157,19 @@ def test_skip_tokenizer_init_serves_token_ids_without_tokenizer_files(tiny_model
     assert all(o.outputs[0].text == "" for o in outs)
     with pytest.raises(ValueError, match="skip_tokenizer_init=True"):
         llm.generate("hello", GREEDY)
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4", "fp8"])
+def test_experts_take_every_quantized_layout(tiny_model_factory, scheme: str) -> None:
+    """The arena plan quantizes each expert's gate_up / down like any linear; the router and norms stay dense."""
+    from keepwarm.daemon.checkpoint import Checkpoint
+    from keepwarm.daemon.loader import plan_arena
+
+    ckpt = Checkpoint(tiny_model_factory("qwen3_moe"))
+    planned, _ = plan_arena(ckpt, scheme, torch.float32)
+    quantized = {p.name for p in planned if p.quantized}
+    experts = {p.name for p in planned if ".experts." in p.name}
+    assert len(experts) == 2 * 6 * 2  # 2 MoE layers (layer 1 is dense) x 6 experts x (gate_up, down)
+    assert experts <= quantized
+    assert "model.layers.1.mlp.gate_up_proj.weight" in quantized  # the dense layer's MLP
+    assert not any(n.endswith("mlp.gate.weight") for n in quantized)  # routers stay dense
