@@ -154,11 +154,14 @@ def paged_attention(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     max_query_len: int | None = None,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:
-    """Causal varlen attention over the paged cache; seq_lens include this step's (already written) tokens."""
+    """Causal varlen attention over the paged cache; seq_lens include this step's (already written) tokens.
+    ``sliding_window`` w: a row at position p sees keys p-w+1..p; ``logit_softcap`` c: scores c * tanh(s / c)."""
     return get_impl("paged_attention", query.device)(
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, k_scale, v_scale,
-        max_query_len,
+        max_query_len, sliding_window=sliding_window, logit_softcap=logit_softcap,
     )
 
 

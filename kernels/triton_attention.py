@@ -20,6 +20,9 @@ Paged attention, one kernel for a mixed batch of prefill chunks (with their cach
     with q scaled into float16's range by a power of two (integer decode to q's dtype elsewhere and under the
     interpreter); k_scale is folded into the softmax scale and v_scale applied once to the accumulator, so a K/V
     element costs one conversion and nothing else.
+  - sliding window (``window`` > 0): a row at position p sees p-window+1..p; a tile's walk starts at its first
+    row's first visible position, so blocks wholly before every row's window are never read. Soft-capping
+    (``SOFTCAP``): scores become softcap * tanh(score / softcap) before the mask.
   - split-KV (flash-decoding): when there are too few programs to fill the GPU (few sequences x kv heads, long
     contexts), each program covers one of NUM_SPLITS contiguous slices of the context and writes an
     unnormalised partial (acc, max, sum) to a float32 workspace; a second kernel combines them. The split count
@@ -63,7 +66,7 @@ _MAX_SPLITS = 64
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-    num_seqs, num_splits, qk_scale, k_scale, v_scale,
+    num_seqs, num_splits, qk_scale, k_scale, v_scale, window, softcap,
     stride_qt, stride_qh, stride_qd,
     stride_kh, stride_kb, stride_ks, stride_kd,
     stride_vh, stride_vb, stride_vs, stride_vd,
@@ -75,7 +78,7 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     DECODE: tl.constexpr, SPLIT: tl.constexpr, FP8_KIND: tl.constexpr, KV_CAST: tl.constexpr,
     Q_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, NATIVE_FP8: tl.constexpr,
-    F16_KV: tl.constexpr,
+    F16_KV: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     ROWS: tl.constexpr = BLOCK_Q * GROUP_PAD
     tile = tl.program_id(0)
@@ -133,6 +136,8 @@ def _paged_attention_kernel(
         else:
             kv_lo = 0
             kv_hi = kv_end
+        if window > 0:  # nothing before the tile's first row's window is visible to any of its rows
+            kv_lo = tl.maximum(kv_lo, ctx_len - q_len + first - window + 1)
 
         # Finite start (not -inf): a row with nothing to see in this slice keeps m=-1e30, l=0, acc=0, no NaN.
         m_i = tl.full([ROWS], -1.0e30, dtype=tl.float32)
@@ -154,7 +159,12 @@ def _paged_attention_kernel(
             elif KV_CAST:
                 k = tc.round_as(k.to(tl.float32), Q_DTYPE)
             s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=PRECISION) * qk_scale  # [ROWS, BLOCK_N]
+            if SOFTCAP:  # qk_scale carries log2(e): cap the natural-log score, then back to base 2
+                x = s * (1.0 / 1.4426950408889634) / softcap
+                s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)) * 1.4426950408889634  # softcap * tanh(x)
             seen = (pos[None, :] <= q_pos[:, None]) & pos_ok[None, :]
+            if window > 0:
+                seen = seen & (pos[None, :] > q_pos[:, None] - window)
             s = tl.where(seen, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             alpha = tl.exp2(m_i - m_new)
@@ -245,6 +255,8 @@ def paged_attention(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     max_query_len: int | None = None,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
     *,
     num_splits: int | None = None,
 ) -> torch.Tensor:
@@ -289,13 +301,15 @@ def paged_attention(
         query, key_cache, value_cache, out, part_acc, part_ml,
         block_tables, seq_lens, query_start_loc,
         num_seqs, num_splits, scale * _LOG2E * (float(k_scale) if fp8 else 1.0), float(k_scale), float(v_scale),
+        int(sliding_window or 0), float(logit_softcap or 0.0),
         *query.stride(), *key_cache.stride(), *value_cache.stride(), *block_tables.stride(), *out.stride(),
         *part_acc.stride(), *part_ml.stride()[:3],
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=group_pad,
         BLOCK_Q=block_q, BLOCK_N=block_n, DECODE=decode, SPLIT=split, FP8_KIND=fp8,
         KV_CAST=not fp8 and key_cache.dtype != query.dtype, Q_DTYPE=tc.tl_dtype(query.dtype),
         DOT_DTYPE=tl.float16 if f16_kv else dot,
-        PRECISION=tc.dot_precision(dot), NATIVE_FP8=native_fp8, F16_KV=f16_kv, num_warps=warps,
+        PRECISION=tc.dot_precision(dot), NATIVE_FP8=native_fp8, F16_KV=f16_kv, SOFTCAP=logit_softcap is not None,
+        num_warps=warps,
     )
     if split:
         # Grid: one program per (token row, query head): it reads that row's NUM_SPLITS partials (a few KB) and

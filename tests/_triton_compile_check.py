@@ -75,17 +75,20 @@ def _compile_all(quick: bool) -> list[tuple[str, object, dict]]:
     bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
     dtypes = (bf16,) if quick else (bf16, fp16, fp32)
 
-    def attention(hq, hk, d, bs, dtype, cache_dtype, max_query_len, tokens, seqs, width):
+    def attention(hq, hk, d, bs, dtype, cache_dtype, max_query_len, tokens, seqs, width, **window_softcap):
         q = torch.empty(tokens, hq, d, dtype=dtype)
         cache = torch.empty(hk, 64, bs, d, dtype=cache_dtype)
         ta.paged_attention(q, cache, cache, torch.zeros(seqs, width, dtype=torch.int32),
                            torch.ones(seqs, dtype=torch.int32), torch.arange(seqs + 1, dtype=torch.int32), 0.1,
-                           1.0, 1.0, max_query_len)
+                           1.0, 1.0, max_query_len, **window_softcap)
 
     for dtype in dtypes:  # Llama-8B heads: decode (split-KV: 64 programs < 2 per SM), then a mixed batch
         attention(32, 8, 128, 16, dtype, dtype, 1, 32, 32, 256)
         attention(32, 8, 128, 16, dtype, dtype, None, 600, 8, 256)
     attention(32, 8, 128, 32, bf16, torch.float8_e4m3fn, 100, 600, 8, 128)
+    # Gemma 2's local layers: a sliding window with soft-capped scores (head_dim 256), mixed and decode.
+    attention(16, 8, 256, 16, bf16, bf16, None, 600, 8, 256, sliding_window=4096, logit_softcap=50.0)
+    attention(16, 8, 256, 16, bf16, bf16, 1, 32, 32, 256, sliding_window=4096, logit_softcap=50.0)
     if quick:
         attention(32, 8, 128, 16, fp32, fp32, None, 600, 8, 256)  # float32: the FMA dot, smaller tiles
     else:

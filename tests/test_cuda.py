@@ -48,7 +48,7 @@ def test_graphs_need_cuda_and_host_sync_free_kernels(monkeypatch: pytest.MonkeyP
 
 
 def test_graph_runner_padding_rules() -> None:
-    model = SimpleNamespace(cos_sin_cache=torch.zeros(100, 8))
+    model = SimpleNamespace(max_position=100)
     runner = CudaGraphRunner(model, None, 16, torch.device("cpu"), batch_sizes=(1, 2, 4, 8))
     assert runner.max_blocks == 7  # ceil(100 / 16): the longest context's blocks
     assert [runner.padded_size(n) for n in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, None]

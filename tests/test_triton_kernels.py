@@ -216,8 +216,10 @@ def _paged_batch(specs: list[tuple[int, int]], hq: int, hk: int, d: int, block_s
 
 
 def _oracle(query: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
-            specs: list[tuple[int, int]], scale: float) -> torch.Tensor:
-    """Dense causal attention in float64, one sequence at a time."""
+            specs: list[tuple[int, int]], scale: float, window: int | None = None,
+            softcap: float | None = None) -> torch.Tensor:
+    """Dense causal attention in float64, one sequence at a time; ``window`` w: a row at position p sees
+    p-w+1..p; ``softcap`` c: scores c * tanh(s / c)."""
     hq, hk = query.shape[1], keys[0].shape[1]
     out, start = [], 0
     for s, (q_len, n) in enumerate(specs):
@@ -225,7 +227,11 @@ def _oracle(query: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Te
         k = keys[s].double().repeat_interleave(hq // hk, dim=1)
         v = values[s].double().repeat_interleave(hq // hk, dim=1)
         scores = torch.einsum("qhd,lhd->hql", q, k) * scale
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         causal = torch.arange(n)[None, :] <= torch.arange(n - q_len, n)[:, None]
+        if window is not None:
+            causal &= torch.arange(n)[None, :] > torch.arange(n - q_len, n)[:, None] - window
         probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)
         out.append(torch.einsum("hql,lhd->qhd", probs, v))
         start += q_len
@@ -274,6 +280,27 @@ def test_paged_attention_fp8_cache(cache_dtype: torch.dtype, dtype: torch.dtype)
     torch.testing.assert_close(out.float(), _oracle(batch[0], batch[6], batch[7], MIXED, 0.125), atol=tol, rtol=tol)
     ref = reference.paged_attention(*batch[:6], 0.125, k_scale, v_scale)
     torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize(("window", "softcap", "max_query_len", "num_splits"),
+                         [(7, None, "max", 1), (16, 5.0, "max", 2), (33, None, 1, 3), (1, 5.0, 1, 1)])
+def test_paged_attention_sliding_window(window: int, softcap: float | None, max_query_len: object,
+                                        num_splits: int) -> None:
+    # Blocks wholly before every row's window point at ids that fault if read: the kernel must skip them.
+    specs = [(1, 100), (1, 40), (1, 5), (1, 64)] if max_query_len == 1 else MIXED
+    batch = _paged_batch(specs, 8, 2, 32, 16, torch.float32, seed=window)
+    tables = batch[3]
+    for s, (q_len, n) in enumerate(specs):
+        tables[s, :max(0, n - q_len - window + 1) // 16] = 2**31 - 1
+    query, k_cache, v_cache, _, seq_lens, qsl, keys, values = batch
+    mql = max(q for q, _ in specs) if max_query_len == "max" else max_query_len
+    out = ta.paged_attention(query, k_cache, v_cache, tables, seq_lens, qsl, 0.3, 1.0, 1.0, mql,
+                             sliding_window=window, logit_softcap=softcap, num_splits=num_splits)
+    expected = _oracle(query, keys, values, specs, 0.3, window=window, softcap=softcap)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    ref = reference.paged_attention(query, k_cache, v_cache, tables, seq_lens, qsl, 0.3, sliding_window=window,
+                                    logit_softcap=softcap)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("num_splits", [None, 2, 3])

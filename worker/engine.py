@@ -61,6 +61,8 @@ class EngineConfig:
 
     model: str
     tokenizer: str | None = None
+    # vLLM's option: no tokenizer files are read; prompts are token ids and outputs carry ids only (text "").
+    skip_tokenizer_init: bool = False
     dtype: str = "auto"
     max_model_len: int | None = None
     max_num_seqs: int = 256
@@ -124,7 +126,10 @@ class LLMEngine:
         mc = self.model_config = load_model_config(self._model_dir)
         self.dtype = mc.dtype if config.dtype == "auto" else parse_dtype(config.dtype)
         self.max_model_len = self._resolve_max_model_len(config, mc)
-        self.tokenizer = self._load_tokenizer(config.tokenizer or config.model)
+        # longrope: sequences longer than this use the long factors (None: the model has no longrope).
+        self._long_rope_after = mc.rope.original_max_position_embeddings if mc.rope.rope_type == "longrope" \
+            else None
+        self.tokenizer = None if config.skip_tokenizer_init else self._load_tokenizer(config.tokenizer or config.model)
         torch.manual_seed(config.seed)
 
         self.loaded = loaded or load_model(
@@ -144,6 +149,9 @@ class LLMEngine:
         self.loras: dict[str, LoRAAdapter] = {}
         self.lora_manager = None
         if config.enable_lora:
+            if mc.family == "moe":
+                raise ModelConfigError(f"LoRA is not supported for {mc.architecture} (experts have no PEFT "
+                                       "projections keepwarm maps; supported: the Llama and Gemma families)")
             self.lora_manager = LoRAManager(self.loaded.model, mc, config.max_loras, config.max_lora_rank,
                                             self.dtype, self.device)
         budget = config.max_num_batched_tokens or max(2048, config.block_size)
@@ -164,15 +172,11 @@ class LLMEngine:
     @staticmethod
     def _resolve_max_model_len(config: EngineConfig, mc) -> int:
         limit = mc.max_position_embeddings
-        if mc.sliding_window is not None and mc.sliding_window < limit:
-            # Within the window, full attention equals sliding-window attention; beyond it we would differ.
-            log.info("capping max_model_len at the model's sliding window (%d)", mc.sliding_window)
-            limit = mc.sliding_window
         if config.max_model_len is None:
             return limit
         if config.max_model_len > limit:
             raise ModelConfigError(f"max_model_len {config.max_model_len} exceeds the model's limit of {limit} "
-                                   "(max_position_embeddings or sliding window)")
+                                   "(max_position_embeddings)")
         if config.max_model_len < 2:
             raise ModelConfigError("max_model_len must be at least 2")
         return config.max_model_len
@@ -261,6 +265,8 @@ class LLMEngine:
         if any(t < 0 or t >= vocab for t in prompt_token_ids):
             raise RequestError(f"prompt token ids must be in [0, {vocab})")
         params.validate()
+        if self.tokenizer is None and params.stop:
+            raise RequestError("stop strings need a tokenizer (the engine runs with skip_tokenizer_init)")
         if not params.ignore_eos:
             params.eos_token_ids = self.eos_token_ids
         now = time.monotonic()
@@ -273,9 +279,11 @@ class LLMEngine:
                 p.eos_token_ids = params.eos_token_ids
             seq = Sequence(f"{request_id}#{i}", prompt_token_ids, p, cache_salt=cache_salt, arrival_time=now,
                            lora=lora)
+            if self._long_rope_after is not None and n > self._long_rope_after:
+                self._use_long_rope(seq)
             seqs.append(seq)
             detoks.append(IncrementalDetokenizer(self.tokenizer, prompt_token_ids, p.skip_special_tokens)
-                          if p.detokenize else None)
+                          if p.detokenize and self.tokenizer is not None else None)
         req = _Request(request_id, prompt, seqs, detoks, [""] * len(seqs), RequestMetrics(now))
         self._requests[request_id] = req
         for seq in seqs:
@@ -286,7 +294,7 @@ class LLMEngine:
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
         ids = set(self.model_config.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None:
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)
         return tuple(sorted(ids))
 
@@ -470,6 +478,16 @@ class LLMEngine:
                 req.texts[idx] = detok.output_text
         if status is not None:
             self._finish(seq, status)
+        elif self._long_rope_after is not None and not seq.rope_long and seq.num_tokens > self._long_rope_after:
+            # transformers recomputes the whole cache with the long factors when a sequence first outgrows the
+            # original context (Phi3ForCausalLM.prepare_inputs_for_generation): so do we, by recompute.
+            self.scheduler.recompute(seq)
+            self._use_long_rope(seq)
+
+    @staticmethod
+    def _use_long_rope(seq: Sequence) -> None:
+        seq.rope_long = True
+        seq.cache_salt = f"{seq.cache_salt or ''}longrope"  # blocks rotated with other factors are never shared
 
     def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
         self.scheduler.finish(seq, status)

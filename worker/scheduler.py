@@ -127,6 +127,14 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
+    def recompute(self, seq: Sequence) -> None:
+        """Drop a running sequence's KV and queue it first, to be recomputed from its first token (not counted
+        as a preemption: the engine asks for it, e.g. when longrope switches to its long factors)."""
+        self.running.remove(seq)
+        self._preempt(seq)
+        seq.num_preemptions -= 1
+        self.num_preemptions -= 1
+
     def advance(self, batch: ScheduledBatch) -> None:
         """Record that the batch ran: its tokens' K/V are now in the cache."""
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):

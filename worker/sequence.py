@@ -60,6 +60,8 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_cached_prompt_tokens = 0  # prefix-cache hit at first schedule (for metrics)
         self.num_preemptions = 0
+        # longrope (Phi-3): computed with the long factors (the runner offsets its rotary positions)
+        self.rope_long = False
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.first_token_time: float | None = None
         self.stop_reason: int | str | None = None
