@@ -277,3 +277,23 @@ def test_a_worker_holding_the_gil_keeps_its_lease(side, tiny_llama) -> None:
         assert att.keeper.renewals >= 3
     finally:
         llm.close()
+
+
+def test_an_attachment_dropped_without_close_stops_its_keeper(side, tiny_llama) -> None:
+    """A keeper is a process: an LLM that is dropped without close() must not leave it (and its lease) behind."""
+    import gc
+
+    from keepwarm import LLM
+
+    start_daemon(side)
+    llm = LLM(model=tiny_llama, dtype="float32", daemon=True, runtime_dir=str(side.rt), max_model_len=64)
+    keeper = llm.llm_engine.loaded.attachment.keeper
+    proc = keeper._proc
+    assert proc is not None and proc.poll() is None
+    del llm
+    gc.collect()
+    assert proc.wait(timeout=30) == 0
+    deadline = time.monotonic() + 30
+    while [x for m in side.status()["models"] for x in m["leases"]] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert [x for m in side.status()["models"] for x in m["leases"]] == []  # detached

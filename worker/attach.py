@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -97,6 +98,9 @@ def attach_weights(model: str, quantization: str = "none", dtype: str = "auto", 
     if keep_lease:
         att.keeper = LeaseKeeper(att, runtime_dir, float(reply.get("lease_ttl", 15.0)), quantization, dtype)
         att.keeper.start()
+        # An attachment dropped without close() (an LLM never closed) stops its keeper and detaches when it is
+        # collected, as the lease thread's end did before: a keeper is a process, not to be left behind.
+        weakref.finalize(att, att.keeper.stop, True)
     log.info("attached %s from the daemon (lease %s, fingerprint %s, %.1f MB) in %.3fs", manifest.model_name,
              att.lease_id, manifest.fingerprint[:16], manifest.total_bytes / 1e6, seconds)
     return att
@@ -111,7 +115,11 @@ class LeaseKeeper:
     be restarted."""
 
     def __init__(self, att: Attachment, runtime_dir: Path | None, ttl: float, quantization: str, dtype: str) -> None:
-        self.att = att
+        # Weak: the keeper must not keep its attachment alive (see the finalizer in attach()).
+        self._att = weakref.ref(att)
+        self.model = att.manifest.model
+        self.fingerprint = att.fingerprint
+        self.lease_id = att.lease_id
         self.runtime_dir = runtime_dir
         self.ttl = ttl
         self.interval = max(0.2, ttl / 3)
@@ -123,9 +131,8 @@ class LeaseKeeper:
         self._reader: threading.Thread | None = None
 
     def start(self) -> None:
-        m = self.att.manifest
-        cmd = [sys.executable, "-m", "keepwarm.worker.lease_keeper", str(self.runtime_dir or ""), self.att.lease_id,
-               str(os.getpid()), repr(self.ttl), m.model, self.quantization, self.dtype, self.att.fingerprint]
+        cmd = [sys.executable, "-m", "keepwarm.worker.lease_keeper", str(self.runtime_dir or ""), self.lease_id,
+               str(os.getpid()), repr(self.ttl), self.model, self.quantization, self.dtype, self.fingerprint]
         # Its own session: a Ctrl-C meant for the worker must not end the keeper before the worker detaches.
         self._proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
                                       close_fds=True, start_new_session=True)
@@ -139,8 +146,11 @@ class LeaseKeeper:
             if event == "renewed":
                 self.renewals += 1
             elif event == "lease":
-                log.info("lease %s lost (daemon restarted?); re-attached with lease %s", self.att.lease_id, rest)
-                self.att.lease_id = rest
+                log.info("lease %s lost (daemon restarted?); re-attached with lease %s", self.lease_id, rest)
+                self.lease_id = rest
+                att = self._att()
+                if att is not None:
+                    att.lease_id = rest
                 self.reattaches += 1
             elif event == "warn":
                 log.warning("%s", rest)
@@ -149,17 +159,17 @@ class LeaseKeeper:
         return self._proc is not None and self._proc.poll() is None
 
     def stop(self, detach: bool = True) -> None:
-        proc = self._proc
+        proc, self._proc = self._proc, None
         if proc is None:
             return
         if proc.poll() is not None:  # the keeper is gone (killed?): detach from here
-            log.warning("lease keeper of %s exited (%s) before the worker", self.att.lease_id, proc.returncode)
+            log.warning("lease keeper of %s exited (%s) before the worker", self.lease_id, proc.returncode)
             if detach:
                 try:
                     with DaemonClient(self.runtime_dir, timeout=2.0) as client:
-                        client.detach(self.att.lease_id)
+                        client.detach(self.lease_id)
                 except DaemonError as e:
-                    log.info("detach of lease %s: %s", self.att.lease_id, e.message)
+                    log.info("detach of lease %s: %s", self.lease_id, e.message)
             return
         try:
             assert proc.stdin is not None
