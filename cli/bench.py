@@ -355,7 +355,7 @@ def attach(
             client.close()
         att_s = statistics.median(a["attach_s"] for a in attaches)
         att_load = statistics.median(a["load_s"] for a in attaches)
-        row = {"model": path.name, "params": params, "checkpoint_bytes": nbytes, "arena_bytes": reply["bytes"],
+        row = {"model": path.name, "params": params, "checkpoint_bytes": nbytes, "arena_bytes": reply.bytes,
                "page_cache": cache_note, "raw_read_s": raw_s, "raw_read_gbps": nbytes / raw_s / 1e9,
                "cold_disk_load_s": cold["load_s"], "warm_disk_load_s": warm_disk["load_s"],
                "preload_s": preload_s, "preload_gbps": nbytes / preload_s / 1e9,

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from keepwarm.daemon.checkpoint import tensors_from_buffer
 from keepwarm.daemon.client import DaemonClient, DaemonError, ProgressCallback
 from keepwarm.formats.arena import (
     ArenaManifest,
@@ -27,7 +28,7 @@ from keepwarm.formats.arena import (
 from keepwarm.formats.quant import LAYOUT_MKLDNN_PACKED, QuantMeta
 from keepwarm.kernels.cpu_packed import PackedWeight
 from keepwarm.kernels.quant import QuantizedWeight
-from keepwarm.worker.lora import LoRAAdapter
+from keepwarm.worker.lora import LoRAAdapter, LoRAError, build_adapter
 
 log = logging.getLogger("keepwarm.worker")
 
@@ -83,8 +84,8 @@ def attach_weights(model: str, quantization: str = "none", dtype: str = "auto", 
     t0 = time.perf_counter()
     with DaemonClient(runtime_dir) as client:
         reply = client.attach(model, quantization, dtype, fingerprint, preload=preload, on_event=on_event)
-    manifest = ArenaManifest.from_json(reply["manifest"])
-    arena = reply["arena"]
+    manifest = ArenaManifest.from_json(reply.manifest)
+    arena = reply.arena
     storage: CpuArenaFile | torch.Tensor
     if arena["kind"] == "cpu":
         storage = CpuArenaFile.open_readonly(Path(arena["path"]), arena["size"])
@@ -93,10 +94,10 @@ def attach_weights(model: str, quantization: str = "none", dtype: str = "auto", 
         flat = storage = CudaArena.import_handle(arena)
     tensors = model_tensors(manifest, flat)
     seconds = time.perf_counter() - t0
-    att = Attachment(manifest, tensors, reply["lease_id"], reply.get("origin", "?"), seconds,
-                     cached="progress" not in str(reply), storage=storage, runtime_dir=runtime_dir)
+    att = Attachment(manifest, tensors, reply.lease_id, reply.origin, seconds, cached=reply.cached,
+                     storage=storage, runtime_dir=runtime_dir)
     if keep_lease:
-        att.keeper = LeaseKeeper(att, runtime_dir, float(reply.get("lease_ttl", 15.0)), quantization, dtype)
+        att.keeper = LeaseKeeper(att, runtime_dir, reply.lease_ttl, quantization, dtype)
         att.keeper.start()
         # An attachment dropped without close() (an LLM never closed) stops its keeper and detaches when it is
         # collected, as the lease thread's end did before: a keeper is a process, not to be left behind.
@@ -190,23 +191,20 @@ def attach_adapter(name: str, path: str, model_config, max_lora_rank: int, dtype
                    attachment: Attachment | None) -> LoRAAdapter:
     """Get ``path``'s adapter from the daemon (it reads the files only if it does not hold them already), view it
     in shared memory and check it against the model. Raises LoRAError naming the cause."""
-    from keepwarm.daemon.checkpoint import tensors_from_buffer
-    from keepwarm.worker.lora import LoRAError, build_adapter
-
     runtime_dir = attachment.runtime_dir if attachment is not None else None
     try:
         with DaemonClient(runtime_dir) as client:
-            reply = client.request("load_adapter", {"path": str(path)})
+            reply = client.load_adapter(path)
     except DaemonError as e:
         raise LoRAError(e.message) from None
-    storage = CpuArenaFile.open_readonly(Path(reply["data_file"]), reply["size"])
+    storage = CpuArenaFile.open_readonly(Path(reply.data_file), reply.size)
     try:
         tensors = tensors_from_buffer(storage.flat)
     except ValueError as e:
         raise LoRAError(f"adapter {name!r}: {e}") from None
-    adapter = build_adapter(name, reply["path"], reply["digest"], reply["config_json"], tensors, model_config,
+    adapter = build_adapter(name, reply.path, reply.digest, reply.config_json, tensors, model_config,
                             max_lora_rank, source="daemon")
     adapter.storage = storage  # keeps the mapping alive while the adapter's tensors view it
-    log.info("adapter %s attached from the daemon (%s, rank %d, digest %s%s)", name, reply["path"], adapter.rank,
-             adapter.digest[:16], ", already resident" if reply["cached"] else "")
+    log.info("adapter %s attached from the daemon (%s, rank %d, digest %s%s)", name, reply.path, adapter.rank,
+             adapter.digest[:16], ", already resident" if reply.cached else "")
     return adapter

@@ -253,8 +253,6 @@ class LLMEngine:
                 raise RequestError("LoRA is not enabled (--enable-lora)")
             if lora.unloading or self.loras.get(lora.name) is not lora:
                 raise RequestError(f"adapter {lora.name!r} is being unloaded")
-            # Prefix-cache blocks are keyed by the adapter's content: two adapters never share KV blocks.
-            cache_salt = f"{cache_salt or ''}lora:{lora.digest}"
         n = len(prompt_token_ids)
         if n == 0:
             raise RequestError("the prompt is empty")

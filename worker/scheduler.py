@@ -35,10 +35,6 @@ class ScheduledBatch:
     num_new_tokens: list[int] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
 
-    @property
-    def total_tokens(self) -> int:
-        return sum(self.num_new_tokens)
-
     def __bool__(self) -> bool:
         return bool(self.seqs)
 
@@ -56,10 +52,6 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
-
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
