@@ -18,7 +18,15 @@ from typing import Annotated
 
 import typer
 
-from keepwarm.cli.bench import bench_app, bench_prompts, drop_page_cache, machine_line
+from keepwarm.cli.bench import (
+    SMOKE_HELP,
+    bench_app,
+    bench_prompts,
+    drop_page_cache,
+    machine_line,
+    smoke_model,
+    smoke_start,
+)
 from keepwarm.cli.bench_serving import _free_port, _kill, _resolve_model, _start_to_first_token
 
 
@@ -63,6 +71,7 @@ def snapshot_bench(
     dtype: Annotated[str, typer.Option()] = "bfloat16",
     threads: Annotated[int, typer.Option()] = 2,
     json_out: Annotated[Path | None, typer.Option("--json")] = None,
+    smoke: Annotated[bool, typer.Option("--smoke", help=SMOKE_HELP)] = False,
 ) -> None:
     """Per model: snapshot create (cold store; then a config-only second snapshot) vs `cp` of the arena file to
     the store's disk (+ fsync); restore into an empty daemon (verify + image load) vs `cp` of the image to
@@ -75,6 +84,9 @@ def snapshot_bench(
     from keepwarm.worker.api.config import ServerConfig, to_toml
     from keepwarm.worker.default_model import keepwarm_home
 
+    if smoke:
+        smoke_start()
+        models = str(smoke_model())
     typer.echo(f"# machine: {machine_line()}")
     rows = []
     for spec in models.split(","):

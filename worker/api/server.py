@@ -246,8 +246,10 @@ def build_app(state: ServerState) -> FastAPI:
         cfg.pop("api_key", None)  # never echo the secret
         adapters = [{"name": a.name, "path": a.path, "digest": a.digest, "rank": a.rank}
                     for a in list(state.engine.loras.values())]
-        return {"config": cfg, "weights": state.weights_info(), "model_dir": str(state.engine.model_dir),
-                "adapters": adapters}
+        # "engine": what the engine runs with, read from its live parts (not this server's config).
+        engine = await state.async_engine.call(lambda e: e.effective_config())  # in its thread: its torch threads
+        return {"config": cfg, "engine": engine, "weights": state.weights_info(),
+                "model_dir": str(state.engine.model_dir), "adapters": adapters}
 
     @app.get("/v1/models")
     async def models():
