@@ -171,6 +171,25 @@ def _sse(obj: Any) -> str:
 
 
 # -- the app ---------------------------------------------------------------------------------------------------------
+class ApiKeyMiddleware:
+    """``--api-key``: /v1 routes need ``Authorization: Bearer <key>``. Plain ASGI, not ``@app.middleware("http")``:
+    Starlette's BaseHTTPMiddleware wraps ``receive``, so a handler never saw its client disconnect (a plain
+    completion whose client left ran to its length)."""
+
+    def __init__(self, app, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode("latin-1")
+
+    async def __call__(self, scope, receive, send) -> None:
+        if (scope["type"] == "http" and scope["path"].startswith("/v1")
+                and dict(scope["headers"]).get(b"authorization", b"") != self.expected):
+            response = JSONResponse(APIError(401, "Incorrect API key provided.", "authentication_error",
+                                             code="invalid_api_key").body(), status_code=401)
+            await response(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
 def build_app(state: ServerState) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
@@ -188,14 +207,8 @@ def build_app(state: ServerState) -> FastAPI:
     state.metrics = ServerMetrics(lambda: state.async_engine.snapshot, state.model_name, state.weights_info)
     api_key = state.config.api_key
 
-    @app.middleware("http")
-    async def auth(request: Request, call_next):
-        if api_key and request.url.path.startswith("/v1"):
-            header = request.headers.get("authorization", "")
-            if header != f"Bearer {api_key}":
-                return JSONResponse(APIError(401, "Incorrect API key provided.", "authentication_error",
-                                             code="invalid_api_key").body(), status_code=401)
-        return await call_next(request)
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
 
     @app.exception_handler(APIError)
     async def api_error(_request: Request, e: APIError):
