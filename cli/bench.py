@@ -45,7 +45,7 @@ SMOKE_NOTE = "# smoke run: tiny random model, a few tokens; the figures are mean
 
 def smoke_model() -> Path:
     """A tiny random Llama (with tokenizer and chat template) under $KEEPWARM_HOME/bench-models, built once."""
-    from keepwarm.worker.default_model import keepwarm_home
+    from keepwarm.formats.paths import keepwarm_home
     from keepwarm.worker.models.random_model import make_random_model
 
     out = keepwarm_home() / "bench-models" / "smoke-llama"

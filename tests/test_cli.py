@@ -15,7 +15,7 @@ import httpx
 import pytest
 from _serve import ServeProcess
 
-from keepwarm.daemon import paths
+from keepwarm.formats import paths
 
 pytestmark = pytest.mark.slow
 

@@ -9,7 +9,7 @@ import torch
 from test_quant_reference import MAX_TOKENS, hf_greedy
 
 from keepwarm import LLM, SamplingParams
-from keepwarm.worker.models.config import load_model_config
+from keepwarm.formats.model_config import load_model_config
 from keepwarm.worker.models.random_model import make_random_model
 
 PROMPTS = [[5, 6, 7], list(range(20, 90)), [300 + (i * 7) % 200 for i in range(120)]]

@@ -164,9 +164,9 @@ def test_runtime_dir_and_fingerprint_flags(tiny_llama, tmp_path) -> None:
 
 def test_config_file_keys_reach_the_engine(tiny_llama, tmp_path, default_engine) -> None:
     """The same keys through server.toml (no flags), into the engine the server builds (create_engine)."""
+    from keepwarm.formats.model_config import load_model_config
     from keepwarm.worker.api.server import create_engine
     from keepwarm.worker.model_runner import kv_bytes_per_block
-    from keepwarm.worker.models.config import load_model_config
 
     toml = [f"model = \"{tiny_llama}\""]
     for key, (value, _) in ENGINE_FLAGS.items():

@@ -13,13 +13,12 @@ from pathlib import Path
 
 import torch
 
-from keepwarm.daemon.arena import model_tensors
 from keepwarm.daemon.checkpoint import Checkpoint
 from keepwarm.daemon.client import DaemonClient, DaemonError, ensure_daemon
 from keepwarm.daemon.loader import build_arena, plan_arena, resolve_dtype
-from keepwarm.daemon.paths import RuntimeDirError
-from keepwarm.worker.attach import Attachment, attach_weights
-from keepwarm.worker.models.config import ModelConfig, parse_model_config
+from keepwarm.formats.model_config import ModelConfig, parse_model_config
+from keepwarm.formats.paths import RuntimeDirError
+from keepwarm.worker.attach import Attachment, attach_weights, model_tensors
 from keepwarm.worker.models.llama import LlamaForCausalLM
 
 log = logging.getLogger("keepwarm.worker")
@@ -100,6 +99,7 @@ def load_model(model_dir: Path, dtype: str, quantization: str, device: torch.dev
     log.warning("weights from disk, not the daemon: %s", reason)
     loaded = load_from_disk(Checkpoint(model_dir), dtype, quantization, device, max_position, fallback_reason=reason)
     if fingerprint is not None and loaded.fingerprint != fingerprint:
-        raise DaemonError("fingerprint_mismatch", f"{model_dir.name} on disk has fingerprint "
-                                                  f"{loaded.fingerprint[:16]}, not {fingerprint[:16]} ({reason})")
+        found = (loaded.fingerprint or "?")[:16]
+        raise DaemonError("fingerprint_mismatch", f"{model_dir.name} on disk has fingerprint {found}, not "
+                                                  f"{fingerprint[:16]} ({reason})")
     return loaded

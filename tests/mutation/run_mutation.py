@@ -34,7 +34,7 @@ MODULES = {
     "daemon_protocol": ("daemon/protocol.py", ["tests/test_daemon_protocol.py"]),
     "snapshot_store": ("snapshot/store.py", ["tests/test_snapshot.py", "-m", "not slow"]),
 }
-PACKAGES = ("daemon", "worker", "kernels", "snapshot", "cli")
+PACKAGES = ("daemon", "formats", "worker", "kernels", "snapshot", "cli")
 
 
 def make_sandbox(base: Path) -> tuple[Path, Path]:
