@@ -129,3 +129,17 @@ def test_reply_and_event_shapes_round_trip() -> None:
 def test_protocol_error_carries_code_and_message() -> None:
     e = p.ProtocolError("memory_budget", "too big")
     assert (e.code, e.message, str(e), e.args) == ("memory_budget", "too big", "too big", ("too big",))
+
+
+@pytest.mark.parametrize("verb", sorted(p.VERBS))
+def test_parsed_arguments_are_frozen(verb: str) -> None:
+    """Handlers pass the parsed arguments around (jobs, leases): none of them may change underneath."""
+    import dataclasses
+
+    cls = p.VERBS[verb]
+    assert dataclasses.fields(cls) == () or cls.__dataclass_params__.frozen
+    args = {f.name: (1 if f.type in ("int", int) else "x") for f in dataclasses.fields(cls)
+            if f.default is dataclasses.MISSING}
+    parsed = p.parse_args(verb, args)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        parsed.extra = 1
