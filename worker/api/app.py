@@ -1,0 +1,104 @@
+"""The FastAPI app: the routers of ``keepwarm.worker.api.routes``, API-key auth, OpenAI-shaped errors, shutdown.
+
+Endpoints: POST /v1/completions, POST /v1/chat/completions (both streamable as server-sent events), GET /v1/models,
+POST /v1/load_lora_adapter, /v1/unload_lora_adapter, GET /health, GET /version, GET /metrics, GET /keepwarm/config
+(the effective config). With ``--api-key`` every /v1 route needs ``Authorization: Bearer <key>``; /health,
+/metrics, /version stay open, as in vLLM. Every error, whatever raised it, is OpenAI's error JSON.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from keepwarm.formats.version import __version__
+from keepwarm.worker.api.metrics import ServerMetrics
+from keepwarm.worker.api.protocol import APIError, bad_request
+from keepwarm.worker.api.routes import adapters, admin, chat, completions, models
+from keepwarm.worker.api.state import ServerState
+
+log = logging.getLogger("keepwarm.server")
+
+
+def build_app(state: ServerState) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        yield
+        # Shutdown: HTTP has stopped accepting and drained (or timed out). Requests from other front ends (gRPC
+        # streams) get the rest of the shutdown timeout; then release the engine and the weights' lease.
+        deadline = time.monotonic() + state.config.shutdown_timeout
+        while state.async_engine.num_in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        state.async_engine.shutdown()
+        state.engine.close()
+
+    app = FastAPI(title="keepwarm", version=__version__, lifespan=lifespan)
+    app.state.keepwarm = state
+    state.metrics = ServerMetrics(lambda: state.async_engine.snapshot, state.model_name, state.weights_info)
+    _add_auth(app, state.config.api_key)
+    _add_error_handlers(app)
+    for resource in (admin, models, adapters, completions, chat):
+        app.include_router(resource.router(state))
+    return app
+
+
+class ApiKeyMiddleware:
+    """``--api-key``: /v1 routes need ``Authorization: Bearer <key>``. Plain ASGI, not ``@app.middleware("http")``:
+    Starlette's BaseHTTPMiddleware wraps ``receive``, so a handler never saw its client disconnect (a plain
+    completion whose client left ran to its length)."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode("latin-1")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (scope["type"] == "http" and scope["path"].startswith("/v1")
+                and dict(scope["headers"]).get(b"authorization", b"") != self.expected):
+            response = JSONResponse(APIError(401, "Incorrect API key provided.", "authentication_error",
+                                             code="invalid_api_key").body(), status_code=401)
+            await response(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+def _add_auth(app: FastAPI, api_key: str | None) -> None:
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(_request: Request, e: APIError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_request: Request, e: RequestValidationError) -> JSONResponse:
+        errors = e.errors()
+        first = errors[0] if errors else {}
+        loc = [str(x) for x in first.get("loc", []) if x != "body"]
+        if first.get("type") == "json_invalid":
+            msg, param = "the request body is not valid JSON", None
+        else:
+            msg = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid value')}"
+            param = loc[0] if loc else None
+        return JSONResponse(bad_request(msg, param).body(), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_request: Request, e: StarletteHTTPException) -> JSONResponse:
+        kind = {404: "NotFoundError", 405: "MethodNotAllowed"}.get(e.status_code, "invalid_request_error")
+        return JSONResponse(APIError(e.status_code, str(e.detail), kind).body(), status_code=e.status_code)
+
+    @app.exception_handler(Exception)
+    async def internal_error(_request: Request, e: Exception) -> JSONResponse:
+        log.exception("internal error")
+        return JSONResponse(APIError(500, f"internal error: {type(e).__name__}: {e}", "InternalServerError").body(),
+                            status_code=500)

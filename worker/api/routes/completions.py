@@ -1,0 +1,124 @@
+"""POST /v1/completions: OpenAI's legacy completions (several prompts, n choices each, echo, logprobs)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+
+from keepwarm.worker.api import pipeline
+from keepwarm.worker.api.protocol import CompletionRequest, bad_request, new_id, now
+from keepwarm.worker.api.state import ServerState
+from keepwarm.worker.outputs import CompletionOutput, RequestOutput
+from keepwarm.worker.sequence import TokenLogprob
+
+
+def completion_logprobs(tokenizer: Any, lps: list[TokenLogprob], text_offset0: int) -> dict[str, Any]:
+    tokens = [tokenizer.decode([x.token_id]) for x in lps]
+    offsets, pos = [], text_offset0
+    for t in tokens:
+        offsets.append(pos)
+        pos += len(t)
+    return {"tokens": tokens, "token_logprobs": [x.logprob for x in lps],
+            "top_logprobs": [{tokenizer.decode([t]): lp for t, lp in x.top} for x in lps],
+            "text_offset": offsets}
+
+
+def _prompts(state: ServerState, req: CompletionRequest) -> tuple[list[list[int]], list[str | None]]:
+    """(token ids, text or None) per prompt; 400 for a shape OpenAI does not allow or ids outside the vocab."""
+    tok = state.tokenizer
+    p = req.prompt
+    prompts: list[list[int]]
+    texts: list[str | None]
+    if isinstance(p, str):
+        prompts, texts = [tok.encode(p)], [p]
+    elif p and all(isinstance(x, str) for x in p):
+        prompts, texts = [tok.encode(x) for x in p], list(p)  # type: ignore[arg-type]
+    elif p and all(isinstance(x, int) for x in p):
+        prompts, texts = [list(p)], [None]  # type: ignore[arg-type]
+    elif p and all(isinstance(x, list) for x in p):
+        prompts, texts = [list(x) for x in p], [None] * len(p)  # type: ignore[arg-type]
+    else:
+        raise bad_request("prompt must be a string, a list of strings, or token ids", "prompt")
+    vocab = state.engine.model_config.vocab_size
+    for ids in prompts:
+        if any(t < 0 or t >= vocab for t in ids):
+            raise bad_request(f"prompt token ids must be in [0, {vocab})", "prompt")
+    return prompts, texts
+
+
+def router(state: ServerState) -> APIRouter:
+    api = APIRouter()
+
+    @api.post("/v1/completions")
+    async def completions(req: CompletionRequest, request: Request) -> Any:
+        lora = pipeline.resolve_model(state, req.model)
+        if req.suffix is not None:
+            raise bad_request("suffix is not supported", "suffix")
+        if req.best_of is not None and req.best_of != req.n:
+            raise bad_request("best_of is not supported (it must equal n)", "best_of")
+        if req.echo and req.logprobs is not None:
+            raise bad_request("echo with logprobs is not supported", "echo")
+        prompts, texts = _prompts(state, req)
+        max_tokens = min(pipeline.check_length(state, len(ids), req.max_tokens) for ids in prompts)
+        params = pipeline.request_params(req, max_tokens, req.logprobs)
+        rid = req.request_id or new_id("cmpl")
+        head = {"id": rid, "object": "text_completion", "created": now(), "model": req.model or state.model_name}
+        merged = pipeline.start(state, prompts, texts, params, lora, rid)
+        tok = state.tokenizer
+
+        def choice_logprobs(c: CompletionOutput, start: int, end: int, offset0: int) -> dict | None:
+            if req.logprobs is None or c.logprobs is None:
+                return None
+            return completion_logprobs(tok, c.logprobs[start:end], offset0)
+
+        def echoed(i: int, out: RequestOutput) -> str:
+            return texts[i] or tok.decode(out.prompt_token_ids)
+
+        if not req.stream:
+            finals = await pipeline.collect(state, request, merged, len(prompts))
+            choices, prompt_tokens, completion_tokens = [], 0, 0
+            for i, out in enumerate(finals):
+                prompt_tokens += len(out.prompt_token_ids)
+                for c in out.outputs:
+                    completion_tokens += len(c.token_ids)
+                    choices.append({"index": i * req.n + c.index, "text": echoed(i, out) + c.text if req.echo
+                                    else c.text, "logprobs": choice_logprobs(c, 0, len(c.token_ids), 0),
+                                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+            return {**head, "choices": choices,
+                    "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                              "total_tokens": prompt_tokens + completion_tokens}}
+
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+        async def chunks() -> AsyncGenerator[dict[str, Any], None]:
+            tracker = pipeline.DeltaTracker(params.stop)
+            usage = {"prompt": 0, "completion": 0}
+            async with aclosing(merged):
+                async for i, out in merged:
+                    for c in out.outputs:
+                        idx = i * req.n + c.index
+                        d = tracker.advance(idx, c)
+                        if d.first and req.echo:
+                            yield {**head, "choices": [{"index": idx, "text": echoed(i, out), "logprobs": None,
+                                                        "finish_reason": None}]}
+                        lp = choice_logprobs(c, d.token_start, d.token_end, d.text_start)
+                        if d.text or c.finished or lp:
+                            yield {**head, "choices": [{"index": idx, "text": d.text, "logprobs": lp,
+                                                        "finish_reason": c.finish_reason,
+                                                        "stop_reason": c.stop_reason}]}
+                    if out.finished:
+                        pipeline.observe(state, out)
+                        usage["prompt"] += len(out.prompt_token_ids)
+                        usage["completion"] += sum(len(c.token_ids) for c in out.outputs)
+            if include_usage:
+                yield {**head, "choices": [], "usage": {"prompt_tokens": usage["prompt"],
+                                                        "completion_tokens": usage["completion"],
+                                                        "total_tokens": usage["prompt"] + usage["completion"]}}
+
+        return StreamingResponse(pipeline.sse_events(chunks()), media_type="text/event-stream")
+
+    return api
