@@ -29,7 +29,7 @@ PYTHON = ROOT / ".venv" / "bin" / "python"
 # module -> (file, the fast tests that must kill its mutants)
 MODULES = {
     "block_manager": ("worker/block_manager.py", ["tests/test_block_manager.py"]),
-    "scheduler": ("worker/scheduler.py", ["tests/test_block_manager.py"]),
+    "scheduler": ("worker/scheduler.py", ["tests/test_scheduler.py"]),
     "sampler": ("worker/sampler.py", ["tests/test_sampler.py"]),
     "daemon_protocol": ("daemon/protocol.py", ["tests/test_daemon_protocol.py"]),
     "snapshot_store": ("snapshot/store.py", ["tests/test_snapshot.py", "-m", "not slow"]),
