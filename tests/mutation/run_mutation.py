@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shlex
 import shutil
 import sqlite3
 import subprocess
@@ -54,7 +55,8 @@ def make_sandbox(base: Path) -> tuple[Path, Path]:
 
 
 def test_command(src: Path, pkg_root: Path, tests: list[str]) -> str:
-    args = " ".join(str(src / t) if t.startswith("tests/") else repr(t) for t in tests)
+    """A shell command line (cosmic-ray runs it through ``bash -c``): the tests from /tmp, importing the sandbox."""
+    args = " ".join(shlex.quote(str(src / t) if t.startswith("tests/") else t) for t in tests)
     return (f"cd /tmp && PYTHONPATH={pkg_root} OMP_NUM_THREADS=1 KEEPWARM_TEST_THREADS=1 {PYTHON} -m pytest -x -q "
             f"-p no:cacheprovider --rootdir {src} -c {src / 'pyproject.toml'} {args}")
 
@@ -78,8 +80,9 @@ def run_module(name: str, src: Path, pkg_root: Path, out: Path, n: int | None, s
     db = out / f"{name}.sqlite"
     db.unlink(missing_ok=True)
     cmd = test_command(src, pkg_root, tests)
+    cr_cmd = shlex.join(["bash", "-c", cmd])  # cosmic-ray splits the command itself, without a shell
     cfg.write_text(f'[cosmic-ray]\nmodule-path = "{src / path}"\ntimeout = 120.0\nexcluded-modules = []\n'
-                   f"test-command = {json.dumps(cmd)}\n\n[cosmic-ray.distributor]\nname = \"local\"\n")
+                   f"test-command = {json.dumps(cr_cmd)}\n\n[cosmic-ray.distributor]\nname = \"local\"\n")
     baseline = subprocess.run(cmd, shell=True, capture_output=True, text=True)
     if baseline.returncode != 0:
         raise SystemExit(f"{name}: the tests fail without any mutation:\n{baseline.stdout[-2000:]}")
@@ -95,13 +98,16 @@ def run_module(name: str, src: Path, pkg_root: Path, out: Path, n: int | None, s
     count = {(w, t): n for w, t, n in rows}
     killed = count.get(("NORMAL", "KILLED"), 0)
     survived = count.get(("NORMAL", "SURVIVED"), 0)
-    incompetent = count.get(("NORMAL", "INCOMPETENT"), 0)  # the mutant does not even import: counted as killed
+    # Incompetent: cosmic-ray could not run the tests on it at all; left out of the score, never counted as killed.
+    incompetent = count.get(("NORMAL", "INCOMPETENT"), 0)
     timeouts = count.get(("TIMEOUT", None), 0)  # the tests hang on it: detected, counted as killed
     run = sum(count.values())
+    judged = killed + survived + timeouts
+    if incompetent > judged:
+        raise SystemExit(f"{name}: {incompetent} of {run} mutants could not be tested: see {db} (work_results.output)")
     return {"module": path, "tests": tests, "mutants_total": total, "mutants_run": run, "killed": killed,
-            "incompetent": incompetent, "timeouts": timeouts, "survived": survived,
-            "other": run - killed - survived - incompetent - timeouts,
-            "score": round(100 * (killed + incompetent + timeouts) / max(run, 1), 1)}
+            "timeouts": timeouts, "survived": survived, "incompetent": incompetent,
+            "other": run - judged - incompetent, "score": round(100 * (killed + timeouts) / max(judged, 1), 1)}
 
 
 def main() -> int:
@@ -123,9 +129,9 @@ def main() -> int:
             res = run_module(name, src, pkg_root, a.out, a.sample, a.seed)
             summary[name] = res
             summary_path.write_text(json.dumps(summary, indent=1) + "\n")
-            print(f"{name}: {res['score']}% killed ({res['killed']} killed, {res['incompetent']} incompetent, "
-                  f"{res['survived']} survived of {res['mutants_run']} run; {res['mutants_total'] or 'all'} in all)",
-                  flush=True)
+            print(f"{name}: {res['score']}% killed ({res['killed']} killed, {res['timeouts']} timeouts, "
+                  f"{res['survived']} survived, {res['incompetent']} incompetent of {res['mutants_run']} run; "
+                  f"{res['mutants_total'] or 'all'} in all)", flush=True)
     return 0
 
 
