@@ -33,7 +33,8 @@ MODULES = {
     "scheduler": ("worker/scheduler.py", ["tests/test_scheduler.py"]),
     "sampler": ("worker/sampler.py", ["tests/test_sampler.py"]),
     "daemon_protocol": ("daemon/protocol.py", ["tests/test_daemon_protocol.py"]),
-    "snapshot_store": ("snapshot/store.py", ["tests/test_snapshot.py", "-m", "not slow"]),
+    "snapshot_store": ("snapshot/store.py",
+                       ["tests/test_snapshot_store.py", "tests/test_snapshot.py", "-m", "not slow"]),
 }
 PACKAGES = ("daemon", "formats", "worker", "kernels", "snapshot", "cli")
 
