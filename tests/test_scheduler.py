@@ -131,3 +131,40 @@ def test_finish_from_waiting_or_running_frees_blocks() -> None:
     s.finish(a, SequenceStatus.FINISHED_LENGTH)
     assert a.status == SequenceStatus.FINISHED_LENGTH and s.running == [] and s.num_unfinished == 0
     assert bm.pool.num_free == bm.num_blocks
+
+
+class OneSlotLoRA:
+    """A stand-in LoRA manager with one adapter slot: records what the scheduler asks of it."""
+
+    def __init__(self) -> None:
+        self.holder = None
+        self.calls: list[tuple[str, object]] = []
+
+    def acquire(self, lora):
+        self.calls.append(("acquire", lora))
+        if self.holder not in (None, lora):
+            return None
+        self.holder = lora
+        return 0
+
+    def release(self, slot: int) -> None:
+        self.calls.append(("release", slot))
+        self.holder = None
+
+
+def test_lora_slots_admit_wait_and_release() -> None:
+    lora = OneSlotLoRA()
+    s = Scheduler(SchedulerConfig(8, 64, 1024), BlockManager(64, 4, True), lora)
+    a, b, base = seq("a", 3), seq("b", 3, 50), seq("base", 3, 100)
+    a.lora, b.lora = "A", "B"
+    for q in (a, b, base):
+        s.add(q)
+    batch = step(s)
+    # a holds the slot; b (another adapter) waits while the base-model request behind it passes.
+    assert batch.seqs == [a, base] and list(s.waiting) == [b] and a.lora_slot == 0 and b.lora_slot == -1
+    assert lora.calls == [("acquire", "A"), ("acquire", "B")]  # the base-model request asks for nothing
+    s.finish(base, SequenceStatus.FINISHED_STOPPED)
+    assert lora.calls == [("acquire", "A"), ("acquire", "B")]  # nothing released for a request without a slot
+    s.finish(a, SequenceStatus.FINISHED_STOPPED)
+    assert lora.calls[-1] == ("release", 0) and a.lora_slot == -1
+    assert step(s).seqs == [b] and b.lora_slot == 0
