@@ -75,11 +75,25 @@ def sample(db: Path, n: int, seed: int) -> int:
     return len(ids)
 
 
-def run_module(name: str, src: Path, pkg_root: Path, out: Path, n: int | None, seed: int) -> dict:
+def reopen_survivors(db: Path, src: Path, path: str) -> int:
+    """--retest: forget the session's surviving mutants' results (so `exec` runs them again, against today's tests)
+    and point their specs at this sandbox's copy of the module; returns how many there were."""
+    con = sqlite3.connect(db)
+    survivors = [r[0] for r in con.execute("SELECT job_id FROM work_results WHERE test_outcome = 'SURVIVED'")]
+    con.executemany("DELETE FROM work_results WHERE job_id = ?", [(j,) for j in survivors])
+    con.execute("UPDATE mutation_specs SET module_path = ?", (str(src / path),))
+    con.commit()
+    con.close()
+    return len(survivors)
+
+
+def run_module(name: str, src: Path, pkg_root: Path, out: Path, n: int | None, seed: int,
+               retest: bool = False) -> dict:
     path, tests = MODULES[name]
     cfg = out / f"{name}.toml"
     db = out / f"{name}.sqlite"
-    db.unlink(missing_ok=True)
+    if not retest:
+        db.unlink(missing_ok=True)
     cmd = test_command(src, pkg_root, tests)
     cr_cmd = shlex.join(["bash", "-c", cmd])  # cosmic-ray splits the command itself, without a shell
     cfg.write_text(f'[cosmic-ray]\nmodule-path = "{src / path}"\ntimeout = 120.0\nexcluded-modules = []\n'
@@ -87,8 +101,12 @@ def run_module(name: str, src: Path, pkg_root: Path, out: Path, n: int | None, s
     baseline = subprocess.run(cmd, shell=True, capture_output=True, text=True)
     if baseline.returncode != 0:
         raise SystemExit(f"{name}: the tests fail without any mutation:\n{baseline.stdout[-2000:]}")
-    subprocess.run([VENV_CR / "cosmic-ray", "init", cfg, db], check=True, cwd=src)
-    total = sample(db, n, seed) if n else None
+    if retest:
+        total = None
+        print(f"{name}: re-testing {reopen_survivors(db, src, path)} surviving mutants", flush=True)
+    else:
+        subprocess.run([VENV_CR / "cosmic-ray", "init", cfg, db], check=True, cwd=src)
+        total = sample(db, n, seed) if n else None
     subprocess.run([VENV_CR / "cosmic-ray", "exec", cfg, db], check=True, cwd=src)
     report = subprocess.run([VENV_CR / "cr-report", db, "--surviving-only", "--show-diff"], capture_output=True,
                             text=True, check=True).stdout
@@ -117,6 +135,8 @@ def main() -> int:
     ap.add_argument("--sample", type=int, default=None, help="mutants per module (default: all)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=ROOT / ".mutation")
+    ap.add_argument("--retest", action="store_true",
+                    help="run the last session's surviving mutants again (after adding tests to kill them)")
     a = ap.parse_args()
     if not (VENV_CR / "cosmic-ray").exists():
         print(f"cosmic-ray is not installed in {VENV_CR.parent} (make mutation installs it)", file=sys.stderr)
@@ -127,7 +147,9 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="kw-mutation-") as tmp:
         src, pkg_root = make_sandbox(Path(tmp))
         for name in a.modules:
-            res = run_module(name, src, pkg_root, a.out, a.sample, a.seed)
+            res = run_module(name, src, pkg_root, a.out, a.sample, a.seed, a.retest)
+            if a.retest and name in summary:
+                res["mutants_total"] = summary[name].get("mutants_total")
             summary[name] = res
             summary_path.write_text(json.dumps(summary, indent=1) + "\n")
             print(f"{name}: {res['score']}% killed ({res['killed']} killed, {res['timeouts']} timeouts, "
