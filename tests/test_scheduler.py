@@ -168,3 +168,15 @@ def test_lora_slots_admit_wait_and_release() -> None:
     s.finish(a, SequenceStatus.FINISHED_STOPPED)
     assert lora.calls[-1] == ("release", 0) and a.lora_slot == -1
     assert step(s).seqs == [b] and b.lora_slot == 0
+
+
+def test_a_partial_prefix_hit_computes_exactly_the_rest() -> None:
+    s = make()
+    first = seq("first", 9)
+    s.add(first)
+    step(s)
+    s.finish(first, SequenceStatus.FINISHED_STOPPED)
+    other = Sequence("other", [1, 2, 3, 4, 300, 301, 302, 303, 304, 305], SamplingParams(temperature=0))
+    s.add(other)  # shares one block (4 tokens) with first, then differs
+    batch = s.schedule()
+    assert other.num_cached_prompt_tokens == 4 and batch.num_new_tokens == [6]
