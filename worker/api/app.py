@@ -2,13 +2,16 @@
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both streamable as server-sent events), GET /v1/models,
 POST /v1/load_lora_adapter, /v1/unload_lora_adapter, GET /health, GET /version, GET /metrics, GET /keepwarm/config
-(the effective config). With ``--api-key`` every /v1 route needs ``Authorization: Bearer <key>``; /health,
-/metrics, /version stay open, as in vLLM. Every error, whatever raised it, is OpenAI's error JSON.
+(the effective config). With ``--api-key`` every route needs ``Authorization: Bearer <key>`` (the /v1 API,
+/keepwarm/config, the docs and /openapi.json) except /health, /metrics and /version, which stay open, as in vLLM.
+Every error, whatever raised it, is OpenAI's error JSON. The connection limits, the admission bound and the
+schema's truth are in keepwarm.worker.api.limits and keepwarm.worker.api.openapi.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -21,6 +24,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from keepwarm.formats.version import __version__
+from keepwarm.worker.api import openapi
+from keepwarm.worker.api.limits import AdmissionLimit, ConnectionLimits
 from keepwarm.worker.api.metrics import ServerMetrics
 from keepwarm.worker.api.protocol import APIError, bad_request
 from keepwarm.worker.api.routes import adapters, admin, chat, completions, models
@@ -48,21 +53,30 @@ def build_app(state: ServerState) -> FastAPI:
     _add_error_handlers(app)
     for resource in (admin, models, adapters, completions, chat):
         app.include_router(resource.router(state))
+    # Outermost last: a body is bounded and a stalled client timed out before admission counts it.
+    app.add_middleware(AdmissionLimit, admission=state.admission, paths=GENERATION_PATHS)
+    app.add_middleware(ConnectionLimits, max_body_bytes=int(state.config.max_request_body_mb * (1 << 20)),
+                       timeout=state.config.client_timeout)
+    openapi.install(app)
     return app
 
 
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
+
+
 class ApiKeyMiddleware:
-    """``--api-key``: /v1 routes need ``Authorization: Bearer <key>``. Plain ASGI, not ``@app.middleware("http")``:
-    Starlette's BaseHTTPMiddleware wraps ``receive``, so a handler never saw its client disconnect (a plain
-    completion whose client left ran to its length)."""
+    """``--api-key``: every route but OPEN_PATHS needs ``Authorization: Bearer <key>`` (compared in constant time).
+    Plain ASGI, not ``@app.middleware("http")``: Starlette's BaseHTTPMiddleware wraps ``receive``, so a handler
+    never saw its client disconnect (a plain completion whose client left ran to its length)."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode("latin-1")
+        self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if (scope["type"] == "http" and scope["path"].startswith("/v1")
-                and dict(scope["headers"]).get(b"authorization", b"") != self.expected):
+        if (scope["type"] == "http" and scope["path"] not in OPEN_PATHS
+                and not hmac.compare_digest(dict(scope["headers"]).get(b"authorization", b""), self.expected)):
             response = JSONResponse(APIError(401, "Incorrect API key provided.", "authentication_error",
                                              code="invalid_api_key").body(), status_code=401)
             await response(scope, receive, send)

@@ -10,6 +10,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from keepwarm.worker.api import pipeline
+from keepwarm.worker.api.limits import check_prompt_chars, offload
 from keepwarm.worker.api.protocol import ChatCompletionRequest, bad_request, new_id, now
 from keepwarm.worker.api.state import ServerState
 from keepwarm.worker.sequence import TokenLogprob
@@ -33,8 +34,13 @@ def _check_supported(req: ChatCompletionRequest) -> None:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
 
 
-def prompt_ids(state: ServerState, req: ChatCompletionRequest) -> list[int]:
-    """The messages (text parts only) rendered by the chat template and tokenized; 400 naming what is wrong."""
+async def prompt_ids(state: ServerState, req: ChatCompletionRequest) -> list[int]:
+    """The messages (text parts only) rendered by the chat template and tokenized, off the event loop; 400 naming
+    what is wrong. A request's own template needs ``--trust-request-chat-template``; rendering is sandboxed and
+    bounded in time and size (keepwarm.worker.tokenizer)."""
+    if req.chat_template is not None and not state.config.trust_request_chat_template:
+        raise bad_request("a request's own chat_template is refused unless the server runs with "
+                          "--trust-request-chat-template", "chat_template")
     messages = []
     for m in req.messages:
         content = m.content
@@ -46,16 +52,23 @@ def prompt_ids(state: ServerState, req: ChatCompletionRequest) -> list[int]:
                 parts.append(part["text"])
             content = "".join(parts)
         messages.append({"role": m.role, "content": content or ""})
+    check_prompt_chars(sum(len(m["content"]) for m in messages), state.engine.max_model_len, state.token_chars,
+                       "messages")
     tok = state.tokenizer
-    try:
+
+    def render() -> list[int]:
         text = tok.apply_chat_template(messages, chat_template=req.chat_template, tokenize=False,
                                        add_generation_prompt=req.add_generation_prompt and
                                        not req.continue_final_message,
                                        continue_final_message=req.continue_final_message,
                                        **(req.chat_template_kwargs or {}))
-    except Exception as e:  # jinja errors, missing template
-        raise bad_request(f"cannot apply the chat template: {e}", "messages") from None
-    return tok.encode(text, add_special_tokens=False)
+        return tok.encode(text, add_special_tokens=False)
+
+    try:
+        return await offload(render)
+    except Exception as e:  # jinja errors, time/size limits, missing template
+        raise bad_request(f"cannot apply the chat template: {' '.join(str(e).split())}",
+                          "chat_template" if req.chat_template is not None else "messages") from None
 
 
 def router(state: ServerState) -> APIRouter:
@@ -65,7 +78,7 @@ def router(state: ServerState) -> APIRouter:
     async def chat(req: ChatCompletionRequest, request: Request) -> Any:
         lora = pipeline.resolve_model(state, req.model)
         _check_supported(req)
-        ids = prompt_ids(state, req)
+        ids = await prompt_ids(state, req)
         max_tokens = pipeline.check_length(state, len(ids), req.max_completion_tokens if req.max_completion_tokens
                                            is not None else req.max_tokens)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
