@@ -63,6 +63,10 @@ EFFECT_TESTS = {
     "grpc_port": "test_grpc::test_greedy_stream_matches_http",
     "lora_modules": "test_lora_server::test_models_and_adapter_selection",
     "enable_lora_runtime_updates": "test_lora_server::test_load_use_unload_at_runtime",
+    "max_request_body_mb": "test_hostile::test_item3_a_huge_body_is_413_at_once_and_memory_stays",
+    "max_queued_requests": "test_hostile::test_past_the_queue_bound_is_429",
+    "client_timeout": "test_hostile::test_a_stalled_client_gets_408",
+    "trust_request_chat_template": "test_hostile::test_item5_a_request_chat_template_needs_the_trust_flag",
     # Effective only on a CUDA device (on a CPU the engine has no graphs and no device memory to size by).
     "enforce_eager": "test_gpu_reference::test_gpu_flags_reach_the_engine",
     "gpu_memory_utilization": "test_gpu_reference::test_gpu_flags_reach_the_engine",
