@@ -38,6 +38,38 @@ def bench_prompts(tokenizer, n: int) -> list[list[int]]:
     return out
 
 
+# -- --smoke: every benchmark's code path on a tiny random model in seconds (CI runs them; figures mean nothing) --
+SMOKE_HELP = "CI form: a tiny random model, a few tokens, one repeat; the code paths are real, the figures are not."
+SMOKE_NOTE = "# smoke run: tiny random model, a few tokens; the figures are meaningless"
+
+
+def smoke_model() -> Path:
+    """A tiny random Llama (with tokenizer and chat template) under $KEEPWARM_HOME/bench-models, built once."""
+    from keepwarm.formats.paths import keepwarm_home
+    from keepwarm.worker.models.random_model import make_random_model
+
+    out = keepwarm_home() / "bench-models" / "smoke-llama"
+    if not (out / "config.json").is_file():
+        tmp = out.with_name(f".smoke-llama.{os.getpid()}")
+        make_random_model(tmp, "llama", head_dim=32, max_position_embeddings=4096)
+        tmp.rename(out)
+    return out
+
+
+_SMOKE = {"on": False}  # a smoke run evicts only its own files from the page cache, never the whole machine's
+
+
+def smoke_start(vllm_python: str | None = None) -> None:
+    """Say it is a smoke run, and that the vLLM peer is skipped (its venv is not one of keepwarm's dependencies)."""
+    _SMOKE["on"] = True
+    typer.echo(SMOKE_NOTE)
+    if vllm_python:
+        typer.echo(f"# vLLM peer skipped: a smoke run does not start the peer ({vllm_python}); its venv is not a "
+                   "keepwarm dependency")
+    else:
+        typer.echo("# vLLM peer skipped: no --vllm-python given (smoke run; the peer venv is not a dependency)")
+
+
 def machine_line() -> str:
     cpu = platform.processor() or platform.machine()
     try:
@@ -136,10 +168,14 @@ def throughput(
         "--quantization", "-q", help="Weight schemes, comma-separated (auto, none, int8, fp8, int4, ...): one "
                                      "keepwarm row set each.")] = "auto",
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the results here as JSON.")] = None,
+    smoke: Annotated[bool, typer.Option("--smoke", help=SMOKE_HELP)] = False,
 ) -> None:
     """Offline throughput (output tokens/s, greedy, ignore_eos) for 1, 8 and 32 concurrent requests."""
     import torch
 
+    if smoke:
+        smoke_start(vllm_python)
+        model, concurrency, max_tokens, repeats, vllm_python = str(smoke_model()), "1,2", 4, 1, None
     torch.set_num_threads(threads)
     ns = [int(x) for x in concurrency.split(",")]
     rows: list[dict] = []
@@ -227,6 +263,7 @@ def quality(
     dtype: Annotated[str, typer.Option()] = "bfloat16",
     threads: Annotated[int, typer.Option()] = 2,
     json_out: Annotated[Path | None, typer.Option("--json")] = None,
+    smoke: Annotated[bool, typer.Option("--smoke", help=SMOKE_HELP)] = False,
 ) -> None:
     """Perplexity on a fixed held-out text for each weight quantization scheme (and an fp8 KV cache), plus how
     often greedy output agrees with the unquantized model."""
@@ -237,6 +274,10 @@ def quality(
     from keepwarm import LLM, SamplingParams
     from keepwarm.cli.heldout import HELDOUT_TEXT
 
+    max_tokens, text_tokens = 64, None
+    if smoke:
+        smoke_start()
+        model, max_tokens, text_tokens = str(smoke_model()), 4, 128
     torch.set_num_threads(threads)
     names = schemes.split(",")
     variants = [(s, "auto") for s in names] + [(names[0], "fp8")]  # the fp8 KV cache over the first scheme
@@ -247,13 +288,14 @@ def quality(
         llm = LLM(model=model, dtype=dtype, quantization=scheme, kv_cache_dtype=kv, daemon=False,
                   max_model_len=2048)
         tok = llm.get_tokenizer()
-        ids = tok.encode(HELDOUT_TEXT)
+        ids = tok.encode(HELDOUT_TEXT)[:text_tokens]
         out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
         lps = [x.logprob for x in out.prompt_logprobs[1:]]
         ppl = math.exp(-sum(lps) / len(lps))
         prompts = bench_prompts(tok, 8)
         greedy = [o.outputs[0].token_ids for o in llm.generate(
-            [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))]
+            [{"prompt_token_ids": p} for p in prompts],
+            SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))]
         if reference_tokens is None:
             reference_tokens = greedy
         agree = sum(a == b for x, y in zip(greedy, reference_tokens, strict=True) for a, b in zip(x, y, strict=True))
@@ -266,7 +308,7 @@ def quality(
         rows.append(row)
         typer.echo(f"{scheme:8s} kv={kv:4s} ppl {ppl:8.3f}  weights {row['weight_bytes'] / 1e6:7.1f} MB  "
                    f"greedy agreement {row['greedy_token_agreement']:.1%}  "
-                   f"identical prefix {row['greedy_identical_prefix_mean']:.1f}/64")
+                   f"identical prefix {row['greedy_identical_prefix_mean']:.1f}/{max_tokens}")
         del llm
     if json_out:
         json_out.write_text(json.dumps({"machine": machine_line(), "dtype": dtype, "rows": rows}, indent=2) + "\n")
@@ -293,11 +335,12 @@ llm.close()
 def drop_page_cache(files: list[Path]) -> str:
     """Evict the files from the page cache (posix_fadvise DONTNEED: no root needed for clean pages)."""
     os.sync()
-    try:
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-        return "dropped (drop_caches)"
-    except OSError:
-        pass
+    if not _SMOKE["on"]:
+        try:
+            Path("/proc/sys/vm/drop_caches").write_text("3\n")
+            return "dropped (drop_caches)"
+        except OSError:
+            pass
     for f in files:
         fd = os.open(f, os.O_RDONLY)
         try:
@@ -323,10 +366,15 @@ def attach(
     repeats: Annotated[int, typer.Option(help="Worker attaches per model (the median is reported).")] = 3,
     threads: Annotated[int, typer.Option()] = 2,
     json_out: Annotated[Path | None, typer.Option("--json")] = None,
+    smoke: Annotated[bool, typer.Option("--smoke", help=SMOKE_HELP)] = False,
 ) -> None:
     """Per model: raw read of the files (cat > /dev/null), cold load into the engine, daemon preload (time, GB/s),
     and worker attach time. Page cache is dropped before each cold measurement (or evicted per file)."""
     import statistics
+
+    if smoke:
+        smoke_start()
+        models, repeats = str(smoke_model()), 1
 
     from keepwarm.daemon.checkpoint import Checkpoint
     from keepwarm.daemon.client import start_daemon

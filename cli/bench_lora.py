@@ -11,7 +11,7 @@ from typing import Annotated
 
 import typer
 
-from keepwarm.cli.bench import bench_app, bench_prompts, machine_line
+from keepwarm.cli.bench import SMOKE_HELP, bench_app, bench_prompts, machine_line, smoke_model, smoke_start
 
 
 def write_random_adapter(out: Path, model_config, rank: int, seed: int) -> str:
@@ -78,12 +78,16 @@ def lora(
     dtype: Annotated[str, typer.Option()] = "bfloat16",
     threads: Annotated[int, typer.Option()] = 2,
     json_out: Annotated[Path | None, typer.Option("--json")] = None,
+    smoke: Annotated[bool, typer.Option("--smoke", help=SMOKE_HELP)] = False,
 ) -> None:
     """Output tokens/s of one batch of requests spread over k distinct adapters (k = 0: the base model)."""
     import torch
 
     from keepwarm import LLM, LoRARequest, SamplingParams, kernels
 
+    if smoke:
+        smoke_start()
+        model, batch, adapters, rank, max_tokens = str(smoke_model()), 4, "0,1,2", 4, 4
     torch.set_num_threads(threads)
     ks = [int(k) for k in adapters.split(",")]
     typer.echo(f"# machine: {machine_line()}")

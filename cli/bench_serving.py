@@ -18,7 +18,16 @@ from typing import Annotated
 
 import typer
 
-from keepwarm.cli.bench import bench_app, bench_prompts, drop_page_cache, machine_line, vllm_env
+from keepwarm.cli.bench import (
+    SMOKE_HELP,
+    bench_app,
+    bench_prompts,
+    drop_page_cache,
+    machine_line,
+    smoke_model,
+    smoke_start,
+    vllm_env,
+)
 
 
 def _free_port() -> int:
@@ -129,9 +138,13 @@ def restart(
     threads: Annotated[int, typer.Option()] = 2,
     vllm_python: Annotated[str | None, typer.Option("--vllm-python")] = None,
     json_out: Annotated[Path | None, typer.Option("--json")] = None,
+    smoke: Annotated[bool, typer.Option("--smoke", help=SMOKE_HELP)] = False,
 ) -> None:
     """Restart-to-first-token: process start to the first streamed token, for a warm restart (attach to the daemon),
     a cold start (--no-daemon, page cache dropped), the import floor, and vLLM's api_server."""
+    if smoke:
+        smoke_start(vllm_python)
+        models, repeats, vllm_python = str(smoke_model()), 1, None
     from keepwarm.daemon.checkpoint import Checkpoint
     from keepwarm.daemon.client import start_daemon
 
@@ -244,11 +257,15 @@ def serving(
     threads: Annotated[int, typer.Option()] = 2,
     vllm_python: Annotated[str | None, typer.Option("--vllm-python")] = None,
     json_out: Annotated[Path | None, typer.Option("--json")] = None,
+    smoke: Annotated[bool, typer.Option("--smoke", help=SMOKE_HELP)] = False,
 ) -> None:
     """Throughput and latency through the HTTP API (streaming, greedy, ignore_eos): output tokens/s, TTFT p50/p99,
     TPOT at each concurrency, for `keepwarm serve` and vLLM's api_server one after the other."""
     from transformers import AutoTokenizer
 
+    if smoke:
+        smoke_start(vllm_python)
+        model, concurrency, max_tokens, vllm_python = str(smoke_model()), "1,2", 4, None
     path = _resolve_model(model, dtype)
     ns = [int(x) for x in concurrency.split(",")]
     prompts = bench_prompts(AutoTokenizer.from_pretrained(str(path)), max(ns))

@@ -18,7 +18,15 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from keepwarm.cli.bench import bench_app, bench_prompts, drop_page_cache, machine_line
+from keepwarm.cli.bench import (
+    SMOKE_HELP,
+    bench_app,
+    bench_prompts,
+    drop_page_cache,
+    machine_line,
+    smoke_model,
+    smoke_start,
+)
 from keepwarm.cli.bench_serving import _free_port, _kill, _resolve_model, _start_to_first_token
 from keepwarm.formats import paths
 from keepwarm.formats.paths import keepwarm_home
@@ -70,11 +78,15 @@ def snapshot_bench(
     dtype: Annotated[str, typer.Option()] = "bfloat16",
     threads: Annotated[int, typer.Option()] = 2,
     json_out: Annotated[Path | None, typer.Option("--json")] = None,
+    smoke: Annotated[bool, typer.Option("--smoke", help=SMOKE_HELP)] = False,
 ) -> None:
     """Per model: snapshot create (cold store; then a config-only second snapshot) vs `cp` of the arena file to
     the store's disk (+ fsync); restore into an empty daemon (verify + image load) vs `cp` of the image to
     /dev/shm; restore + server start to first token vs a cold start (preload from the checkpoint) to first token.
     Page caches of the files read are dropped before each cold measurement."""
+    if smoke:
+        smoke_start()
+        models = str(smoke_model())
     typer.echo(f"# machine: {machine_line()}")
     rows = []
     for spec in models.split(","):

@@ -152,7 +152,7 @@ def decode_request(raw: bytes) -> tuple[str, str, Any]:
     if not isinstance(msg, dict):
         raise ProtocolError("bad_request", "message must be a map")
     version = msg.get("v")
-    if version != PROTOCOL_VERSION:
+    if version != PROTOCOL_VERSION or isinstance(version, bool):  # True == 1 in Python, not on the wire
         raise ProtocolError("version_mismatch",
                             f"message has protocol version {version!r}; this daemon speaks {PROTOCOL_VERSION}")
     rid = msg.get("id", "")

@@ -15,6 +15,21 @@ from pathlib import Path
 import httpx
 
 
+def parse_metrics(text: str) -> dict[tuple[str, frozenset], float]:
+    """Every sample of a Prometheus exposition, keyed by (sample name, its labels), parsed by prometheus_client."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def metric(samples: dict[tuple[str, frozenset], float], name: str, **labels: str) -> float:
+    """The one sample called ``name`` whose labels include ``labels`` (an error if none or several match)."""
+    hits = [v for (n, lab), v in samples.items() if n == name and set(labels.items()) <= lab]
+    assert len(hits) == 1, f"{len(hits)} samples of {name} {labels}: {sorted(k for k in samples if k[0] == name)}"
+    return hits[0]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -26,7 +41,8 @@ class ServeProcess:
 
     def __init__(self, *args: str, env: dict[str, str] | None = None, timeout: float = 90.0) -> None:
         self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
+        host = args[args.index("--host") + 1] if "--host" in args else "127.0.0.1"
+        self.base = f"http://{host}:{self.port}"
         fd, self.log_path = tempfile.mkstemp(prefix="kw-serve-", suffix=".log")
         with os.fdopen(fd, "wb") as log:
             self.proc = subprocess.Popen(
@@ -46,6 +62,13 @@ class ServeProcess:
                 pass
             time.sleep(0.1)
         raise AssertionError(f"server not ready: {self.output()[-3000:]}")
+
+    def metrics(self) -> dict[tuple[str, frozenset], float]:
+        """/metrics parsed: read one value with ``metric(samples, name, label=value)``."""
+        return parse_metrics(httpx.get(self.base + "/metrics").text)
+
+    def metric(self, name: str, **labels: str) -> float:
+        return metric(self.metrics(), name, **labels)
 
     def output(self) -> str:
         return Path(self.log_path).read_text()

@@ -38,22 +38,6 @@ class GrpcServerProc(ServeProcess):
         grpc.channel_ready_future(self.channel).result(timeout=30)
         self.stub = pb_grpc.KeepwarmStub(self.channel)
 
-    def metrics(self) -> dict[str, float]:
-        """Samples by name with labels, e.g. ``vllm:request_success{...,finished_reason="abort"}``."""
-        out = {}
-        for line in httpx.get(self.base + "/metrics").text.splitlines():
-            if line and not line.startswith("#"):
-                name, value = line.rsplit(" ", 1)
-                out[name] = float(value)
-        return out
-
-    def metric(self, prefix: str, **labels: str) -> float:
-        want = [f'{k}="{v}"' for k, v in labels.items()]
-        for name, value in self.metrics().items():
-            if name.split("{")[0] == prefix and all(w in name for w in want):
-                return value
-        raise KeyError(prefix)
-
     def stop(self) -> int:
         self.channel.close()
         if self.proc.poll() is None:

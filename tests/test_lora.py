@@ -152,3 +152,29 @@ def test_lora_needs_enable_lora(tiny_llama, lora_adapters) -> None:
     llm = LLM(model=tiny_llama, dtype="float32", max_model_len=256, daemon=False)
     with pytest.raises(LoRAError, match="not enabled"):
         llm.generate([[5, 6]], GREEDY, lora_request=LoRARequest("a", 1, lora_adapters["ad_qv"]))
+
+
+def test_cuda_graphs_are_bypassed_for_batches_with_lora(tiny_llama, lora_adapters, peft_reference) -> None:
+    """The runner's rule, on the CPU: a graph runner that would take every batch is offered only those without
+    an adapter (a captured graph has no LoRA inputs); LoRA batches run eagerly and still match PEFT."""
+    llm = LLM(model=tiny_llama, dtype="float32", max_model_len=256, enable_lora=True, max_loras=2,
+              max_lora_rank=16, daemon=False)
+    offered: list[bool] = []
+
+    class AcceptEverything:
+        def can_run(self, attn, num_tokens) -> bool:
+            return True
+
+        def run(self, input_ids, positions, attn):
+            offered.append(llm.llm_engine.lora_manager.token_slots is not None)
+            return None  # "not captured for this shape": the runner falls back to the eager forward
+
+    llm.llm_engine.runner.cuda_graphs = AcceptEverything()
+    base = llm.generate([PROMPTS[0]], GREEDY)[0]
+    assert offered and not any(offered)  # base-model batches went to the graph runner
+    offered.clear()
+    a = LoRARequest("ad_qv", 1, lora_adapters["ad_qv"])
+    out = llm.generate([PROMPTS[0]], GREEDY, lora_request=a)[0]
+    assert offered == []  # not one LoRA batch was offered to it
+    assert out.outputs[0].token_ids == peft_reference["ad_qv"][0]
+    assert base.outputs[0].token_ids == peft_reference[None][0]

@@ -228,3 +228,20 @@ def test_mixed_greedy_and_sampled_batch() -> None:
 def test_bad_shape_rejected() -> None:
     with pytest.raises(ValueError, match="logits"):
         Sampler().sample(torch.zeros(2, 5), [seq()])
+
+
+def test_logits_must_be_one_row_per_sequence() -> None:
+    with pytest.raises(ValueError, match=r"logits must be \[2, vocab\], got \(2, 1, 10\)"):
+        Sampler().sample(torch.zeros(2, 1, 10), [seq(temperature=0.0), seq(temperature=0.0)])
+    with pytest.raises(ValueError, match=r"logits must be \[2, vocab\], got \(3, 10\)"):
+        Sampler().sample(torch.zeros(3, 10), [seq(temperature=0.0), seq(temperature=0.0)])
+
+
+def test_min_tokens_bans_stop_token_id_zero_too() -> None:
+    """Token id 0 is a real token: as a stop token it is banned until min_tokens, like any other id."""
+    logits = torch.zeros(1, 10)
+    logits[0, 0] = 10.0  # token 0 is by far the best
+    early = Sampler().sample(logits, [seq(temperature=0.0, min_tokens=2, stop_token_ids=[0])])
+    assert early.token_ids == [1]  # banned: the next best (lowest id on the tie)
+    late = Sampler().sample(logits, [seq(output=[5, 6], temperature=0.0, min_tokens=2, stop_token_ids=[0])])
+    assert late.token_ids == [0]

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from _serve import ServeProcess, free_port
+from _serve import ServeProcess, free_port, metric
 
 from keepwarm import LLM, SamplingParams
 
@@ -26,14 +26,6 @@ class ServerProc(ServeProcess):
 
     def __init__(self, model: str, *args: str, env: dict[str, str] | None = None) -> None:
         super().__init__(model, "--dtype", "float32", "--max-model-len", "256", "--threads", "1", *args, env=env)
-
-    def metrics(self) -> dict[str, float]:
-        out = {}
-        for line in httpx.get(self.base + "/metrics").text.splitlines():
-            if line and not line.startswith("#"):
-                name, value = line.rsplit(" ", 1)
-                out[name.split("{")[0]] = float(value) if name.split("{")[0] not in out else out[name.split("{")[0]]
-        return out
 
 
 @pytest.fixture(scope="module")
@@ -206,9 +198,26 @@ async def _disconnect_midway(client: httpx.AsyncClient, base: str, prompt: str) 
     return seen
 
 
+def _aborted(server: ServerProc) -> float:
+    return server.metric("vllm:request_success_total", finished_reason="abort")
+
+
+def _wait_all_blocks_free(server: ServerProc) -> None:
+    deadline = time.monotonic() + 60
+    while True:
+        m = server.metrics()
+        if metric(m, "keepwarm:kv_cache_free_blocks") == metric(m, "keepwarm:kv_cache_total_blocks") and \
+                metric(m, "vllm:num_requests_running") == 0:
+            break
+        assert time.monotonic() < deadline, m
+        time.sleep(0.2)
+    assert metric(m, "vllm:kv_cache_usage_perc") == 0.0
+
+
 def test_64_concurrent_streams_and_disconnects_free_kv(server, reference) -> None:
     prompts = [f"Request number {i} asks about item {i * 7 % 13}" for i in range(64)]
     expected = reference(prompts, 16)
+    aborted_before = _aborted(server)
 
     async def main() -> tuple[list[str], list[int]]:
         limits = httpx.Limits(max_connections=100)
@@ -221,15 +230,33 @@ def test_64_concurrent_streams_and_disconnects_free_kv(server, reference) -> Non
     texts, seen = asyncio.run(main())
     assert texts == expected
     assert all(n >= 3 for n in seen)
-    deadline = time.monotonic() + 20
-    while True:
-        m = server.metrics()
-        if m["keepwarm:kv_cache_free_blocks"] == m["keepwarm:kv_cache_total_blocks"] and \
-                m["vllm:num_requests_running"] == 0:
-            break
-        assert time.monotonic() < deadline, m
-        time.sleep(0.2)
-    assert m["vllm:kv_cache_usage_perc"] == 0.0
+    _wait_all_blocks_free(server)
+    # The engine aborted exactly the 8 streams whose clients left after 3 of their 200 tokens (with a no-op
+    # abort they would run to their length and count as "length" instead).
+    assert _aborted(server) - aborted_before == 8
+
+
+def test_plain_request_whose_client_leaves_is_aborted(tiny_llama) -> None:
+    s = ServerProc(tiny_llama, "--no-daemon", "--max-model-len", "1024", "--served-model-name", "tiny")
+    body = {"model": "tiny", "prompt": "a long answer", "max_tokens": 1000, "temperature": 0, "ignore_eos": True}
+
+    async def main() -> None:
+        async with httpx.AsyncClient(timeout=120) as client:
+            tasks = [asyncio.create_task(client.post(s.base + "/v1/completions", json=body)) for _ in range(4)]
+            while await asyncio.to_thread(s.metric, "vllm:num_requests_running") < 4:
+                await asyncio.sleep(0.05)
+            for t in tasks:
+                t.cancel()  # closes each connection while its request is being generated
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    try:
+        asyncio.run(main())
+        _wait_all_blocks_free(s)
+        assert _aborted(s) == 4
+        assert s.metric("vllm:request_success_total", finished_reason="length") == 0
+        assert s.metric("vllm:generation_tokens_total") < 4 * 1000
+    finally:
+        assert s.stop() == 0
 
 
 def test_config_file_and_flags(tiny_llama, tmp_path) -> None:
@@ -331,6 +358,8 @@ def test_serve_falls_back_to_disk_and_says_so(tiny_llama, tmp_path) -> None:
         assert health["weights"]["source"] == "disk"
         assert "0700" in health["weights"]["fallback_reason"]
         assert "weights from disk" in s.output()
-        assert s.metrics()["keepwarm:weights_source"] == 0.0  # the daemon series is 0, disk is 1
+        m = s.metrics()
+        assert metric(m, "keepwarm:weights_source", source="disk") == 1.0
+        assert metric(m, "keepwarm:weights_source", source="daemon") == 0.0
     finally:
         assert s.stop() == 0

@@ -643,3 +643,69 @@ def test_packed_bfloat16_image_restores_and_generates_the_same(tiny_llama, tmp_p
         disk.close()
     finally:
         g.stop()
+
+
+# -- 6. what README.md and docs/snapshots.md claim for the CLI ------------------------------------------------------
+@pytest.mark.slow
+def test_cli_create_force_show_import_name_force_restore_prev_and_no_api_key_stored(prod, tmp_path) -> None:
+    side, env, store = prod.side, prod.side.env, prod.side.store
+    secret, restore_key = "sk-never-stored-7f3a9c", "sk-restore-only-41d2"
+    toml = tmp_path / "server.toml"
+    toml.write_text(f'model = "{prod.model}"\ndtype = "float32"\nmax_model_len = 256\napi_key = "{secret}"\n')
+    kw(env, "snapshot", "create", "keyed", "--from-config", toml, "--preload")
+    assert store.load("keyed")["source"]["api_key_required"] is True
+    assert "api_key" not in store.load("keyed")["server_config"]
+
+    # create: refused over an existing name, replaced with --force.
+    toml.write_text(toml.read_text() + "max_num_seqs = 5\n")
+    assert "exists; delete it first or pass --force" in one_line_error(
+        kw(env, "snapshot", "create", "keyed", "--from-config", toml, check=False))
+    assert store.load("keyed")["server_config"]["max_num_seqs"] == 256  # the default: not replaced
+    kw(env, "snapshot", "create", "keyed", "--from-config", toml, "--force")
+    assert store.load("keyed")["server_config"]["max_num_seqs"] == 5
+
+    # show: the manifest, as text and as JSON.
+    assert json.loads(kw(env, "snapshot", "show", "keyed", "--json").stdout) == store.load("keyed")
+    text = kw(env, "snapshot", "show", "keyed").stdout
+    assert "(an API key was required)" in text and f"fingerprint {prod.fingerprint}" in text
+    assert "    max_num_seqs = 5" in text
+
+    # import --name (a copy under another name) and --force (replacing a different snapshot of that name).
+    archive = tmp_path / "keyed.tar"
+    kw(env, "snapshot", "export", "keyed", "-o", archive)
+    kw(env, "snapshot", "import", archive, "--name", "keyed-copy")
+    copy = store.load("keyed-copy")
+    assert copy["name"] == "keyed-copy" and copy["server_config"] == store.load("keyed")["server_config"]
+    assert "import it under another name (--name) or replace it (--force)" in one_line_error(
+        kw(env, "snapshot", "import", archive, "--name", "prod", check=False))
+    assert store.load("prod")["models"][0]["fingerprint"] == prod.fingerprint  # untouched
+    toml.write_text(f'model = "{prod.model}"\ndtype = "float32"\nmax_model_len = 128\n')
+    kw(env, "snapshot", "create", "scratch", "--from-config", toml)
+    kw(env, "snapshot", "import", archive, "--name", "scratch", "--force")
+    assert store.load("scratch")["server_config"]["max_num_seqs"] == 5
+
+    # restore keeps the config it replaces as <config>.prev; the key given at restore goes only into the config.
+    target = tmp_path / "etc" / "server.toml"
+    kw(env, "snapshot", "restore", "keyed", "--server-config", target, "--api-key", restore_key)
+    first = target.read_text()
+    assert f'api_key = "{restore_key}"' in first and not target.with_name("server.toml.prev").exists()
+    kw(env, "snapshot", "restore", "prod", "--server-config", target)
+    assert target.with_name("server.toml.prev").read_text() == first
+    assert "max_num_seqs = 7" in target.read_text()
+    assert oct(target.with_name("server.toml.prev").stat().st_mode & 0o777) == "0o600"
+
+    # A snapshot of two models is refused by restore, naming the count, before anything changes.
+    two = store.load("keyed")
+    two["name"], two["models"] = "two-models", two["models"] * 2
+    store.save(two)
+    assert "holds 2 models; this keepwarm restores one" in one_line_error(
+        kw(env, "snapshot", "restore", "two-models", "--server-config", target, check=False))
+    assert target.with_name("server.toml.prev").read_text() == first
+
+    # No API key, neither the server's nor the one given at restore, is anywhere in the store or the export.
+    files = [archive, *(p for p in (side.home / "store").rglob("*") if p.is_file())]
+    for f in files:
+        data = f.read_bytes()
+        assert secret.encode() not in data and restore_key.encode() not in data, f
+    for name in ("keyed", "keyed-copy", "scratch", "two-models"):
+        kw(env, "snapshot", "delete", name)

@@ -122,6 +122,14 @@ class LoRARequestsInFlight(EngineCommand):
 
 
 @dataclass(frozen=True)
+class EffectiveConfig(EngineCommand):
+    """What the engine runs with, read from its live parts in its own thread (torch threads are per thread)."""
+
+    def run(self, engine: LLMEngine) -> dict[str, Any]:
+        return engine.effective_config()
+
+
+@dataclass(frozen=True)
 class _Add:
     request_id: str
     prompt_token_ids: list[int]

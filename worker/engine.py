@@ -527,3 +527,34 @@ class LLMEngine:
     @property
     def model_dir(self) -> Path:
         return self._model_dir
+
+    def effective_config(self) -> dict:
+        """What the engine actually runs with, read from its live parts (scheduler, block manager, KV pool, model
+        weights, LoRA manager), never from ``self.config``: a setting that stops reaching them shows here."""
+        lm = self.lora_manager
+        layer0 = self.loaded.model.model.layers[0]
+        weight = layer0.self_attn.qkv_proj.weight
+        kv_pool = self.runner.kv_cache.key[0]
+        return {
+            "device": str(self.device),
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "quantization": weight.meta.scheme if getattr(weight, "is_quantized_weight", False) else "none",
+            "max_model_len": self.scheduler.config.max_model_len,
+            "max_num_seqs": self.scheduler.config.max_num_seqs,
+            "max_num_batched_tokens": self.scheduler.config.max_num_batched_tokens,
+            "block_size": self.block_manager.block_size,
+            "num_kv_blocks": len(self.block_manager.pool.blocks),
+            "kv_pool_block_size": kv_pool.shape[2],
+            "kv_cache_dtype": str(kv_pool.dtype).removeprefix("torch."),
+            "enable_prefix_caching": self.block_manager.enable_prefix_caching,
+            "cuda_graphs": self.runner.cuda_graphs is not None,
+            "seed": torch.initial_seed(),
+            "threads": torch.get_num_threads(),
+            "tokenizer": self.tokenizer.name_or_path,
+            "weights_source": self.loaded.source,
+            "fingerprint": self.loaded.fingerprint,
+            "enable_lora": lm is not None,
+            "max_loras": lm.max_loras if lm is not None else None,
+            "max_lora_rank": lm.max_rank if lm is not None else None,
+            "max_cpu_loras": self.config.max_cpu_loras,  # enforced in add_lora from the config itself
+        }

@@ -93,8 +93,14 @@ def load_model(model_dir: Path, dtype: str, quantization: str, device: torch.dev
                 raise DaemonError("unavailable", f"no keepwarm daemon answers at {probe.socket_path}")
         return load_from_daemon(str(model_dir), dtype, quantization, device, max_position, runtime_dir, fingerprint)
     except (DaemonError, RuntimeDirError) as e:
-        if daemon is True or daemon == "on":
+        # A fingerprint asked for is exactly those weights: the checkpoint on disk does not have it.
+        if daemon is True or daemon == "on" or getattr(e, "code", None) == "fingerprint_mismatch":
             raise
         reason = getattr(e, "message", str(e))
     log.warning("weights from disk, not the daemon: %s", reason)
-    return load_from_disk(Checkpoint(model_dir), dtype, quantization, device, max_position, fallback_reason=reason)
+    loaded = load_from_disk(Checkpoint(model_dir), dtype, quantization, device, max_position, fallback_reason=reason)
+    if fingerprint is not None and loaded.fingerprint != fingerprint:
+        found = (loaded.fingerprint or "?")[:16]
+        raise DaemonError("fingerprint_mismatch", f"{model_dir.name} on disk has fingerprint {found}, not "
+                                                  f"{fingerprint[:16]} ({reason})")
+    return loaded

@@ -14,13 +14,14 @@ import asyncio
 import hmac
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from keepwarm.formats.version import __version__
 from keepwarm.worker.api import openapi
@@ -64,15 +65,28 @@ GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
 
 
-def _add_auth(app: FastAPI, api_key: str | None) -> None:
-    @app.middleware("http")
-    async def auth(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-        if api_key and request.url.path not in OPEN_PATHS:
-            header = request.headers.get("authorization", "")
-            if not hmac.compare_digest(header.encode(), f"Bearer {api_key}".encode()):
-                return JSONResponse(APIError(401, "Incorrect API key provided.", "authentication_error",
+class ApiKeyMiddleware:
+    """``--api-key``: every route but OPEN_PATHS needs ``Authorization: Bearer <key>`` (compared in constant time).
+    Plain ASGI, not ``@app.middleware("http")``: Starlette's BaseHTTPMiddleware wraps ``receive``, so a handler
+    never saw its client disconnect (a plain completion whose client left ran to its length)."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (scope["type"] == "http" and scope["path"] not in OPEN_PATHS
+                and not hmac.compare_digest(dict(scope["headers"]).get(b"authorization", b""), self.expected)):
+            response = JSONResponse(APIError(401, "Incorrect API key provided.", "authentication_error",
                                              code="invalid_api_key").body(), status_code=401)
-        return await call_next(request)
+            await response(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+def _add_auth(app: FastAPI, api_key: str | None) -> None:
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
 
 
 def _add_error_handlers(app: FastAPI) -> None:

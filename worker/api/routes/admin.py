@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse, Response
 from keepwarm.formats.version import __version__
 from keepwarm.worker.api.metrics import CONTENT_TYPE
 from keepwarm.worker.api.state import ServerState
+from keepwarm.worker.async_engine import EffectiveConfig
 
 
 def router(state: ServerState) -> APIRouter:
@@ -49,7 +50,9 @@ def router(state: ServerState) -> APIRouter:
         cfg.pop("api_key", None)  # never echo the secret
         adapters = [{"name": a.name, "path": a.path, "digest": a.digest, "rank": a.rank}
                     for a in state.async_engine.adapters.values()]
-        return {"config": cfg, "weights": state.weights_info(), "model_dir": str(state.engine.model_dir),
-                "adapters": adapters}
+        # "engine": what the engine runs with, read from its live parts (not this server's config).
+        engine = await state.async_engine.call(EffectiveConfig())
+        return {"config": cfg, "engine": engine, "weights": state.weights_info(),
+                "model_dir": str(state.engine.model_dir), "adapters": adapters}
 
     return api

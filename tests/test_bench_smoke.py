@@ -1,0 +1,108 @@
+"""`keepwarm bench ... --smoke` and `GPU_CHECK_SMOKE=1 make gpu-check`: every benchmark's code path runs in CI.
+
+The figures of a smoke run mean nothing (a tiny random model, a few tokens); what is checked is that each tool
+runs end to end and writes the rows docs/benchmarks.md's figures come from, with the vLLM peer skipped with a
+printed reason (its venv is not one of keepwarm's dependencies).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def bench_env(tmp_path_factory) -> dict[str, str]:
+    home = tmp_path_factory.mktemp("bench-home")
+    return {**os.environ, "KEEPWARM_HOME": str(home), "KEEPWARM_RUNTIME_DIR": str(home / "rt"),
+            "OMP_NUM_THREADS": "1"}
+
+
+def _bench(env: dict[str, str], tmp_path: Path, *args: str) -> tuple[dict, str]:
+    out = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, "-m", "keepwarm.cli.main", "bench", *args, "--smoke", "--threads", "1",
+                           "--json", str(out)], env=env, capture_output=True, text=True, timeout=600,
+                          cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "# smoke run" in proc.stdout
+    return json.loads(out.read_text()), proc.stdout
+
+
+def test_bench_throughput_smoke(bench_env, tmp_path) -> None:
+    data, out = _bench(bench_env, tmp_path, "throughput", "--vllm-python", "/nonexistent/python")
+    assert "vLLM peer skipped" in out
+    rows = {(r["engine"], r["concurrency"]) for r in data["rows"]}
+    assert rows == {("keepwarm", 1), ("keepwarm", 2), ("transformers", 1), ("transformers", 2)}
+    assert all(r["output_tokens"] == 4 * r["concurrency"] and r["tokens_per_s"] > 0 for r in data["rows"])
+
+
+def test_bench_quality_smoke(bench_env, tmp_path) -> None:
+    data, _ = _bench(bench_env, tmp_path, "quality")
+    got = [(r["quantization"], r["kv_cache_dtype"]) for r in data["rows"]]
+    assert got == [("none", "auto"), ("int8", "auto"), ("fp8", "auto"), ("int4", "auto"), ("none", "fp8")]
+    assert data["rows"][0]["greedy_token_agreement"] == 1.0  # the unquantized model agrees with itself
+    assert all(r["perplexity"] > 1 and r["tokens"] == 127 for r in data["rows"])
+    assert data["rows"][1]["weight_bytes"] < data["rows"][0]["weight_bytes"]
+
+
+def test_bench_attach_smoke(bench_env, tmp_path) -> None:
+    data, _ = _bench(bench_env, tmp_path, "attach")
+    [row] = data["rows"]
+    assert row["daemon_preloads"] == 1 and [a["source"] for a in row["attaches"]] == ["daemon"]
+    assert row["arena_bytes"] > 0 and row["attach_s"] > 0
+
+
+def test_bench_restart_smoke(bench_env, tmp_path) -> None:
+    data, out = _bench(bench_env, tmp_path, "restart")
+    assert "vLLM peer skipped" in out
+    [row] = data["rows"]
+    assert len(row["cold_start_s"]) == 1 and len(row["warm_restart_s"]) == 1
+    assert row["daemon_preloads"] == 1 and row["daemon_attaches"] == 1
+    assert not any(k.startswith("vllm_") for k in row)
+
+
+def test_bench_serving_smoke(bench_env, tmp_path) -> None:
+    data, out = _bench(bench_env, tmp_path, "serving")
+    assert "vLLM peer skipped" in out
+    assert [(r["server"], r["concurrency"]) for r in data["rows"]] == [("keepwarm", 1), ("keepwarm", 2)]
+    assert all(r["output_tokens"] == 4 * r["concurrency"] for r in data["rows"])
+
+
+def test_bench_lora_smoke(bench_env, tmp_path) -> None:
+    data, _ = _bench(bench_env, tmp_path, "lora")
+    got = [(r["variant"], r["adapters"]) for r in data["rows"]]
+    assert got == [("base model, LoRA disabled", 0), ("stacked", 0), ("stacked", 1), ("stacked", 2),
+                   ("loop", 0), ("loop", 1), ("loop", 2)]
+    assert all(r["tokens_per_s"] > 0 for r in data["rows"])
+
+
+def test_bench_snapshot_smoke(bench_env, tmp_path) -> None:
+    data, _ = _bench(bench_env, tmp_path, "snapshot")
+    [row] = data["rows"]
+    assert row["images_loaded"] == 1 and row["create_config_only_new_bytes"] < row["image_bytes"]
+    assert row["restore_to_first_token_s"] > 0 and row["cold_preload_to_first_token_s"] > 0
+
+
+def test_gpu_check_smoke_runs_on_the_cpu(tmp_path) -> None:
+    """`GPU_CHECK_SMOKE=1 make gpu-check`: the script and every benchmark phase, small, on the CPU."""
+    out = tmp_path / "gpu-check.json"
+    env = {**os.environ, "GPU_CHECK_SMOKE": "1", "GPU_CHECK_OUT": str(out), "GPU_CHECK_THREADS": "1",
+           "PYTHON": sys.executable, "GPU_CHECK_BUDGET": "400", "GPU_CHECK_PYTEST_BUDGET": "120"}
+    proc = subprocess.run(["make", "-C", str(ROOT), "gpu-check"], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert out.is_file(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["smoke"] is True
+    errors = {name: p for name, p in res["phases"].items() if "result" not in p}
+    assert not errors, errors
+    assert set(res["phases"]) == {"bandwidth", "model", "load", "decode", "attention", "matmul"}
+    assert res["pytest"]["returncode"] == 0, res["pytest"]["log_tail"]
+    assert proc.returncode == 0, proc.stdout[-3000:]
