@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 # Oversubscribed threads cost ~10x on a 2-core machine; tests that start worker processes set their own.
 torch.set_num_threads(int(os.environ.get("KEEPWARM_TEST_THREADS", "2")))
+
+# A daemon that runs in the default runtime dir (a user's, or another checkout's test run) must not be found by
+# tests that expect none: `LLM()` attaches to any daemon it finds. Tests that want a daemon start their own in a
+# directory of their own; everything else sees this empty one.
+os.environ["KEEPWARM_RUNTIME_DIR"] = tempfile.mkdtemp(prefix="keepwarm-test-rt-")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
