@@ -22,9 +22,9 @@ def refused(data: bytes) -> p.ProtocolError:
 
 def test_every_verb_parses_into_its_dataclass_with_defaults() -> None:
     assert p.decode_request(raw(v=1, id="r1", verb="preload", args={"model": "/m"})) == \
-        ("r1", "preload", p.PreloadArgs("/m", "none", "auto", None))
+        ("r1", "preload", p.PreloadArgs("/m", "auto", "auto", None))
     rid, verb, a = p.decode_request(raw(v=1, id="r2", verb="attach", args={"model": "/m", "pid": 7}))
-    assert (rid, verb) == ("r2", "attach") and a == p.AttachArgs("/m", 7, "none", "auto", None, True)
+    assert (rid, verb) == ("r2", "attach") and a == p.AttachArgs("/m", 7, "auto", "auto", None, True)
     assert p.decode_request(raw(v=1, id="", verb="detach", args={"lease_id": "L"}))[2] == p.LeaseArgs("L")
     assert p.decode_request(raw(v=1, id="x", verb="heartbeat", args={"lease_id": "L"}))[2] == p.LeaseArgs("L")
     assert p.decode_request(raw(v=1, id="x", verb="evict", args={"model": "ab"}))[2] == p.EvictArgs("ab", False)
