@@ -53,6 +53,9 @@ class Sequence:
         self.prompt_logprobs: list[TokenLogprob | None] | None = (
             [None] if sampling_params.prompt_logprobs is not None else None)
         self.sampling_params = sampling_params
+        # Where this sequence stands in its grammar (constrained decoding); None when it samples freely.
+        # (a CompiledGrammar here: the engine compiles a StructuredOutputs spec before making sequences)
+        self.grammar = sampling_params.structured.matcher() if sampling_params.structured is not None else None
         self.cache_salt = cache_salt
         self.lora = lora  # a LoRAAdapter, or None for the base model
         self.lora_slot = -1  # its slot while scheduled (LoRAManager), -1 otherwise
