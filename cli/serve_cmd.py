@@ -101,6 +101,11 @@ def register(app: typer.Typer) -> None:
         max_cpu_loras: Annotated[int | None, typer.Option("--max-cpu-loras")] = None,
         enable_lora_runtime_updates: Annotated[bool | None, typer.Option(
             "--enable-lora-runtime-updates/--no-enable-lora-runtime-updates")] = None,
+        enable_auto_tool_choice: Annotated[bool | None, typer.Option(
+            "--enable-auto-tool-choice/--no-enable-auto-tool-choice",
+            help="Let the model choose to call tools (tool_choice auto); needs --tool-call-parser.")] = None,
+        tool_call_parser: Annotated[str | None, typer.Option(
+            "--tool-call-parser", help="hermes (Hermes, Qwen), llama3_json or mistral.")] = None,
         daemon: Annotated[bool | None, typer.Option("--daemon/--no-daemon",
                                                     help="Attach to the daemon (default) or load from disk.")
                           ] = None,

@@ -138,6 +138,21 @@ def test_mask_against_reference(smollm2, case: str) -> None:
         assert lang.complete(text) or len(path) == 24, f"walk ended at {text!r}, outside the language"
 
 
+def test_objects_are_closed_unless_the_schema_says_otherwise(smollm2) -> None:
+    tok, token_bytes, eos, compiler = smollm2
+    vocab = len(token_bytes)
+    closed = compiler.compile(StructuredOutputs("json", {"type": "object", "properties": {"a": {"type": "integer"}},
+                                                         "required": ["a"]}))
+    open_ = compiler.compile(StructuredOutputs("json", {"type": "object", "properties": {"a": {"type": "integer"}},
+                                                        "required": ["a"], "additionalProperties": True}))
+    for compiled, comma_allowed in ((closed, False), (open_, True)):
+        m = compiled.matcher()
+        for t in tok.encode('{"a": 1', add_special_tokens=False):
+            assert m.accept(t)
+        comma = tok.encode(",", add_special_tokens=False)[0]
+        assert (comma in allowed_set(m, vocab)) == comma_allowed
+
+
 def test_json_object_and_invalid_specs(smollm2) -> None:
     _tok, _tb, _eos, compiler = smollm2
     compiler.compile(StructuredOutputs("json_object", None))

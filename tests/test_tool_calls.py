@@ -76,7 +76,8 @@ def test_tool_choice_rules() -> None:
         assert e.value.status == 400
     assert tool_grammar(ToolMode("named", "add"), TOOLS).value == TOOLS[1]["function"]["parameters"]
     required = tool_grammar(ToolMode("required"), TOOLS).value
-    assert required["minItems"] == 1 and len(required["items"]["anyOf"]) == 2
+    assert required["minItems"] == 1 and len(required["items"]["anyOf"]) == 2 and "maxItems" not in required
+    assert tool_grammar(ToolMode("required"), TOOLS, parallel=False).value["maxItems"] == 1
 
 
 def test_forced_outputs_become_calls() -> None:

@@ -13,6 +13,10 @@ and the reasons are in docs/benchmarks.md). Rules:
   share a batch.
 - JSON is generated compactly with OpenAI's separators (``", "`` and ``": "``, no other whitespace), so a small
   model cannot wander into endless whitespace; a schema may override this with llguidance's ``x-guidance`` key.
+- Objects are closed: a schema object with ``properties`` and no ``additionalProperties`` gets
+  ``additionalProperties: false`` (xgrammar's strict mode, vLLM's default; OpenAI's strict schemas say so
+  explicitly). Otherwise a small model fills the open object with invented keys until ``max_tokens``. A schema
+  that sets ``additionalProperties`` keeps its choice.
 - EOS is allowed only where the grammar accepts; once the grammar cannot take another token the engine ends the
   sequence (finish reason ``stop``) without sampling the EOS.
 """
@@ -34,6 +38,31 @@ log = logging.getLogger("keepwarm.structured")
 DEFAULT_CACHE_SIZE = 128
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMAS = ("items", "additionalItems", "not", "if", "then", "else", "contains", "additionalProperties",
+               "unevaluatedProperties", "propertyNames")
+
+
+def close_objects(schema: Any) -> Any:
+    """A copy of ``schema`` whose objects with ``properties`` but no ``additionalProperties`` are closed."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {k: close_objects(v) for k, v in out[key].items()}
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [close_objects(v) for v in out[key]]
+    for key in _SUBSCHEMAS:
+        if isinstance(out.get(key), dict):
+            out[key] = close_objects(out[key])
+    if "properties" in out and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
 
 
 class GrammarError(ValueError):
@@ -73,7 +102,7 @@ class StructuredOutputs:
                         raise GrammarError(f"the JSON schema is not valid JSON: {e}", self.field) from None
                 if not isinstance(schema, dict) and not isinstance(schema, bool):
                     raise GrammarError("a JSON schema must be an object", self.field)
-                return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+                return llguidance.LLMatcher.grammar_from_json_schema(close_objects(schema), defaults=JSON_OPTIONS)
             if k == "regex":
                 if not isinstance(v, str) or not v:
                     raise GrammarError("a regex must be a non-empty string", self.field)

@@ -47,6 +47,9 @@ class ServerConfig:
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
     enable_lora_runtime_updates: bool = False
+    # tool calling (vLLM's flags): "auto" tool choice needs both
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None  # hermes | llama3_json | mistral
     # keepwarm
     daemon: bool = True  # attach to the daemon (starting one if needed); False = --no-daemon, load from disk
     runtime_dir: str | None = None

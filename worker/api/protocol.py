@@ -1,12 +1,19 @@
-"""OpenAI-compatible request and response shapes (with vLLM's extra sampling fields), and OpenAI's error shape."""
+"""OpenAI-compatible request and response shapes (with vLLM's extra sampling fields), and OpenAI's error shape.
+
+Lenient like vLLM: a request field this server does not know is accepted and ignored, with one warning per field
+name for the life of the process (clients send ``store``, ``metadata``, ``service_tier``...). A field it knows
+but cannot honour is a 400 naming it (``logit_bias``, ``suffix``, ``best_of`` other than ``n``...).
+"""
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from keepwarm.worker.sampling_params import SamplingParams
 
@@ -31,16 +38,44 @@ def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, "invalid_request_error", param)
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+log = logging.getLogger("keepwarm.server")
+_warned: set[str] = set()
+_warned_lock = threading.Lock()
+
+
+def warn_once(key: str, message: str) -> None:
+    """Log ``message`` the first time ``key`` is seen in this process."""
+    with _warned_lock:
+        if key in _warned:
+            return
+        _warned.add(key)
+    log.warning("%s (logged once)", message)
+
+
+def warn_unknown(names: list[str], where: str) -> None:
+    for n in names:
+        warn_once(f"{where}.{n}", f"{where}: ignoring the unknown request field {n!r}")
+
+
+class Lenient(BaseModel):
+    """A request model that keeps unknown fields out of the way and warns about each name once."""
+
+    model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="after")
+    def _warn_extra(self):
+        if self.model_extra:
+            warn_unknown(sorted(self.model_extra), type(self).__name__)
+        return self
+
+
+class StreamOptions(Lenient):
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
 
-class _SamplingFields(BaseModel):
+class _SamplingFields(Lenient):
     """Fields shared by completions and chat; OpenAI's plus vLLM's extras."""
-
-    model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
     n: int = 1
@@ -64,6 +99,14 @@ class _SamplingFields(BaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     request_id: str | None = None
+    prompt_logprobs: int | None = None
+    # structured outputs: OpenAI's response_format, vLLM's guided_* and structured_outputs
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
 
     def sampling(self, max_tokens: int | None, logprobs: int | None, default_max: int) -> SamplingParams:
         if self.logit_bias:
@@ -89,6 +132,7 @@ class _SamplingFields(BaseModel):
             max_tokens=default_max if max_tokens is None else max_tokens,
             min_tokens=self.min_tokens,
             logprobs=logprobs,
+            prompt_logprobs=self.prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
         )
 
@@ -117,7 +161,6 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template: str | None = None
@@ -131,6 +174,26 @@ def new_id(prefix: str) -> str:
 
 def now() -> int:
     return int(time.time())
+
+
+class TokenizeRequest(Lenient):
+    """vLLM's /tokenize: a prompt, or chat messages rendered by the template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(Lenient):
+    model: str | None = None
+    tokens: list[int]
 
 
 class LoadLoRARequest(BaseModel):

@@ -1,7 +1,8 @@
 """`keepwarm serve`: the OpenAI-compatible HTTP server (FastAPI on uvicorn) over the async engine.
 
-Endpoints: POST /v1/completions, POST /v1/chat/completions (both streamable as server-sent events), GET /v1/models,
-GET /health, GET /version, GET /metrics, GET /keepwarm/config (the effective config). With ``--api-key`` every
+Endpoints: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses (all streamable as server-sent
+events), GET /v1/models, POST /tokenize, POST /detokenize, GET /health, GET|POST /ping, GET /version, GET /metrics,
+GET /keepwarm/config (the effective config). With ``--api-key`` every
 /v1 route needs ``Authorization: Bearer <key>``; /health, /metrics, /version stay open, as in vLLM.
 """
 
@@ -27,24 +28,31 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from keepwarm import __version__
+from keepwarm.worker.api.chat_render import render_chat
 from keepwarm.worker.api.config import ServerConfig
 from keepwarm.worker.api.metrics import CONTENT_TYPE, ServerMetrics
 from keepwarm.worker.api.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     LoadLoRARequest,
+    TokenizeRequest,
     UnloadLoRARequest,
     bad_request,
     new_id,
     now,
 )
+from keepwarm.worker.api.responses import ResponsesRequest, from_chat_completion, stream_events, to_chat_request
+from keepwarm.worker.api.structured_fields import structured_spec
+from keepwarm.worker.api.tool_calls import ToolStreamer, functions, parse_output, tool_grammar, tool_mode
 from keepwarm.worker.async_engine import AsyncEngine
 from keepwarm.worker.detokenizer import stop_hold_back, streamable_end
 from keepwarm.worker.engine import LLMEngine, RequestError
 from keepwarm.worker.outputs import CompletionOutput, RequestOutput
 from keepwarm.worker.sampling_params import SamplingParams, SamplingParamsError
 from keepwarm.worker.sequence import TokenLogprob
+from keepwarm.worker.structured import GrammarError, StructuredOutputs
 
 log = logging.getLogger("keepwarm.server")
 
@@ -123,6 +131,30 @@ def _completion_logprobs(tokenizer, lps: list[TokenLogprob], text_offset0: int) 
     return {"tokens": tokens, "token_logprobs": [x.logprob for x in lps],
             "top_logprobs": [{tokenizer.decode([t]): lp for t, lp in x.top} for x in lps],
             "text_offset": offsets}
+
+
+def _join_logprobs(prompt: dict[str, Any] | None, output: dict[str, Any]) -> dict[str, Any]:
+    """Echo: the prompt's logprobs (first token: None, as vLLM) followed by the output's."""
+    if prompt is None:
+        return output
+    return {k: prompt[k] + output[k] for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+
+
+def _vllm_prompt_logprobs(tokenizer, lps: list[TokenLogprob | None] | None) -> list[dict | None] | None:
+    """vLLM's ``prompt_logprobs``: per prompt token, {token id: {logprob, rank, decoded_token}} (None first)."""
+    if lps is None:
+        return None
+    out: list[dict | None] = []
+    for x in lps:
+        if x is None:
+            out.append(None)
+            continue
+        entry = {str(t): {"logprob": lp, "rank": r + 1, "decoded_token": tokenizer.decode([t])}
+                 for r, (t, lp) in enumerate(x.top)}
+        entry[str(x.token_id)] = {"logprob": x.logprob, "rank": x.rank,
+                                  "decoded_token": tokenizer.decode([x.token_id])}
+        out.append(entry)
+    return out
 
 
 def _chat_logprobs(tokenizer, lps: list[TokenLogprob]) -> dict[str, Any]:
@@ -360,8 +392,6 @@ def build_app(state: ServerState) -> FastAPI:
             raise bad_request("suffix is not supported", "suffix")
         if req.best_of is not None and req.best_of != req.n:
             raise bad_request("best_of is not supported (it must equal n)", "best_of")
-        if req.echo and req.logprobs is not None:
-            raise bad_request("echo with logprobs is not supported", "echo")
         tok = state.tokenizer
         p = req.prompt
         if isinstance(p, str):
@@ -380,6 +410,9 @@ def build_app(state: ServerState) -> FastAPI:
                 raise bad_request(f"prompt token ids must be in [0, {vocab})", "prompt")
         max_tokens = min(_check_length(state, len(ids), req.max_tokens) for ids in prompts)
         params = _params(req, max_tokens, req.logprobs)
+        if req.echo and req.logprobs is not None and params.prompt_logprobs is None:
+            params.prompt_logprobs = req.logprobs  # the echoed prompt's tokens carry logprobs too (as vLLM)
+        await compile_structured(structured_spec(req), params)
         rid = req.request_id or new_id("cmpl")
         created = now()
         name = req.model or state.model_name
@@ -393,6 +426,14 @@ def build_app(state: ServerState) -> FastAPI:
                 return None
             return _completion_logprobs(tok, c.logprobs[start:end], offset0)
 
+        def echo_logprobs(out: RequestOutput) -> dict | None:
+            if req.logprobs is None or out.prompt_logprobs is None:
+                return None
+            first = tok.decode([out.prompt_token_ids[0]])  # no logprob: nothing comes before it
+            rest = _completion_logprobs(tok, out.prompt_logprobs[1:], len(first))
+            return {"tokens": [first, *rest["tokens"]], "token_logprobs": [None, *rest["token_logprobs"]],
+                    "top_logprobs": [None, *rest["top_logprobs"]], "text_offset": [0, *rest["text_offset"]]}
+
         if not req.stream:
             try:
                 finals = await collect(request, merged, len(prompts))
@@ -403,10 +444,16 @@ def build_app(state: ServerState) -> FastAPI:
                 prompt_tokens += len(out.prompt_token_ids)
                 for c in out.outputs:
                     completion_tokens += len(c.token_ids)
-                    text = (texts[i] or tok.decode(out.prompt_token_ids)) + c.text if req.echo else c.text
-                    choices.append({"index": i * req.n + c.index, "text": text,
-                                    "logprobs": choice_logprobs(c, 0, len(c.token_ids), 0),
-                                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+                    prompt_text = texts[i] or tok.decode(out.prompt_token_ids)
+                    text = prompt_text + c.text if req.echo else c.text
+                    lps = choice_logprobs(c, 0, len(c.token_ids), len(prompt_text) if req.echo else 0)
+                    if req.echo and lps is not None:
+                        lps = _join_logprobs(echo_logprobs(out), lps)
+                    choice = {"index": i * req.n + c.index, "text": text, "logprobs": lps,
+                              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                    if req.prompt_logprobs is not None:
+                        choice["prompt_logprobs"] = _vllm_prompt_logprobs(tok, out.prompt_logprobs)
+                    choices.append(choice)
             return {"id": rid, "object": "text_completion", "created": created, "model": name, "choices": choices,
                     "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                               "total_tokens": prompt_tokens + completion_tokens}}
@@ -429,7 +476,7 @@ def build_app(state: ServerState) -> FastAPI:
                                     yield _sse({"id": rid, "object": "text_completion", "created": created,
                                                 "model": name, "choices": [{"index": idx, "text": texts[i] or
                                                                             tok.decode(out.prompt_token_ids),
-                                                                            "logprobs": None,
+                                                                            "logprobs": echo_logprobs(out),
                                                                             "finish_reason": None}]})
                             limit = streamable_end(c.text, sent_text[idx], c.finished, hold)
                             delta = c.text[sent_text[idx]:limit]
@@ -458,40 +505,36 @@ def build_app(state: ServerState) -> FastAPI:
         return StreamingResponse(stream(), media_type="text/event-stream")
 
     # -- chat ------------------------------------------------------------------------------------------------
+    async def compile_structured(spec: StructuredOutputs | None, params: SamplingParams) -> None:
+        """Compile the request's constraint (cached) off the event loop; an invalid one is a 400 naming its field."""
+        if spec is None:
+            return
+        try:
+            params.structured = await asyncio.to_thread(lambda: state.engine.grammar_compiler.compile(spec))
+        except GrammarError as e:
+            raise bad_request(str(e), e.field) from None
+
     @app.post("/v1/chat/completions")
     async def chat(req: ChatCompletionRequest, request: Request):
         salt = _resolve_model(state, req.model)
-        if req.tools and req.tool_choice != "none":
-            raise bad_request("tools are not supported by this server", "tools")
-        if req.response_format and req.response_format.get("type", "text") != "text":
-            raise bad_request("only response_format {\"type\": \"text\"} is supported", "response_format")
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
-        messages = []
-        for m in req.messages:
-            content = m.content
-            if isinstance(content, list):
-                parts = []
-                for part in content:
-                    if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                        raise bad_request("only text content parts are supported", "messages")
-                    parts.append(part["text"])
-                content = "".join(parts)
-            messages.append({"role": m.role, "content": content or ""})
+        mode = tool_mode(req.tools, req.tool_choice, state.config.tool_call_parser,
+                         state.config.enable_auto_tool_choice)
+        known = set(functions(req.tools))
+        spec = structured_spec(req)
+        forced = tool_grammar(mode, req.tools, req.parallel_tool_calls)
+        if forced is not None and spec is not None:
+            raise bad_request(f"{spec.field} cannot be combined with a required or named tool_choice",
+                              spec.field)
+        spec = forced or spec
         tok = state.tokenizer
-        try:
-            text = tok.apply_chat_template(messages, chat_template=req.chat_template, tokenize=False,
-                                           add_generation_prompt=req.add_generation_prompt and
-                                           not req.continue_final_message,
-                                           continue_final_message=req.continue_final_message,
-                                           **(req.chat_template_kwargs or {}))
-        except Exception as e:  # jinja errors, missing template
-            raise bad_request(f"cannot apply the chat template: {e}", "messages") from None
-        ids = tok.encode(text, add_special_tokens=False)
+        ids = render_chat(tok, req)
         max_tokens = _check_length(state, len(ids), req.max_completion_tokens if req.max_completion_tokens
                                    is not None else req.max_tokens)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = _params(req, max_tokens, logprobs)
+        await compile_structured(spec, params)
         rid = req.request_id or new_id("chatcmpl")
         created = now()
         name = req.model or state.model_name
@@ -500,14 +543,27 @@ def build_app(state: ServerState) -> FastAPI:
         except (RequestError, RuntimeError) as e:
             raise engine_errors(e) from None
 
+        def finish_reason(c: CompletionOutput, called: bool) -> str | None:
+            # OpenAI: "tool_calls" when the model chose to call (auto / required); a named choice ends in "stop".
+            return "tool_calls" if called and c.finish_reason == "stop" and mode.kind != "named" else \
+                c.finish_reason
+
         if not req.stream:
             try:
                 (out,) = await collect(request, merged, 1)
             except (RequestError, RuntimeError) as e:
                 raise engine_errors(e) from None
-            choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                        "logprobs": _chat_logprobs(tok, c.logprobs) if req.logprobs and c.logprobs else None,
-                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in out.outputs]
+            choices = []
+            for c in out.outputs:
+                parsed = parse_output(mode, c.text, known)
+                message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+                if parsed.calls:
+                    message["tool_calls"] = [call.to_openai() for call in parsed.calls]
+                choices.append({"index": c.index, "message": message,
+                                "logprobs": _chat_logprobs(tok, c.logprobs) if req.logprobs and c.logprobs
+                                else None,
+                                "finish_reason": finish_reason(c, bool(parsed.calls)),
+                                "stop_reason": c.stop_reason})
             completion_tokens = sum(len(c.token_ids) for c in out.outputs)
             return {"id": rid, "object": "chat.completion", "created": created, "model": name, "choices": choices,
                     "usage": {"prompt_tokens": len(ids), "completion_tokens": completion_tokens,
@@ -515,50 +571,102 @@ def build_app(state: ServerState) -> FastAPI:
 
         hold = stop_hold_back(params.stop)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        continuous = include_usage and bool(req.stream_options and req.stream_options.continuous_usage_stats)
 
         async def stream() -> AsyncIterator[str]:
-            def chunk(choices: list[dict], usage: dict | None = None) -> str:
+            completion_tokens = 0
+
+            def usage() -> dict[str, int]:
+                return {"prompt_tokens": len(ids), "completion_tokens": completion_tokens,
+                        "total_tokens": len(ids) + completion_tokens}
+
+            def chunk(choices: list[dict], final_usage: dict | None = None) -> str:
                 body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": name,
                         "choices": choices}
-                if usage is not None:
-                    body["usage"] = usage
+                if final_usage is not None or continuous:
+                    body["usage"] = final_usage if final_usage is not None else usage()
                 return _sse(body)
 
             sent_text: dict[int, int] = {}
             sent_tokens: dict[int, int] = {}
-            completion_tokens = 0
+            streamers: dict[int, ToolStreamer] = {}
+            called: dict[int, bool] = {}
             try:
                 async with aclosing(merged):
                     async for _i, out in merged:
+                        completion_tokens = sum(len(c.token_ids) for c in out.outputs)
                         for c in out.outputs:
                             if c.index not in sent_text:
                                 sent_text[c.index], sent_tokens[c.index] = 0, 0
+                                streamers[c.index] = ToolStreamer(mode, known)
                                 yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""},
                                               "logprobs": None, "finish_reason": None}])
                             limit = streamable_end(c.text, sent_text[c.index], c.finished, hold)
-                            delta = c.text[sent_text[c.index]:limit]
+                            deltas = streamers[c.index].step(c.text[:limit], c.finished)
                             new_lps = (c.logprobs or [])[sent_tokens[c.index]:]
                             lp = _chat_logprobs(tok, new_lps) if req.logprobs and new_lps else None
-                            if delta or lp:
-                                yield chunk([{"index": c.index, "delta": {"content": delta}, "logprobs": lp,
+                            if lp and not deltas:
+                                deltas = [{}]
+                            for j, delta in enumerate(deltas):
+                                called[c.index] = called.get(c.index, False) or "tool_calls" in delta
+                                yield chunk([{"index": c.index, "delta": delta, "logprobs": lp if j == 0 else None,
                                               "finish_reason": None}])
                             if c.finished:
                                 yield chunk([{"index": c.index, "delta": {}, "logprobs": None,
-                                              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}])
+                                              "finish_reason": finish_reason(c, called.get(c.index, False)),
+                                              "stop_reason": c.stop_reason}])
                             sent_text[c.index], sent_tokens[c.index] = limit, len(c.token_ids)
                         if out.finished:
                             _observe(out)
-                            completion_tokens = sum(len(c.token_ids) for c in out.outputs)
             except (RequestError, RuntimeError) as e:
                 yield _sse(engine_errors(e).body())
                 yield "data: [DONE]\n\n"
                 return
             if include_usage:
-                yield chunk([], {"prompt_tokens": len(ids), "completion_tokens": completion_tokens,
-                                 "total_tokens": len(ids) + completion_tokens})
+                yield chunk([], usage())
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(stream(), media_type="text/event-stream")
+
+    # -- Responses API, tokenizer endpoints, ping -------------------------------------------------------------
+    @app.post("/v1/responses")
+    async def responses(req: ResponsesRequest, request: Request):
+        chat_req = ChatCompletionRequest(**to_chat_request(req))
+        result = await chat(chat_req, request)
+        if not req.stream:
+            return from_chat_completion(req, result)
+        req.model = req.model or state.model_name
+        return StreamingResponse(stream_events(req, result.body_iterator), media_type="text/event-stream")
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest):
+        _resolve_model(state, req.model)
+        tok = state.tokenizer
+        if (req.prompt is None) == (req.messages is None):
+            raise bad_request("give exactly one of prompt and messages", "prompt")
+        if req.messages is not None:
+            ids = render_chat(tok, req)
+        else:
+            ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        body: dict[str, Any] = {"count": len(ids), "max_model_len": state.engine.max_model_len, "tokens": ids,
+                                "token_strs": None}
+        if req.return_token_strs:
+            body["token_strs"] = [tok.convert_ids_to_tokens(t) for t in ids]
+        return body
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest):
+        _resolve_model(state, req.model)
+        vocab = state.engine.model_config.vocab_size
+        if any(t < 0 or t >= vocab for t in req.tokens):
+            raise bad_request(f"token ids must be in [0, {vocab})", "tokens")
+        return {"prompt": state.tokenizer.decode(req.tokens)}
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping():
+        """vLLM's (and SageMaker's) liveness route: /health's status code, no body."""
+        ok = state.async_engine.running and not state.draining
+        return Response(status_code=200 if ok else 503)
 
     return app
 
@@ -633,6 +741,12 @@ def serve(config: ServerConfig, process_start: float | None = None) -> int:
     """Load or attach, then serve until SIGTERM/SIGINT; drains in-flight requests for ``shutdown_timeout``."""
     import uvicorn
 
+    from keepwarm.worker.api.tool_calls import PARSERS
+
+    if config.tool_call_parser is not None and config.tool_call_parser not in PARSERS:
+        raise ValueError(f"--tool-call-parser {config.tool_call_parser!r} is not one of {', '.join(PARSERS)}")
+    if config.enable_auto_tool_choice and config.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
     if config.threads:
         torch.set_num_threads(config.threads)
     # The engine thread and the event loop hand the GIL back and forth every token; Python's default 5 ms switch

@@ -8,7 +8,9 @@ Rules (vLLM's behaviour, OpenAI's shapes):
   function) stays content: a 200, never an error.
 - ``"required"`` and a named function: enforced by constrained decoding whatever the model, so the arguments are
   valid JSON matching the function's ``parameters``. Required: the output is a JSON array of
-  ``{"name", "parameters"}`` (at least one); named: the output is the arguments object itself.
+  ``{"name", "parameters"}`` (at least one; exactly one with ``parallel_tool_calls: false``); named: the output is
+  the arguments object itself. Output cut short by ``max_tokens`` is returned as content (finish reason
+  ``length``), never as a half call.
 - Parsers (``--tool-call-parser``): ``hermes`` (Hermes / Qwen 2.5+: ``<tool_call>{json}</tool_call>``),
   ``llama3_json`` (``<|python_tag|>``? then ``{"name", "parameters"}`` objects separated by ``;``), ``mistral``
   (``[TOOL_CALLS]`` then a JSON array, or v11's ``name[ARGS]{json}``).
@@ -105,8 +107,10 @@ def tool_mode(tools: list[dict[str, Any]] | None, tool_choice: Any, parser: str 
     return ToolMode(tool_choice)
 
 
-def tool_grammar(mode: ToolMode, tools: list[dict[str, Any]] | None) -> StructuredOutputs | None:
-    """The constraint that enforces a required or named choice (None for none / auto)."""
+def tool_grammar(mode: ToolMode, tools: list[dict[str, Any]] | None,
+                 parallel: bool | None = None) -> StructuredOutputs | None:
+    """The constraint that enforces a required or named choice (None for none / auto); ``parallel`` False
+    (``parallel_tool_calls: false``) allows one call."""
     fns = functions(tools)
     if mode.kind == "named":
         return StructuredOutputs("json", fns[mode.name]["parameters"], field="tool_choice")
@@ -116,7 +120,10 @@ def tool_grammar(mode: ToolMode, tools: list[dict[str, Any]] | None) -> Structur
                  "properties": {"name": {"const": name}, "parameters": fn["parameters"]}}
                 for name, fn in fns.items()]
     item = variants[0] if len(variants) == 1 else {"anyOf": variants}
-    return StructuredOutputs("json", {"type": "array", "minItems": 1, "items": item}, field="tool_choice")
+    array = {"type": "array", "minItems": 1, "items": item}
+    if parallel is False:
+        array["maxItems"] = 1
+    return StructuredOutputs("json", array, field="tool_choice")
 
 
 def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -242,6 +249,15 @@ def parse_forced(mode: ToolMode, text: str) -> Parsed:
     if mode.kind == "named":
         return Parsed(None, [ToolCall(mode.name, json.dumps(value, ensure_ascii=False))])
     return Parsed(None, [ToolCall(v["name"], json.dumps(v["parameters"], ensure_ascii=False)) for v in value])
+
+
+def parse_output(mode: ToolMode, text: str, known: set[str]) -> Parsed:
+    """A finished choice's text as content and/or calls, by the request's tool mode."""
+    if mode.kind == "none":
+        return Parsed(text, [])
+    if mode.kind in ("required", "named"):
+        return parse_forced(mode, text)
+    return parse(mode.parser, text, known)
 
 
 class ToolStreamer:
