@@ -8,7 +8,7 @@ DEV := $(VENV)/.dev-installed
 # Tests and benchmarks set threads deliberately: oversubscribing 2 cores costs ~10x.
 export OMP_NUM_THREADS ?= 2
 
-.PHONY: run test test-fast lint proto gpu-check clean
+.PHONY: run test test-fast lint lint-tree proto gpu-check clean
 
 $(RUNTIME): pyproject.toml requirements.txt constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -27,15 +27,29 @@ $(DEV): $(RUNTIME) requirements-dev.txt
 run: $(RUNTIME)
 	$(BIN)/keepwarm up
 
-test: $(DEV)
+# CI (`.ci/run`) runs this: lint (ruff, the import contract, the type checker) first, then every test.
+test: lint
 	$(BIN)/python -m pytest
 
 # Skips the slow end-to-end tests (CI runs everything through `make test`).
 test-fast: $(DEV)
 	$(BIN)/python -m pytest -m "not slow"
 
-lint: $(DEV)
+# ruff; the layering contract (import-linter, [tool.importlinter] in pyproject.toml); mypy ([tool.mypy]).
+lint: lint-tree
 	$(BIN)/ruff check .
+	cd $(LINT_TREE) && ../../$(BIN)/lint-imports --config ../../pyproject.toml
+	cd $(LINT_TREE) && ../../$(BIN)/mypy --config-file ../../pyproject.toml --cache-dir ../mypy-cache
+
+# import-linter and mypy find modules by walking folders, and package-dir maps the folders onto keepwarm.<folder>
+# only at install time: they read a copy of the sources laid out as the installed package.
+LINT_TREE := build/lint-tree
+PACKAGE_DIRS := cli daemon formats kernels snapshot worker
+lint-tree: $(DEV)
+	rm -rf $(LINT_TREE) && mkdir -p $(LINT_TREE)/keepwarm
+	cp keepwarm/*.py $(LINT_TREE)/keepwarm/
+	for d in $(PACKAGE_DIRS); do cp -r $$d $(LINT_TREE)/keepwarm/$$d; done
+	find $(LINT_TREE) -name __pycache__ -prune -exec rm -rf {} +
 
 # On a machine with one NVIDIA GPU (no network needed): `pytest -m gpu` plus a short benchmark, results in one JSON
 # file with a human summary (GPU_CHECK_OUT, default bench-out/gpu-check.json), within 8 minutes. It uses the

@@ -299,7 +299,7 @@ def phase_matmul(ctx: dict) -> dict:
     import torch
 
     from keepwarm import kernels
-    from keepwarm.daemon.quantize import quantize
+    from keepwarm.formats.quant import quantize
     from keepwarm.kernels.quant import QuantizedWeight
 
     device = ctx["device"]

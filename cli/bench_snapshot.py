@@ -69,11 +69,11 @@ def snapshot_bench(
     /dev/shm; restore + server start to first token vs a cold start (preload from the checkpoint) to first token.
     Page caches of the files read are dropped before each cold measurement."""
     from keepwarm.daemon.checkpoint import Checkpoint
+    from keepwarm.formats.paths import keepwarm_home
     from keepwarm.snapshot.create import create
     from keepwarm.snapshot.restore import restore
     from keepwarm.snapshot.store import Store
     from keepwarm.worker.api.config import ServerConfig, to_toml
-    from keepwarm.worker.default_model import keepwarm_home
 
     typer.echo(f"# machine: {machine_line()}")
     rows = []
@@ -187,7 +187,7 @@ def snapshot_bench(
         finally:
             shutil.rmtree(work, ignore_errors=True)
             for rt in rts:
-                from keepwarm.daemon import paths
+                from keepwarm.formats import paths
 
                 shutil.rmtree(paths.shm_dir(rt), ignore_errors=True)
                 shutil.rmtree(rt, ignore_errors=True)

@@ -19,7 +19,7 @@ def _fail(message: str, code: int = 1) -> None:
 
 
 def _runtime_dir() -> Path:
-    from keepwarm.daemon import paths
+    from keepwarm.formats import paths
 
     return paths.runtime_dir()
 
@@ -34,8 +34,8 @@ def daemon_run(
     threads: Annotated[int, typer.Option(help="Loader threads.")] = 4,
 ) -> None:
     """Run the daemon in the foreground (systemd runs this; `keepwarm preload` starts one detached)."""
-    from keepwarm.daemon.paths import RuntimeDirError
     from keepwarm.daemon.server import Daemon
+    from keepwarm.formats.paths import RuntimeDirError
 
     try:
         daemon = Daemon(memory_budget=memory_budget, device=device, lease_ttl=lease_ttl, threads=threads)
@@ -49,8 +49,8 @@ def daemon_stop(
     wait: Annotated[float, typer.Option(help="Seconds to wait for the daemon to exit.")] = 30.0,
 ) -> None:
     """Stop the daemon cleanly: every arena is removed from shared memory."""
-    from keepwarm.daemon import paths
     from keepwarm.daemon.client import DaemonClient, DaemonError
+    from keepwarm.formats import paths
 
     rt = _runtime_dir()
     client = DaemonClient(rt)

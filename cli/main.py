@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from keepwarm import __version__
+from keepwarm.formats.version import __version__
 
 app = typer.Typer(help="Keep LLM weights warm in a daemon; serve them from restartable workers.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
@@ -65,8 +65,8 @@ def generate(
     seed: Annotated[int, typer.Option()] = 0,
 ) -> None:
     """Generate without a server and print the text (attaches to a running daemon, else loads from disk)."""
+    from keepwarm.formats.model_config import ModelConfigError
     from keepwarm.worker.engine import RequestError
-    from keepwarm.worker.models.config import ModelConfigError
 
     prompts = prompt or ["What is the capital of France? Answer in one sentence."]
     try:

@@ -52,9 +52,9 @@ def register(app: typer.Typer) -> None:
         from keepwarm.cli.daemon_cmds import preload_model
         from keepwarm.cli.main import fail
         from keepwarm.daemon.client import DaemonError
+        from keepwarm.formats.model_config import ModelConfigError
         from keepwarm.worker.api.config import ServerConfig
         from keepwarm.worker.api.server import serve as run_server
-        from keepwarm.worker.models.config import ModelConfigError
 
         try:
             path = preload_model(model, quantization, "auto")
@@ -137,9 +137,9 @@ def register(app: typer.Typer) -> None:
             fail(str(e), code=2)
             return
         from keepwarm.daemon.client import DaemonError
+        from keepwarm.formats.model_config import ModelConfigError
         from keepwarm.worker.api.server import serve as run_server
         from keepwarm.worker.engine import RequestError
-        from keepwarm.worker.models.config import ModelConfigError
 
         try:
             code = run_server(cfg, process_start=start)

@@ -141,7 +141,7 @@ def verify(name: Annotated[str, typer.Argument()]) -> None:
     from keepwarm.snapshot.inspect import mb
 
     def run():
-        from keepwarm.daemon.arena import ArenaManifest, CpuArenaFile, arena_digest_of
+        from keepwarm.formats.arena import ArenaManifest, CpuArenaFile, arena_digest_of
         from keepwarm.snapshot.manifest import SnapshotError
 
         store = _store()

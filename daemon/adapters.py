@@ -14,7 +14,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from keepwarm.worker.lora import LoRAError, adapter_digest, read_adapter_dir
+from keepwarm.formats.adapter import LoRAError, adapter_digest, read_adapter_dir
 
 log = logging.getLogger("keepwarm.daemon")
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from keepwarm.worker.models.config import ModelConfig, ModelConfigError, load_model_config
+from keepwarm.formats.model_config import ModelConfig, ModelConfigError, load_model_config
 
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,

@@ -14,8 +14,8 @@ from typing import Any
 import msgpack
 import zmq
 
-from keepwarm.daemon import paths
 from keepwarm.daemon.protocol import PROTOCOL_VERSION, encode
+from keepwarm.formats import paths
 
 ProgressCallback = Callable[[dict[str, Any]], None]
 

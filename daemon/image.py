@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from keepwarm.daemon.arena import ArenaManifest, CpuArenaFile, CudaArena, arena_digest_of, dtype_from_name
+from keepwarm.formats.arena import ArenaManifest, CpuArenaFile, CudaArena, arena_digest_of, dtype_from_name
 
 CHUNK = 16 << 20
 
@@ -55,7 +55,7 @@ def check_device(manifest: ArenaManifest, device: torch.device) -> None:
 def check_cpu_layouts(manifest: ArenaManifest) -> None:
     """The CPU-specific layouts (oneDNN packing, torch's int4 pack) must be what this CPU and torch produce. May
     pack a zero weight per distinct shape (as planning a preload does): run it off the daemon's socket loop."""
-    from keepwarm.daemon.quantize import LAYOUT_MKLDNN_PACKED, QuantizationError, QuantMeta, cpu_int4_layout
+    from keepwarm.formats.quant import LAYOUT_MKLDNN_PACKED, QuantizationError, QuantMeta, cpu_int4_layout
 
     dtype = dtype_from_name(manifest.dtype)
     checked: dict[tuple[int, int], str] = {}
@@ -66,7 +66,7 @@ def check_cpu_layouts(manifest: ArenaManifest) -> None:
             raise ImageError("incompatible_image", f"{weight}: {e}") from None
         if meta.layout == LAYOUT_MKLDNN_PACKED:
             if meta.shape not in checked:
-                from keepwarm.kernels.cpu_packed import packed_layout
+                from keepwarm.formats.packed import packed_layout
 
                 try:
                     checked[meta.shape] = packed_layout(meta.shape, dtype)[1].hex()

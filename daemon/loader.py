@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from keepwarm import __version__
-from keepwarm.daemon.arena import (
+from keepwarm.daemon.checkpoint import Checkpoint, FusedTensor, read_into, tensor_bytes
+from keepwarm.formats.arena import (
     LAYOUT_VERSION,
     ArenaManifest,
     TensorEntry,
@@ -33,8 +33,8 @@ from keepwarm.daemon.arena import (
     fingerprint_of,
     source_signature,
 )
-from keepwarm.daemon.checkpoint import Checkpoint, FusedTensor, read_into, tensor_bytes
-from keepwarm.daemon.quantize import (
+from keepwarm.formats.model_config import parse_dtype
+from keepwarm.formats.quant import (
     LAYOUT_MKLDNN_PACKED,
     QuantMeta,
     is_quantized_target,
@@ -42,8 +42,8 @@ from keepwarm.daemon.quantize import (
     quantized_layout,
     validate_scheme,
 )
+from keepwarm.formats.version import __version__
 from keepwarm.kernels.cpu_packed import pack, packed_layout, packed_nbytes, packing_available
-from keepwarm.worker.models.config import parse_dtype
 
 Progress = Callable[[int], None]  # called with the number of source bytes just processed
 

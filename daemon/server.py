@@ -39,18 +39,7 @@ import psutil
 import torch
 import zmq
 
-from keepwarm import __version__
-from keepwarm.daemon import paths
 from keepwarm.daemon.adapters import AdapterStore
-from keepwarm.daemon.arena import (
-    ArenaManifest,
-    CpuArenaFile,
-    CudaArena,
-    arena_digest_of,
-    cuda_device_by_uuid,
-    cuda_uuid,
-    iter_manifest_files,
-)
 from keepwarm.daemon.checkpoint import Checkpoint
 from keepwarm.daemon.image import ImageError, check_cpu_layouts, check_device, fill_cpu, fill_cuda, image_size
 from keepwarm.daemon.loader import build_arena, checkpoint_changed, plan_arena, resolve_dtype
@@ -70,8 +59,19 @@ from keepwarm.daemon.protocol import (
     reply_error,
     reply_ok,
 )
-from keepwarm.daemon.quantize import QuantizationError, validate_scheme
-from keepwarm.worker.models.config import ModelConfigError
+from keepwarm.formats import paths
+from keepwarm.formats.arena import (
+    ArenaManifest,
+    CpuArenaFile,
+    CudaArena,
+    arena_digest_of,
+    cuda_device_by_uuid,
+    cuda_uuid,
+    iter_manifest_files,
+)
+from keepwarm.formats.model_config import ModelConfigError
+from keepwarm.formats.quant import QuantizationError, validate_scheme
+from keepwarm.formats.version import __version__
 
 log = logging.getLogger("keepwarm.daemon")
 
@@ -364,7 +364,7 @@ class Daemon:
         except (QuantizationError, ModelConfigError) as e:
             code = "bad_quantization" if isinstance(e, QuantizationError) else "bad_model"
             raise ProtocolError(code, str(e)) from None
-        from keepwarm.daemon.arena import dtype_name
+        from keepwarm.formats.arena import dtype_name
 
         return ckpt, (str(ckpt.model_dir), quantization, dtype_name(target))
 
@@ -400,7 +400,7 @@ class Daemon:
         return reply_ok(rid, models=[self._model_info(r) for r in self.residents.values()])
 
     def _verb_load_adapter(self, _identity: bytes, rid: str, args: LoadAdapterArgs) -> dict:
-        from keepwarm.worker.lora import LoRAError
+        from keepwarm.formats.adapter import LoRAError
 
         if self.device.type != "cpu":
             raise ProtocolError("unsupported", "adapters are kept on CPU daemons only for now")
@@ -775,7 +775,7 @@ class Daemon:
             if r.manifest_path is not None:
                 r.manifest_path.unlink(missing_ok=True)
         else:
-            r.storage.flat = None  # type: ignore[assignment]
+            r.storage.flat = None
             torch.cuda.ipc_collect()  # release blocks whose IPC consumers are gone (killed workers included)
             torch.cuda.empty_cache()
 

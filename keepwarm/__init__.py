@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-__version__ = "0.1.0"
+from keepwarm.formats.version import __version__
 
 __all__ = ["LLM", "LoRARequest", "SamplingParams", "__version__"]
 

@@ -40,7 +40,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from keepwarm.daemon.quantize import LAYOUT_MKLDNN_PACKED, QuantizationError, QuantMeta
+from keepwarm.formats.packed import BATCH_HINT, pack, packed_layout, packed_nbytes
+from keepwarm.formats.quant import LAYOUT_MKLDNN_PACKED, QuantizationError, QuantMeta
 
 __all__ = ["BATCH_HINT", "ENV_VAR", "PackedWeight", "linear_none", "pack", "packed_layout", "packed_nbytes",
            "packing_available"]
@@ -48,7 +49,6 @@ __all__ = ["BATCH_HINT", "ENV_VAR", "PackedWeight", "linear_none", "pack", "pack
 logger = logging.getLogger("keepwarm.kernels")
 
 ENV_VAR = "KEEPWARM_CPU_PACK"
-BATCH_HINT = 1
 # Measured above: only bfloat16 beats F.linear on every shape at M=1 and M=32 (and matches it exactly).
 _PACK_DTYPES = (torch.bfloat16,)
 _LOGGED: set[tuple[str, torch.dtype]] = set()
@@ -143,35 +143,6 @@ def _probe(dtype: torch.dtype) -> bool:
 def packing_available(dtype: torch.dtype) -> bool:
     """True when CPU linear weights of ``dtype`` are stored packed (off under ``KEEPWARM_CPU_PACK=0``)."""
     return not _disabled_by_env() and _probe(dtype)
-
-
-# ---------------------------------------------------------------------------------------------- packing
-def pack(w: torch.Tensor) -> tuple[torch.Tensor, bytes]:
-    """Pack a [N, K] CPU weight for oneDNN: (packed bytes as a uint8 tensor [nbytes], serialized descriptor)."""
-    if w.dim() != 2 or w.device.type != "cpu":
-        raise QuantizationError(f"packing needs a 2-D CPU weight, got {tuple(w.shape)} on {w.device}")
-    pw = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), BATCH_HINT)
-    n = int(torch.ops.mkldnn._nbytes(pw))
-    raw = torch.empty(n, dtype=torch.uint8)
-    ctypes.memmove(raw.data_ptr(), torch.ops.mkldnn.data_ptr(pw), n)  # releases the GIL, like a tensor copy
-    return raw, bytes(torch.ops.mkldnn._get_mkldnn_serialized_md(pw).numpy())
-
-
-@functools.cache
-def packed_layout(shape: tuple[int, int], dtype: torch.dtype) -> tuple[int, bytes]:
-    """(nbytes, descriptor) of a packed ``dtype`` weight of ``shape``, known before any data is read.
-
-    Packs zeros once per (shape, dtype): oneDNN picks the blocked format from shape, dtype and CPU alone (checked:
-    zeros and random weights give the same descriptor), and the preload checks every real pack against this."""
-    n, k = (int(s) for s in shape)
-    raw, desc = pack(torch.zeros(n, k, dtype=dtype))
-    return raw.numel(), desc
-
-
-def packed_nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
-    """Bytes the packed weight takes in the arena (exact: see :func:`packed_layout`)."""
-    n, k = shape
-    return packed_layout((int(n), int(k)), dtype)[0]
 
 
 # ---------------------------------------------------------------------------------------------- the weight

@@ -1,6 +1,6 @@
 """Quantized linear weights and their matmuls (`x @ dequant(W)^T + b`, output in x's dtype).
 
-`QuantizedWeight` wraps the parts `keepwarm.daemon.quantize` produces (possibly read-only views into the daemon's
+`QuantizedWeight` wraps the parts `keepwarm.formats.quant` produces (possibly read-only views into the daemon's
 shared memory: nothing here writes them). Each scheme has a plain-torch reference (`linear_reference`: dequantize
 in float32, cast to x's dtype, F.linear), correct for every layout and device, and a "torch" backend
 (`TORCH_IMPLS`, registered in `keepwarm.kernels`) that picks the fastest measured path (`PATHS`) on CPU:
@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping
 import torch
 import torch.nn.functional as F
 
-from keepwarm.daemon.quantize import (
+from keepwarm.formats.quant import (
     LAYOUT_INT4_CANONICAL,
     QuantizationError,
     QuantMeta,

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from keepwarm.daemon.quantize import LAYOUT_INT4_CANONICAL
+from keepwarm.formats.quant import LAYOUT_INT4_CANONICAL
 
 from . import triton_common as tc
 

@@ -72,7 +72,7 @@ def export(store: Store, name: str, out: Path, zstd: bool = False, level: int = 
                     import zstandard
 
                     zw = zstandard.ZstdCompressor(level=level, threads=-1).stream_writer(raw, closefd=False)
-                    sink = zw  # type: ignore[assignment]
+                    sink = zw
                 with tarfile.open(fileobj=sink, mode="w|", format=tarfile.PAX_FORMAT) as tar:
                     data = mf.dumps(m).encode()
                     tar.addfile(_tarinfo(f"snapshots/{name}.json", len(data), m["created_at"]), io.BytesIO(data))
@@ -96,7 +96,7 @@ def _open_stream(f: BinaryIO) -> tuple[BinaryIO, bool]:
     if head == ZSTD_MAGIC:
         import zstandard
 
-        return zstandard.ZstdDecompressor().stream_reader(f, read_size=CHUNK), True  # type: ignore[return-value]
+        return zstandard.ZstdDecompressor().stream_reader(f, read_size=CHUNK), True
     return f, False
 
 

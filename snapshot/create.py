@@ -123,7 +123,7 @@ def _cuda_chunks(flat) -> Iterator[memoryview]:
 def capture_arena(store: Store, manifest_json: str, arena: dict[str, Any], threads: int | None = None,
                   ) -> tuple[BlobRef, list[str]]:
     """Store the arena's bytes as a blob (or find it stored already); check them against the manifest."""
-    from keepwarm.daemon.arena import ArenaManifest, CpuArenaFile, CudaArena, arena_digest_of
+    from keepwarm.formats.arena import ArenaManifest, CpuArenaFile, CudaArena, arena_digest_of
 
     m = ArenaManifest.from_json(manifest_json)
     layouts = sorted({q.get("layout", "?") for q in m.quant.values()} | ({"dense"} if any(
@@ -190,7 +190,7 @@ def _attach(source: Source, rt: Path | None, preload: bool, say: Say):
             raise SnapshotError(f"the daemon refused {source.model_dir} ({quant}{fp}): {e.message}") from None
     finally:
         client.close()
-    from keepwarm.daemon.arena import ArenaManifest
+    from keepwarm.formats.arena import ArenaManifest
 
     manifest = ArenaManifest.from_json(reply["manifest"])
     att = Attachment(manifest, {}, reply["lease_id"], reply.get("origin", "?"), 0.0, True, storage=None,
@@ -204,7 +204,7 @@ def _attach(source: Source, rt: Path | None, preload: bool, say: Say):
 def capture_adapter(store: Store, a: dict[str, Any], arena_dir: Path | None) -> dict[str, Any]:
     """An adapter's two files as blobs: from its directory when they still are what the server loaded, else from
     the daemon's resident copy of that version."""
-    from keepwarm.worker.lora import LoRAError, adapter_digest, read_adapter_dir
+    from keepwarm.formats.adapter import LoRAError, adapter_digest, read_adapter_dir
 
     name, path, want = a["name"], a["path"], a.get("digest")
     config_raw = data = None
@@ -235,7 +235,7 @@ def capture_adapter(store: Store, a: dict[str, Any], arena_dir: Path | None) -> 
 def create(name: str, *, server: str | None = None, config_path: str | None = None, api_key: str | None = None,
            preload: bool = False, force: bool = False, store: Store | None = None,
            say: Say = lambda s: None) -> CreateResult:
-    from keepwarm.daemon import paths
+    from keepwarm.formats import paths
     from keepwarm.snapshot.identity import machine_identity
 
     t0 = time.perf_counter()

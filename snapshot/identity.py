@@ -10,7 +10,7 @@ import socket
 from pathlib import Path
 from typing import Any
 
-from keepwarm import __version__
+from keepwarm.formats.version import __version__
 
 # The flags oneDNN's and torch's CPU kernels dispatch on: they decide the blocked layout of packed bfloat16
 # weights (mkldnn_packed) and which int4 pack torch produces.
@@ -53,7 +53,7 @@ def machine_identity(daemon_device: str) -> dict[str, Any]:
         "cpu_count": os.cpu_count(), "onednn": onednn_version(), "daemon_device": daemon_device, "gpu": None,
     }
     if daemon_device.startswith("cuda") and torch.cuda.is_available():
-        from keepwarm.daemon.arena import cuda_device_by_uuid
+        from keepwarm.formats.arena import cuda_device_by_uuid
 
         uuid = daemon_device.split(":", 1)[1] if ":" in daemon_device else None
         dev = cuda_device_by_uuid(uuid)

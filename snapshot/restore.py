@@ -59,13 +59,13 @@ class RestoreResult:
 
 
 def restored_root() -> Path:
-    from keepwarm.worker.default_model import keepwarm_home
+    from keepwarm.formats.paths import keepwarm_home
 
     return keepwarm_home() / "restored"
 
 
 def default_config_path() -> Path:
-    from keepwarm.worker.default_model import keepwarm_home
+    from keepwarm.formats.paths import keepwarm_home
 
     return keepwarm_home() / "server.toml"
 
@@ -180,8 +180,8 @@ def build_server_config(m: dict[str, Any], model_dir: Path, adapter_dirs: dict[s
 # -- restore -----------------------------------------------------------------------------------------------------------
 def restore(name: str, *, store: Store | None = None, server_config: str | None = None, restart_server: bool = False,
             api_key: str | None = None, api_key_from_env: bool = False, say: Say = lambda s: None) -> RestoreResult:
-    from keepwarm.daemon import paths
     from keepwarm.daemon.client import DaemonClient, DaemonError, ensure_daemon
+    from keepwarm.formats import paths
     from keepwarm.worker.api.config import ServerConfig, to_toml
 
     t0 = time.perf_counter()

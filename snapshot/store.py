@@ -36,7 +36,7 @@ CHUNK = 8 << 20
 
 
 def default_root() -> Path:
-    from keepwarm.worker.default_model import keepwarm_home
+    from keepwarm.formats.paths import keepwarm_home
 
     return keepwarm_home() / "store"
 

@@ -54,7 +54,7 @@ class _TargetOnlyDriver:
 
 
 def _compile_all(quick: bool) -> list[tuple[str, object, dict]]:
-    from keepwarm.daemon.quantize import quantize
+    from keepwarm.formats.quant import quantize
     from keepwarm.kernels import triton_attention as ta
     from keepwarm.kernels import triton_lora as tlora
     from keepwarm.kernels import triton_norm as tn

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from keepwarm import kernels
-from keepwarm.daemon.quantize import LAYOUT_MKLDNN_PACKED, QuantizationError, QuantMeta
+from keepwarm.formats.quant import LAYOUT_MKLDNN_PACKED, QuantizationError, QuantMeta
 from keepwarm.kernels import cpu_packed
 from keepwarm.kernels.cpu_packed import PackedWeight, pack, packed_layout, packed_nbytes, packing_available
 
@@ -130,9 +130,9 @@ def test_plan_packs_linears_and_head_and_env_turns_it_off(tiny_model_factory, mo
 
 
 def _build(model_dir: str) -> tuple[object, dict]:
-    from keepwarm.daemon.arena import model_tensors
     from keepwarm.daemon.checkpoint import Checkpoint
     from keepwarm.daemon.loader import build_arena, plan_arena
+    from keepwarm.worker.attach import model_tensors
 
     ckpt = Checkpoint(model_dir)
     progress: list[int] = []

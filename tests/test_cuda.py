@@ -170,7 +170,7 @@ def test_norm_and_rotary_real_sizes(dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("scheme", ["int8", "int4", "fp8"])
 def test_quantized_linear_real_sizes(scheme: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
-    from keepwarm.daemon.quantize import quantize
+    from keepwarm.formats.quant import quantize
     from keepwarm.kernels.quant import QuantizedWeight
 
     monkeypatch.setenv("KEEPWARM_FP8_MATMUL", "triton")  # the weight-only kernel here; W8A8 below
@@ -187,7 +187,7 @@ def test_quantized_linear_real_sizes(scheme: str, dtype: torch.dtype, monkeypatc
 
 @pytest.mark.gpu
 def test_fp8_scaled_mm_path_on_hopper() -> None:
-    from keepwarm.daemon.quantize import quantize
+    from keepwarm.formats.quant import quantize
     from keepwarm.kernels import triton_quant as tq
     from keepwarm.kernels.quant import QuantizedWeight
 
@@ -290,8 +290,8 @@ def _wait(predicate, timeout: float = 30.0):
 @pytest.mark.gpu
 @pytest.mark.slow
 def test_cuda_ipc_attach_matches_disk_and_kill9_drops_lease(tiny_llama: str) -> None:
-    from keepwarm.daemon import paths
     from keepwarm.daemon.client import DaemonClient
+    from keepwarm.formats import paths
 
     runtime_dir = Path(tempfile.mkdtemp(prefix="kwgpu-", dir="/tmp"))  # short: unix socket paths are limited
     env = {**os.environ, "KEEPWARM_RUNTIME_DIR": str(runtime_dir), "OMP_NUM_THREADS": "1"}

@@ -16,9 +16,9 @@ import msgpack
 import pytest
 import zmq
 
-from keepwarm.daemon import paths
-from keepwarm.daemon.arena import ArenaManifest, CpuArenaFile, arena_digest_of
 from keepwarm.daemon.client import DaemonClient, DaemonError
+from keepwarm.formats import paths
+from keepwarm.formats.arena import ArenaManifest, CpuArenaFile, arena_digest_of
 
 WORKER = str(Path(__file__).with_name("_worker.py"))
 

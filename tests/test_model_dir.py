@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from keepwarm.daemon.arena import model_tensors
 from keepwarm.daemon.checkpoint import Checkpoint
 from keepwarm.daemon.loader import build_arena, plan_arena
-from keepwarm.worker.models.config import ModelConfigError, load_model_config
+from keepwarm.formats.model_config import ModelConfigError, load_model_config
+from keepwarm.worker.attach import model_tensors
 
 
 def _copy(src: str, dst: Path) -> Path:

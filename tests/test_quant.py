@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from keepwarm import kernels
-from keepwarm.daemon.quantize import (
+from keepwarm.formats.quant import (
     SCHEMES,
     QuantizationError,
     QuantMeta,
@@ -350,7 +350,7 @@ def test_cpu_int4_layout_matches_op() -> None:
 
 _CAPABILITY_SCRIPT = """
 import torch
-from keepwarm.daemon.quantize import cpu_int4_layout, quantize
+from keepwarm.formats.quant import cpu_int4_layout, quantize
 from keepwarm.kernels.quant import PATHS, QuantizedWeight, linear_reference
 torch.set_num_threads(1)
 w = torch.randn(80, 128)

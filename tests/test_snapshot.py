@@ -22,8 +22,8 @@ import httpx
 import pytest
 from _serve import ServeProcess
 
-from keepwarm.daemon import paths
 from keepwarm.daemon.client import DaemonClient, DaemonError
+from keepwarm.formats import paths
 from keepwarm.snapshot import manifest as mf
 from keepwarm.snapshot.archive import export, import_archive
 from keepwarm.snapshot.manifest import SnapshotError
@@ -382,7 +382,7 @@ def test_restore_refuses_what_the_daemon_cannot_hold(prod, tmp_path) -> None:
 
 @pytest.mark.slow
 def test_load_image_verb(prod, tmp_path) -> None:
-    from keepwarm.daemon.arena import ArenaManifest
+    from keepwarm.formats.arena import ArenaManifest
 
     store = prod.side.store
     mod = store.load("prod")["models"][0]
@@ -587,10 +587,10 @@ def test_packed_image_refused_on_another_cpu_layout(tiny_llama) -> None:
     """An mkldnn_packed descriptor that oneDNN would not pick here (another ISA) makes the image incompatible."""
     import torch
 
-    from keepwarm.daemon.arena import ArenaManifest
     from keepwarm.daemon.checkpoint import Checkpoint
     from keepwarm.daemon.image import ImageError, check_compatible
     from keepwarm.daemon.loader import build_arena, plan_arena
+    from keepwarm.formats.arena import ArenaManifest
     from keepwarm.kernels.cpu_packed import packing_available
 
     if not packing_available(torch.bfloat16):

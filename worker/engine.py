@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from keepwarm.formats.model_config import ModelConfigError, load_model_config, parse_dtype
 from keepwarm.worker.block_manager import BlockManager
 from keepwarm.worker.detokenizer import IncrementalDetokenizer, check_stop_strings
 from keepwarm.worker.lora import LoRAAdapter, LoRAError, LoRAManager
@@ -26,7 +27,6 @@ from keepwarm.worker.model_runner import (
     allocate_kv_cache,
     kv_bytes_per_block,
 )
-from keepwarm.worker.models.config import ModelConfigError, load_model_config, parse_dtype
 from keepwarm.worker.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from keepwarm.worker.sampler import Sampler
 from keepwarm.worker.sampling_params import SamplingParams

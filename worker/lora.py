@@ -14,7 +14,6 @@ never served with another adapter's weights. Pickled adapter files are refused.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import re
@@ -26,7 +25,8 @@ from typing import Any
 import torch
 
 from keepwarm import kernels
-from keepwarm.worker.models.config import ModelConfig
+from keepwarm.formats.adapter import LoRAError, adapter_digest, read_adapter_dir
+from keepwarm.formats.model_config import ModelConfig
 
 # PEFT module name -> (module path inside a decoder layer, index of the output slice in the fused projection)
 LORA_MODULES: dict[str, tuple[str, int]] = {
@@ -35,10 +35,6 @@ LORA_MODULES: dict[str, tuple[str, int]] = {
     "down_proj": ("mlp.down_proj", 0),
 }
 _KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
-
-
-class LoRAError(ValueError):
-    """An adapter that cannot be served; the one-line message names the cause (an HTTP 400)."""
 
 
 @dataclass(frozen=True)
@@ -82,33 +78,6 @@ class LoRAAdapter:
     @property
     def nbytes(self) -> int:
         return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self.weights.values())
-
-
-def read_adapter_dir(path: str | Path) -> tuple[str, Path]:
-    """The adapter's config text and its weights file, after the checks that need no model: one-line errors."""
-    p = Path(path)
-    if not p.exists():
-        raise LoRAError(f"adapter path {str(p)!r} does not exist")
-    if not p.is_dir():
-        raise LoRAError(f"adapter path {str(p)!r} is not a directory")
-    cfg = p / "adapter_config.json"
-    weights = p / "adapter_model.safetensors"
-    if not cfg.is_file():
-        raise LoRAError(f"{str(p)!r} is not a LoRA adapter: adapter_config.json is missing")
-    if not weights.is_file():
-        if any(p.glob("*.bin")) or any(p.glob("*.pt")):
-            raise LoRAError(f"{str(p)!r} has only pickled weights (adapter_model.bin); keepwarm never loads pickle: "
-                            "save the adapter with safe_serialization=True")
-        raise LoRAError(f"{str(p)!r} is not a LoRA adapter: adapter_model.safetensors is missing")
-    return cfg.read_text(), weights
-
-
-def adapter_digest(config_text: str, weights_bytes: bytes | memoryview) -> str:
-    h = hashlib.sha256(b"keepwarm-lora-v1\0")
-    h.update(config_text.encode())
-    h.update(b"\0")
-    h.update(weights_bytes)
-    return h.hexdigest()
 
 
 def build_adapter(name: str, path: str, digest: str, config_text: str, tensors: dict[str, torch.Tensor],

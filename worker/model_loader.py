@@ -13,13 +13,12 @@ from pathlib import Path
 
 import torch
 
-from keepwarm.daemon.arena import model_tensors
 from keepwarm.daemon.checkpoint import Checkpoint
 from keepwarm.daemon.client import DaemonClient, DaemonError, ensure_daemon
 from keepwarm.daemon.loader import build_arena, plan_arena, resolve_dtype
-from keepwarm.daemon.paths import RuntimeDirError
-from keepwarm.worker.attach import Attachment, attach_weights
-from keepwarm.worker.models.config import ModelConfig, parse_model_config
+from keepwarm.formats.model_config import ModelConfig, parse_model_config
+from keepwarm.formats.paths import RuntimeDirError
+from keepwarm.worker.attach import Attachment, attach_weights, model_tensors
 from keepwarm.worker.models.llama import LlamaForCausalLM
 
 log = logging.getLogger("keepwarm.worker")

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from keepwarm.worker.models.config import ModelConfig
+from keepwarm.formats.model_config import ModelConfig
 from keepwarm.worker.models.llama import AttentionMetadata, KVCache, LlamaForCausalLM
 from keepwarm.worker.scheduler import ScheduledBatch
 

@@ -19,7 +19,7 @@ from contextlib import aclosing
 
 import grpc
 
-from keepwarm import __version__
+from keepwarm.formats.version import __version__
 from keepwarm.worker.api.grpc_gen import keepwarm_pb2 as pb
 from keepwarm.worker.api.grpc_gen import keepwarm_pb2_grpc as pb_grpc
 from keepwarm.worker.api.protocol import APIError, bad_request, new_id

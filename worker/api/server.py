@@ -27,7 +27,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from keepwarm import __version__
+from keepwarm.formats.version import __version__
 from keepwarm.worker.api.chat_render import render_chat
 from keepwarm.worker.api.config import ServerConfig
 from keepwarm.worker.api.metrics import CONTENT_TYPE, ServerMetrics

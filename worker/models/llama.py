@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from keepwarm import kernels
-from keepwarm.worker.models.config import ModelConfig, rope_inv_freq
+from keepwarm.formats.model_config import ModelConfig, rope_inv_freq
 from keepwarm.worker.models.layers import BoundModule, Embedding, Linear, RMSNorm, WeightBindError
 
 

@@ -166,30 +166,6 @@ def arena_digest_of(flat: torch.Tensor, entries: tuple[TensorEntry, ...], thread
         return combine_digests("arena", list(pool.map(one, entries)))
 
 
-def model_tensors(manifest: ArenaManifest, flat: torch.Tensor) -> dict[str, Any]:
-    """Weight name -> tensor view, or ``QuantizedWeight`` / ``PackedWeight`` over views, for
-    ``LlamaForCausalLM.load_weights``. Nothing here writes ``flat`` (it may be a read-only mapping)."""
-    from keepwarm.daemon.quantize import LAYOUT_MKLDNN_PACKED, QuantMeta
-    from keepwarm.kernels.cpu_packed import PackedWeight
-    from keepwarm.kernels.quant import QuantizedWeight
-
-    out: dict[str, Any] = {}
-    for weight, entries in manifest.entries_by_weight().items():
-        if weight in manifest.quant:
-            meta = QuantMeta.from_dict(manifest.quant[weight])
-            if meta.layout == LAYOUT_MKLDNN_PACKED:
-                (entry,) = entries
-                # The byte view holds the arena's storage: the mapping outlives the mkldnn tensor made over it.
-                out[weight] = PackedWeight(meta, tensor_byte_view(flat, entry), dtype_from_name(manifest.dtype))
-                continue
-            parts = {e.part: view_tensor(flat, e) for e in entries}
-            out[weight] = QuantizedWeight.from_parts(meta, parts)
-        else:
-            (entry,) = entries
-            out[weight] = view_tensor(flat, entry)
-    return out
-
-
 # -- CPU storage ---------------------------------------------------------------------------------------------------
 class CpuArenaFile:
     """An arena in a tmpfs file. The daemon writes it once through a shared writable mapping, then keeps only a

@@ -16,7 +16,7 @@ so the daemon can lay out its arena first. Layouts, named in `QuantMeta.layout`:
                       scales_and_zeros act_dtype [K/gs, N, 2] (what torch._weight_int4pack_mm_for_cpu takes)
   int4_canonical      qweight uint8 [N, K/2], low nibble = even k; scales, zeros act_dtype [N, K/gs]
   mkldnn_packed       scheme "none" only: packed uint8 [nbytes], the weight in oneDNN's blocked layout, described by
-                      `QuantMeta.descriptor` (see keepwarm.kernels.cpu_packed; CPU arenas only)
+                      `QuantMeta.descriptor` (see keepwarm.formats.packed; CPU arenas only)
 
 The CPU int4 pack order depends on the ATen CPU capability of the process (AVX512 packs blocks of 64 rows as
 two interleaved halves, AVX2 blocks of 32, the scalar build adjacent row pairs), so it is probed once and named
@@ -188,7 +188,7 @@ def layout_parts(meta: QuantMeta, act_dtype: torch.dtype) -> PartsLayout:
     n, k = meta.shape
     lay = meta.layout
     if lay == LAYOUT_MKLDNN_PACKED and meta.scheme == "none":
-        from keepwarm.kernels.cpu_packed import packed_nbytes  # lazy: oneDNN is asked only for this layout
+        from keepwarm.formats.packed import packed_nbytes  # lazy: oneDNN is asked only for this layout
 
         return {"packed": (torch.uint8, (packed_nbytes((n, k), act_dtype),))}
     expected = {"none": LAYOUT_DENSE, "int8": LAYOUT_INT8, "fp8": LAYOUT_FP8}.get(meta.scheme)

@@ -1,4 +1,5 @@
-"""Where a daemon lives: its runtime directory (socket, lock, log) and its shared-memory arena directory.
+"""Where keepwarm keeps things: the daemon's runtime directory (socket, lock, log), its shared-memory arena
+directory, and the data home (``keepwarm_home``: models, the snapshot store, restored state).
 
 ``KEEPWARM_RUNTIME_DIR`` (default ``$XDG_RUNTIME_DIR/keepwarm``, else ``/tmp/keepwarm-$UID``) names one daemon:
 tests and several users run isolated daemons side by side by giving each its own runtime directory. The CPU
@@ -68,3 +69,11 @@ def shm_dir(rt: Path | None = None) -> Path:
     if base.is_dir() and os.access(base, os.W_OK):
         return base / f"keepwarm-{os.getuid()}-{tag}"
     return rt / "arenas"
+
+
+def keepwarm_home() -> Path:
+    """``$KEEPWARM_HOME``, else ``$XDG_DATA_HOME/keepwarm``, else ``~/.local/share/keepwarm``."""
+    if os.environ.get("KEEPWARM_HOME"):
+        return Path(os.environ["KEEPWARM_HOME"])
+    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(base) / "keepwarm"
