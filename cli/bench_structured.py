@@ -8,7 +8,7 @@ import json
 import statistics
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -21,7 +21,7 @@ SCHEMA = {"type": "object", "additionalProperties": False,
                          "summary": {"type": "string"}}}
 
 
-def mask_cost(llm, compiled, prompts: list[list[int]], max_tokens: int) -> dict:
+def mask_cost(llm: Any, compiled: Any, prompts: list[list[int]], max_tokens: int) -> dict:
     """Mask fill + token accept per token, over the tokens the model really generates under the schema."""
     import torch
 

@@ -146,7 +146,9 @@ class Sampler:
         vocab = logits.shape[1]
         bitmask = torch.zeros(len(rows), (vocab + 31) // 32, dtype=torch.int32)
         for j, i in enumerate(rows):
-            seqs[i].grammar.fill_bitmask(bitmask[j])
+            grammar = seqs[i].grammar
+            assert grammar is not None  # rows are the constrained ones
+            grammar.fill_bitmask(bitmask[j])
         allowed = unpack_bitmask(bitmask, vocab).to(logits.device)
         masked = logits[rows].masked_fill_(~allowed, float("-inf"))
         logits[rows] = masked

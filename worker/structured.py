@@ -36,7 +36,6 @@ import torch
 log = logging.getLogger("keepwarm.structured")
 
 DEFAULT_CACHE_SIZE = 128
-JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 
@@ -102,7 +101,8 @@ class StructuredOutputs:
                         raise GrammarError(f"the JSON schema is not valid JSON: {e}", self.field) from None
                 if not isinstance(schema, dict) and not isinstance(schema, bool):
                     raise GrammarError("a JSON schema must be an object", self.field)
-                return llguidance.LLMatcher.grammar_from_json_schema(close_objects(schema), defaults=JSON_OPTIONS)
+                return llguidance.LLMatcher.grammar_from_json_schema(close_objects(schema), defaults={
+                    "whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "})
             if k == "regex":
                 if not isinstance(v, str) or not v:
                     raise GrammarError("a regex must be a non-empty string", self.field)

@@ -63,7 +63,7 @@ class Lenient(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     @model_validator(mode="after")
-    def _warn_extra(self):
+    def _warn_extra(self) -> Lenient:
         if self.model_extra:
             warn_unknown(sorted(self.model_extra), type(self).__name__)
         return self

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from pydantic import Field
@@ -243,7 +243,7 @@ async def stream_events(req: ResponsesRequest, chat_sse: AsyncIterator[str | byt
     yield event("response.incomplete" if incomplete else "response.completed", response=final)
 
 
-def _close_message(event, msg_id: str, index: int, text: str) -> list[str]:
+def _close_message(event: Callable[..., str], msg_id: str, index: int, text: str) -> list[str]:
     part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
     return [event("response.output_text.done", item_id=msg_id, output_index=index, content_index=0, text=text,
                   logprobs=[]),

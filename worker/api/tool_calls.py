@@ -77,8 +77,8 @@ class ToolMode:
     """How a chat request treats tools: ``kind`` is none | auto | required | named."""
 
     kind: str
-    name: str | None = None
-    parser: str | None = None
+    name: str = ""  # the function, for named
+    parser: str = ""  # the --tool-call-parser, for auto
 
 
 def tool_mode(tools: list[dict[str, Any]] | None, tool_choice: Any, parser: str | None,
@@ -162,7 +162,8 @@ def _call(obj: Any, known: set[str], args_key: str = "arguments") -> ToolCall | 
 
 def _json_values(text: str) -> list[Any] | None:
     """Consecutive JSON values in ``text`` (separated by whitespace, ``;`` or ``,``), or None if any is malformed."""
-    dec, pos, out = json.JSONDecoder(), 0, []
+    dec, pos = json.JSONDecoder(), 0
+    out: list[Any] = []
     while True:
         while pos < len(text) and text[pos] in " \t\r\n;,":
             pos += 1
