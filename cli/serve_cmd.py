@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import time
+import types
+import typing
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
+
+from keepwarm.worker.api.config import ConfigError, ServerConfig, build_config, flag_of, load_toml
 
 EXAMPLE_QUESTION = "What is the capital of France?"
 
@@ -38,6 +44,33 @@ def _print_example_when_ready(host: str, port: int, model: str, api_key: str | N
     threading.Thread(target=run, name="keepwarm-example", daemon=True).start()
 
 
+def _option(f: dataclasses.Field) -> inspect.Parameter:
+    """The `serve` option of one ServerConfig field: its type made optional (None = not given, the file or the
+    default decides), with the spellings and help its Flag declares."""
+    flag = flag_of(f)
+    hint = typing.get_type_hints(ServerConfig)[f.name]
+    base = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+    (kind,) = [t for t in base if t is not type(None)]
+    dashed = "--" + f.name.replace("_", "-")
+    names = flag.names or ((f"{dashed}/--no-{dashed[2:]}",) if kind is bool else (dashed,))
+    option = typer.Option(*names, help=flag.help, envvar=flag.envvar)
+    return inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=None,
+                             annotation=Annotated[kind | None, option])
+
+
+def serve_signature() -> inspect.Signature:
+    """`keepwarm serve MODEL --config FILE` plus one option per ServerConfig key (except file-only ones)."""
+    params = [
+        inspect.Parameter("model", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None, annotation=Annotated[
+            str | None, typer.Argument(help="Model directory (default: bundled SmolLM2).")]),
+        inspect.Parameter("config", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None, annotation=Annotated[
+            str | None, typer.Option("--config", help="server.toml: keys are these flags' names with underscores; "
+                                                      "flags win.")]),
+    ]
+    params += [_option(f) for f in dataclasses.fields(ServerConfig) if flag_of(f).cli]
+    return inspect.Signature(params, return_annotation=None)
+
+
 def register(app: typer.Typer) -> None:
     @app.command()
     def up(
@@ -53,7 +86,6 @@ def register(app: typer.Typer) -> None:
         from keepwarm.cli.main import fail
         from keepwarm.daemon.client import DaemonError
         from keepwarm.formats.model_config import ModelConfigError
-        from keepwarm.worker.api.config import ServerConfig
         from keepwarm.worker.api.server import serve as run_server
 
         try:
@@ -67,65 +99,12 @@ def register(app: typer.Typer) -> None:
             return
         raise typer.Exit(code)
 
-    @app.command(context_settings={"help_option_names": ["-h", "--help"]})
-    def serve(
-        model: Annotated[str | None, typer.Argument(help="Model directory (default: bundled SmolLM2).")] = None,
-        config: Annotated[str | None, typer.Option("--config", help="server.toml: keys are these flags' names "
-                                                   "with underscores; flags win.")] = None,
-        served_model_name: Annotated[list[str] | None, typer.Option("--served-model-name")] = None,
-        tokenizer: Annotated[str | None, typer.Option("--tokenizer")] = None,
-        host: Annotated[str | None, typer.Option("--host")] = None,
-        port: Annotated[int | None, typer.Option("--port")] = None,
-        api_key: Annotated[str | None, typer.Option("--api-key", envvar="KEEPWARM_API_KEY",
-                                                    help="Bearer key required on /v1 routes.")] = None,
-        dtype: Annotated[str | None, typer.Option("--dtype")] = None,
-        max_model_len: Annotated[int | None, typer.Option("--max-model-len")] = None,
-        max_num_seqs: Annotated[int | None, typer.Option("--max-num-seqs")] = None,
-        max_num_batched_tokens: Annotated[int | None, typer.Option("--max-num-batched-tokens")] = None,
-        block_size: Annotated[int | None, typer.Option("--block-size")] = None,
-        kv_cache_dtype: Annotated[str | None, typer.Option("--kv-cache-dtype", help="auto or fp8.")] = None,
-        enable_prefix_caching: Annotated[bool | None, typer.Option(
-            "--enable-prefix-caching/--no-enable-prefix-caching")] = None,
-        gpu_memory_utilization: Annotated[float | None, typer.Option("--gpu-memory-utilization")] = None,
-        num_gpu_blocks_override: Annotated[int | None, typer.Option("--num-gpu-blocks-override")] = None,
-        kv_cache_memory_bytes: Annotated[int | None, typer.Option("--kv-cache-memory-bytes")] = None,
-        quantization: Annotated[str | None, typer.Option("--quantization", "-q",
-                                                         help="none, int8, fp8 or int4.")] = None,
-        seed: Annotated[int | None, typer.Option("--seed")] = None,
-        enforce_eager: Annotated[bool | None, typer.Option("--enforce-eager/--no-enforce-eager")] = None,
-        device: Annotated[str | None, typer.Option("--device")] = None,
-        enable_lora: Annotated[bool | None, typer.Option("--enable-lora/--no-enable-lora")] = None,
-        lora_modules: Annotated[list[str] | None, typer.Option("--lora-modules", help="name=path")] = None,
-        max_loras: Annotated[int | None, typer.Option("--max-loras")] = None,
-        max_lora_rank: Annotated[int | None, typer.Option("--max-lora-rank")] = None,
-        max_cpu_loras: Annotated[int | None, typer.Option("--max-cpu-loras")] = None,
-        enable_lora_runtime_updates: Annotated[bool | None, typer.Option(
-            "--enable-lora-runtime-updates/--no-enable-lora-runtime-updates")] = None,
-        enable_auto_tool_choice: Annotated[bool | None, typer.Option(
-            "--enable-auto-tool-choice/--no-enable-auto-tool-choice",
-            help="Let the model choose to call tools (tool_choice auto); needs --tool-call-parser.")] = None,
-        tool_call_parser: Annotated[str | None, typer.Option(
-            "--tool-call-parser", help="hermes (Hermes, Qwen), llama3_json or mistral.")] = None,
-        daemon: Annotated[bool | None, typer.Option("--daemon/--no-daemon",
-                                                    help="Attach to the daemon (default) or load from disk.")
-                          ] = None,
-        fingerprint: Annotated[str | None, typer.Option("--fingerprint",
-                                                        help="Attach only to an arena with this fingerprint.")
-                               ] = None,
-        grpc: Annotated[bool | None, typer.Option("--grpc/--no-grpc", help="Also serve gRPC.")] = None,
-        grpc_port: Annotated[int | None, typer.Option("--grpc-port")] = None,
-        shutdown_timeout: Annotated[float | None, typer.Option("--shutdown-timeout",
-                                                               help="Seconds to drain on SIGTERM.")] = None,
-        threads: Annotated[int | None, typer.Option("--threads", help="torch threads.")] = None,
-        uvicorn_log_level: Annotated[str | None, typer.Option("--uvicorn-log-level")] = None,
-    ) -> None:
+    def serve(model: str | None = None, config: str | None = None, **options: Any) -> None:
         """Serve the OpenAI-compatible API (and gRPC with --grpc) from weights the daemon keeps warm."""
         start = time.time()
         from keepwarm.cli.main import fail
-        from keepwarm.worker.api.config import ConfigError, build_config, load_toml
 
-        flags = {k: v for k, v in locals().items() if k not in ("config", "start", "fail", "ConfigError",
-                                                                 "build_config", "load_toml")}
+        flags = {"model": model, **options}
         if flags.get("served_model_name") == []:
             flags["served_model_name"] = None
         if flags.get("lora_modules") == []:
@@ -147,3 +126,6 @@ def register(app: typer.Typer) -> None:
             fail(str(e))
             return
         raise typer.Exit(code)
+
+    serve.__signature__ = serve_signature()  # type: ignore[attr-defined]  # what typer reads
+    app.command(context_settings={"help_option_names": ["-h", "--help"]})(serve)

@@ -1,9 +1,16 @@
 """The engine beside an asyncio event loop: one thread steps the engine, coroutines stream its outputs.
 
-The engine is not thread-safe, so only the engine thread touches it. Coroutines hand it commands (add, abort)
-through a queue and get outputs back through one ``asyncio.Queue`` per request, filled with
-``loop.call_soon_threadsafe``. Torch releases the GIL inside its kernels, so HTTP keeps flowing while a step runs.
-A request whose consumer goes away (client disconnect, cancelled task) is aborted and its KV blocks freed.
+Rule: the engine is not thread-safe, so only the engine thread touches its live state (requests, scheduler, KV
+blocks, adapters). Coroutines hand it typed commands through a queue: ``_Add`` and ``_Abort`` for requests, and
+``call(command)`` for an ``EngineCommand`` (``AddLoRA``, ``RemoveLoRA``, ``MarkUnloading``,
+``LoRARequestsInFlight``) whose result or error comes back to the awaiting coroutine. Outputs come back through
+one ``asyncio.Queue`` per request, filled with ``loop.call_soon_threadsafe``. What coroutines may read, the engine
+thread publishes as fresh immutable values: ``snapshot`` (figures, after every step) and ``adapters`` (name ->
+``AdapterView``, after every command). Facts fixed when the engine was built (tokenizer, model config, context
+length, model directory, where the weights came from) are read directly.
+
+Torch releases the GIL inside its kernels, so HTTP keeps flowing while a step runs. A request whose consumer goes
+away (client disconnect, cancelled task) is aborted and its KV blocks freed.
 """
 
 from __future__ import annotations
@@ -13,11 +20,12 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from keepwarm.worker.engine import LLMEngine, RequestError
+from keepwarm.worker.lora import LoRAAdapter
 from keepwarm.worker.outputs import RequestOutput
 from keepwarm.worker.sampling_params import SamplingParams
 
@@ -43,6 +51,88 @@ class EngineSnapshot:
     last_step_time: float = 0.0
 
 
+@dataclass(frozen=True)
+class AdapterView:
+    """A loaded LoRA adapter as the event loop sees it. ``adapter`` travels with a request; the engine refuses it
+    if it is no longer the adapter loaded under that name."""
+
+    adapter: LoRAAdapter
+    name: str
+    path: str
+    digest: str
+    rank: int
+    unloading: bool
+
+
+# -- commands --------------------------------------------------------------------------------------------------------
+class EngineCommand:
+    """Something a coroutine asks the engine thread to do between steps (``AsyncEngine.call``)."""
+
+    def run(self, engine: LLMEngine) -> Any:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class AddLoRA(EngineCommand):
+    adapter: LoRAAdapter
+
+    def run(self, engine: LLMEngine) -> None:
+        engine.add_lora(self.adapter)
+
+
+@dataclass(frozen=True)
+class RemoveLoRA(EngineCommand):
+    name: str
+
+    def run(self, engine: LLMEngine) -> LoRAAdapter:
+        return engine.remove_lora(self.name)
+
+
+@dataclass(frozen=True)
+class MarkUnloading(EngineCommand):
+    """Set (or clear) ``adapter.unloading``: new requests for it are refused while it is set. Returns False, and
+    changes nothing, when ``adapter`` is not the one loaded under its name or is already in the state asked for."""
+
+    adapter: LoRAAdapter
+    unloading: bool
+
+    def run(self, engine: LLMEngine) -> bool:
+        if engine.loras.get(self.adapter.name) is not self.adapter or self.adapter.unloading == self.unloading:
+            return False
+        self.adapter.unloading = self.unloading
+        return True
+
+
+@dataclass(frozen=True)
+class LoRARequestsInFlight(EngineCommand):
+    name: str
+
+    def run(self, engine: LLMEngine) -> int:
+        return engine.lora_requests_in_flight(self.name)
+
+
+@dataclass(frozen=True)
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prompt: str | None
+    cache_salt: str | None
+    lora: Any
+
+
+@dataclass(frozen=True)
+class _Abort:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class _Call:
+    command: EngineCommand
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+
+
 @dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
@@ -58,13 +148,14 @@ class AsyncEngine:
         self.engine: LLMEngine | None = None
         self._factory = engine_factory
         self._ready = threading.Event()
-        self._commands: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self._commands: queue.Queue[_Add | _Abort | _Call] = queue.Queue()
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stopped = threading.Event()
         self._accepting = True
         self.snapshot = EngineSnapshot()
+        self.adapters: dict[str, AdapterView] = {}  # replaced, never mutated: the event loop reads it
         self.errored: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="keepwarm-engine", daemon=True)
         self._thread.start()
@@ -85,17 +176,17 @@ class AsyncEngine:
     def stop_accepting(self) -> None:
         self._accepting = False
 
-    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
-        """Run ``fn(engine)`` in the engine thread (between steps) and return its result or raise its error."""
+    async def call(self, command: EngineCommand) -> Any:
+        """Run ``command`` in the engine thread (between steps) and return its result or raise its error."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future = loop.create_future()
-        self._commands.put(("call", (fn, loop, future)))
+        self._commands.put(_Call(command, loop, future))
         self._wake.set()
         return await future
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        prompt: str | None = None, cache_salt: str | None = None,
-                       lora: Any = None) -> AsyncIterator[RequestOutput]:
+                       lora: Any = None) -> AsyncGenerator[RequestOutput, None]:
         """Stream the request's outputs (cumulative); raises RequestError for a request the engine refuses."""
         if not self._accepting:
             raise RequestError("the server is shutting down")
@@ -106,7 +197,7 @@ class AsyncEngine:
             if request_id in self._streams:
                 raise RequestError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = stream
-        self._commands.put(("add", (request_id, prompt_token_ids, params, prompt, cache_salt, lora)))
+        self._commands.put(_Add(request_id, prompt_token_ids, params, prompt, cache_salt, lora))
         self._wake.set()
         finished = False
         try:
@@ -125,7 +216,7 @@ class AsyncEngine:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
-        self._commands.put(("abort", request_id))
+        self._commands.put(_Abort(request_id))
         self._wake.set()
 
     def shutdown(self, timeout: float = 10.0) -> None:
@@ -140,49 +231,55 @@ class AsyncEngine:
         if stream is not None:
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
 
-    def _drain_commands(self) -> None:
+    def _drain_commands(self, engine: LLMEngine) -> None:
         while True:
             try:
-                kind, arg = self._commands.get_nowait()
+                cmd = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if kind == "add":
-                request_id, ids, params, prompt, salt, lora = arg
+            if isinstance(cmd, _Add):
                 try:
-                    self.engine.add_request(request_id, ids, params, prompt=prompt, cache_salt=salt, lora=lora)
+                    engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, prompt=cmd.prompt,
+                                       cache_salt=cmd.cache_salt, lora=cmd.lora)
                 except (RequestError, ValueError) as e:
-                    self._deliver(request_id, RequestError(str(e)))
-            elif kind == "call":
-                fn, loop, future = arg
+                    self._deliver(cmd.request_id, RequestError(str(e)))
+            elif isinstance(cmd, _Call):
                 try:
-                    result = fn(self.engine)
+                    result = cmd.command.run(engine)
                 except Exception as e:  # handed to the awaiting coroutine
-                    loop.call_soon_threadsafe(_set_exception, future, e)
+                    cmd.loop.call_soon_threadsafe(_set_exception, cmd.future, e)
                 else:
-                    loop.call_soon_threadsafe(_set_result, future, result)
-            elif kind == "abort" and self.engine.abort_request(arg):
-                log.debug("aborted request %s", arg)
+                    cmd.loop.call_soon_threadsafe(_set_result, cmd.future, result)
+                finally:
+                    self._publish_adapters(engine)  # before the coroutine resumes: it sees the command's effect
+            elif engine.abort_request(cmd.request_id):
+                log.debug("aborted request %s", cmd.request_id)
+
+    def _publish_adapters(self, engine: LLMEngine) -> None:
+        self.adapters = {a.name: AdapterView(a, a.name, a.path, a.digest, a.rank, a.unloading)
+                         for a in engine.loras.values()}
 
     def _run(self) -> None:
         try:
-            self.engine = self._factory()
+            self.engine = engine = self._factory()
         except BaseException as e:  # handed to the constructor's caller
             self.errored = e
             self._ready.set()
             return
-        self._take_snapshot()
+        self._take_snapshot(engine)
+        self._publish_adapters(engine)
         self._ready.set()
         try:
             while not self._stopped.is_set():
-                self._drain_commands()
-                if not self.engine.has_unfinished_requests():
-                    self._take_snapshot()
+                self._drain_commands(engine)
+                if not engine.has_unfinished_requests():
+                    self._take_snapshot(engine)
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
                     continue
-                for out in self.engine.step():
+                for out in engine.step():
                     self._deliver(out.request_id, out)
-                self._take_snapshot()
+                self._take_snapshot(engine)
         except BaseException as e:  # the engine died: fail every waiting request rather than hang them
             log.exception("engine loop failed")
             self.errored = e
@@ -191,8 +288,7 @@ class AsyncEngine:
             for rid in ids:
                 self._deliver(rid, RuntimeError(f"engine failed: {e}"))
 
-    def _take_snapshot(self) -> None:
-        e = self.engine
+    def _take_snapshot(self, e: LLMEngine) -> None:
         bm = e.block_manager
         self.snapshot = EngineSnapshot(
             num_running=e.num_running, num_waiting=e.num_waiting, kv_cache_usage=bm.usage,

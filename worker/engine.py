@@ -141,7 +141,10 @@ class LLMEngine:
                                   self.block_manager.get_block_ids, self.device, self.lora_manager,
                                   enforce_eager=config.enforce_eager)
         self.sampler = Sampler()
-        self._grammar_compiler: GrammarCompiler | None = None
+        # Structured outputs over this tokenizer and logits width; thread-safe, so front ends compile off the engine
+        # thread. It indexes the vocabulary on first use.
+        self.grammar_compiler = GrammarCompiler.for_tokenizer(self.tokenizer, self.model_config.vocab_size,
+                                                              self.eos_token_ids)
         self.stats = EngineStats()
         self._requests: dict[str, _Request] = {}
         self._seq_to_request: dict[str, _Request] = {}
@@ -274,14 +277,6 @@ class LLMEngine:
             self._seq_to_request[seq.seq_id] = req
             self.scheduler.add(seq)
         self.stats.prompt_tokens += n
-
-    @property
-    def grammar_compiler(self) -> GrammarCompiler:
-        """The compiler for structured outputs over this model's tokenizer and logits width (made on first use)."""
-        if self._grammar_compiler is None:
-            self._grammar_compiler = GrammarCompiler.for_tokenizer(self.tokenizer, self.model_config.vocab_size,
-                                                                   self.eos_token_ids)
-        return self._grammar_compiler
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:

@@ -10,7 +10,11 @@ if TYPE_CHECKING:
 
 
 class SamplingParamsError(ValueError):
-    """An invalid sampling value; the message names the field (maps to an HTTP 400)."""
+    """An invalid sampling value; the message names the field, and so does ``field`` (an HTTP 400's param)."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 @dataclass
@@ -61,7 +65,7 @@ class SamplingParams:
 
     def validate(self) -> None:
         def bad(name: str, rule: str) -> SamplingParamsError:
-            return SamplingParamsError(f"{name} must be {rule}, got {getattr(self, name)!r}")
+            return SamplingParamsError(f"{name} must be {rule}, got {getattr(self, name)!r}", name)
 
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", "an integer >= 1")

@@ -28,6 +28,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -175,11 +176,11 @@ class GrammarCompiler:
     for a 49k vocabulary) is built on first use and logged.
     """
 
-    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: tuple[int, ...],
+    def __init__(self, tokenizer_json: str | Callable[[], str], vocab_size: int, eos_token_ids: tuple[int, ...],
                  cache_size: int = DEFAULT_CACHE_SIZE) -> None:
         if not eos_token_ids:
             raise ValueError("constrained decoding needs at least one EOS token id")
-        self._tokenizer_json = tokenizer_json
+        self._tokenizer_json = tokenizer_json  # or a function giving it: serialized only on first use
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(eos_token_ids)
         self.cache_size = cache_size
@@ -194,17 +195,22 @@ class GrammarCompiler:
                       cache_size: int = DEFAULT_CACHE_SIZE) -> GrammarCompiler:
         """From a keepwarm FastTokenizer or a transformers fast tokenizer (both expose ``backend_tokenizer``)."""
         backend = getattr(tokenizer, "backend_tokenizer", None)
-        if backend is None:
-            raise GrammarError("structured outputs need a fast tokenizer (tokenizer.json); this model's tokenizer "
-                               "is a slow one", "response_format")
-        return cls(backend.to_str(), vocab_size, eos_token_ids, cache_size)
+
+        def tokenizer_json() -> str:
+            if backend is None:
+                raise GrammarError("structured outputs need a fast tokenizer (tokenizer.json); this model's "
+                                   "tokenizer is a slow one", "response_format")
+            return backend.to_str()
+
+        return cls(tokenizer_json, vocab_size, eos_token_ids, cache_size)
 
     def _tokenizer(self) -> Any:
         if self._lltok is None:
             import llguidance
 
             t0 = time.perf_counter()
-            self._lltok = llguidance.LLTokenizer(self._tokenizer_json, n_vocab=self.vocab_size,
+            tj = self._tokenizer_json
+            self._lltok = llguidance.LLTokenizer(tj if isinstance(tj, str) else tj(), n_vocab=self.vocab_size,
                                                  eos_token=list(self.eos_token_ids))
             log.info("grammar engine ready: llguidance %s, %d-token vocabulary indexed in %.2fs",
                      llguidance.__version__ if hasattr(llguidance, "__version__") else "",

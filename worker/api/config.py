@@ -1,4 +1,5 @@
-"""The server's configuration: vLLM's flag names, a `server.toml` with the same keys, flags overriding the file."""
+"""The server's configuration, defined once (``ServerConfig``): vLLM's flag names, a `server.toml` with the same keys,
+flags overriding the file, and the engine's settings taken from it."""
 
 from __future__ import annotations
 
@@ -16,49 +17,91 @@ class ConfigError(ValueError):
 
 
 @dataclass(frozen=True)
-class ServerConfig:
-    """Every key of `server.toml` (the flag names with underscores). ``model`` None means the bundled SmolLM2."""
+class Flag:
+    """How a ``ServerConfig`` key appears outside the file: its command-line option and the engine setting it is.
 
-    model: str | None = None
+    ``names``: the option's spellings (default ``--key-with-dashes``, booleans ``--key/--no-key``); ``cli=False``:
+    a file-only key. ``engine``: the ``EngineConfig`` field it sets (``""``: not an engine setting)."""
+
+    help: str | None = None
+    names: tuple[str, ...] = ()
+    envvar: str | None = None
+    engine: str = ""
+    cli: bool = True
+
+
+def setting(default: Any = None, flag: Flag = Flag(), *, factory: Any = None) -> Any:
+    """A ServerConfig field with its Flag; ``engine="="`` means the EngineConfig field of the same name."""
+    if factory is not None:
+        return field(default_factory=factory, metadata={"flag": flag})
+    return field(default=default, metadata={"flag": flag})
+
+
+SAME = "="  # Flag.engine: the EngineConfig field has the key's name
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Every key of `server.toml` (the flag names with underscores). ``model`` None means the bundled SmolLM2.
+
+    The one definition of the server's settings: `keepwarm serve`'s options are generated from these fields
+    (``Flag``), `server.toml` holds the same keys, and the engine's part becomes ``EngineConfig`` through
+    ``engine_kwargs`` (``Flag.engine`` names the field each one sets)."""
+
+    model: str | None = setting(None, Flag(engine=SAME, cli=False))  # the command's argument, not an option
     served_model_name: list[str] | None = None
-    tokenizer: str | None = None
+    tokenizer: str | None = setting(None, Flag(engine=SAME))
     host: str = "127.0.0.1"
     port: int = 8000
-    api_key: str | None = None
+    api_key: str | None = setting(None, Flag("Bearer key required on /v1 routes.", envvar="KEEPWARM_API_KEY"))
     # engine (vLLM meanings)
-    dtype: str = "auto"
-    max_model_len: int | None = None
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None
-    block_size: int = 16
-    kv_cache_dtype: str = "auto"
-    enable_prefix_caching: bool = True
-    gpu_memory_utilization: float = 0.9
-    num_gpu_blocks_override: int | None = None
-    kv_cache_memory_bytes: int | None = None
-    quantization: str = "none"
-    seed: int = 0
-    enforce_eager: bool = False
-    device: str = "auto"
+    dtype: str = setting("auto", Flag(engine=SAME))
+    max_model_len: int | None = setting(None, Flag(engine=SAME))
+    max_num_seqs: int = setting(256, Flag(engine=SAME))
+    max_num_batched_tokens: int | None = setting(None, Flag(engine=SAME))
+    block_size: int = setting(16, Flag(engine=SAME))
+    kv_cache_dtype: str = setting("auto", Flag("auto or fp8.", engine=SAME))
+    enable_prefix_caching: bool = setting(True, Flag(engine=SAME))
+    gpu_memory_utilization: float = setting(0.9, Flag(engine=SAME))
+    num_gpu_blocks_override: int | None = setting(None, Flag(engine="num_gpu_blocks"))
+    kv_cache_memory_bytes: int | None = setting(None, Flag(engine=SAME))
+    quantization: str = setting("none", Flag("none, int8, fp8 or int4.", ("--quantization", "-q"), engine=SAME))
+    seed: int = setting(0, Flag(engine=SAME))
+    enforce_eager: bool = setting(False, Flag(engine=SAME))
+    device: str = setting("auto", Flag(engine=SAME))
     # LoRA (vLLM's flags)
-    enable_lora: bool = False
-    lora_modules: list[str] = field(default_factory=list)
-    max_loras: int = 1
-    max_lora_rank: int = 16
-    max_cpu_loras: int | None = None
+    enable_lora: bool = setting(False, Flag(engine=SAME))
+    lora_modules: list[str] = setting(factory=list, flag=Flag("name=path"))
+    max_loras: int = setting(1, Flag(engine=SAME))
+    max_lora_rank: int = setting(16, Flag(engine=SAME))
+    max_cpu_loras: int | None = setting(None, Flag(engine=SAME))
     enable_lora_runtime_updates: bool = False
     # tool calling (vLLM's flags): "auto" tool choice needs both
-    enable_auto_tool_choice: bool = False
-    tool_call_parser: str | None = None  # hermes | llama3_json | mistral
+    enable_auto_tool_choice: bool = setting(False, Flag(
+        "Let the model choose to call tools (tool_choice auto); needs --tool-call-parser."))
+    tool_call_parser: str | None = setting(None, Flag("hermes (Hermes, Qwen), llama3_json or mistral."))
     # keepwarm
-    daemon: bool = True  # attach to the daemon (starting one if needed); False = --no-daemon, load from disk
-    runtime_dir: str | None = None
-    fingerprint: str | None = None
-    grpc: bool = False
+    # attach to the daemon (starting one if needed); False = --no-daemon, load from disk
+    daemon: bool = setting(True, Flag("Attach to the daemon (default) or load from disk.", engine=SAME))
+    runtime_dir: str | None = setting(None, Flag(engine=SAME, cli=False))
+    fingerprint: str | None = setting(None, Flag("Attach only to an arena with this fingerprint.", engine=SAME))
+    grpc: bool = setting(False, Flag("Also serve gRPC."))
     grpc_port: int = 50051
-    shutdown_timeout: float = 30.0
-    threads: int | None = None  # torch threads (default: torch's choice)
+    shutdown_timeout: float = setting(30.0, Flag("Seconds to drain on SIGTERM."))
+    threads: int | None = setting(None, Flag("torch threads."))  # default: torch's choice
     uvicorn_log_level: str = "warning"
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """The engine's settings, as ``EngineConfig`` keyword arguments (``model`` as given: None = the default).
+
+        ``daemon`` True means "start one if none runs" to the engine, whose own default is "auto"."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            target = flag_of(f).engine
+            if target:
+                out[f.name if target == SAME else target] = getattr(self, f.name)
+        out["daemon"] = "start" if self.daemon else False
+        return out
 
     def to_dict(self) -> dict[str, Any]:
         """The effective config, as `server.toml` keys (what a snapshot records)."""
@@ -66,6 +109,10 @@ class ServerConfig:
 
     def replace(self, **changes: Any) -> ServerConfig:
         return dataclasses.replace(self, **changes)
+
+
+def flag_of(f: dataclasses.Field) -> Flag:
+    return f.metadata.get("flag", Flag())
 
 
 _HINTS = typing.get_type_hints(ServerConfig)

@@ -16,18 +16,19 @@ import math
 import threading
 from collections.abc import AsyncIterator
 from contextlib import aclosing
+from typing import Any
 
 import grpc
 
 from keepwarm.formats.version import __version__
+from keepwarm.worker.api import pipeline
 from keepwarm.worker.api.grpc_gen import keepwarm_pb2 as pb
 from keepwarm.worker.api.grpc_gen import keepwarm_pb2_grpc as pb_grpc
 from keepwarm.worker.api.protocol import APIError, bad_request, new_id
-from keepwarm.worker.api.server import ServerState, _check_length, _resolve_model
-from keepwarm.worker.detokenizer import stop_hold_back, streamable_end
-from keepwarm.worker.engine import RequestError
+from keepwarm.worker.api.state import ServerState
+from keepwarm.worker.lora import LoRAAdapter
 from keepwarm.worker.outputs import RequestOutput
-from keepwarm.worker.sampling_params import SamplingParams, SamplingParamsError
+from keepwarm.worker.sampling_params import SamplingParams
 
 log = logging.getLogger("keepwarm.grpc")
 
@@ -43,7 +44,7 @@ def _one_line(message: str) -> str:
 
 def _sampling_params(sp: pb.SamplingParams, max_tokens: int) -> SamplingParams:
     """keepwarm's SamplingParams from the message; APIError (400) naming the field for a bad value."""
-    def opt(name: str, default):
+    def opt(name: str, default: Any) -> Any:
         return getattr(sp, name) if sp.HasField(name) else default
 
     for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
@@ -53,23 +54,20 @@ def _sampling_params(sp: pb.SamplingParams, max_tokens: int) -> SamplingParams:
     n = opt("n", 1)
     if not 1 <= n <= MAX_N:
         raise bad_request(f"n must be between 1 and {MAX_N}, got {n}", "n")
-    try:
-        return SamplingParams(
+    return pipeline.sampling_params(lambda: SamplingParams(
             n=n, temperature=opt("temperature", 1.0), top_p=opt("top_p", 1.0), top_k=opt("top_k", 0),
             min_p=opt("min_p", 0.0), seed=opt("seed", None), presence_penalty=sp.presence_penalty,
             frequency_penalty=sp.frequency_penalty, repetition_penalty=opt("repetition_penalty", 1.0),
             stop=list(sp.stop), stop_token_ids=list(sp.stop_token_ids),
             include_stop_str_in_output=sp.include_stop_str_in_output, ignore_eos=sp.ignore_eos,
             max_tokens=max_tokens, min_tokens=sp.min_tokens, logprobs=opt("logprobs", None),
-            skip_special_tokens=opt("skip_special_tokens", True))
-    except SamplingParamsError as e:
-        raise bad_request(str(e), str(e).split(" ", 1)[0]) from None
+            skip_special_tokens=opt("skip_special_tokens", True)))
 
 
 def _prepare(state: ServerState, request: pb.GenerateRequest
-             ) -> tuple[list[int], str | None, SamplingParams, object | None]:
+             ) -> tuple[list[int], str | None, SamplingParams, LoRAAdapter | None]:
     """(prompt token ids, prompt text, sampling params, LoRA adapter), or APIError as the HTTP server would."""
-    lora = _resolve_model(state, request.model if request.HasField("model") else None)
+    lora = pipeline.resolve_model(state, request.model if request.HasField("model") else None)
     kind = request.WhichOneof("input")
     if kind == "prompt":
         if not request.prompt:
@@ -84,7 +82,8 @@ def _prepare(state: ServerState, request: pb.GenerateRequest
     else:
         raise bad_request("the request needs a prompt or prompt_token_ids", "prompt")
     sp = request.sampling_params
-    max_tokens = _check_length(state, len(ids), sp.max_tokens if sp.HasField("max_tokens") else DEFAULT_MAX_TOKENS)
+    max_tokens = pipeline.check_length(state, len(ids),
+                                       sp.max_tokens if sp.HasField("max_tokens") else DEFAULT_MAX_TOKENS)
     return ids, text, _sampling_params(sp, max_tokens), lora
 
 
@@ -120,9 +119,7 @@ class KeepwarmServicer(pb_grpc.KeepwarmServicer):
             await context.abort(_CODES.get(e.status, grpc.StatusCode.INVALID_ARGUMENT), _one_line(e.message))
             return
         rid = request.request_id if request.HasField("request_id") else new_id("cmpl")
-        hold = stop_hold_back(params.stop)
-        sent_text: dict[int, int] = {}
-        sent_tokens: dict[int, int] = {}
+        tracker = pipeline.DeltaTracker(params.stop)
         done: set[int] = set()
         try:
             outputs = state.async_engine.generate(rid, ids, params, prompt=text, lora=lora)
@@ -130,9 +127,9 @@ class KeepwarmServicer(pb_grpc.KeepwarmServicer):
             # the request in the engine if it has not finished.
             async with aclosing(outputs):
                 async for out in outputs:
-                    messages = self._messages(rid, out, params, hold, sent_text, sent_tokens, done)
+                    messages = self._messages(rid, out, params, tracker, done)
                     if out.finished:
-                        self._observe(out)
+                        pipeline.observe(state, out)
                         usage = pb.Usage(prompt_tokens=len(out.prompt_token_ids),
                                          completion_tokens=sum(len(c.token_ids) for c in out.outputs))
                         if not messages:
@@ -140,46 +137,37 @@ class KeepwarmServicer(pb_grpc.KeepwarmServicer):
                         messages[-1].usage.CopyFrom(usage)
                     for m in messages:
                         yield m
-        except RequestError as e:
-            code = grpc.StatusCode.UNAVAILABLE if state.draining else grpc.StatusCode.INVALID_ARGUMENT
-            await context.abort(code, _one_line(str(e)))
-        except RuntimeError as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, _one_line(f"the engine cannot serve: {e}"))
+        except pipeline.ENGINE_ERRORS as e:
+            err = pipeline.engine_error(e)  # a refused request is the client's; a dead engine is UNAVAILABLE
+            code = grpc.StatusCode.UNAVAILABLE if state.draining else _CODES[err.status]
+            await context.abort(code, _one_line(err.message))
 
     @staticmethod
-    def _messages(rid: str, out: RequestOutput, params: SamplingParams, hold: int, sent_text: dict[int, int],
-                  sent_tokens: dict[int, int], done: set[int]) -> list[pb.GenerateResponse]:
+    def _messages(rid: str, out: RequestOutput, params: SamplingParams, tracker: pipeline.DeltaTracker,
+                  done: set[int]) -> list[pb.GenerateResponse]:
         """One message per choice with something new; text near a possible stop string is held back, as in HTTP."""
         messages = []
         for c in out.outputs:
             if c.index in done:
                 continue
-            st, sk = sent_text.get(c.index, 0), sent_tokens.get(c.index, 0)
-            limit = streamable_end(c.text, st, c.finished, hold)
-            delta, new_ids = c.text[st:limit], c.token_ids[sk:]
-            if not (delta or new_ids or c.finished):
+            d = tracker.advance(c.index, c)
+            new_ids = c.token_ids[d.token_start:]
+            if not (d.text or new_ids or c.finished):
                 continue
-            m = pb.GenerateResponse(request_id=rid, index=c.index, text=delta, token_ids=new_ids)
+            m = pb.GenerateResponse(request_id=rid, index=c.index, text=d.text, token_ids=new_ids)
             if params.logprobs is not None and c.logprobs:
                 m.logprobs.extend(pb.TokenLogprob(token_id=x.token_id, logprob=x.logprob,
                                                   top=[pb.TopLogprob(token_id=t, logprob=lp) for t, lp in x.top])
-                                  for x in c.logprobs[sk:])
+                                  for x in c.logprobs[d.token_start:])
             if c.finished:
-                m.finish_reason = c.finish_reason
+                m.finish_reason = c.finish_reason  # type: ignore[assignment]  # set once finished
                 if isinstance(c.stop_reason, str):
                     m.stop_str = c.stop_reason
                 elif isinstance(c.stop_reason, int):
                     m.stop_token_id = c.stop_reason
                 done.add(c.index)
-            sent_text[c.index], sent_tokens[c.index] = limit, len(c.token_ids)
             messages.append(m)
         return messages
-
-    def _observe(self, out: RequestOutput) -> None:
-        m, metrics = out.metrics, self.state.metrics
-        if metrics is not None and m is not None and m.finished_time is not None:
-            n = max((len(c.token_ids) for c in out.outputs), default=0)
-            metrics.observe_request(m.arrival_time, m.first_token_time, m.finished_time, n)
 
 
 class GrpcServer:

@@ -1,0 +1,92 @@
+"""The FastAPI app: the routers of ``keepwarm.worker.api.routes``, API-key auth, OpenAI-shaped errors, shutdown.
+
+Endpoints: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses (all streamable as server-sent
+events), GET /v1/models, POST /tokenize, /detokenize, POST /v1/load_lora_adapter, /v1/unload_lora_adapter, GET
+/health, GET|POST /ping, GET /version, GET /metrics, GET /keepwarm/config (the effective config). With ``--api-key``
+every /v1 route needs ``Authorization: Bearer <key>``; /health, /metrics, /version stay open, as in vLLM. Every
+error, whatever raised it, is OpenAI's error JSON.
+
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from keepwarm.formats.version import __version__
+from keepwarm.worker.api.metrics import ServerMetrics
+from keepwarm.worker.api.protocol import APIError, bad_request
+from keepwarm.worker.api.routes import adapters, admin, chat, completions, models, responses, tokenize
+from keepwarm.worker.api.state import ServerState
+
+log = logging.getLogger("keepwarm.server")
+
+
+def build_app(state: ServerState) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        yield
+        # Shutdown: HTTP has stopped accepting and drained (or timed out). Requests from other front ends (gRPC
+        # streams) get the rest of the shutdown timeout; then release the engine and the weights' lease.
+        deadline = time.monotonic() + state.config.shutdown_timeout
+        while state.async_engine.num_in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        state.async_engine.shutdown()
+        state.engine.close()
+
+    app = FastAPI(title="keepwarm", version=__version__, lifespan=lifespan)
+    app.state.keepwarm = state
+    state.metrics = ServerMetrics(lambda: state.async_engine.snapshot, state.model_name, state.weights_info)
+    _add_auth(app, state.config.api_key)
+    _add_error_handlers(app)
+    for resource in (admin, models, adapters, completions, chat, responses, tokenize):
+        app.include_router(resource.router(state))
+    return app
+
+
+def _add_auth(app: FastAPI, api_key: str | None) -> None:
+    @app.middleware("http")
+    async def auth(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+        if api_key and request.url.path.startswith("/v1"):
+            header = request.headers.get("authorization", "")
+            if header != f"Bearer {api_key}":
+                return JSONResponse(APIError(401, "Incorrect API key provided.", "authentication_error",
+                                             code="invalid_api_key").body(), status_code=401)
+        return await call_next(request)
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(_request: Request, e: APIError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_request: Request, e: RequestValidationError) -> JSONResponse:
+        errors = e.errors()
+        first = errors[0] if errors else {}
+        loc = [str(x) for x in first.get("loc", []) if x != "body"]
+        if first.get("type") == "json_invalid":
+            msg, param = "the request body is not valid JSON", None
+        else:
+            msg = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid value')}"
+            param = loc[0] if loc else None
+        return JSONResponse(bad_request(msg, param).body(), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_request: Request, e: StarletteHTTPException) -> JSONResponse:
+        kind = {404: "NotFoundError", 405: "MethodNotAllowed"}.get(e.status_code, "invalid_request_error")
+        return JSONResponse(APIError(e.status_code, str(e.detail), kind).body(), status_code=e.status_code)
+
+    @app.exception_handler(Exception)
+    async def internal_error(_request: Request, e: Exception) -> JSONResponse:
+        log.exception("internal error")
+        return JSONResponse(APIError(500, f"internal error: {type(e).__name__}: {e}", "InternalServerError").body(),
+                            status_code=500)

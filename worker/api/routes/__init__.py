@@ -1,0 +1,6 @@
+"""The HTTP API by resource: each module builds one FastAPI router over the shared ``ServerState``.
+
+``completions`` and ``chat`` run generation through ``keepwarm.worker.api.pipeline``; ``models`` lists what can be
+named in ``model``; ``adapters`` loads and unloads LoRA adapters at run time; ``admin`` is health, version,
+metrics and the effective config. ``keepwarm.worker.api.app`` puts them together with auth and error handling.
+"""

@@ -1,0 +1,51 @@
+"""GET /health, GET|POST /ping, /version, /metrics (open even with --api-key, as in vLLM) and /keepwarm/config."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse, Response
+
+from keepwarm.formats.version import __version__
+from keepwarm.worker.api.metrics import CONTENT_TYPE
+from keepwarm.worker.api.state import ServerState
+
+
+def router(state: ServerState) -> APIRouter:
+    api = APIRouter()
+
+    @api.get("/health")
+    async def health() -> JSONResponse:
+        info = state.weights_info()
+        ok = state.async_engine.running and not state.draining
+        body = {"status": "ok" if ok else ("draining" if state.draining else "engine stopped"),
+                "weights": info, "model": state.model_name, "version": __version__}
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    @api.api_route("/ping", methods=["GET", "POST"])
+    async def ping() -> Response:
+        """vLLM's (and SageMaker's) liveness route: /health's status code, no body."""
+        ok = state.async_engine.running and not state.draining
+        return Response(status_code=200 if ok else 503)
+
+    @api.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__, "torch": torch.__version__}
+
+    @api.get("/metrics")
+    async def metrics() -> Response:
+        assert state.metrics is not None  # set by build_app
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+    @api.get("/keepwarm/config")
+    async def effective_config() -> dict[str, Any]:
+        cfg = state.config.to_dict()
+        cfg.pop("api_key", None)  # never echo the secret
+        adapters = [{"name": a.name, "path": a.path, "digest": a.digest, "rank": a.rank}
+                    for a in state.async_engine.adapters.values()]
+        return {"config": cfg, "weights": state.weights_info(), "model_dir": str(state.engine.model_dir),
+                "adapters": adapters}
+
+    return api

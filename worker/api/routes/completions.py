@@ -1,0 +1,173 @@
+"""POST /v1/completions: OpenAI's legacy completions (several prompts, n choices each, echo, logprobs).
+
+``echo`` with ``logprobs`` returns the prompt's tokens with their logprobs before the output's (the first prompt
+token has none), as vLLM does: lm-evaluation-harness scores log-likelihoods this way. vLLM's ``prompt_logprobs``
+and the structured-output fields (``guided_*``, ``structured_outputs``, ``response_format``) work here too."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+
+from keepwarm.worker.api import pipeline
+from keepwarm.worker.api.protocol import CompletionRequest, bad_request, new_id, now
+from keepwarm.worker.api.state import ServerState
+from keepwarm.worker.api.structured_fields import structured_spec
+from keepwarm.worker.outputs import CompletionOutput, RequestOutput
+from keepwarm.worker.sequence import TokenLogprob
+
+
+def completion_logprobs(tokenizer: Any, lps: list[TokenLogprob], text_offset0: int) -> dict[str, Any]:
+    tokens = [tokenizer.decode([x.token_id]) for x in lps]
+    offsets, pos = [], text_offset0
+    for t in tokens:
+        offsets.append(pos)
+        pos += len(t)
+    return {"tokens": tokens, "token_logprobs": [x.logprob for x in lps],
+            "top_logprobs": [{tokenizer.decode([t]): lp for t, lp in x.top} for x in lps],
+            "text_offset": offsets}
+
+
+def prompt_completion_logprobs(tokenizer: Any, first_id: int, lps: list[TokenLogprob | None]) -> dict[str, Any]:
+    """Echo: the prompt's tokens with their logprobs; the first has none (nothing comes before it), as vLLM."""
+    first = tokenizer.decode([first_id])
+    rest = completion_logprobs(tokenizer, [x for x in lps if x is not None], len(first))
+    return {"tokens": [first, *rest["tokens"]], "token_logprobs": [None, *rest["token_logprobs"]],
+            "top_logprobs": [None, *rest["top_logprobs"]], "text_offset": [0, *rest["text_offset"]]}
+
+
+def vllm_prompt_logprobs(tokenizer: Any, lps: list[TokenLogprob | None] | None) -> list[dict | None] | None:
+    """vLLM's ``prompt_logprobs``: per prompt token, {token id: {logprob, rank, decoded_token}} (None first)."""
+    if lps is None:
+        return None
+    out: list[dict | None] = []
+    for x in lps:
+        if x is None:
+            out.append(None)
+            continue
+        entry = {str(t): {"logprob": lp, "rank": r + 1, "decoded_token": tokenizer.decode([t])}
+                 for r, (t, lp) in enumerate(x.top)}
+        entry[str(x.token_id)] = {"logprob": x.logprob, "rank": x.rank,
+                                  "decoded_token": tokenizer.decode([x.token_id])}
+        out.append(entry)
+    return out
+
+
+def _prompts(state: ServerState, req: CompletionRequest) -> tuple[list[list[int]], list[str | None]]:
+    """(token ids, text or None) per prompt; 400 for a shape OpenAI does not allow or ids outside the vocab."""
+    tok = state.tokenizer
+    p = req.prompt
+    prompts: list[list[int]]
+    texts: list[str | None]
+    if isinstance(p, str):
+        prompts, texts = [tok.encode(p)], [p]
+    elif p and all(isinstance(x, str) for x in p):
+        prompts, texts = [tok.encode(x) for x in p], list(p)  # type: ignore[arg-type]
+    elif p and all(isinstance(x, int) for x in p):
+        prompts, texts = [list(p)], [None]  # type: ignore[arg-type]
+    elif p and all(isinstance(x, list) for x in p):
+        prompts, texts = [list(x) for x in p], [None] * len(p)  # type: ignore[arg-type]
+    else:
+        raise bad_request("prompt must be a string, a list of strings, or token ids", "prompt")
+    vocab = state.engine.model_config.vocab_size
+    for ids in prompts:
+        if any(t < 0 or t >= vocab for t in ids):
+            raise bad_request(f"prompt token ids must be in [0, {vocab})", "prompt")
+    return prompts, texts
+
+
+def router(state: ServerState) -> APIRouter:
+    api = APIRouter()
+
+    @api.post("/v1/completions")
+    async def completions(req: CompletionRequest, request: Request) -> Any:
+        lora = pipeline.resolve_model(state, req.model)
+        if req.suffix is not None:
+            raise bad_request("suffix is not supported", "suffix")
+        if req.best_of is not None and req.best_of != req.n:
+            raise bad_request("best_of is not supported (it must equal n)", "best_of")
+        prompts, texts = _prompts(state, req)
+        max_tokens = min(pipeline.check_length(state, len(ids), req.max_tokens) for ids in prompts)
+        params = pipeline.request_params(req, max_tokens, req.logprobs)
+        if req.echo and req.logprobs is not None and params.prompt_logprobs is None:
+            params.prompt_logprobs = req.logprobs  # the echoed prompt's tokens carry logprobs too (as vLLM)
+        await pipeline.compile_structured(state, structured_spec(req), params)
+        rid = req.request_id or new_id("cmpl")
+        head = {"id": rid, "object": "text_completion", "created": now(), "model": req.model or state.model_name}
+        merged = pipeline.start(state, prompts, texts, params, lora, rid)
+        tok = state.tokenizer
+
+        def choice_logprobs(c: CompletionOutput, start: int, end: int, offset0: int) -> dict | None:
+            if req.logprobs is None or c.logprobs is None:
+                return None
+            return completion_logprobs(tok, c.logprobs[start:end], offset0)
+
+        def echoed(i: int, out: RequestOutput) -> str:
+            return texts[i] or tok.decode(out.prompt_token_ids)
+
+        def echo_logprobs(out: RequestOutput) -> dict | None:
+            if req.logprobs is None or out.prompt_logprobs is None:
+                return None
+            return prompt_completion_logprobs(tok, out.prompt_token_ids[0], out.prompt_logprobs[1:])
+
+        def final_logprobs(i: int, out: RequestOutput, c: CompletionOutput) -> dict | None:
+            if not req.echo:
+                return choice_logprobs(c, 0, len(c.token_ids), 0)
+            lps = choice_logprobs(c, 0, len(c.token_ids), len(echoed(i, out)))
+            prompt = echo_logprobs(out)
+            if lps is None or prompt is None:
+                return lps
+            return {k: prompt[k] + lps[k] for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+
+        if not req.stream:
+            finals = await pipeline.collect(state, request, merged, len(prompts))
+            choices, prompt_tokens, completion_tokens = [], 0, 0
+            for i, out in enumerate(finals):
+                prompt_tokens += len(out.prompt_token_ids)
+                for c in out.outputs:
+                    completion_tokens += len(c.token_ids)
+                    choice = {"index": i * req.n + c.index, "text": echoed(i, out) + c.text if req.echo
+                              else c.text, "logprobs": final_logprobs(i, out, c),
+                              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                    if req.prompt_logprobs is not None:
+                        choice["prompt_logprobs"] = vllm_prompt_logprobs(tok, out.prompt_logprobs)
+                    choices.append(choice)
+            return {**head, "choices": choices,
+                    "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                              "total_tokens": prompt_tokens + completion_tokens}}
+
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+        async def chunks() -> AsyncGenerator[dict[str, Any], None]:
+            tracker = pipeline.DeltaTracker(params.stop)
+            usage = {"prompt": 0, "completion": 0}
+            async with aclosing(merged):
+                async for i, out in merged:
+                    for c in out.outputs:
+                        idx = i * req.n + c.index
+                        d = tracker.advance(idx, c)
+                        if d.first and req.echo:
+                            yield {**head, "choices": [{"index": idx, "text": echoed(i, out),
+                                                        "logprobs": echo_logprobs(out),
+                                                        "finish_reason": None}]}
+                        lp = choice_logprobs(c, d.token_start, d.token_end, d.text_start)
+                        if d.text or c.finished or lp:
+                            yield {**head, "choices": [{"index": idx, "text": d.text, "logprobs": lp,
+                                                        "finish_reason": c.finish_reason,
+                                                        "stop_reason": c.stop_reason}]}
+                    if out.finished:
+                        pipeline.observe(state, out)
+                        usage["prompt"] += len(out.prompt_token_ids)
+                        usage["completion"] += sum(len(c.token_ids) for c in out.outputs)
+            if include_usage:
+                yield {**head, "choices": [], "usage": {"prompt_tokens": usage["prompt"],
+                                                        "completion_tokens": usage["completion"],
+                                                        "total_tokens": usage["prompt"] + usage["completion"]}}
+
+        return StreamingResponse(pipeline.sse_events(chunks()), media_type="text/event-stream")
+
+    return api

@@ -1,0 +1,42 @@
+"""What the front ends (HTTP routers, gRPC) share: the config, the engine pair, the served names, the metrics.
+
+Rule (see keepwarm.worker.async_engine): front ends read only what the engine fixed when it was built (tokenizer,
+model config, context length, model directory, where its weights came from); everything that changes (requests,
+adapters) goes through ``AsyncEngine`` commands and comes back through what its thread publishes (``snapshot``,
+``adapters``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from keepwarm.worker.api.config import ServerConfig
+from keepwarm.worker.api.metrics import ServerMetrics
+from keepwarm.worker.async_engine import AsyncEngine
+from keepwarm.worker.engine import LLMEngine
+
+
+@dataclass
+class ServerState:
+    config: ServerConfig
+    engine: LLMEngine  # for its construction-time facts only (see the module docstring)
+    async_engine: AsyncEngine
+    served_names: list[str]
+    started_at: float = field(default_factory=time.time)
+    draining: bool = False
+    metrics: ServerMetrics | None = None
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def model_name(self) -> str:
+        return self.served_names[0]
+
+    def weights_info(self) -> dict[str, Any]:
+        loaded = self.engine.loaded
+        return {"source": loaded.source, "attach_seconds": loaded.seconds, "bytes": loaded.nbytes,
+                "fingerprint": loaded.fingerprint, "fallback_reason": loaded.fallback_reason}
