@@ -154,7 +154,8 @@ def router(state: ServerState) -> APIRouter:
                             yield {**head, "choices": [{"index": idx, "text": echoed(i, out),
                                                         "logprobs": echo_logprobs(out),
                                                         "finish_reason": None}]}
-                        lp = choice_logprobs(c, d.token_start, d.token_end, d.text_start)
+                        offset = d.text_start + (len(echoed(i, out)) if req.echo else 0)  # after the echo
+                        lp = choice_logprobs(c, d.token_start, d.token_end, offset)
                         if d.text or c.finished or lp:
                             yield {**head, "choices": [{"index": idx, "text": d.text, "logprobs": lp,
                                                         "finish_reason": c.finish_reason,
