@@ -96,6 +96,36 @@ def _timed(device, fn: Callable[[], Any], iters: int, warmup: int = 2) -> float:
     return (time.perf_counter() - t0) / iters
 
 
+def _graph_timed(device, fns: list[Callable[[], Any]], iters: int = 20) -> float:
+    """Median seconds per call over 3 replays of one CUDA graph of `iters` calls cycling through `fns` (one per
+    input copy, so that weights larger together than the L2 come from HBM). A decode step replays graphs too;
+    timing an eager loop would time Python's launch overhead (~30 us) rather than a ~10 us kernel. Off a GPU: a
+    plain loop."""
+    import statistics
+
+    import torch
+
+    for f in fns:
+        f()
+    if device.type != "cuda":
+        return _timed(device, lambda: [f() for f in fns], iters=1, warmup=0) / len(fns)
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(iters):
+            fns[i % len(fns)]()
+    graph.replay()
+    rounds = []
+    for _ in range(3):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        rounds.append(a.elapsed_time(b) / 1e3 / iters)
+    return statistics.median(rounds)
+
+
 def _sync(device) -> None:
     import torch
 
@@ -189,6 +219,19 @@ def phase_load(ctx: dict) -> dict:
 
 
 def phase_decode(ctx: dict) -> dict:
+    return _decode(ctx, "none", (1, 4) if ctx["smoke"] else (1, 16, 64), eager_batch1=True)
+
+
+def phase_decode_int4(ctx: dict) -> dict:
+    return _decode(ctx, "int4", (1,) if ctx["smoke"] else (1, 16), eager_batch1=False)
+
+
+def phase_decode_fp8(ctx: dict) -> dict:
+    return _decode(ctx, "fp8", (1,) if ctx["smoke"] else (1, 16), eager_batch1=False)
+
+
+def _decode(ctx: dict, quantization: str, batches: tuple[int, ...], eager_batch1: bool) -> dict:
+    """Engine steps on weights attached from the daemon (which quantizes them at preload when asked)."""
     import torch
 
     from keepwarm.worker.engine import EngineConfig, LLMEngine
@@ -197,16 +240,17 @@ def phase_decode(ctx: dict) -> dict:
 
     device = ctx["device"]
     smoke = ctx["smoke"]
-    batches = (1, 4) if smoke else (1, 16, 64)
     prompt_len, warmup_steps, steps = (16, 2, 4) if smoke else (128, 4, 32)
-    engine = LLMEngine(EngineConfig(model=ctx["model"], dtype="bfloat16", max_model_len=1024, max_num_seqs=64,
+    engine = LLMEngine(EngineConfig(model=ctx["model"], dtype="bfloat16", quantization=quantization,
+                                    max_model_len=1024, max_num_seqs=64,
                                     num_gpu_blocks=2048 if not smoke else 256, daemon=True,
                                     runtime_dir=str(ctx["runtime_dir"]), device=str(device)))
     mc = engine.model_config
     arena_bytes = engine.loaded.nbytes
     embed_bytes = mc.vocab_size * mc.hidden_size * 2  # the embedding table: a decode step reads B rows of it
     kv_per_token = kv_bytes_per_block(mc, 1, engine.cache_config.dtype)
-    out: dict[str, Any] = {"weights_bytes": arena_bytes, "kv_bytes_per_token": kv_per_token, "batches": {}}
+    out: dict[str, Any] = {"quantization": quantization, "weights_bytes": arena_bytes,
+                           "kv_bytes_per_token": kv_per_token, "batches": {}}
     gen = torch.Generator().manual_seed(0)
     counter = 0
 
@@ -235,22 +279,63 @@ def phase_decode(ctx: dict) -> dict:
         ctx_len = prompt_len + warmup_steps + steps / 2
         step_bytes = arena_bytes - embed_bytes + batch * ctx_len * kv_per_token
         floor = step_bytes / ctx["copy_bw"]
+        extra = _decode_breakdown(ctx, engine, steps=6) if (batch == 1 and not eager and device.type == "cuda"
+                                                             and quantization == "none") else {}
         for rid in ids:
             engine.abort_request(rid)
         while engine.has_unfinished_requests():
             engine.step()
         engine.runner.cuda_graphs = graphs
         return {"step_ms": secs * 1e3, "tokens_per_s": batch / secs, "floor_ms": floor * 1e3,
-                "fraction_of_floor": floor / secs, "cuda_graphs": engine.runner.cuda_graphs is not None and not eager}
+                "fraction_of_floor": floor / secs, "cuda_graphs": engine.runner.cuda_graphs is not None and not eager,
+                **extra}
 
     for b in batches:
         if ctx["budget"].left() < 30:
             out["batches"][str(b)] = {"skipped": "time budget"}
             continue
         out["batches"][str(b)] = run(b, eager=False)
-    if device.type == "cuda" and ctx["budget"].left() > 30:
+    if eager_batch1 and device.type == "cuda" and ctx["budget"].left() > 30:
         out["batch1_eager"] = run(1, eager=True)
     engine.close()
+    return out
+
+
+def _decode_breakdown(ctx: dict, engine, steps: int) -> dict:
+    """Where a batch-1 decode step goes: the captured forward's GPU time alone (graph replays timed with events),
+    the logits matmul's, and a torch.profiler table of a few whole engine steps (CPU and CUDA time per op)."""
+    import torch
+
+    device = ctx["device"]
+    out: dict[str, Any] = {}
+    graphs = engine.runner.cuda_graphs
+    if graphs is not None and 1 in graphs.graphs:
+        graph = graphs.graphs[1][0]
+        graph.replay()
+        torch.cuda.synchronize(device)
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(20):
+            graph.replay()
+        b.record()
+        b.synchronize()
+        out["forward_graph_gpu_ms"] = a.elapsed_time(b) / 20
+    model = engine.runner.model
+    hidden = torch.randn(1, engine.model_config.hidden_size, device=device, dtype=torch.bfloat16)
+    out["logits_gpu_ms"] = _graph_timed(device, [lambda: model.compute_logits(hidden)], iters=10) * 1e3
+    try:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                engine.step()
+            _sync(device)
+        ka = prof.key_averages()
+        out["profile_steps"] = steps
+        out["profile_by_cuda"] = ka.table(sort_by="self_cuda_time_total", row_limit=15, max_name_column_width=60)
+        out["profile_by_cpu"] = ka.table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=60)
+    except Exception as e:  # the profile is extra information: its failure is recorded, not fatal
+        out["profile_error"] = f"{type(e).__name__}: {e}"[:500]
     return out
 
 
@@ -272,13 +357,18 @@ def phase_attention(ctx: dict) -> dict:
     smoke = ctx["smoke"]
     hq, hk, d, bs = 32, 8, 128, 16
     out: dict[str, Any] = {}
-    cases = [("b64_ctx4096_bf16", 64, 4096, torch.bfloat16, None), ("b64_ctx4096_fp8", 64, 4096,
-                                                                        torch.float8_e4m3fn, None),
+    fp8 = torch.float8_e4m3fn
+    cases = [("b64_ctx4096_bf16", 64, 4096, torch.bfloat16, None), ("b64_ctx4096_fp8", 64, 4096, fp8, None),
              ("b1_ctx32768_auto_splits", 1, 32768, torch.bfloat16, None),
-             ("b1_ctx32768_no_splits", 1, 32768, torch.bfloat16, 1)]
+             ("b1_ctx32768_no_splits", 1, 32768, torch.bfloat16, 1),
+             ("b1_ctx32768_fp8_auto_splits", 1, 32768, fp8, None)]
+    cases += [(f"b1_ctx32768_{n}_splits", 1, 32768, torch.bfloat16, n) for n in (16, 32, 64, 128)]
     if smoke:
         cases = [(name, b, min(ctx_len, 256), dt, s) for name, b, ctx_len, dt, s in cases[:3]]
     for name, batch, ctx_len, cache_dtype, splits in cases:
+        if ctx["budget"].left() < 15:
+            out[name] = {"skipped": "time budget"}
+            continue
         nb = batch * ctx_len // bs
         k_cache = torch.randn(hk, nb, bs, d, device=device, dtype=torch.bfloat16).to(cache_dtype)
         v_cache = torch.randn(hk, nb, bs, d, device=device, dtype=torch.bfloat16).to(cache_dtype)
@@ -287,15 +377,21 @@ def phase_attention(ctx: dict) -> dict:
         qsl = torch.arange(batch + 1, dtype=torch.int32, device=device)
         q = torch.randn(batch, hq, d, device=device, dtype=torch.bfloat16)
         fn = _attention_fn(device, (q, k_cache, v_cache, tables, seq_lens, qsl, 0.088, 1.0, 1.0, 1), splits)
-        secs = _timed(device, fn, iters=20 if not smoke else 2)
+        secs = _graph_timed(device, [fn], iters=20 if not smoke else 2)
         kv_bytes = 2 * batch * ctx_len * hk * d * k_cache.element_size()
         out[name] = {"us": secs * 1e6, "kv_bytes": kv_bytes, "bytes_per_s": kv_bytes / secs,
-                     "fraction_of_copy_bw": kv_bytes / secs / ctx["copy_bw"]}
+                     "fraction_of_copy_bw": kv_bytes / secs / ctx["copy_bw"], "splits": splits or "auto"}
+        if device.type == "cuda" and splits is None:
+            from keepwarm.kernels import triton_attention
+
+            out[name]["splits"] = triton_attention._num_splits(device, batch * hk, ctx_len)
         del k_cache, v_cache
     return out
 
 
 def phase_matmul(ctx: dict) -> dict:
+    """Quantized matmuls 4096 -> 14336 at M = 1, 16, 64, 256 against dense bf16 (cuBLAS), graph-timed, over weight
+    copies that together exceed the L2; fp8 by its automatic path and by each path forced."""
     import torch
 
     from keepwarm import kernels
@@ -303,22 +399,164 @@ def phase_matmul(ctx: dict) -> dict:
     from keepwarm.kernels.quant import QuantizedWeight
 
     device = ctx["device"]
-    n, k = (14336, 4096) if not ctx["smoke"] else (512, 256)
-    w = torch.randn(n, k, device=device) * 0.02
-    x = torch.randn(1, k, device=device, dtype=torch.bfloat16)
-    out: dict[str, Any] = {}
-    dense = w.bfloat16()
-    secs = _timed(device, lambda: kernels.linear(x, dense), iters=50 if not ctx["smoke"] else 2)
-    out["bf16_dense"] = {"us": secs * 1e6, "bytes_per_s": dense.nbytes / secs}
+    smoke = ctx["smoke"]
+    n, k = (14336, 4096) if not smoke else (512, 256)
+    copies = 4 if not smoke else 1  # int4: 4 x 29 MB, past the H200's 60 MB L2
+    ws = [torch.randn(n, k, device=device) * 0.02 for _ in range(copies)]
+    weights = {"bf16_dense": [w.bfloat16() for w in ws]}
     for scheme in ("int8", "int4", "fp8"):
-        qw = QuantizedWeight.from_parts(*quantize(w, scheme, torch.bfloat16, device.type))
-        secs = _timed(device, lambda qw=qw: kernels.linear(x, qw), iters=50 if not ctx["smoke"] else 2)
-        out[scheme] = {"us": secs * 1e6, "weight_bytes": qw.nbytes, "bytes_per_s": qw.nbytes / secs,
-                       "fraction_of_copy_bw": qw.nbytes / secs / ctx["copy_bw"]}
+        weights[scheme] = [QuantizedWeight.from_parts(*quantize(w, scheme, torch.bfloat16, device.type)) for w in ws]
+    del ws
+    out: dict[str, Any] = {"shape": [n, k]}
+    fp8_env = "KEEPWARM_FP8_MATMUL"
+    for m in (1, 16, 64, 256) if not smoke else (1, 16):
+        if ctx["budget"].left() < 10:
+            out[f"M{m}"] = {"skipped": "time budget"}
+            continue
+        x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+        row: dict[str, Any] = {}
+        variants = [(name, None) for name in weights]
+        if device.type == "cuda":
+            variants += [("fp8_triton", "triton"), ("fp8_scaled_mm", "scaled_mm")]
+        for name, mode in variants:
+            ws_ = weights["fp8" if mode else name]
+            old = os.environ.pop(fp8_env, None)
+            if mode:
+                os.environ[fp8_env] = mode
+            try:
+                secs = _graph_timed(device, [lambda w=w, x=x: kernels.linear(x, w) for w in ws_],
+                                    iters=20 if not smoke else 1)
+            except Exception as e:
+                row[name] = {"error": f"{type(e).__name__}: {e}"[:300]}
+                continue
+            finally:
+                os.environ.pop(fp8_env, None)
+                if old is not None:
+                    os.environ[fp8_env] = old
+            nbytes = ws_[0].nbytes
+            row[name] = {"us": secs * 1e6, "weight_bytes": nbytes, "bytes_per_s": nbytes / secs,
+                         "fraction_of_copy_bw": nbytes / secs / ctx["copy_bw"]}
+        base = row.get("bf16_dense", {}).get("us")
+        for r in row.values():
+            if base and "us" in r:
+                r["x_bf16_time"] = r["us"] / base
+        out[f"M{m}"] = row
+    return out
+
+
+def _stream_request(client, base: str, prompt: str, max_tokens: int) -> dict:
+    """One streaming completion: seconds to the first chunk (the first token; its text may be held back while it
+    is an incomplete character, so chunks are not tokens), the completion's token count from the usage chunk,
+    seconds in all."""
+    t0 = time.perf_counter()
+    first = None
+    tokens = 0
+    body = {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    with client.stream("POST", base + "/v1/completions", json=body, timeout=300) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("choices") and first is None:
+                first = time.perf_counter()
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+    return {"ttft": first - t0 if first else None, "first_at": first, "tokens": tokens,
+            "seconds": time.perf_counter() - t0}
+
+
+def _serve(ctx: dict, *flags: str) -> tuple[subprocess.Popen, str, float, float]:
+    """`keepwarm serve MODEL` on a free port: (process, base URL, spawn time (perf_counter), seconds from spawn to
+    /health 200)."""
+    import socket
+
+    import httpx
+
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+    log = open(ctx["work"] / f"serve-{port}.log", "ab")  # noqa: SIM115 (closed with the process)
+    t0 = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "keepwarm.cli.main", "serve", ctx["model"], "--port", str(port),
+                             "--served-model-name", "m", "--max-model-len", "1024", "--max-num-seqs", "64",
+                             "--num-gpu-blocks-override", "2048" if not ctx["smoke"] else "256", *flags],
+                            env=ctx["env"], stdout=log, stderr=log)
+    ctx.setdefault("servers", []).append(proc)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + min(240, max(10, ctx["budget"].left()))
+    while True:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"serve {flags} not ready: " + (ctx["work"] / f"serve-{port}.log").read_text()[-2000:])
+        try:
+            if httpx.get(base + "/health", timeout=1).status_code == 200:
+                return proc, base, t0, time.perf_counter() - t0
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def phase_serve(ctx: dict) -> dict:
+    """HTTP serving with `keepwarm serve` on the 8B: a (re)start to first token attaching to the daemon's weights
+    and with --no-daemon (disk, page cache warm), and tokens/s and time to first token at 1, 16 and 64 concurrent
+    streams (the attached server; streaming completions, 128 tokens each, greedy, ignore_eos)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    prompt = "The quick brown fox jumps over the lazy dog. " * 12
+    max_tokens = 128 if not ctx["smoke"] else 8
+    out: dict[str, Any] = {}
+
+    def restart(name: str, *flags: str) -> tuple[subprocess.Popen, str]:
+        proc, base, spawned, ready = _serve(ctx, *flags)
+        with httpx.Client() as c:
+            r = _stream_request(c, base, prompt, 1)
+        out[name] = {"spawn_to_ready_s": ready, "first_request_ttft_s": r["ttft"],
+                     "spawn_to_first_token_s": r["first_at"] - spawned if r["first_at"] else None}
+        return proc, base
+
+    proc, base = restart("restart_attach", "--daemon")
+    try:
+        for streams in (1, 16, 64) if not ctx["smoke"] else (1, 4):
+            if ctx["budget"].left() < 20:
+                out[f"streams_{streams}"] = {"skipped": "time budget"}
+                continue
+            with httpx.Client(limits=httpx.Limits(max_connections=streams + 4)) as c:
+                _stream_request(c, base, prompt, 4)  # warm: this batch size's CUDA graph may still be uncaptured
+                t0 = time.perf_counter()
+                with ThreadPoolExecutor(streams) as pool:
+                    rs = list(pool.map(lambda _: _stream_request(c, base, prompt, max_tokens), range(streams)))
+                wall = time.perf_counter() - t0
+            ttfts = sorted(r["ttft"] for r in rs if r["ttft"] is not None)
+            total = sum(r["tokens"] for r in rs)
+            out[f"streams_{streams}"] = {"tokens": total, "seconds": wall, "tokens_per_s": total / wall,
+                                         "ttft_median_s": ttfts[len(ttfts) // 2] if ttfts else None,
+                                         "ttft_max_s": ttfts[-1] if ttfts else None}
+    finally:
+        _stop(proc)
+    if ctx["budget"].left() > 60:
+        proc, _ = restart("restart_no_daemon", "--no-daemon")
+        _stop(proc)
+    else:
+        out["restart_no_daemon"] = {"skipped": "time budget"}
     return out
 
 
 def phase_cleanup(ctx: dict) -> None:
+    for server in ctx.get("servers", []):
+        _stop(server)
     proc = ctx.get("daemon")
     if proc is not None and proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
@@ -365,23 +603,46 @@ def summarize(res: dict) -> str:
                              f"{r['process_start_to_ready']:.2f}s (CUDA context {r['context_seconds']:.2f}s)")
             else:
                 lines.append(f"{key}: {r.get('skipped') or r.get('error') or r}")
-    if (de := ok("decode")) is not None:
+    for phase in ("decode", "decode_int4", "decode_fp8"):
+        if (de := ok(phase)) is None:
+            continue
         for b, r in de["batches"].items():
             if "step_ms" in r:
-                lines.append(f"decode batch {b}: {r['step_ms']:.2f} ms/step, {r['tokens_per_s']:.0f} tok/s; floor "
+                lines.append(f"{phase} batch {b}: {r['step_ms']:.2f} ms/step, {r['tokens_per_s']:.0f} tok/s; floor "
                              f"{r['floor_ms']:.2f} ms ({100 * r['fraction_of_floor']:.0f}% of it)")
             else:
-                lines.append(f"decode batch {b}: {r}")
+                lines.append(f"{phase} batch {b}: {r}")
         if "batch1_eager" in de:
-            r = de["batch1_eager"]
-            lines.append(f"decode batch 1 eager (no CUDA graphs): {r['step_ms']:.2f} ms/step")
+            lines.append(f"{phase} batch 1 eager (no CUDA graphs): {de['batch1_eager']['step_ms']:.2f} ms/step")
     if (at := ok("attention")) is not None:
         for name, r in at.items():
-            lines.append(f"paged attention {name}: {r['us']:.0f} us, {r['bytes_per_s'] / 1e12:.2f} TB/s of K/V "
-                         f"({100 * r['fraction_of_copy_bw']:.0f}% of copy bandwidth)")
+            if "us" in r:
+                lines.append(f"paged attention {name} (splits {r['splits']}): {r['us']:.0f} us, "
+                             f"{r['bytes_per_s'] / 1e12:.2f} TB/s of K/V ({100 * r['fraction_of_copy_bw']:.0f}% of "
+                             "copy bandwidth)")
+            else:
+                lines.append(f"paged attention {name}: {r}")
     if (mm := ok("matmul")) is not None:
-        for name, r in mm.items():
-            lines.append(f"matmul M=1 {name}: {r['us']:.1f} us, {r['bytes_per_s'] / 1e12:.2f} TB/s of weights")
+        for m, row in mm.items():
+            if not m.startswith("M"):
+                continue
+            for name, r in (row.items() if "skipped" not in row else [("all", row)]):
+                if "us" in r:
+                    lines.append(f"matmul {m} {mm['shape'][1]}->{mm['shape'][0]} {name}: {r['us']:.1f} us "
+                                 f"({r.get('x_bf16_time', float('nan')):.2f}x bf16), "
+                                 f"{r['bytes_per_s'] / 1e12:.2f} TB/s of weights")
+                else:
+                    lines.append(f"matmul {m} {name}: {r}")
+    if (sv := ok("serve")) is not None:
+        for name, r in sv.items():
+            if "spawn_to_first_token_s" in r:
+                lines.append(f"serve {name}: spawn -> ready {r['spawn_to_ready_s']:.2f}s, spawn -> first token "
+                             f"{r['spawn_to_first_token_s']:.2f}s")
+            elif "tokens_per_s" in r:
+                lines.append(f"serve {name}: {r['tokens_per_s']:.0f} tok/s, TTFT median {r['ttft_median_s']:.3f}s"
+                             f" (max {r['ttft_max_s']:.3f}s)")
+            else:
+                lines.append(f"serve {name}: {r}")
     return "\n".join(lines)
 
 
@@ -433,11 +694,18 @@ def main() -> int:
     signal.signal(signal.SIGALRM, _out_of_time)
     signal.alarm(max(1, int(a.budget + 15)))
     # Rough seconds each phase needs at most (16 GB of weights on an H200-class machine); skipped if less is left.
-    needs = {"bandwidth": 5, "model": 120, "load": 150, "decode": 60, "attention": 20, "matmul": 15}
-    after = {"load": "model", "decode": "load"}
+    needs = {"bandwidth": 5, "model": 120, "load": 150, "decode": 60, "attention": 20, "matmul": 20,
+             "decode_int4": 60, "decode_fp8": 60, "serve": 45}
+    after = {"load": "model", "decode": "load", "decode_int4": "load", "decode_fp8": "load", "serve": "load"}
     try:
-        for name, fn in (("bandwidth", phase_bandwidth), ("model", phase_model), ("load", phase_load),
-                         ("decode", phase_decode), ("attention", phase_attention), ("matmul", phase_matmul)):
+        phases = (("bandwidth", phase_bandwidth), ("model", phase_model), ("load", phase_load),
+                  ("decode", phase_decode), ("attention", phase_attention), ("matmul", phase_matmul),
+                  ("decode_int4", phase_decode_int4), ("decode_fp8", phase_decode_fp8), ("serve", phase_serve))
+        only = [p for p in os.environ.get("GPU_CHECK_PHASES", "").split(",") if p]
+        for name, fn in phases:
+            if only and name not in only:
+                res["phases"][name] = {"skipped": "not in GPU_CHECK_PHASES"}
+                continue
             dep = after.get(name)
             if dep and "result" not in res["phases"].get(dep, {}):
                 res["phases"][name] = {"skipped": f"needs the {dep} phase"}

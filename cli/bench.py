@@ -177,6 +177,30 @@ def throughput(
                                         "max_tokens": max_tokens, "rows": rows}, indent=2) + "\n")
 
 
+# -- MoE: a tiny random Mixtral through `throughput` ------------------------------------------------------------
+@bench_app.command()
+def moe(
+    concurrency: Annotated[str, typer.Option(help="Comma-separated numbers of concurrent requests.")] = "1,8,32",
+    max_tokens: Annotated[int, typer.Option("--max-tokens")] = 64,
+    dtype: Annotated[str, typer.Option()] = "bfloat16",
+    repeats: Annotated[int, typer.Option()] = 2,
+    threads: Annotated[int, typer.Option(help="torch threads (2-core machine: 2).")] = 2,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write the results here as JSON.")] = None,
+) -> None:
+    """Offline throughput of a tiny random Mixtral (hidden 256, 4 layers, 8 experts, top-2; made once under
+    $KEEPWARM_HOME/models) against transformers' generate, in the same run."""
+    from keepwarm.formats.paths import keepwarm_home
+    from keepwarm.worker.models.random_model import make_random_model
+
+    path = keepwarm_home() / "models" / "tiny-mixtral-8x2"
+    if not (path / "config.json").is_file():
+        make_random_model(path, "mixtral", hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                          num_attention_heads=8, num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2,
+                          max_position_embeddings=4096, dtype="bfloat16")
+    throughput(model=str(path), concurrency=concurrency, max_tokens=max_tokens, dtype=dtype, repeats=repeats,
+               threads=threads, hf=True, vllm_python=None, json_out=json_out)
+
+
 if __name__ == "__main__":
     bench_app()
 
@@ -331,7 +355,7 @@ def attach(
             client.close()
         att_s = statistics.median(a["attach_s"] for a in attaches)
         att_load = statistics.median(a["load_s"] for a in attaches)
-        row = {"model": path.name, "params": params, "checkpoint_bytes": nbytes, "arena_bytes": reply["bytes"],
+        row = {"model": path.name, "params": params, "checkpoint_bytes": nbytes, "arena_bytes": reply.bytes,
                "page_cache": cache_note, "raw_read_s": raw_s, "raw_read_gbps": nbytes / raw_s / 1e9,
                "cold_disk_load_s": cold["load_s"], "warm_disk_load_s": warm_disk["load_s"],
                "preload_s": preload_s, "preload_gbps": nbytes / preload_s / 1e9,

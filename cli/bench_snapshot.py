@@ -14,12 +14,19 @@ import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from keepwarm.cli.bench import bench_app, bench_prompts, drop_page_cache, machine_line
 from keepwarm.cli.bench_serving import _free_port, _kill, _resolve_model, _start_to_first_token
+from keepwarm.formats import paths
+from keepwarm.formats.paths import keepwarm_home
+
+if TYPE_CHECKING:
+    from keepwarm.snapshot.store import Store
+
+# The CLI imports this module to register the command: what needs torch is imported when the benchmark runs.
 
 
 @contextmanager
@@ -68,128 +75,142 @@ def snapshot_bench(
     the store's disk (+ fsync); restore into an empty daemon (verify + image load) vs `cp` of the image to
     /dev/shm; restore + server start to first token vs a cold start (preload from the checkpoint) to first token.
     Page caches of the files read are dropped before each cold measurement."""
-    from keepwarm.daemon.checkpoint import Checkpoint
-    from keepwarm.formats.paths import keepwarm_home
-    from keepwarm.snapshot.create import create
-    from keepwarm.snapshot.restore import restore
-    from keepwarm.snapshot.store import Store
-    from keepwarm.worker.api.config import ServerConfig, to_toml
-
     typer.echo(f"# machine: {machine_line()}")
     rows = []
     for spec in models.split(","):
         path = _resolve_model(spec, dtype)
-        files = Checkpoint(path).files
         work = Path(tempfile.mkdtemp(prefix="bench-snapshot-", dir=keepwarm_home()))  # the store's real disk
-        home = work / "home"
         rts = [Path(tempfile.mkdtemp(prefix="kwbs-", dir="/tmp")) for _ in range(4)]
-        base_env = {"KEEPWARM_HOME": str(home), "OMP_NUM_THREADS": str(threads)}
-        row: dict = {"model": path.name, "dtype": dtype}
         try:
-            with _env(**base_env, KEEPWARM_RUNTIME_DIR=str(rts[0])):
-                # -- create -------------------------------------------------------------------------------------
-                client = _daemon(rts[0])
-                try:
-                    note = drop_page_cache(files)
-                    t = time.perf_counter()
-                    reply = client.preload(str(path), "none", dtype)
-                    row["preload_s"] = time.perf_counter() - t
-                    arena_bytes = reply["bytes"]
-                    arena_file = Path(client.status()["arena_dir"]) / f"{reply['fingerprint']}.arena"
-                    file_bytes = arena_file.stat().st_size
-                    toml = work / "server.toml"
-                    toml.write_text(to_toml(ServerConfig(model=str(path), dtype=dtype, runtime_dir=str(rts[0]),
-                                                         max_model_len=2048)))
-                    store = Store(home / "store")
-                    r = create("bench", config_path=str(toml), store=store)
-                    row.update(create_s=r.seconds, create_image_s=r.image_seconds, image_bytes=file_bytes,
-                               create_mbps=file_bytes / r.seconds / 1e6)
-                    toml.write_text(to_toml(ServerConfig(model=str(path), dtype=dtype, runtime_dir=str(rts[0]),
-                                                         max_model_len=2048, max_num_seqs=8)))
-                    r2 = create("bench-cfg", config_path=str(toml), store=store)
-                    row.update(create_config_only_s=r2.seconds, create_config_only_new_bytes=r2.new_bytes)
-                    raw = work / "raw-copy.arena"
-                    row["cp_arena_to_disk_s"] = _timed_cp(arena_file, raw, sync=False)
-                    raw.unlink()
-                    row["cp_arena_to_disk_fsync_s"] = _timed_cp(arena_file, raw, sync=True)
-                    raw.unlink()
-                finally:
-                    _stop(client)
-                blob = store.blob_path(store.load("bench")["models"][0]["image"]["digest"])
-                blobs = [blob]
-            typer.echo(f"{path.name}: arena {arena_bytes / 1e6:.1f} MB (file {file_bytes / 1e6:.1f} MB); preload "
-                       f"from the checkpoint {row['preload_s']:.2f}s (page cache {note})")
-            typer.echo(f"  create (cold store)          {row['create_s']:7.2f} s  {row['create_mbps']:8.1f} MB/s  "
-                       f"(arena image {row['create_image_s']:.2f}s)")
-            cp_s, cp_sync_s = row["cp_arena_to_disk_s"], row["cp_arena_to_disk_fsync_s"]
-            typer.echo(f"  cp arena -> store disk       {cp_s:7.2f} s  {file_bytes / cp_s / 1e6:8.1f} MB/s  "
-                       f"(+fsync {cp_sync_s:.2f}s, {file_bytes / cp_sync_s / 1e6:.1f} MB/s)")
-            typer.echo(f"  create (config only)         {row['create_config_only_s']:7.2f} s  "
-                       f"{row['create_config_only_new_bytes'] / 1e3:.1f} KB new blobs")
-
-            # -- restore into an empty daemon ---------------------------------------------------------------------
-            with _env(**base_env, KEEPWARM_RUNTIME_DIR=str(rts[1])):
-                client = _daemon(rts[1])
-                try:
-                    drop_page_cache(blobs)
-                    res = restore("bench", store=store)
-                    row.update(restore_s=res.seconds, restore_verify_s=res.verify_seconds,
-                               restore_load_s=res.load_seconds, restore_mbps=file_bytes / res.seconds / 1e6,
-                               images_loaded=client.status()["counters"]["images_loaded"])
-                finally:
-                    _stop(client)
-            shm = Path("/dev/shm") / f"kwbench-{os.getpid()}.arena"
-            drop_page_cache(blobs)
-            row["cp_image_to_shm_s"] = _timed_cp(blob, shm, sync=False)
-            shm.unlink()
-            typer.echo(f"  restore (verify + load)      {row['restore_s']:7.2f} s  {row['restore_mbps']:8.1f} MB/s  "
-                       f"(verify {row['restore_verify_s']:.2f}s, image load {row['restore_load_s']:.2f}s)")
-            typer.echo(f"  cp image -> /dev/shm         {row['cp_image_to_shm_s']:7.2f} s  "
-                       f"{file_bytes / row['cp_image_to_shm_s'] / 1e6:8.1f} MB/s")
-
-            # -- restore to first token vs cold preload to first token ----------------------------------------------
-            from transformers import AutoTokenizer
-
-            prompt = bench_prompts(AutoTokenizer.from_pretrained(str(path)), 1)[0]
-            kw = [sys.executable, "-m", "keepwarm.cli.main", "--log-level", "warning"]
-            env = {**os.environ, **base_env, "KEEPWARM_RUNTIME_DIR": str(rts[2])}
-            client = _daemon(rts[2])
-            try:
-                drop_page_cache(blobs)
-                port = _free_port()
-                t = time.perf_counter()
-                subprocess.run([*kw, "snapshot", "restore", "bench"], env=env, check=True, capture_output=True)
-                restore_cli = time.perf_counter() - t
-                serve, proc = _start_to_first_token([*kw, "serve", "--config", str(home / "server.toml"), "--port",
-                                                     str(port), "--threads", str(threads)], env, port, str(path),
-                                                    prompt)
-                _kill(proc, signal.SIGTERM)
-                row.update(restore_to_first_token_s=restore_cli + serve, restore_cli_s=restore_cli,
-                           restored_serve_to_first_token_s=serve)
-            finally:
-                _stop(client)
-            env = {**env, "KEEPWARM_RUNTIME_DIR": str(rts[3])}
-            client = _daemon(rts[3])
-            try:
-                drop_page_cache(files)
-                port = _free_port()
-                cold, proc = _start_to_first_token([*kw, "serve", str(path), "--dtype", dtype, "--max-model-len",
-                                                    "2048", "--port", str(port), "--threads", str(threads)], env,
-                                                   port, str(path), prompt)
-                _kill(proc, signal.SIGTERM)
-                row["cold_preload_to_first_token_s"] = cold
-            finally:
-                _stop(client)
-            typer.echo(f"  restore -> first token       {row['restore_to_first_token_s']:7.2f} s  (restore "
-                       f"{restore_cli:.2f}s + server start {serve:.2f}s)")
-            typer.echo(f"  cold preload -> first token  {cold:7.2f} s  (checkpoint read + pack through the daemon)")
-            rows.append(row)
+            rows.append(_bench_model(path, dtype, threads, work, rts))
         finally:
             shutil.rmtree(work, ignore_errors=True)
             for rt in rts:
-                from keepwarm.formats import paths
-
                 shutil.rmtree(paths.shm_dir(rt), ignore_errors=True)
                 shutil.rmtree(rt, ignore_errors=True)
     if json_out:
         json_out.write_text(json.dumps({"machine": machine_line(), "rows": rows}, indent=2) + "\n")
+
+
+def _bench_model(path: Path, dtype: str, threads: int, work: Path, rts: list[Path]) -> dict[str, Any]:
+    """One model's row: create, restore, then restore-to-first-token against a cold start; each in its own daemon
+    (runtime dirs ``rts[0..3]``), the store under ``work``."""
+    from keepwarm.daemon.checkpoint import Checkpoint
+    from keepwarm.snapshot.restore import restore
+
+    files = Checkpoint(path).files
+    home = work / "home"
+    base_env = {"KEEPWARM_HOME": str(home), "OMP_NUM_THREADS": str(threads)}
+    row: dict[str, Any] = {"model": path.name, "dtype": dtype}
+    with _env(**base_env, KEEPWARM_RUNTIME_DIR=str(rts[0])):
+        store, blob, arena_bytes, file_bytes, note = _bench_create(path, dtype, work, home, rts[0], files, row)
+    blobs = [blob]
+    typer.echo(f"{path.name}: arena {arena_bytes / 1e6:.1f} MB (file {file_bytes / 1e6:.1f} MB); preload "
+               f"from the checkpoint {row['preload_s']:.2f}s (page cache {note})")
+    typer.echo(f"  create (cold store)          {row['create_s']:7.2f} s  {row['create_mbps']:8.1f} MB/s  "
+               f"(arena image {row['create_image_s']:.2f}s)")
+    cp_s, cp_sync_s = row["cp_arena_to_disk_s"], row["cp_arena_to_disk_fsync_s"]
+    typer.echo(f"  cp arena -> store disk       {cp_s:7.2f} s  {file_bytes / cp_s / 1e6:8.1f} MB/s  "
+               f"(+fsync {cp_sync_s:.2f}s, {file_bytes / cp_sync_s / 1e6:.1f} MB/s)")
+    typer.echo(f"  create (config only)         {row['create_config_only_s']:7.2f} s  "
+               f"{row['create_config_only_new_bytes'] / 1e3:.1f} KB new blobs")
+
+    # -- restore into an empty daemon -------------------------------------------------------------------------
+    with _env(**base_env, KEEPWARM_RUNTIME_DIR=str(rts[1])):
+        client = _daemon(rts[1])
+        try:
+            drop_page_cache(blobs)
+            res = restore("bench", store=store)
+            row.update(restore_s=res.seconds, restore_verify_s=res.verify_seconds,
+                       restore_load_s=res.load_seconds, restore_mbps=file_bytes / res.seconds / 1e6,
+                       images_loaded=client.status()["counters"]["images_loaded"])
+        finally:
+            _stop(client)
+    shm = Path("/dev/shm") / f"kwbench-{os.getpid()}.arena"
+    drop_page_cache(blobs)
+    row["cp_image_to_shm_s"] = _timed_cp(blob, shm, sync=False)
+    shm.unlink()
+    typer.echo(f"  restore (verify + load)      {row['restore_s']:7.2f} s  {row['restore_mbps']:8.1f} MB/s  "
+               f"(verify {row['restore_verify_s']:.2f}s, image load {row['restore_load_s']:.2f}s)")
+    typer.echo(f"  cp image -> /dev/shm         {row['cp_image_to_shm_s']:7.2f} s  "
+               f"{file_bytes / row['cp_image_to_shm_s'] / 1e6:8.1f} MB/s")
+    _bench_first_token(path, dtype, threads, home, base_env, rts[2:], files, blobs, row)
+    return row
+
+
+def _bench_create(path: Path, dtype: str, work: Path, home: Path, rt: Path, files: list[Path], row: dict[str, Any]
+                  ) -> tuple[Store, Path, int, int, str]:
+    """Preload, then snapshot create (cold store, then config only) against cp of the arena file; fills ``row``.
+    Returns (the store, the image blob, arena bytes, arena file bytes, the page-cache note)."""
+    from keepwarm.snapshot.create import create
+    from keepwarm.snapshot.store import Store
+    from keepwarm.worker.api.config import ServerConfig, to_toml
+
+    client = _daemon(rt)
+    try:
+        note = drop_page_cache(files)
+        t = time.perf_counter()
+        reply = client.preload(str(path), "none", dtype)
+        row["preload_s"] = time.perf_counter() - t
+        arena_bytes = reply.bytes
+        arena_file = Path(client.status()["arena_dir"]) / f"{reply.fingerprint}.arena"
+        file_bytes = arena_file.stat().st_size
+        toml = work / "server.toml"
+        toml.write_text(to_toml(ServerConfig(model=str(path), dtype=dtype, runtime_dir=str(rt), max_model_len=2048)))
+        store = Store(home / "store")
+        r = create("bench", config_path=str(toml), store=store)
+        row.update(create_s=r.seconds, create_image_s=r.image_seconds, image_bytes=file_bytes,
+                   create_mbps=file_bytes / r.seconds / 1e6)
+        toml.write_text(to_toml(ServerConfig(model=str(path), dtype=dtype, runtime_dir=str(rt), max_model_len=2048,
+                                             max_num_seqs=8)))
+        r2 = create("bench-cfg", config_path=str(toml), store=store)
+        row.update(create_config_only_s=r2.seconds, create_config_only_new_bytes=r2.new_bytes)
+        raw = work / "raw-copy.arena"
+        row["cp_arena_to_disk_s"] = _timed_cp(arena_file, raw, sync=False)
+        raw.unlink()
+        row["cp_arena_to_disk_fsync_s"] = _timed_cp(arena_file, raw, sync=True)
+        raw.unlink()
+    finally:
+        _stop(client)
+    blob = store.blob_path(store.load("bench")["models"][0]["image"]["digest"])
+    return store, blob, arena_bytes, file_bytes, note
+
+
+def _bench_first_token(path: Path, dtype: str, threads: int, home: Path, base_env: dict[str, str], rts: list[Path],
+                       files: list[Path], blobs: list[Path], row: dict[str, Any]) -> None:
+    """`snapshot restore` + server start to the first token (daemon ``rts[0]``) against a cold start that
+    preloads from the checkpoint (daemon ``rts[1]``); fills ``row``."""
+    from transformers import AutoTokenizer
+
+    prompt = bench_prompts(AutoTokenizer.from_pretrained(str(path)), 1)[0]
+    kw = [sys.executable, "-m", "keepwarm.cli.main", "--log-level", "warning"]
+    env = {**os.environ, **base_env, "KEEPWARM_RUNTIME_DIR": str(rts[0])}
+    client = _daemon(rts[0])
+    try:
+        drop_page_cache(blobs)
+        port = _free_port()
+        t = time.perf_counter()
+        subprocess.run([*kw, "snapshot", "restore", "bench"], env=env, check=True, capture_output=True)
+        restore_cli = time.perf_counter() - t
+        serve, proc = _start_to_first_token([*kw, "serve", "--config", str(home / "server.toml"), "--port",
+                                             str(port), "--threads", str(threads)], env, port, str(path), prompt)
+        _kill(proc, signal.SIGTERM)
+        row.update(restore_to_first_token_s=restore_cli + serve, restore_cli_s=restore_cli,
+                   restored_serve_to_first_token_s=serve)
+    finally:
+        _stop(client)
+    env = {**env, "KEEPWARM_RUNTIME_DIR": str(rts[1])}
+    client = _daemon(rts[1])
+    try:
+        drop_page_cache(files)
+        port = _free_port()
+        cold, proc = _start_to_first_token([*kw, "serve", str(path), "--dtype", dtype, "--max-model-len", "2048",
+                                            "--port", str(port), "--threads", str(threads)], env, port, str(path),
+                                           prompt)
+        _kill(proc, signal.SIGTERM)
+        row["cold_preload_to_first_token_s"] = cold
+    finally:
+        _stop(client)
+    typer.echo(f"  restore -> first token       {row['restore_to_first_token_s']:7.2f} s  (restore "
+               f"{restore_cli:.2f}s + server start {serve:.2f}s)")
+    typer.echo(f"  cold preload -> first token  {cold:7.2f} s  (checkpoint read + pack through the daemon)")

@@ -115,9 +115,9 @@ def preload_model(model: str | None, quantization: str = "none", dtype: str = "a
         show.finish()
         client.close()
     secs = time.perf_counter() - t0
-    how = "already resident" if reply.get("cached") else f"loaded in {secs:.2f}s"
-    typer.echo(f"{reply['name']}: {how}; {reply['bytes'] / 1e6:.1f} MB, {reply['quantization']}, "
-               f"{reply['dtype']}, fingerprint {reply['fingerprint'][:16]}", err=True)
+    how = "already resident" if reply.cached else f"loaded in {secs:.2f}s"
+    typer.echo(f"{reply.name}: {how}; {reply.bytes / 1e6:.1f} MB, {reply.quantization}, "
+               f"{reply.dtype}, fingerprint {reply.fingerprint[:16]}", err=True)
     return model
 
 

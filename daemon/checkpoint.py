@@ -135,27 +135,61 @@ class Checkpoint:
         return FusedTensor(name, parts, parts[0].dtype, shape)
 
     def _plan(self) -> list[FusedTensor]:
+        """The model code's tensors: q/k/v and gate/up fused (Phi-3 ships them fused), each expert's gate/up fused,
+        Mixtral's ``block_sparse_moe`` names mapped onto ``mlp``."""
         c = self.config
         plan = [self._fuse("model.embed_tokens.weight", ["model.embed_tokens.weight"])]
+        norms = ["input_layernorm", "post_attention_layernorm"]
+        if c.family == "gemma":
+            norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
         for i in range(c.num_hidden_layers):
             p = f"model.layers.{i}."
-            attn, mlp = p + "self_attn.", p + "mlp."
-            plan.append(self._fuse(p + "input_layernorm.weight", [p + "input_layernorm.weight"]))
-            plan.append(self._fuse(attn + "qkv_proj.weight", [attn + f"{x}_proj.weight" for x in "qkv"]))
-            if c.qkv_bias:
-                plan.append(self._fuse(attn + "qkv_proj.bias", [attn + f"{x}_proj.bias" for x in "qkv"]))
-            plan.append(self._fuse(attn + "o_proj.weight", [attn + "o_proj.weight"]))
-            if c.o_bias:
-                plan.append(self._fuse(attn + "o_proj.bias", [attn + "o_proj.bias"]))
-            plan.append(self._fuse(p + "post_attention_layernorm.weight", [p + "post_attention_layernorm.weight"]))
-            plan.append(self._fuse(mlp + "gate_up_proj.weight", [mlp + "gate_proj.weight", mlp + "up_proj.weight"]))
-            plan.append(self._fuse(mlp + "down_proj.weight", [mlp + "down_proj.weight"]))
-            if c.mlp_bias:
-                plan.append(self._fuse(mlp + "gate_up_proj.bias", [mlp + "gate_proj.bias", mlp + "up_proj.bias"]))
-                plan.append(self._fuse(mlp + "down_proj.bias", [mlp + "down_proj.bias"]))
+            attn = p + "self_attn."
+            plan += [self._fuse(p + f"{n}.weight", [p + f"{n}.weight"]) for n in norms]
+            plan += self._plan_attention(attn)
+            plan += self._plan_moe(p) if c.is_moe_layer[i] else self._plan_mlp(p + "mlp.")
         plan.append(self._fuse("model.norm.weight", ["model.norm.weight"]))
         if not c.tie_word_embeddings:
             plan.append(self._fuse("lm_head.weight", ["lm_head.weight"]))
+        return plan
+
+    def _plan_attention(self, attn: str) -> list[FusedTensor]:
+        c = self.config
+        fused = attn + "qkv_proj.weight" in self.sources  # Phi-3
+        plan = [self._fuse(attn + "qkv_proj.weight",
+                           [attn + "qkv_proj.weight"] if fused else [attn + f"{x}_proj.weight" for x in "qkv"])]
+        if c.qkv_bias:
+            plan.append(self._fuse(attn + "qkv_proj.bias",
+                                   [attn + "qkv_proj.bias"] if fused else [attn + f"{x}_proj.bias" for x in "qkv"]))
+        plan.append(self._fuse(attn + "o_proj.weight", [attn + "o_proj.weight"]))
+        if c.o_bias:
+            plan.append(self._fuse(attn + "o_proj.bias", [attn + "o_proj.bias"]))
+        if c.qk_norm:
+            plan += [self._fuse(attn + f"{x}_norm.weight", [attn + f"{x}_norm.weight"]) for x in "qk"]
+        return plan
+
+    def _plan_mlp(self, mlp: str) -> list[FusedTensor]:
+        fused = mlp + "gate_up_proj.weight" in self.sources  # Phi-3
+        parts = [mlp + "gate_up_proj.weight"] if fused else [mlp + "gate_proj.weight", mlp + "up_proj.weight"]
+        plan = [self._fuse(mlp + "gate_up_proj.weight", parts),
+                self._fuse(mlp + "down_proj.weight", [mlp + "down_proj.weight"])]
+        if self.config.mlp_bias:
+            plan.append(self._fuse(mlp + "gate_up_proj.bias", [mlp + "gate_proj.bias", mlp + "up_proj.bias"]))
+            plan.append(self._fuse(mlp + "down_proj.bias", [mlp + "down_proj.bias"]))
+        return plan
+
+    def _plan_moe(self, p: str) -> list[FusedTensor]:
+        """Router ``mlp.gate`` and per expert ``mlp.experts.E.gate_up_proj`` / ``down_proj`` (Mixtral: w1 gate,
+        w3 up, w2 down under ``block_sparse_moe``)."""
+        mixtral = self.config.architecture == "MixtralForCausalLM"
+        src = p + ("block_sparse_moe." if mixtral else "mlp.")
+        dst = p + "mlp."
+        names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+        plan = [self._fuse(dst + "gate.weight", [src + "gate.weight"])]
+        for e in range(self.config.num_experts):
+            s, d = f"{src}experts.{e}.", f"{dst}experts.{e}."
+            plan.append(self._fuse(d + "gate_up_proj.weight", [s + f"{names[0]}.weight", s + f"{names[1]}.weight"]))
+            plan.append(self._fuse(d + "down_proj.weight", [s + f"{names[2]}.weight"]))
         return plan
 
 

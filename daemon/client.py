@@ -14,7 +14,16 @@ from typing import Any
 import msgpack
 import zmq
 
-from keepwarm.daemon.protocol import PROTOCOL_VERSION, encode
+from keepwarm.daemon.protocol import (
+    PROTOCOL_VERSION,
+    AdapterReply,
+    AttachReply,
+    LoadReply,
+    ProtocolError,
+    R,
+    decode_reply,
+    encode,
+)
 from keepwarm.formats import paths
 
 ProgressCallback = Callable[[dict[str, Any]], None]
@@ -98,6 +107,15 @@ class DaemonClient:
             err = msg.get("error") or {}
             raise DaemonError(err.get("code", "error"), err.get("message", "the daemon refused the request"))
 
+    def typed(self, cls: type[R], verb: str, args: dict[str, Any] | None = None, timeout: float | None = None,
+              on_event: ProgressCallback | None = None) -> R:
+        """``request``, its reply decoded as ``cls``; DaemonError ``bad_reply`` if the reply does not fit."""
+        msg = self.request(verb, args, timeout, on_event)
+        try:
+            return decode_reply(cls, msg)
+        except ProtocolError as e:
+            raise DaemonError(e.code, f"the daemon's {verb!r} reply: {e.message}") from None
+
     def ping(self, timeout: float = 2.0) -> dict[str, Any] | None:
         try:
             return self.request("status", timeout=timeout)
@@ -108,24 +126,31 @@ class DaemonClient:
         return self.request("status")
 
     def preload(self, model: str, quantization: str = "none", dtype: str = "auto", fingerprint: str | None = None,
-                on_event: ProgressCallback | None = None) -> dict[str, Any]:
+                on_event: ProgressCallback | None = None) -> LoadReply:
         args = {"model": model, "quantization": quantization, "dtype": dtype}
         if fingerprint:
             args["fingerprint"] = fingerprint
-        return self.request("preload", args, timeout=60.0, on_event=on_event)
+        return self.typed(LoadReply, "preload", args, timeout=60.0, on_event=on_event)
 
     def attach(self, model: str, quantization: str = "none", dtype: str = "auto", fingerprint: str | None = None,
-               preload: bool = True, on_event: ProgressCallback | None = None) -> dict[str, Any]:
-        args = {"model": model, "quantization": quantization, "dtype": dtype, "pid": os.getpid(), "preload": preload}
+               preload: bool = True, on_event: ProgressCallback | None = None,
+               pid: int | None = None) -> AttachReply:
+        """Lease ``model`` for ``pid`` (default: this process; a lease keeper attaches for its worker)."""
+        args: dict[str, Any] = {"model": model, "quantization": quantization, "dtype": dtype,
+                                "pid": pid or os.getpid(), "preload": preload}
         if fingerprint:
             args["fingerprint"] = fingerprint
-        return self.request("attach", args, timeout=60.0, on_event=on_event)
+        return self.typed(AttachReply, "attach", args, timeout=60.0, on_event=on_event)
 
     def load_image(self, manifest_json: str, image: str | Path,
-                   on_event: ProgressCallback | None = None) -> dict[str, Any]:
+                   on_event: ProgressCallback | None = None) -> LoadReply:
         """Make an arena image resident (no re-quantization); ``image`` is read by the daemon."""
-        return self.request("load_image", {"manifest": manifest_json, "image": str(Path(image).absolute())},
-                            timeout=60.0, on_event=on_event)
+        return self.typed(LoadReply, "load_image", {"manifest": manifest_json, "image": str(Path(image).absolute())},
+                          timeout=60.0, on_event=on_event)
+
+    def load_adapter(self, path: str | Path) -> AdapterReply:
+        """Make a LoRA adapter resident in the daemon's shared memory (read and checked once per content)."""
+        return self.typed(AdapterReply, "load_adapter", {"path": str(path)})
 
     def heartbeat(self, lease_id: str) -> dict[str, Any]:
         return self.request("heartbeat", {"lease_id": lease_id})

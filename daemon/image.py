@@ -21,6 +21,8 @@ from pathlib import Path
 import torch
 
 from keepwarm.formats.arena import ArenaManifest, CpuArenaFile, CudaArena, arena_digest_of, dtype_from_name
+from keepwarm.formats.packed import packed_layout
+from keepwarm.formats.quant import LAYOUT_MKLDNN_PACKED, QuantizationError, QuantMeta, cpu_int4_layout
 
 CHUNK = 16 << 20
 
@@ -55,8 +57,6 @@ def check_device(manifest: ArenaManifest, device: torch.device) -> None:
 def check_cpu_layouts(manifest: ArenaManifest) -> None:
     """The CPU-specific layouts (oneDNN packing, torch's int4 pack) must be what this CPU and torch produce. May
     pack a zero weight per distinct shape (as planning a preload does): run it off the daemon's socket loop."""
-    from keepwarm.formats.quant import LAYOUT_MKLDNN_PACKED, QuantizationError, QuantMeta, cpu_int4_layout
-
     dtype = dtype_from_name(manifest.dtype)
     checked: dict[tuple[int, int], str] = {}
     for weight, q in manifest.quant.items():
@@ -66,8 +66,6 @@ def check_cpu_layouts(manifest: ArenaManifest) -> None:
             raise ImageError("incompatible_image", f"{weight}: {e}") from None
         if meta.layout == LAYOUT_MKLDNN_PACKED:
             if meta.shape not in checked:
-                from keepwarm.formats.packed import packed_layout
-
                 try:
                     checked[meta.shape] = packed_layout(meta.shape, dtype)[1].hex()
                 except Exception as e:  # oneDNN / shim missing, bf16 unsupported on this CPU

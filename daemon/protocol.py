@@ -4,6 +4,11 @@ A request is ``{"v": PROTOCOL_VERSION, "id": str, "verb": str, "args": {...}}``.
 more events (``{"v", "id", "event": "progress", ...}``) and then one reply: ``{"v", "id", "ok": true, ...}`` or
 ``{"v", "id", "ok": false, "error": {"code", "message"}}``. Each verb's arguments are a frozen dataclass; unknown
 fields, missing fields and wrong types are rejected with code ``bad_request``.
+
+Replies that code reads field by field are frozen dataclasses too (``AttachReply``, ``LoadReply``,
+``AdapterReply``): the daemon builds them, ``decode_reply`` (called by the client, the one place replies are
+decoded) checks them. A reply with a missing or mistyped field is an error, extra fields are ignored (a newer
+daemon may add some). ``status`` and ``list`` replies stay maps: they are shown to people as they are.
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import typing
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import msgpack
 
@@ -97,6 +102,8 @@ def _type_ok(value: Any, hint: Any) -> bool:
     origin = typing.get_origin(hint)
     if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
         return any(_type_ok(value, h) for h in typing.get_args(hint))
+    if origin is not None:  # dict[str, Any], list[...]: the container's type (its items are the reader's concern)
+        return isinstance(value, origin)
     if hint is type(None):
         return value is None
     if hint is bool:
@@ -167,3 +174,85 @@ def reply_error(rid: str, code: str, message: str) -> dict[str, Any]:
 
 def event(rid: str, kind: str, **fields: Any) -> dict[str, Any]:
     return {"v": PROTOCOL_VERSION, "id": rid, "event": kind, **fields}
+
+
+# -- replies ---------------------------------------------------------------------------------------------------------
+class Reply:
+    """A typed reply. Fields read as attributes; ``reply["field"]`` and ``reply.get`` read them as on the wire
+    map, for scripts and the CLI's JSON output."""
+
+    def __getitem__(self, key: str) -> Any:
+        if key not in {f.name for f in dataclasses.fields(self)}:  # type: ignore[arg-type]
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        try:
+            return self[key]
+        except KeyError:
+            return default
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)  # type: ignore[call-overload]
+
+
+@dataclass(frozen=True)
+class AttachReply(Reply):
+    """``attach``: a lease on a resident arena, and where its bytes are."""
+
+    lease_id: str
+    lease_ttl: float
+    manifest: str  # the ArenaManifest as JSON
+    arena: dict[str, Any]  # {"kind": "cpu", "path", "size"} or {"kind": "cuda", ...the CUDA IPC handle}
+    origin: str  # how the daemon got the arena: "preload", "adopted" or "image"
+    cached: bool = False  # resident before this request (no load ran for it)
+
+
+@dataclass(frozen=True)
+class LoadReply(Reply):
+    """``preload`` and ``load_image``: the resident model (as in ``status``'s ``models``)."""
+
+    cached: bool
+    model: str
+    name: str
+    fingerprint: str
+    quantization: str
+    dtype: str
+    device: str
+    bytes: int
+    origin: str
+    load_seconds: float
+    loaded_at: float
+    last_used: float
+    leases: list[dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class AdapterReply(Reply):
+    """``load_adapter``: the adapter's bytes in the daemon's shared memory, and its identity."""
+
+    cached: bool
+    digest: str
+    path: str
+    config_json: str
+    data_file: str
+    size: int
+
+
+R = TypeVar("R", bound=Reply)
+
+
+def decode_reply(cls: type[R], msg: dict[str, Any]) -> R:
+    """The typed reply in ``msg`` (an ``ok`` reply); ProtocolError ``bad_reply`` naming the field if it is not."""
+    hints = typing.get_type_hints(cls)
+    values = {}
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        if f.name not in msg:
+            if f.default is dataclasses.MISSING:
+                raise ProtocolError("bad_reply", f"{cls.__name__}: missing field {f.name!r}")
+            continue
+        if not _type_ok(msg[f.name], hints[f.name]):
+            raise ProtocolError("bad_reply", f"{cls.__name__}: field {f.name!r} must be {hints[f.name]}, "
+                                             f"got {type(msg[f.name]).__name__}")
+        values[f.name] = msg[f.name]
+    return cls(**values)

@@ -6,39 +6,68 @@ the ``KEEPWARM_CPU_PACK`` switch live in keepwarm.kernels.cpu_packed. Torch only
 
 Batch hint: oneDNN's reorder takes the expected number of rows; it is 1 because decode dominates serving (the
 measurements are in keepwarm.kernels.cpu_packed).
+
+Thread count: oneDNN also picks the blocked format from the calling thread's OpenMP thread count (SmolLM2's
+[576, 576] and [960, 576] bf16 weights block differently at 16 threads than at 1-8), and the arena is planned
+from :func:`packed_layout` in one thread and packed in others. So every pack runs under ``PACK_THREADS``
+threads: the layout is a function of (shape, dtype, CPU) alone, whatever thread count the daemon runs with.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
+import threading
+from collections.abc import Iterator
 
 import torch
 
 from keepwarm.formats.quant import QuantizationError
 
-__all__ = ["BATCH_HINT", "pack", "packed_layout", "packed_nbytes"]
+__all__ = ["BATCH_HINT", "PACK_THREADS", "pack", "packed_layout", "packed_nbytes"]
 
 BATCH_HINT = 1
+# The thread count every pack runs under (see the module docstring): 1-8 threads give the same format here.
+PACK_THREADS = 1
+_PACK_LOCK = threading.Lock()  # torch's thread count is process-wide: packs take turns setting it
+
+
+@contextlib.contextmanager
+def _pack_threads() -> Iterator[None]:
+    """Run the block under ``PACK_THREADS`` torch/OpenMP threads, then restore the caller's count."""
+    with _PACK_LOCK:
+        before = torch.get_num_threads()
+        torch.set_num_threads(PACK_THREADS)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(before)
 
 
 def pack(w: torch.Tensor) -> tuple[torch.Tensor, bytes]:
-    """Pack a [N, K] CPU weight for oneDNN: (packed bytes as a uint8 tensor [nbytes], serialized descriptor)."""
+    """Pack a [N, K] CPU weight for oneDNN: (packed bytes as a uint8 tensor [nbytes], serialized descriptor).
+
+    Always under ``PACK_THREADS`` threads, so the format does not depend on the caller's thread count."""
     if w.dim() != 2 or w.device.type != "cpu":
         raise QuantizationError(f"packing needs a 2-D CPU weight, got {tuple(w.shape)} on {w.device}")
-    pw = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), BATCH_HINT)
+    w = w.contiguous()
+    with _pack_threads():
+        pw = torch.ops.mkldnn._reorder_linear_weight(w, BATCH_HINT)
+        desc = bytes(torch.ops.mkldnn._get_mkldnn_serialized_md(pw).numpy())
     n = int(torch.ops.mkldnn._nbytes(pw))
     raw = torch.empty(n, dtype=torch.uint8)
     ctypes.memmove(raw.data_ptr(), torch.ops.mkldnn.data_ptr(pw), n)  # releases the GIL, like a tensor copy
-    return raw, bytes(torch.ops.mkldnn._get_mkldnn_serialized_md(pw).numpy())
+    return raw, desc
 
 
 @functools.cache
 def packed_layout(shape: tuple[int, int], dtype: torch.dtype) -> tuple[int, bytes]:
     """(nbytes, descriptor) of a packed ``dtype`` weight of ``shape``, known before any data is read.
 
-    Packs zeros once per (shape, dtype): oneDNN picks the blocked format from shape, dtype and CPU alone (checked:
-    zeros and random weights give the same descriptor), and the preload checks every real pack against this."""
+    Packs zeros once per (shape, dtype) under ``PACK_THREADS`` like every real pack: oneDNN then picks the blocked
+    format from shape, dtype and CPU alone (checked: zeros and random weights give the same descriptor), and the
+    preload checks every real pack against this."""
     n, k = (int(s) for s in shape)
     raw, desc = pack(torch.zeros(n, k, dtype=dtype))
     return raw.numel(), desc

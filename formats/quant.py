@@ -47,7 +47,9 @@ LAYOUT_MKLDNN_PACKED = "mkldnn_packed"
 _INT4_CPU_RE = re.compile(r"int4_cpu_(pairs|halves)(16|32|64)")
 
 # Fused linear weights as planned by daemon/checkpoint.py; embeddings, norms, lm_head and biases stay dense.
-_TARGET_RE = re.compile(r"(?:.*\.)?(?:self_attn\.(?:qkv_proj|o_proj)|mlp\.(?:gate_up_proj|down_proj))\.weight")
+# Experts (mlp.experts.E.gate_up_proj / down_proj) are linears like any other; the MoE router (mlp.gate) stays dense.
+_TARGET_RE = re.compile(
+    r"(?:.*\.)?(?:self_attn\.(?:qkv_proj|o_proj)|mlp\.(?:experts\.\d+\.)?(?:gate_up_proj|down_proj))\.weight")
 
 PartsLayout = dict[str, tuple[torch.dtype, tuple[int, ...]]]
 

@@ -1,6 +1,7 @@
 """keepwarm.kernels: one dispatch point per kernel.
 
-The backend comes from env var KEEPWARM_KERNELS (read on every call, so tests and workers can flip it):
+The backend comes from env var KEEPWARM_KERNELS, looked up on every dispatch (one dict lookup; each value is parsed
+and checked once) so that tests and tools can flip it between calls:
   auto   (default) triton when the input is on CUDA, triton is importable and the kernel has a triton impl;
          torch otherwise.
   torch  always the plain-torch reference (`kernels/reference.py`).
@@ -58,6 +59,8 @@ _TRITON_IMPORTABLE = importlib.util.find_spec("triton") is not None
 
 # kernel name -> backend -> implementation.
 _IMPLS: dict[str, dict[str, Callable[..., Any]]] = {}
+# KEEPWARM_KERNELS value (None: unset) -> the checked mode.
+_PARSED_MODES: dict[str | None, str] = {}
 # (kernel, backend) pairs already logged, so each choice is logged once rather than per call.
 _LOGGED: set[tuple[str, str]] = set()
 
@@ -75,9 +78,13 @@ def register(name: str, backend: str, fn: Callable[..., Any]) -> Callable[..., A
 
 
 def _mode() -> str:
-    mode = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
-    if mode not in _MODES:
-        raise ValueError(f"{ENV_VAR}={mode!r} is not one of {_MODES}")
+    raw = os.environ.get(ENV_VAR)
+    mode = _PARSED_MODES.get(raw)
+    if mode is None:
+        mode = (raw or "auto").strip().lower() or "auto"
+        if mode not in _MODES:
+            raise ValueError(f"{ENV_VAR}={mode!r} is not one of {_MODES}")
+        _PARSED_MODES[raw] = mode
     return mode
 
 
@@ -154,11 +161,14 @@ def paged_attention(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     max_query_len: int | None = None,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:
-    """Causal varlen attention over the paged cache; seq_lens include this step's (already written) tokens."""
+    """Causal varlen attention over the paged cache; seq_lens include this step's (already written) tokens.
+    ``sliding_window`` w: a row at position p sees keys p-w+1..p; ``logit_softcap`` c: scores c * tanh(s / c)."""
     return get_impl("paged_attention", query.device)(
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, k_scale, v_scale,
-        max_query_len,
+        max_query_len, sliding_window=sliding_window, logit_softcap=logit_softcap,
     )
 
 

@@ -24,6 +24,12 @@ Batch hint: oneDNN's reorder takes the expected number of rows. On this CPU hint
 the same descriptor and bytes, and M=1/32/128 calls ran equally fast on each (within 5%, noise), so the hint
 does not matter here; it is 1 because decode (one row per sequence) dominates serving.
 
+Thread count: oneDNN picks the blocked format from shape, dtype, CPU *and the calling thread's OpenMP thread
+count* (measured: [576, 576] bf16 packs with 144-row blocks at 1-8 threads, 72 at 16), so every pack runs under
+``keepwarm.formats.packed.PACK_THREADS`` threads, whatever the process uses. A packed weight carries its
+descriptor, and oneDNN computes with it exactly at any thread count (tested at 1, 2, 8 and 16: equal to
+``F.linear``), so a worker whose thread count differs from the daemon's computes the same tokens.
+
 ``KEEPWARM_CPU_PACK=0`` turns packing off (A/B benchmarks, escape hatch); read on every call of
 :func:`packing_available`, the probe of what this process can do is cached.
 """

@@ -131,8 +131,13 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor 
     )
 
 
+def _softcap(scores: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """Gemma 2's logit soft-capping, ``cap * tanh(s / cap)``, in transformers' op order."""
+    return scores if cap is None else torch.tanh(scores / cap) * cap
+
+
 def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, scale: float,
-                      k_scale: float, v_scale: float) -> torch.Tensor:
+                      k_scale: float, v_scale: float, softcap: float | None = None) -> torch.Tensor:
     """One query row per sequence: q [S, Hq, D], k/v [Hk, S, L, D] (gathered), valid [S, L] -> [S, Hq, D].
 
     Two batched matmuls with (kv head, sequence) as the batch and the query heads of one kv head as rows (GQA
@@ -145,10 +150,24 @@ def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: 
     dt = q.dtype
     qg = q.reshape(S, Hk, Hq // Hk, D).transpose(0, 1)  # [Hk, S, G, D]
     scores = torch.matmul(qg, _from_cache(k, k_scale, dt).transpose(-1, -2)).float().mul_(scale)  # [Hk, S, G, L]
+    scores = _softcap(scores, softcap)
     scores.masked_fill_(~valid[None, :, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(dt)
     out = torch.matmul(probs, _from_cache(v, v_scale, dt))  # [Hk, S, G, D]
     return out.transpose(0, 1).reshape(S, Hq, D)
+
+
+def _masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                      softcap: float | None) -> torch.Tensor:
+    """Explicit attention for soft-capped scores (SDPA cannot cap): q [1, Hq, Lq, D], k/v [1, Hk, L, D],
+    mask [Lq, L] True = attend -> [1, Hq, Lq, D]. Scores and softmax in float32, as transformers' eager path."""
+    _, Hq, Lq, D = q.shape
+    Hk = k.shape[1]
+    qg = q[0].reshape(Hk, Hq // Hk, Lq, D)
+    scores = _softcap(torch.matmul(qg, k[0, :, None].transpose(-1, -2)).float() * scale, softcap)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(q.dtype)
+    return torch.matmul(probs, v[0, :, None]).reshape(1, Hq, Lq, D)
 
 
 def paged_attention(
@@ -162,6 +181,8 @@ def paged_attention(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     max_query_len: int | None = None,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of a flattened varlen batch over a paged KV cache.
 
@@ -171,6 +192,10 @@ def paged_attention(
     batch; prefill chunks loop per sequence. Computes in the query's dtype (SDPA accumulates in float32).
     `max_query_len` is only a hint for grid-sizing backends: this one reads lengths from the metadata.
 
+    ``sliding_window`` w: a row at position p sees keys p-w+1..p only (transformers' sliding mask); blocks wholly
+    before every row's window are neither gathered nor read, so their table entries may be anything.
+    ``logit_softcap`` c: scores become c * tanh(score / c) before the mask and softmax (Gemma 2).
+
     Cache slots a sequence has not written (the tail of its last block) are masked out of the softmax, so they
     may hold any finite value; the engine allocates its pools with zeros, so they never hold NaN.
     """
@@ -179,46 +204,82 @@ def paged_attention(
     num_kv_heads = key_cache.shape[0]
     if num_q_heads % num_kv_heads:
         raise ValueError(f"{num_q_heads} query heads is not a multiple of {num_kv_heads} kv heads")
-    block_size = key_cache.shape[2]
-    device = query.device
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
     out = torch.zeros_like(query)  # rows not owned by any sequence (padding) stay zero
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
     decodes = [s for s in range(len(lens)) if starts[s + 1] - starts[s] == 1]
-    prefills = [s for s in range(len(lens)) if starts[s + 1] - starts[s] > 1]
-
     if decodes:
-        seqs = torch.tensor(decodes, dtype=torch.long, device=device)
-        rows = torch.tensor([starts[s] for s in decodes], dtype=torch.long, device=device)
-        ctx = seq_lens.to(device=device, dtype=torch.long)[seqs]
-        num_blocks = -(-max(lens[s] for s in decodes) // block_size)
-        table = block_tables[seqs, :num_blocks].long()
-        # Table entries past a sequence's last block may be garbage: point them at block 0 instead.
-        used = torch.arange(num_blocks, device=device)[None, :] * block_size < ctx[:, None]
-        table = torch.where(used, table, 0)
-        pos_ok = torch.arange(num_blocks * block_size, device=device)[None, :] < ctx[:, None]  # [Sd, L]
-        out[rows] = _decode_attention(query[rows], _gather_blocks(key_cache, table),
-                                      _gather_blocks(value_cache, table), pos_ok, scale, k_scale, v_scale)
-
-    for s in prefills:
-        q_start, q_end, ctx_len = starts[s], starts[s + 1], lens[s]
-        q_len = q_end - q_start
-        if ctx_len < q_len:
-            raise ValueError(f"sequence {s}: seq_len {ctx_len} < query length {q_len}")
-        table = block_tables[s, : -(-ctx_len // block_size)].long()
-        k = _from_cache(_gather_blocks(key_cache, table[None])[:, :, :ctx_len], k_scale, query.dtype)  # [Hk,1,L,D]
-        v = _from_cache(_gather_blocks(value_cache, table[None])[:, :, :ctx_len], v_scale, query.dtype)
-        q = query[q_start:q_end].transpose(0, 1)[None]  # [1, Hq, q_len, D]
-        k, v = k.transpose(0, 1), v.transpose(0, 1)  # [1, Hk, L, D]
-        if ctx_len == q_len:
-            # No cached prefix: SDPA's top-left aligned causal mask is the right one (and skips work).
-            o = _sdpa(q, k, v, None, scale, causal=True)
-        else:
-            q_pos = torch.arange(ctx_len - q_len, ctx_len, device=device)
-            mask = torch.arange(ctx_len, device=device)[None, :] <= q_pos[:, None]  # [q_len, L]
-            o = _sdpa(q, k, v, mask, scale)
-        out[q_start:q_end] = o[0].transpose(0, 1).to(out.dtype)
+        _paged_decode(out, query, key_cache, value_cache, block_tables, seq_lens, decodes, starts, lens, scale,
+                      k_scale, v_scale, sliding_window, logit_softcap)
+    for s in range(len(lens)):
+        if starts[s + 1] - starts[s] > 1:
+            _paged_prefill(out, query, key_cache, value_cache, block_tables[s], starts[s], starts[s + 1], lens[s],
+                           scale, k_scale, v_scale, sliding_window, logit_softcap)
     return out
+
+
+def _paged_decode(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                  block_tables: torch.Tensor, seq_lens: torch.Tensor, decodes: list[int], starts: list[int],
+                  lens: list[int], scale: float, k_scale: float, v_scale: float, window: int | None,
+                  softcap: float | None) -> None:
+    """All single-row sequences at once; with a window, each sequence's gather starts at the block holding its
+    first visible key (so the batch reads at most ceil(window / block_size) + 1 blocks per sequence)."""
+    block_size = key_cache.shape[2]
+    device = query.device
+    seqs = torch.tensor(decodes, dtype=torch.long, device=device)
+    rows = torch.tensor([starts[s] for s in decodes], dtype=torch.long, device=device)
+    ctx = seq_lens.to(device=device, dtype=torch.long)[seqs]
+    if window:
+        lo = [max(0, lens[s] - window) for s in decodes]  # each sequence's first visible position
+        first = torch.tensor([p // block_size for p in lo], dtype=torch.long, device=device)
+        num_blocks = max(-(-lens[s] // block_size) - p // block_size for s, p in zip(decodes, lo, strict=True))
+        cols = first[:, None] + torch.arange(num_blocks, device=device)[None, :]  # [Sd, nb] table columns
+        table = block_tables[seqs].long().gather(1, cols.clamp(max=block_tables.shape[1] - 1))
+    else:
+        num_blocks = -(-max(lens[s] for s in decodes) // block_size)
+        cols = torch.arange(num_blocks, device=device)[None, :]
+        table = block_tables[seqs, :num_blocks].long()
+    # Columns past a sequence's last block may be garbage or past the table: point them at block 0 instead.
+    table = torch.where(cols * block_size < ctx[:, None], table, 0)
+    if window:
+        pos = (cols[:, :, None] * block_size + torch.arange(block_size, device=device)).reshape(len(decodes), -1)
+        pos_ok = (pos < ctx[:, None]) & (pos >= torch.tensor(lo, device=device)[:, None])  # [Sd, L]
+    else:
+        pos_ok = torch.arange(num_blocks * block_size, device=device)[None, :] < ctx[:, None]
+    out[rows] = _decode_attention(query[rows], _gather_blocks(key_cache, table), _gather_blocks(value_cache, table),
+                                  pos_ok, scale, k_scale, v_scale, softcap)
+
+
+def _paged_prefill(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                   table_row: torch.Tensor, q_start: int, q_end: int, ctx_len: int, scale: float, k_scale: float,
+                   v_scale: float, window: int | None, softcap: float | None) -> None:
+    """One prefill chunk (with its cached prefix) through SDPA, or explicit attention when soft-capped."""
+    block_size = key_cache.shape[2]
+    device = query.device
+    q_len = q_end - q_start
+    if ctx_len < q_len:
+        raise ValueError(f"seq_len {ctx_len} < query length {q_len}")
+    if window is not None and window >= ctx_len:
+        window = None  # every row sees its whole context
+    base = (max(0, ctx_len - q_len - window + 1) // block_size) * block_size if window else 0  # first key gathered
+    table = table_row[base // block_size: -(-ctx_len // block_size)].long()
+    k = _from_cache(_gather_blocks(key_cache, table[None])[:, :, :ctx_len - base], k_scale, query.dtype)
+    v = _from_cache(_gather_blocks(value_cache, table[None])[:, :, :ctx_len - base], v_scale, query.dtype)
+    q = query[q_start:q_end].transpose(0, 1)[None]  # [1, Hq, q_len, D]
+    k, v = k.transpose(0, 1), v.transpose(0, 1)  # [1, Hk, L, D]
+    if ctx_len == q_len and window is None and softcap is None:
+        # No cached prefix: SDPA's top-left aligned causal mask is the right one (and skips work).
+        o = _sdpa(q, k, v, None, scale, causal=True)
+    else:
+        q_pos = torch.arange(ctx_len - q_len, ctx_len, device=device)[:, None]
+        k_pos = torch.arange(base, ctx_len, device=device)[None, :]
+        mask = k_pos <= q_pos  # [q_len, L]
+        if window is not None:
+            mask &= k_pos > q_pos - window
+        o = _sdpa(q, k, v, mask, scale) if softcap is None else _masked_attention(q, k, v, mask, scale, softcap)
+    out[q_start:q_end] = o[0].transpose(0, 1).to(out.dtype)
 
 
 # -- batched LoRA (stacked layout) -------------------------------------------------------------------------------

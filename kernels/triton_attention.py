@@ -16,6 +16,13 @@ Paged attention, one kernel for a mixed batch of prefill chunks (with their cach
     cache block size works (8, 16, 32, ...), and a tile may span several cache blocks. Online softmax in float32
     with exp2; causal masking per row; positions past the sequence are never read (table entries past a
     sequence's last block may be garbage).
+  - float8 caches: K and V tiles are converted unscaled (exact) to float16 by the hardware's conversion on sm_89+,
+    with q scaled into float16's range by a power of two (integer decode to q's dtype elsewhere and under the
+    interpreter); k_scale is folded into the softmax scale and v_scale applied once to the accumulator, so a K/V
+    element costs one conversion and nothing else.
+  - sliding window (``window`` > 0): a row at position p sees p-window+1..p; a tile's walk starts at its first
+    row's first visible position, so blocks wholly before every row's window are never read. Soft-capping
+    (``SOFTCAP``): scores become softcap * tanh(score / softcap) before the mask.
   - split-KV (flash-decoding): when there are too few programs to fill the GPU (few sequences x kv heads, long
     contexts), each program covers one of NUM_SPLITS contiguous slices of the context and writes an
     unnormalised partial (acc, max, sum) to a float32 workspace; a second kernel combines them. The split count
@@ -45,19 +52,21 @@ _ROWS_DECODE = 16
 # halves it.
 _BLOCK_N = 64
 _BLOCK_N_SMALL = 32
-# Split-KV: aim for 2 programs per SM (one running, one loading); never split below 256 positions per slice, so a
-# slice's K/V reads (>= 256 * head_dim * 2 * 2 bytes) dwarf its partial's write and re-read (~head_dim * 4
-# bytes per row); 16 slices at most keeps the combine step and its workspace small. Not tuned on a GPU here.
-_PROGRAMS_PER_SM = 2
+# Split-KV: aim for 4 programs per SM: a decode program keeps only one K and one V tile in flight, and one or two
+# per SM left an H200 at 33% of copy bandwidth for batch 1 x 32768 (16 slices, 128 programs; gpu-check, see
+# docs/gpu.md). Never split below 256 positions per slice, so a slice's K/V reads (>= 256 * head_dim * 2 * 2
+# bytes) dwarf its partial's write and re-read (~head_dim * 4 bytes per row); at most 64 slices (the combine step
+# reads 64 x head_dim floats per row: 32 KB, one program).
+_PROGRAMS_PER_SM = 4
 _MIN_SPLIT_LEN = 256
-_MAX_SPLITS = 16
+_MAX_SPLITS = 64
 
 
 @triton.jit
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-    num_seqs, num_splits, qk_scale, k_scale, v_scale,
+    num_seqs, num_splits, qk_scale, k_scale, v_scale, window, softcap,
     stride_qt, stride_qh, stride_qd,
     stride_kh, stride_kb, stride_ks, stride_kd,
     stride_vh, stride_vb, stride_vs, stride_vd,
@@ -68,7 +77,8 @@ def _paged_attention_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     DECODE: tl.constexpr, SPLIT: tl.constexpr, FP8_KIND: tl.constexpr, KV_CAST: tl.constexpr,
-    Q_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+    Q_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, NATIVE_FP8: tl.constexpr,
+    F16_KV: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     ROWS: tl.constexpr = BLOCK_Q * GROUP_PAD
     tile = tl.program_id(0)
@@ -106,7 +116,17 @@ def _paged_attention_kernel(
         row = q_start + tok
         q = tl.load(q_ptr + row[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :] * stride_qd,
                     mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-        q = q.to(DOT_DTYPE)
+        if F16_KV:
+            # float8 K/V go to the MMA as float16 (DOT_DTYPE): exact, and one conversion instruction per two values
+            # (float8 -> bfloat16 takes a detour through float32). q goes to float16 as well, scaled by a power of
+            # two so that it cannot overflow (exact; undone in the softmax scale).
+            qf = q.to(tl.float32)
+            qmax = tl.max(tl.max(tl.abs(qf), 1), 0)
+            shift = tl.maximum(((qmax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 141, 0)  # qmax < 2**15 after
+            q = (qf * ((127 - shift) << 23).to(tl.float32, bitcast=True)).to(DOT_DTYPE)
+            qk_scale = qk_scale * ((127 + shift) << 23).to(tl.float32, bitcast=True)
+        else:
+            q = q.to(DOT_DTYPE)
 
         kv_end = ctx_len - q_len + tl.minimum(first + BLOCK_Q, q_len)  # the tile's last row sees < kv_end
         if SPLIT:
@@ -116,6 +136,8 @@ def _paged_attention_kernel(
         else:
             kv_lo = 0
             kv_hi = kv_end
+        if window > 0:  # nothing before the tile's first row's window is visible to any of its rows
+            kv_lo = tl.maximum(kv_lo, ctx_len - q_len + first - window + 1)
 
         # Finite start (not -inf): a row with nothing to see in this slice keeps m=-1e30, l=0, acc=0, no NaN.
         m_i = tl.full([ROWS], -1.0e30, dtype=tl.float32)
@@ -132,12 +154,17 @@ def _paged_attention_kernel(
             kv_mask = pos_ok[:, None] & d_ok[None, :]
             k = tl.load(k_base + block[:, None] * stride_kb + off[:, None] * stride_ks + d[None, :] * stride_kd,
                         mask=kv_mask, other=0.0)
-            if FP8_KIND != 0:
-                k = tc.round_as(tc.fp8_to_f32(k, FP8_KIND) * k_scale, Q_DTYPE)
+            if FP8_KIND != 0:  # the raw codes, exact in q's dtype; k_scale is folded into qk_scale
+                k = _fp8_codes(k, FP8_KIND, NATIVE_FP8, DOT_DTYPE)
             elif KV_CAST:
                 k = tc.round_as(k.to(tl.float32), Q_DTYPE)
             s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=PRECISION) * qk_scale  # [ROWS, BLOCK_N]
+            if SOFTCAP:  # qk_scale carries log2(e): cap the natural-log score, then back to base 2
+                x = s * (1.0 / 1.4426950408889634) / softcap
+                s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)) * 1.4426950408889634  # softcap * tanh(x)
             seen = (pos[None, :] <= q_pos[:, None]) & pos_ok[None, :]
+            if window > 0:
+                seen = seen & (pos[None, :] > q_pos[:, None] - window)
             s = tl.where(seen, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             alpha = tl.exp2(m_i - m_new)
@@ -145,15 +172,20 @@ def _paged_attention_kernel(
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(v_base + block[:, None] * stride_vb + off[:, None] * stride_vs + d[None, :] * stride_vd,
                         mask=kv_mask, other=0.0)
-            if FP8_KIND != 0:
-                v = tc.round_as(tc.fp8_to_f32(v, FP8_KIND) * v_scale, Q_DTYPE)
+            if FP8_KIND != 0:  # v_scale is applied to the accumulator once, after the loop
+                v = _fp8_codes(v, FP8_KIND, NATIVE_FP8, DOT_DTYPE)
             elif KV_CAST:
                 v = tc.round_as(v.to(tl.float32), Q_DTYPE)
             # Probabilities rounded to the model dtype before P @ V, as the reference does.
-            p = tc.round_as(p, Q_DTYPE).to(DOT_DTYPE)
+            if F16_KV:  # noqa: SIM108 (a static branch on a constexpr, kept as a plain if for Triton)
+                p = p.to(DOT_DTYPE)  # float16 holds probabilities more precisely than bfloat16
+            else:
+                p = tc.round_as(p, Q_DTYPE).to(DOT_DTYPE)
             acc = acc * alpha[:, None] + tl.dot(p, v.to(DOT_DTYPE), input_precision=PRECISION)
             m_i = m_new
 
+        if FP8_KIND != 0:
+            acc = acc * v_scale
         if SPLIT:
             pa = part_acc_ptr + split * stride_ps + row[:, None] * stride_pt + head[:, None] * stride_ph
             tl.store(pa + d[None, :] * stride_pd, acc, mask=row_ok[:, None] & d_ok[None, :])
@@ -164,6 +196,19 @@ def _paged_attention_kernel(
             o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
             dst = out_ptr + row[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :] * stride_od
             tl.store(dst, tc.to_dtype(o, Q_DTYPE), mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _fp8_codes(bits, FP8_KIND: tl.constexpr, NATIVE: tl.constexpr, DTYPE: tl.constexpr):
+    """float8 codes (uint8 bits) as DTYPE values, unscaled: exact for bfloat16, float16 and float32. NATIVE uses
+    the hardware conversion (sm_89+); else the integer decode (older archs, the interpreter)."""
+    if NATIVE:
+        if FP8_KIND == 2:
+            return bits.to(tl.float8e5, bitcast=True).to(DTYPE)
+        else:
+            return bits.to(tl.float8e4nv, bitcast=True).to(DTYPE)
+    else:
+        return tc.fp8_to_f32(bits, FP8_KIND).to(DTYPE)
 
 
 @triton.jit
@@ -195,7 +240,7 @@ def _num_splits(device: torch.device, programs: int, max_context: int) -> int:
     sms = tc.sm_count(device)
     if sms == 0:
         return 1  # interpreter / CPU: no occupancy to gain
-    want = triton.cdiv(_PROGRAMS_PER_SM * sms, max(programs, 1))
+    want = (_PROGRAMS_PER_SM * sms) // max(programs, 1)
     return max(1, min(want, triton.cdiv(max_context, _MIN_SPLIT_LEN), _MAX_SPLITS))
 
 
@@ -210,6 +255,8 @@ def paged_attention(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     max_query_len: int | None = None,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
     *,
     num_splits: int | None = None,
 ) -> torch.Tensor:
@@ -234,7 +281,10 @@ def paged_attention(
     rows = _ROWS_DECODE if decode else _ROWS_MIXED_FP32 if fp32 else _ROWS_MIXED
     block_q = max(1, rows // group_pad)
     block_n = _BLOCK_N if block_d <= 128 and not fp32 else _BLOCK_N_SMALL
-    warps = 4 if decode and not fp32 and not fp8 else 8
+    native_fp8 = bool(fp8) and tc.native_fp8(query.device)
+    f16_kv = native_fp8 and query.dtype in (torch.bfloat16, torch.float16)
+    # float8 decoded with integer ops needs the registers of 8 warps; the hardware conversion does not.
+    warps = 4 if decode and not fp32 and (not fp8 or native_fp8) else 8
     tiles = num_seqs if decode else num_tokens // block_q + num_seqs
     if num_splits is None:
         num_splits = _num_splits(query.device, tiles * num_kv_heads, block_tables.shape[1] * block_size)
@@ -250,13 +300,16 @@ def paged_attention(
     _paged_attention_kernel[(tiles, num_kv_heads, num_splits)](
         query, key_cache, value_cache, out, part_acc, part_ml,
         block_tables, seq_lens, query_start_loc,
-        num_seqs, num_splits, scale * _LOG2E, float(k_scale), float(v_scale),
+        num_seqs, num_splits, scale * _LOG2E * (float(k_scale) if fp8 else 1.0), float(k_scale), float(v_scale),
+        int(sliding_window or 0), float(logit_softcap or 0.0),
         *query.stride(), *key_cache.stride(), *value_cache.stride(), *block_tables.stride(), *out.stride(),
         *part_acc.stride(), *part_ml.stride()[:3],
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=group_pad,
         BLOCK_Q=block_q, BLOCK_N=block_n, DECODE=decode, SPLIT=split, FP8_KIND=fp8,
-        KV_CAST=not fp8 and key_cache.dtype != query.dtype, Q_DTYPE=tc.tl_dtype(query.dtype), DOT_DTYPE=dot,
-        PRECISION=tc.dot_precision(dot), num_warps=warps,
+        KV_CAST=not fp8 and key_cache.dtype != query.dtype, Q_DTYPE=tc.tl_dtype(query.dtype),
+        DOT_DTYPE=tl.float16 if f16_kv else dot,
+        PRECISION=tc.dot_precision(dot), NATIVE_FP8=native_fp8, F16_KV=f16_kv, SOFTCAP=logit_softcap is not None,
+        num_warps=warps,
     )
     if split:
         # Grid: one program per (token row, query head): it reads that row's NUM_SPLITS partials (a few KB) and

@@ -129,9 +129,32 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def capability(device: torch.device) -> tuple[int, int]:
+    """(major, minor) of a CUDA device, cached (host-only: safe during CUDA graph capture)."""
+    return _capability(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of `device` (cached: host-only, so it is safe during CUDA graph capture);
     0 on CPU (the interpreter), where occupancy heuristics do not apply."""
     if device.type != "cuda":
         return 0
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def native_fp8(device: torch.device) -> bool:
+    """Whether kernels for `device` may use the hardware's float8 conversions (Triton's float8e4nv/e5m2 casts,
+    sm_89 and later); else they decode the bits with integer ops (`fp8_to_f32`). Never under the interpreter (no
+    float8 arithmetic there). A CPU device outside the interpreter is the compile check's stand-in: the target
+    Triton compiles for decides."""
+    if INTERPRETED:
+        return False
+    if device.type == "cuda":
+        return capability(device) >= (8, 9)
+    target = triton.runtime.driver.active.get_current_target()
+    return isinstance(target.arch, int) and target.arch >= 89

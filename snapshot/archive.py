@@ -26,7 +26,7 @@ from typing import Any, BinaryIO
 
 from keepwarm.snapshot import manifest as mf
 from keepwarm.snapshot.manifest import SnapshotError
-from keepwarm.snapshot.store import CHUNK, Store, file_chunks, fsync_dir
+from keepwarm.snapshot.store import CHUNK, Store, file_chunks, fsync_dir, pipe_hashing
 
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 _BLOB_MEMBER = re.compile(r"blobs/sha256/([0-9a-f]{64})")
@@ -124,6 +124,30 @@ def import_archive(store: Store, path: Path, rename: str | None = None, force: b
             shutil.rmtree(staging, ignore_errors=True)
 
 
+def _take_blob(store: Store, tar: tarfile.TarFile, member: tarfile.TarInfo, digest: str, expected: dict[str, int],
+               received: dict[str, bool], staging: Path) -> None:
+    """Check one blob member against the manifest and stage it (or, already in the store, only check it)."""
+    if digest not in expected:
+        raise SnapshotError(f"blob {digest} in the archive is not named by the snapshot; nothing imported")
+    if digest in received:
+        raise SnapshotError(f"blob {digest} appears twice in the archive; nothing imported")
+    if member.size != expected[digest]:
+        raise SnapshotError(f"blob {digest} has {member.size} bytes in the archive, the manifest "
+                            f"says {expected[digest]}; nothing imported")
+    f = tar.extractfile(member)
+    if store.has_blob(digest, member.size):  # check it anyway: a bad archive is refused whole
+        got, _ = pipe_hashing(file_chunks(f, member.size), None)
+        if got != digest:
+            raise SnapshotError(f"blob {digest} is corrupt in the archive (hashes to {got}); nothing imported")
+        received[digest] = False
+    else:
+        try:
+            store.put_chunks(file_chunks(f, member.size), expect_digest=digest, staging=staging)
+        except SnapshotError as e:
+            raise SnapshotError(f"{e} (in the archive); nothing imported") from None
+        received[digest] = True
+
+
 def _import(store: Store, path: Path, staging: Path, rename: str | None, force: bool) -> ImportResult:
     try:
         raw = open(path, "rb")  # noqa: SIM115
@@ -161,33 +185,10 @@ def _import(store: Store, path: Path, staging: Path, rename: str | None, force: 
                         raise SnapshotError(f"{name} holds snapshot {m['name']!r}; nothing imported")
                     expected = mf.blobs(m)
                 elif bm:
-                    digest = bm.group(1)
                     if m is None:
                         raise SnapshotError("the archive's first file must be the snapshot manifest; nothing "
                                             "imported")
-                    if digest not in expected:
-                        raise SnapshotError(f"blob {digest} in the archive is not named by the snapshot; nothing "
-                                            "imported")
-                    if digest in received:
-                        raise SnapshotError(f"blob {digest} appears twice in the archive; nothing imported")
-                    if member.size != expected[digest]:
-                        raise SnapshotError(f"blob {digest} has {member.size} bytes in the archive, the manifest "
-                                            f"says {expected[digest]}; nothing imported")
-                    f = tar.extractfile(member)
-                    if store.has_blob(digest, member.size):  # check it anyway: a bad archive is refused whole
-                        from keepwarm.snapshot.store import pipe_hashing
-
-                        got, _ = pipe_hashing(file_chunks(f, member.size), None)
-                        if got != digest:
-                            raise SnapshotError(f"blob {digest} is corrupt in the archive (hashes to {got}); "
-                                                "nothing imported")
-                        received[digest] = False
-                    else:
-                        try:
-                            store.put_chunks(file_chunks(f, member.size), expect_digest=digest, staging=staging)
-                        except SnapshotError as e:
-                            raise SnapshotError(f"{e} (in the archive); nothing imported") from None
-                        received[digest] = True
+                    _take_blob(store, tar, member, bm.group(1), expected, received, staging)
                 else:
                     raise SnapshotError(f"unexpected path {member.name!r} in the archive; nothing imported")
         except (tarfile.TarError, EOFError, OSError) as e:

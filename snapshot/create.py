@@ -20,9 +20,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from keepwarm.formats import paths
+from keepwarm.formats.adapter import LoRAError, adapter_digest, read_adapter_dir
 from keepwarm.snapshot import manifest as mf
 from keepwarm.snapshot.manifest import SnapshotError
 from keepwarm.snapshot.store import CHUNK, BlobRef, Store
+from keepwarm.worker.api.config import ConfigError, build_config, load_toml
+from keepwarm.worker.default_model import default_model
 
 DEFAULT_SERVER = "http://127.0.0.1:8000"
 # The model directory's files a server reads besides the weights: config, tokenizer, generation config, chat
@@ -91,19 +95,13 @@ def from_server(url: str, api_key: str | None) -> Source:
 
 
 def from_config(path: str) -> Source:
-    from keepwarm.worker.api.config import ConfigError, build_config, load_toml
     from keepwarm.worker.lora import LoRAError, parse_lora_modules
 
     try:
         config = build_config(load_toml(path), {})
     except ConfigError as e:
         raise SnapshotError(str(e)) from None
-    if config.model is None:
-        from keepwarm.worker.default_model import default_model
-
-        model_dir = default_model()
-    else:
-        model_dir = Path(config.model)
+    model_dir = default_model() if config.model is None else Path(config.model)
     try:
         mods = parse_lora_modules(config.lora_modules) if config.enable_lora else []
     except LoRAError as e:
@@ -192,10 +190,10 @@ def _attach(source: Source, rt: Path | None, preload: bool, say: Say):
         client.close()
     from keepwarm.formats.arena import ArenaManifest
 
-    manifest = ArenaManifest.from_json(reply["manifest"])
-    att = Attachment(manifest, {}, reply["lease_id"], reply.get("origin", "?"), 0.0, True, storage=None,
+    manifest = ArenaManifest.from_json(reply.manifest)
+    att = Attachment(manifest, {}, reply.lease_id, reply.origin, 0.0, True, storage=None,
                      runtime_dir=rt)
-    att.keeper = LeaseKeeper(att, rt, float(reply.get("lease_ttl", 15.0)), quant, dtype)
+    att.keeper = LeaseKeeper(att, rt, reply.lease_ttl, quant, dtype)
     att.keeper.start()
     return att, reply, status
 
@@ -204,8 +202,6 @@ def _attach(source: Source, rt: Path | None, preload: bool, say: Say):
 def capture_adapter(store: Store, a: dict[str, Any], arena_dir: Path | None) -> dict[str, Any]:
     """An adapter's two files as blobs: from its directory when they still are what the server loaded, else from
     the daemon's resident copy of that version."""
-    from keepwarm.formats.adapter import LoRAError, adapter_digest, read_adapter_dir
-
     name, path, want = a["name"], a["path"], a.get("digest")
     config_raw = data = None
     try:
@@ -235,7 +231,6 @@ def capture_adapter(store: Store, a: dict[str, Any], arena_dir: Path | None) -> 
 def create(name: str, *, server: str | None = None, config_path: str | None = None, api_key: str | None = None,
            preload: bool = False, force: bool = False, store: Store | None = None,
            say: Say = lambda s: None) -> CreateResult:
-    from keepwarm.formats import paths
     from keepwarm.snapshot.identity import machine_identity
 
     t0 = time.perf_counter()
@@ -257,9 +252,9 @@ def create(name: str, *, server: str | None = None, config_path: str | None = No
             say(f"capturing {m.model_name} ({m.quantization}/{m.dtype}, {m.total_bytes / 1e6:.1f} MB arena, "
                 f"fingerprint {m.fingerprint[:16]})")
             ti = time.perf_counter()
-            image, layouts = capture_arena(store, reply["manifest"], reply["arena"])
+            image, layouts = capture_arena(store, reply.manifest, reply.arena)
             image_seconds = time.perf_counter() - ti
-            image_manifest = store.put_bytes(reply["manifest"].encode())
+            image_manifest = store.put_bytes(reply.manifest.encode())
         finally:
             att.close()
         files = {p.name: store.put_file(p).ref() for p in model_files(source.model_dir)}

@@ -61,9 +61,3 @@ def machine_identity(daemon_device: str) -> dict[str, Any]:
         ident["gpu"] = {"name": props.name, "uuid": uuid, "capability": f"{props.major}.{props.minor}",
                         "memory_bytes": props.total_memory}
     return ident
-
-
-def describe(ident: dict[str, Any]) -> str:
-    gpu = ident.get("gpu")
-    where = gpu["name"] if gpu else ident.get("cpu", "?")
-    return f"{where} ({' '.join(ident.get('cpu_isa', [])) or 'no ISA flags recorded'})"

@@ -36,6 +36,8 @@ import json
 import re
 from typing import Any
 
+from keepwarm.worker.api.config import ConfigError, from_mapping
+
 SCHEMA = "keepwarm-snapshot"
 SCHEMA_VERSION = 1
 
@@ -99,8 +101,6 @@ def validate(m: Any) -> dict[str, Any]:
         raise SnapshotError("manifest: created_at must be a number")
     if not isinstance(m.get("server_config"), dict):
         raise SnapshotError("manifest: server_config must be a map")
-    from keepwarm.worker.api.config import ConfigError, from_mapping
-
     try:
         from_mapping(m["server_config"], "manifest server_config")
     except ConfigError as e:

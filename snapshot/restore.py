@@ -33,8 +33,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from keepwarm.formats import paths
+from keepwarm.formats.paths import keepwarm_home
 from keepwarm.snapshot.manifest import SnapshotError
 from keepwarm.snapshot.store import Store, fsync_dir, hash_file
+from keepwarm.worker.api.config import ConfigError, ServerConfig, build_config, to_toml
+from keepwarm.worker.default_model import DEFAULT_MODEL_NAME
 
 UNIT = "keepwarm-server.service"
 # Keys restore rewrites in the server config: they name this machine's paths (or the daemon restored into).
@@ -59,14 +63,10 @@ class RestoreResult:
 
 
 def restored_root() -> Path:
-    from keepwarm.formats.paths import keepwarm_home
-
     return keepwarm_home() / "restored"
 
 
 def default_config_path() -> Path:
-    from keepwarm.formats.paths import keepwarm_home
-
     return keepwarm_home() / "server.toml"
 
 
@@ -147,9 +147,6 @@ def _existing_api_key(path: Path) -> str | None:
 def build_server_config(m: dict[str, Any], model_dir: Path, adapter_dirs: dict[str, Path], runtime_dir: Path | None,
                         api_key: str | None) -> dict[str, Any]:
     """The snapshot's config with this machine's paths (see REWRITTEN_KEYS), validated."""
-    from keepwarm.worker.api.config import ConfigError, build_config
-    from keepwarm.worker.default_model import DEFAULT_MODEL_NAME
-
     model = m["models"][0]
     cfg = dict(m["server_config"])
     cfg.pop("api_key", None)
@@ -180,10 +177,6 @@ def build_server_config(m: dict[str, Any], model_dir: Path, adapter_dirs: dict[s
 # -- restore -----------------------------------------------------------------------------------------------------------
 def restore(name: str, *, store: Store | None = None, server_config: str | None = None, restart_server: bool = False,
             api_key: str | None = None, api_key_from_env: bool = False, say: Say = lambda s: None) -> RestoreResult:
-    from keepwarm.daemon.client import DaemonClient, DaemonError, ensure_daemon
-    from keepwarm.formats import paths
-    from keepwarm.worker.api.config import ServerConfig, to_toml
-
     t0 = time.perf_counter()
     store = store or Store()
     with store.lock():
@@ -192,110 +185,33 @@ def restore(name: str, *, store: Store | None = None, server_config: str | None 
         n, nbytes = store.verify(m)
         verify_seconds = time.perf_counter() - t0
         say(f"verified {n} blobs ({nbytes / 1e6:.1f} MB) in {verify_seconds:.2f}s")
-        if len(m["models"]) != 1:
-            raise SnapshotError(f"snapshot {name} holds {len(m['models'])} models; this keepwarm restores one")
-        model = m["models"][0]
-        arena_json = store.read_blob(model["image_manifest"]["digest"]).decode()
-        try:  # only what must match here; the daemon parses and checks the whole manifest (this needs no torch)
-            arena = json.loads(arena_json)
-            arena_ids = (arena["fingerprint"], arena["arena_digest"])
-        except (ValueError, KeyError, TypeError) as e:
-            raise SnapshotError(f"the arena manifest of {model['name']} does not parse: {e}") from None
-        if arena_ids != (model["fingerprint"], model["arena_digest"]):
-            raise SnapshotError(f"snapshot {name}: its arena manifest does not match the model entry "
-                                "(fingerprint or arena_digest differ)")
+        model, arena_json = _arena_manifest(store, name, m)
 
         # 2. up-front checks: the server config's target, the API key, the daemon's device
-        unit = systemd_unit() if restart_server else None
-        if unit is not None and not unit["config"]:
-            raise SnapshotError(f"{UNIT} starts the server without --config, so it would not read a restored "
-                                "config; add --config PATH to its ExecStart (see systemd/README.md)")
-        if server_config is not None:
-            target = Path(server_config).absolute()
-            if unit and unit["config"] and Path(unit["config"]).absolute() != target:
-                raise SnapshotError(f"{UNIT} reads {unit['config']}, not {target}; pass --server-config "
-                                    f"{unit['config']} (or leave it out)")
-        elif unit and unit["config"]:
-            target = Path(unit["config"])
-        else:
-            target = default_config_path()
+        unit, target = _config_target(server_config, restart_server)
         key = api_key or _existing_api_key(target)
         if m["source"].get("api_key_required") and not key and not api_key_from_env:
             raise SnapshotError("the snapshot's server required an API key, which snapshots never store: pass "
                                 "--api-key (or KEEPWARM_API_KEY), keep api_key in the existing server config, or "
                                 "pass --api-key-from-env if the server gets KEEPWARM_API_KEY from its environment")
         rt = paths.runtime_dir()
-        kind = "cpu" if model["device"] == "cpu" else "cuda"
         root = restored_root()
         model_dir = root / model["fingerprint"]
-        adapter_root = root / "adapters"
-        adapter_dirs = {a["digest"]: adapter_root / a["digest"] for a in m["adapters"]}
+        adapter_dirs = {a["digest"]: root / "adapters" / a["digest"] for a in m["adapters"]}
         explicit_rt = bool(m["server_config"].get("runtime_dir")) or bool(os.environ.get("KEEPWARM_RUNTIME_DIR"))
         cfg = build_server_config(m, model_dir, adapter_dirs, rt if explicit_rt else None, key)
         config_text = to_toml(ServerConfig(**cfg))
-
-        client = DaemonClient(rt, timeout=30.0)
-        if client.ping(timeout=2.0) is None:
-            client.close()
-            try:
-                client, _ = ensure_daemon(rt, device=kind)
-            except DaemonError as e:
-                raise SnapshotError(f"no daemon answers at {paths.socket_path(rt)} and starting one failed: "
-                                    f"{e.message}") from None
-            say(f"started a keepwarm daemon ({client.socket_path})")
-        status = client.status()
-        if status["device"].split(":", 1)[0] != kind:
-            client.close()
-            raise SnapshotError(f"the snapshot holds a {kind} arena image of {model['name']} ({model['device']}); "
-                                f"the daemon at {client.socket_path} keeps {status['device']} arenas")
+        client = _daemon_for(rt, model, say)
 
         created: list[Path] = []  # to remove on failure
         loaded_images: list[str] = []
         loaded_adapters: list[str] = []
         try:
             # 3. files
-            root.mkdir(mode=0o755, parents=True, exist_ok=True)
-            staged = root / f".staging-{secrets.token_hex(6)}"
-            created.append(staged)
-            _write_files(store, staged, model["files"])
-            if model.get("tokenizer_files"):
-                _write_files(store, staged / "tokenizer", model["tokenizer_files"])
-            for a in m["adapters"]:
-                final = adapter_dirs[a["digest"]]
-                if _dir_matches(final, a["files"]):
-                    continue
-                tmp = adapter_root / f".staging-{secrets.token_hex(6)}"
-                created.append(tmp)
-                _write_files(store, tmp, a["files"])
-                if final.exists():
-                    _swap_in(tmp, final)  # a damaged earlier copy
-                else:
-                    os.replace(tmp, final)
-                    created.append(final)
-                fsync_dir(adapter_root)
+            staged = _stage_files(store, root, m, adapter_dirs, created)
             # 4. the daemon
-            tl = time.perf_counter()
-            say(f"loading the image of {model['name']} ({model['quantization']}/{model['dtype']}, "
-                f"{model['image']['size'] / 1e6:.1f} MB) into the daemon")
-            try:
-                reply = client.load_image(arena_json, store.blob_path(model["image"]["digest"]))
-            except DaemonError as e:
-                raise SnapshotError(f"the daemon cannot hold the image of {model['name']}: {e.message}") from None
-            if not reply.get("cached"):
-                loaded_images.append(model["fingerprint"])
-            load_seconds = time.perf_counter() - tl
-            say(f"{model['name']}: " + ("already resident, kept as is" if reply.get("cached") else
-                                        f"image loaded in {load_seconds:.2f}s (no re-quantization)"))
-            for a in m["adapters"]:
-                try:
-                    r = client.request("load_adapter", {"path": str(adapter_dirs[a["digest"]])})
-                except DaemonError as e:
-                    raise SnapshotError(f"the daemon refused adapter {a['name']}: {e.message}") from None
-                if r["digest"] != a["digest"]:
-                    raise SnapshotError(f"adapter {a['name']}: the daemon read digest {r['digest'][:16]}, the "
-                                        f"snapshot says {a['digest'][:16]}")
-                if not r.get("cached"):
-                    loaded_adapters.append(a["digest"])
+            load_seconds = _load_into_daemon(client, store, m, arena_json, adapter_dirs, loaded_images,
+                                             loaded_adapters, say)
             # 5. commit
             if not model.get("tokenizer_files") and _dir_matches(model_dir, model["files"]):
                 shutil.rmtree(staged, ignore_errors=True)
@@ -323,6 +239,122 @@ def restore(name: str, *, store: Store | None = None, server_config: str | None 
             say(f"no {UNIT} unit here; start the server with: {command}")
     result.seconds = time.perf_counter() - t0
     return result
+
+
+def _arena_manifest(store: Store, name: str, m: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """The snapshot's one model entry and its arena manifest (JSON), after checking the two agree."""
+    if len(m["models"]) != 1:
+        raise SnapshotError(f"snapshot {name} holds {len(m['models'])} models; this keepwarm restores one")
+    model = m["models"][0]
+    arena_json = store.read_blob(model["image_manifest"]["digest"]).decode()
+    try:  # only what must match here; the daemon parses and checks the whole manifest (this needs no torch)
+        arena = json.loads(arena_json)
+        arena_ids = (arena["fingerprint"], arena["arena_digest"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise SnapshotError(f"the arena manifest of {model['name']} does not parse: {e}") from None
+    if arena_ids != (model["fingerprint"], model["arena_digest"]):
+        raise SnapshotError(f"snapshot {name}: its arena manifest does not match the model entry "
+                            "(fingerprint or arena_digest differ)")
+    return model, arena_json
+
+
+def _config_target(server_config: str | None, restart_server: bool) -> tuple[dict[str, Any] | None, Path]:
+    """(the server's systemd unit if it is to be restarted, the server config file to write)."""
+    unit = systemd_unit() if restart_server else None
+    if unit is not None and not unit["config"]:
+        raise SnapshotError(f"{UNIT} starts the server without --config, so it would not read a restored "
+                            "config; add --config PATH to its ExecStart (see systemd/README.md)")
+    if server_config is not None:
+        target = Path(server_config).absolute()
+        if unit and unit["config"] and Path(unit["config"]).absolute() != target:
+            raise SnapshotError(f"{UNIT} reads {unit['config']}, not {target}; pass --server-config "
+                                f"{unit['config']} (or leave it out)")
+    elif unit and unit["config"]:
+        target = Path(unit["config"])
+    else:
+        target = default_config_path()
+    return unit, target
+
+
+def _daemon_for(rt: Path, model: dict[str, Any], say: Say) -> Any:
+    """A client to the daemon at ``rt`` (started if none answers) that keeps arenas on the model's device kind."""
+    from keepwarm.daemon.client import DaemonClient, DaemonError, ensure_daemon
+    kind = "cpu" if model["device"] == "cpu" else "cuda"
+    client = DaemonClient(rt, timeout=30.0)
+    if client.ping(timeout=2.0) is None:
+        client.close()
+        try:
+            client, _ = ensure_daemon(rt, device=kind)
+        except DaemonError as e:
+            raise SnapshotError(f"no daemon answers at {paths.socket_path(rt)} and starting one failed: "
+                                f"{e.message}") from None
+        say(f"started a keepwarm daemon ({client.socket_path})")
+    status = client.status()
+    if status["device"].split(":", 1)[0] != kind:
+        client.close()
+        raise SnapshotError(f"the snapshot holds a {kind} arena image of {model['name']} ({model['device']}); "
+                            f"the daemon at {client.socket_path} keeps {status['device']} arenas")
+    return client
+
+
+def _stage_files(store: Store, root: Path, m: dict[str, Any], adapter_dirs: dict[str, Path],
+                 created: list[Path]) -> Path:
+    """Write the model's files to a staging directory (returned) and each adapter to its final directory; every
+    path made is appended to ``created`` (removed if the restore fails)."""
+    model = m["models"][0]
+    adapter_root = root / "adapters"
+    root.mkdir(mode=0o755, parents=True, exist_ok=True)
+    staged = root / f".staging-{secrets.token_hex(6)}"
+    created.append(staged)
+    _write_files(store, staged, model["files"])
+    if model.get("tokenizer_files"):
+        _write_files(store, staged / "tokenizer", model["tokenizer_files"])
+    for a in m["adapters"]:
+        final = adapter_dirs[a["digest"]]
+        if _dir_matches(final, a["files"]):
+            continue
+        tmp = adapter_root / f".staging-{secrets.token_hex(6)}"
+        created.append(tmp)
+        _write_files(store, tmp, a["files"])
+        if final.exists():
+            _swap_in(tmp, final)  # a damaged earlier copy
+        else:
+            os.replace(tmp, final)
+            created.append(final)
+        fsync_dir(adapter_root)
+    return staged
+
+
+def _load_into_daemon(client: Any, store: Store, m: dict[str, Any], arena_json: str, adapter_dirs: dict[str, Path],
+                      loaded_images: list[str], loaded_adapters: list[str], say: Say) -> float:
+    """Load the model's arena image and the adapters into the daemon; what it newly loaded is appended to
+    ``loaded_images`` / ``loaded_adapters`` (undone if the restore fails). Returns the image's load time."""
+    from keepwarm.daemon.client import DaemonError
+
+    model = m["models"][0]
+    tl = time.perf_counter()
+    say(f"loading the image of {model['name']} ({model['quantization']}/{model['dtype']}, "
+        f"{model['image']['size'] / 1e6:.1f} MB) into the daemon")
+    try:
+        reply = client.load_image(arena_json, store.blob_path(model["image"]["digest"]))
+    except DaemonError as e:
+        raise SnapshotError(f"the daemon cannot hold the image of {model['name']}: {e.message}") from None
+    if not reply.cached:
+        loaded_images.append(model["fingerprint"])
+    load_seconds = time.perf_counter() - tl
+    say(f"{model['name']}: " + ("already resident, kept as is" if reply.cached else
+                                f"image loaded in {load_seconds:.2f}s (no re-quantization)"))
+    for a in m["adapters"]:
+        try:
+            r = client.load_adapter(adapter_dirs[a["digest"]])
+        except DaemonError as e:
+            raise SnapshotError(f"the daemon refused adapter {a['name']}: {e.message}") from None
+        if r.digest != a["digest"]:
+            raise SnapshotError(f"adapter {a['name']}: the daemon read digest {r.digest[:16]}, the "
+                                f"snapshot says {a['digest'][:16]}")
+        if not r.cached:
+            loaded_adapters.append(a["digest"])
+    return load_seconds
 
 
 def _write_config(store: Store, target: Path, text: str, private: bool) -> None:

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from keepwarm.formats.paths import keepwarm_home
 from keepwarm.snapshot import manifest as mf
 from keepwarm.snapshot.manifest import DIGEST_RE, SnapshotError
 
@@ -36,8 +37,6 @@ CHUNK = 8 << 20
 
 
 def default_root() -> Path:
-    from keepwarm.formats.paths import keepwarm_home
-
     return keepwarm_home() / "store"
 
 

@@ -75,17 +75,20 @@ def _compile_all(quick: bool) -> list[tuple[str, object, dict]]:
     bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
     dtypes = (bf16,) if quick else (bf16, fp16, fp32)
 
-    def attention(hq, hk, d, bs, dtype, cache_dtype, max_query_len, tokens, seqs, width):
+    def attention(hq, hk, d, bs, dtype, cache_dtype, max_query_len, tokens, seqs, width, **window_softcap):
         q = torch.empty(tokens, hq, d, dtype=dtype)
         cache = torch.empty(hk, 64, bs, d, dtype=cache_dtype)
         ta.paged_attention(q, cache, cache, torch.zeros(seqs, width, dtype=torch.int32),
                            torch.ones(seqs, dtype=torch.int32), torch.arange(seqs + 1, dtype=torch.int32), 0.1,
-                           1.0, 1.0, max_query_len)
+                           1.0, 1.0, max_query_len, **window_softcap)
 
     for dtype in dtypes:  # Llama-8B heads: decode (split-KV: 64 programs < 2 per SM), then a mixed batch
         attention(32, 8, 128, 16, dtype, dtype, 1, 32, 32, 256)
         attention(32, 8, 128, 16, dtype, dtype, None, 600, 8, 256)
     attention(32, 8, 128, 32, bf16, torch.float8_e4m3fn, 100, 600, 8, 128)
+    # Gemma 2's local layers: a sliding window with soft-capped scores (head_dim 256), mixed and decode.
+    attention(16, 8, 256, 16, bf16, bf16, None, 600, 8, 256, sliding_window=4096, logit_softcap=50.0)
+    attention(16, 8, 256, 16, bf16, bf16, 1, 32, 32, 256, sliding_window=4096, logit_softcap=50.0)
     if quick:
         attention(32, 8, 128, 16, fp32, fp32, None, 600, 8, 256)  # float32: the FMA dot, smaller tiles
     else:
@@ -110,6 +113,14 @@ def _compile_all(quick: bool) -> list[tuple[str, object, dict]]:
     for scheme, dtype, rows in cases:
         qw = QuantizedWeight.from_parts(*quantize(torch.randn(256, 512), scheme, dtype, "cuda"))
         getattr(tq, f"linear_{scheme}")(torch.empty(rows, 512, dtype=dtype), qw, torch.empty(256, dtype=dtype))
+    for scheme in ("int8", "fp8", "int4"):  # decode tiles as the tile table holds them: GEMV and split-K
+        qw = QuantizedWeight.from_parts(*quantize(torch.randn(256, 2048), scheme, bf16, "cuda"))
+        kind = getattr(tq, f"KIND_{scheme.upper()}")
+        bks = (64, 128) if scheme == "int4" else (128, 256)
+        for tile in [tq.Tile(1, bn, bk, 2, 4, 4) for bn in (32, 64) for bk in bks] + [tq.Tile(16, 64, bks[1], 4)]:
+            tq.launch(torch.empty(1, 2048, dtype=bf16), qw, None, kind, tile)
+            if quick:
+                break
     for dtype in dtypes:
         buf = tlora.lora_shrink(torch.empty(40, 4096, dtype=dtype), torch.empty(3 * 4 * 16, 4096, dtype=dtype),
                                 torch.zeros(40, dtype=torch.int64), 16, 4)

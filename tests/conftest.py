@@ -40,6 +40,30 @@ TINY_MODELS = {
     # A chat template that takes tools (Qwen 2.5's Hermes format), for the tool-calling tests.
     "qwen2_tools": dict(arch="qwen2", tie_word_embeddings=True, num_attention_heads=4, num_key_value_heads=2,
                         chat_template="tools"),
+    # The families of issue 13. Windows of 16 tokens, well below the 70-token prompts of test_engine.
+    # Qwen3: per-head q/k norms, head_dim 32 != hidden / heads (128 / 8), layer 1 of 2 sliding.
+    "qwen3": dict(arch="qwen3", num_attention_heads=8, use_sliding_window=True, sliding_window=16,
+                  max_window_layers=1),
+    "mistral_sw": dict(arch="mistral", sliding_window=16),
+    # Gemma 2: alternating local/global, soft-capped attention and logits, query_pre_attn_scalar != head_dim.
+    "gemma2": dict(arch="gemma2", num_hidden_layers=3, sliding_window=16, query_pre_attn_scalar=24,
+                   attn_logit_softcapping=5.0, final_logit_softcapping=3.0),
+    # Gemma 3: q/k norms, layer_types, a local rope base for sliding layers and linear scaling for global ones.
+    "gemma3": dict(arch="gemma3", num_hidden_layers=3, sliding_window=16, query_pre_attn_scalar=24,
+                   layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                   rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                    "full_attention": {"rope_type": "linear", "factor": 4.0,
+                                                       "rope_theta": 1000000.0}}),
+    # Phi-3: fused qkv / gate_up in the checkpoint; longrope with an original context of 64, so the 64- and
+    # 70-token prompts start long and the 55-token one crosses over while generating.
+    "phi3": dict(arch="phi3", original_max_position_embeddings=64, max_position_embeddings=256,
+                 rope_scaling={"type": "longrope", "short_factor": [1.0 + i / 32 for i in range(16)],
+                               "long_factor": [2.0 + i / 4 for i in range(16)]}),
+    # Mixtral: 4 experts, top-2 renormalised.
+    "mixtral": dict(arch="mixtral", num_local_experts=4, num_experts_per_tok=2, intermediate_size=128),
+    # Qwen3-MoE: 6 experts, top-2 not renormalised, layer 1 of 3 dense (mlp_only_layers).
+    "qwen3_moe": dict(arch="qwen3_moe", num_hidden_layers=3, num_experts=6, num_experts_per_tok=2,
+                      moe_intermediate_size=64, norm_topk_prob=False, mlp_only_layers=[1]),
 }
 
 

@@ -48,7 +48,7 @@ def test_graphs_need_cuda_and_host_sync_free_kernels(monkeypatch: pytest.MonkeyP
 
 
 def test_graph_runner_padding_rules() -> None:
-    model = SimpleNamespace(cos_sin_cache=torch.zeros(100, 8))
+    model = SimpleNamespace(max_position=100)
     runner = CudaGraphRunner(model, None, 16, torch.device("cpu"), batch_sizes=(1, 2, 4, 8))
     assert runner.max_blocks == 7  # ceil(100 / 16): the longest context's blocks
     assert [runner.padded_size(n) for n in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, None]
@@ -183,6 +183,33 @@ def test_quantized_linear_real_sizes(scheme: str, dtype: torch.dtype, monkeypatc
         y = kernels.linear(x, qw, bias)
         assert kernels.select_backend(f"linear_{scheme}", CUDA) == "triton"
         _mm_close(y, quant.linear_reference(x, qw, bias), x, dense, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheme", ["int8", "int4", "fp8"])
+def test_quantized_linear_split_k_real_sizes_and_deterministic(scheme: str) -> None:
+    """Decode tiles with and without split-K at the 8B down projection (K = 14336) match the reference, and a
+    CUDA graph replay gives the same bits as the eager call (the split-K reduction has a fixed order)."""
+    from keepwarm.formats.quant import quantize
+    from keepwarm.kernels import triton_quant as tq
+    from keepwarm.kernels.quant import QuantizedWeight
+
+    w = torch.randn(4096, 14336, device="cuda") * 0.02
+    qw = QuantizedWeight.from_parts(*quantize(w, scheme, torch.bfloat16, "cuda"))
+    dense = qw.dequantize(torch.bfloat16)
+    kind = getattr(tq, f"KIND_{scheme.upper()}")
+    for rows in (1, 16):
+        x = torch.randn(rows, 14336, device="cuda").bfloat16()
+        ref = quant.linear_reference(x, qw)
+        for tile in (tq.Tile(16, 64, 128, 1), tq.Tile(16, 64, 128, 8), tq.Tile(16, 128, 64, 4, 4, 3)):
+            y = tq.launch(x, qw, None, kind, tile)
+            _mm_close(y, ref, x, dense, torch.bfloat16)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                y_graph = tq.launch(x, qw, None, kind, tile)
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(y_graph, y)
 
 
 @pytest.mark.gpu

@@ -8,7 +8,6 @@ from transformers import PreTrainedTokenizerFast
 
 from keepwarm.worker.detokenizer import (
     IncrementalDetokenizer,
-    StopChecker,
     check_stop_strings,
     stop_hold_back,
 )
@@ -132,12 +131,11 @@ def test_earliest_stop_wins() -> None:
 
 def test_stop_split_across_increments() -> None:
     for include, expected in ((False, "Hello world "), (True, "Hello world STOP")):
-        checker = StopChecker(["STOP"], include_stop_str_in_output=include)
         text = ""
         matches = []
         for inc in ["Hello wo", "rld ST", "O", "P more"]:
             text += inc
-            matches.append(checker.check(text, inc))
+            matches.append(check_stop_strings(text, inc, ["STOP"], include_stop_str_in_output=include))
         assert matches[:3] == [None, None, None]
         assert matches[3] is not None and matches[3].text == expected
 
@@ -152,11 +150,10 @@ def test_stop_already_seen_is_not_rematched() -> None:
 def test_stop_with_detokenizer_stream(byte_tok: PreTrainedTokenizerFast) -> None:
     output = byte_tok.encode(" the fox 你好 jumps 🙂 there", add_special_tokens=False)
     detok = IncrementalDetokenizer(byte_tok, byte_tok.encode("hello", add_special_tokens=False))
-    checker = StopChecker(["你好 j"])
     match = None
     for t in output:
         delta = detok.step([t])
-        match = checker.check(detok.output_text, delta)
+        match = check_stop_strings(detok.output_text, delta, ["你好 j"])
         if match:
             break
     assert match is not None and match.text == " the fox "
@@ -166,20 +163,20 @@ def test_hold_back_length() -> None:
     assert stop_hold_back(["STOP", "x"]) == 3
     assert stop_hold_back(["x"]) == 0
     assert stop_hold_back([]) == 0
-    assert StopChecker(["</answer>"]).hold_back == len("</answer>") - 1
+    assert stop_hold_back(["</answer>"]) == len("</answer>") - 1
 
 
 def test_streaming_with_hold_back_never_leaks_stop_prefix() -> None:
-    checker = StopChecker(["<END>", "!!"])
+    stop = ["<END>", "!!"]
     text, streamed = "", ""
     for inc in ["Hi", " there <", "EN", "D", "> tail"]:
         text += inc
-        match = checker.check(text, inc)
+        match = check_stop_strings(text, inc, stop)
         if match:
             text = match.text
             streamed += text[len(streamed):]
             break
-        safe = len(text) - checker.hold_back
+        safe = len(text) - stop_hold_back(stop)
         if safe > len(streamed):
             streamed += text[len(streamed):safe]
         # Nothing streamed may later be cut: no character of the stop string goes out early.

@@ -58,8 +58,13 @@ ENGINE_VARIANTS = {
 }
 
 
-@pytest.mark.parametrize("model_name", ["llama", "llama3_tied", "mistral", "qwen2"])
-@pytest.mark.parametrize("variant", list(ENGINE_VARIANTS))
+NEW_FAMILIES = ["qwen3", "mistral_sw", "gemma2", "gemma3", "phi3", "mixtral", "qwen3_moe"]
+# Every variant for the Llama family; the paths that move KV around (prefix hits, chunks, recompute) for the rest.
+GREEDY_CASES = [(m, v) for m in ["llama", "llama3_tied", "mistral", "qwen2"] for v in ENGINE_VARIANTS] + \
+    [(m, v) for m in NEW_FAMILIES for v in ("prefix_on", "chunked_prefill", "preemption")]
+
+
+@pytest.mark.parametrize(("model_name", "variant"), GREEDY_CASES)
 def test_greedy_matches_transformers(tiny_model_factory, hf_reference, model_name: str, variant: str) -> None:
     kwargs = {"max_model_len": 256, **ENGINE_VARIANTS[variant]}
     llm = LLM(model=tiny_model_factory(model_name), dtype="float32", **kwargs)

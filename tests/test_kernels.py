@@ -115,8 +115,10 @@ def _make_batch(
 
 
 def _oracle(query: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
-            specs: list[tuple[int, int]], scale: float) -> torch.Tensor:
-    """Dense causal attention, one query row at a time, float32 on CPU."""
+            specs: list[tuple[int, int]], scale: float, window: int | None = None,
+            softcap: float | None = None) -> torch.Tensor:
+    """Dense causal attention, one query row at a time, float32 on CPU; with ``window`` a row at position p sees
+    keys p-window+1..p, with ``softcap`` c the scores are c * tanh(s / c)."""
     query = query.float().cpu()
     hq, hk = query.shape[1], keys[0].shape[1]
     out = torch.zeros_like(query)
@@ -126,8 +128,11 @@ def _oracle(query: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Te
         v = values[s].float().repeat_interleave(hq // hk, dim=1)
         for i in range(q_len):
             pos = seq_len - q_len + i
-            scores = torch.einsum("hd,lhd->hl", query[start + i], k[: pos + 1]) * scale
-            out[start + i] = torch.einsum("hl,lhd->hd", scores.softmax(-1), v[: pos + 1])
+            lo = 0 if window is None else max(0, pos - window + 1)
+            scores = torch.einsum("hd,lhd->hl", query[start + i], k[lo: pos + 1]) * scale
+            if softcap is not None:
+                scores = torch.tanh(scores / softcap) * softcap
+            out[start + i] = torch.einsum("hl,lhd->hd", scores.softmax(-1), v[lo: pos + 1])
         start += q_len
     return out
 
@@ -178,6 +183,31 @@ def test_paged_attention_mixed_half(dtype: torch.dtype, device: str) -> None:
     tol = 1.6e-2 if dtype == torch.bfloat16 else 2e-3
     expected = _oracle(b.query, keys, values, specs, 0.125)
     torch.testing.assert_close(out.float().cpu(), expected, atol=tol, rtol=tol)
+
+
+def _poison_outside_windows(b: PagedBatch, window: int) -> None:
+    """Point every table entry wholly before all of a sequence's rows' windows at a huge block id: a kernel that
+    reads such a block fails, so the test proves those blocks could be freed."""
+    block_size = b.key_cache.shape[2]
+    for s, (q_len, seq_len) in enumerate(b.specs):
+        first_visible = max(0, seq_len - q_len - window + 1)
+        b.block_tables[s, : first_visible // block_size] = 2**31 - 1
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("softcap", [None, 5.0])
+@pytest.mark.parametrize(("window", "block_size"), [(1, 8), (7, 8), (16, 16), (33, 16), (200, 32)])
+def test_paged_attention_sliding_window(window: int, block_size: int, softcap: float | None, device: str) -> None:
+    specs = _mixed(seed=window)
+    b = _make_batch(specs, 8, 2, 32, block_size, device=device, seed=window + block_size)
+    _poison_outside_windows(b, window)
+    out = kernels.paged_attention(b.query, b.key_cache, b.value_cache, b.block_tables, b.seq_lens,
+                                  b.query_start_loc, 0.3, max_query_len=9, sliding_window=window,
+                                  logit_softcap=softcap)
+    expected = _oracle(b.query, b.keys, b.values, specs, 0.3, window=window, softcap=softcap)
+    torch.testing.assert_close(out.cpu(), expected, atol=1e-5, rtol=1e-5)
+    if window < 100:  # the window changes the answer: a test that would pass without it proves nothing
+        assert not torch.allclose(expected, _oracle(b.query, b.keys, b.values, specs, 0.3, softcap=softcap))
 
 
 def test_paged_attention_decode_only_and_prefill_only() -> None:

@@ -216,8 +216,10 @@ def _paged_batch(specs: list[tuple[int, int]], hq: int, hk: int, d: int, block_s
 
 
 def _oracle(query: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
-            specs: list[tuple[int, int]], scale: float) -> torch.Tensor:
-    """Dense causal attention in float64, one sequence at a time."""
+            specs: list[tuple[int, int]], scale: float, window: int | None = None,
+            softcap: float | None = None) -> torch.Tensor:
+    """Dense causal attention in float64, one sequence at a time; ``window`` w: a row at position p sees
+    p-w+1..p; ``softcap`` c: scores c * tanh(s / c)."""
     hq, hk = query.shape[1], keys[0].shape[1]
     out, start = [], 0
     for s, (q_len, n) in enumerate(specs):
@@ -225,7 +227,11 @@ def _oracle(query: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Te
         k = keys[s].double().repeat_interleave(hq // hk, dim=1)
         v = values[s].double().repeat_interleave(hq // hk, dim=1)
         scores = torch.einsum("qhd,lhd->hql", q, k) * scale
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         causal = torch.arange(n)[None, :] <= torch.arange(n - q_len, n)[:, None]
+        if window is not None:
+            causal &= torch.arange(n)[None, :] > torch.arange(n - q_len, n)[:, None] - window
         probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)
         out.append(torch.einsum("hql,lhd->qhd", probs, v))
         start += q_len
@@ -274,6 +280,27 @@ def test_paged_attention_fp8_cache(cache_dtype: torch.dtype, dtype: torch.dtype)
     torch.testing.assert_close(out.float(), _oracle(batch[0], batch[6], batch[7], MIXED, 0.125), atol=tol, rtol=tol)
     ref = reference.paged_attention(*batch[:6], 0.125, k_scale, v_scale)
     torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize(("window", "softcap", "max_query_len", "num_splits"),
+                         [(7, None, "max", 1), (16, 5.0, "max", 2), (33, None, 1, 3), (1, 5.0, 1, 1)])
+def test_paged_attention_sliding_window(window: int, softcap: float | None, max_query_len: object,
+                                        num_splits: int) -> None:
+    # Blocks wholly before every row's window point at ids that fault if read: the kernel must skip them.
+    specs = [(1, 100), (1, 40), (1, 5), (1, 64)] if max_query_len == 1 else MIXED
+    batch = _paged_batch(specs, 8, 2, 32, 16, torch.float32, seed=window)
+    tables = batch[3]
+    for s, (q_len, n) in enumerate(specs):
+        tables[s, :max(0, n - q_len - window + 1) // 16] = 2**31 - 1
+    query, k_cache, v_cache, _, seq_lens, qsl, keys, values = batch
+    mql = max(q for q, _ in specs) if max_query_len == "max" else max_query_len
+    out = ta.paged_attention(query, k_cache, v_cache, tables, seq_lens, qsl, 0.3, 1.0, 1.0, mql,
+                             sliding_window=window, logit_softcap=softcap, num_splits=num_splits)
+    expected = _oracle(query, keys, values, specs, 0.3, window=window, softcap=softcap)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    ref = reference.paged_attention(query, k_cache, v_cache, tables, seq_lens, qsl, 0.3, sliding_window=window,
+                                    logit_softcap=softcap)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("num_splits", [None, 2, 3])
@@ -377,6 +404,78 @@ def test_quantized_linear_matches_reference(scheme: str, dtype: torch.dtype) -> 
         _mm_close(y, quant.linear_reference(x, qw, bias), x, dense, dtype)
 
 
+@pytest.mark.parametrize("scheme", ["int8", "fp8", "int4"])
+def test_quantized_linear_split_k_and_tiles(scheme: str) -> None:
+    """Every tile shape the table can hold (MMA tiles and GEMV, block_m 1), with split-K (3 slices over 4 K tiles:
+    a short last slice) and without: the same result as the reference. The CPU has no SM count, so split-K is
+    only reached like this."""
+    g = torch.Generator().manual_seed(3)
+    n, k = 72, 256
+    w = torch.randn(n, k, generator=g) * 0.05
+    qw = QuantizedWeight.from_parts(*quantize(w, scheme, torch.bfloat16, "cuda", group_size=64))
+    dense = qw.dequantize(torch.bfloat16)
+    kind = getattr(tq, f"KIND_{scheme.upper()}")
+    for rows, tile in ((1, tq.Tile(16, 32, 64, 3)), (5, tq.Tile(16, 64, 64, 2)), (20, tq.Tile(32, 16, 128, 1)),
+                       (3, tq.Tile(16, 16, 32, 8)), (1, tq.Tile(1, 32, 64, 3)), (1, tq.Tile(1, 16, 128, 1)),
+                       (2, tq.Tile(1, 64, 32, 2))):  # the last three: the GEMV kernel (one program row per x row)
+        x = torch.randn(rows, k, generator=g).bfloat16()
+        bias = torch.randn(n, generator=g).bfloat16()
+        if scheme == "int4" and tile.block_k > 64:
+            tile = tq.Tile(tile.block_m, tile.block_n, 64, tile.split_k)
+        y = tq.launch(x, qw, bias, kind, tile)
+        _mm_close(y, quant.linear_reference(x, qw, bias), x, dense, torch.bfloat16)
+
+
+def test_fp8_per_channel_scale() -> None:
+    """A per-output-channel fp8 scale (pre-quantized checkpoints) is applied per row of W, by both paths' math."""
+    g = torch.Generator().manual_seed(4)
+    n, k = 48, 128
+    w = torch.randn(n, k, generator=g) * torch.linspace(0.01, 1.0, n)[:, None]
+    scale = w.abs().amax(1) / 448.0
+    meta, _ = quantize(w, "fp8", torch.bfloat16, "cuda")
+    # Built directly: from_parts checks the [1]-shaped per-tensor scale of today's layout.
+    qw = QuantizedWeight(meta, {"qweight": (w / scale[:, None]).to(FP8), "scale": scale})
+    dense = (qw.parts["qweight"].float() * scale[:, None]).bfloat16()
+    x = torch.randn(5, k, generator=g).bfloat16()
+    y = tq.launch(x, qw, None, tq.KIND_FP8, tq.Tile(16, 16, 64, 2))
+    _mm_close(y, x.float() @ dense.float().t(), x, dense, torch.bfloat16)
+
+
+def test_tile_table_lookup(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Shape row, then the kind and M range's '*' row, then the built-in heuristic; int4 K tiles stay in a group."""
+    table = {"tiles": {"int4": {"1": {"4096x4096": [16, 128, 256, 4, 4, 4], "*": [16, 32, 64, 2, 4, 3]}},
+                       "int8": {"64": {"*": [64, 64, 128, 1, 4, 3]}}},
+             "fp8_scaled_mm_min_rows": 48}
+    monkeypatch.setattr(tq, "load_table", lambda path=None: table)
+    cpu = torch.device("cpu")
+    assert tq.m_bucket(1) == 1 and tq.m_bucket(2) == 16 and tq.m_bucket(17) == 64 and tq.m_bucket(10**6) == 256
+    t = tq.choose_tile(tq.KIND_INT4, 1, 4096, 4096, 128, False, cpu)
+    assert (t.block_n, t.block_k, t.split_k) == (128, 128, 4)  # 256 legalised to the group of 128
+    assert tq.choose_tile(tq.KIND_INT4, 1, 6144, 4096, 128, False, cpu).block_n == 32  # '*'
+    assert tq.choose_tile(tq.KIND_INT8, 40, 6144, 4096, 0, False, cpu) == tq.Tile(64, 64, 128, 1, 4, 3)
+    assert tq.choose_tile(tq.KIND_INT8, 1, 6144, 4096, 0, False, cpu) == tq._default_tile(
+        tq.KIND_INT8, 1, 6144, 4096, 0)  # no row at all
+    assert tq.fp8_min_rows() == 48
+    assert tq.table_arch({"device": "NVIDIA H200"}) == 9 and tq.table_arch({"capability": [8, 0]}) == 8
+    assert tq.table_arch({"device": "none (smoke run)"}) is None
+    # Per shape, from the table's timings: the smallest timed M from which _scaled_mm won at every larger one.
+    table["timings_us"] = {"fp8": {"16": {"64x128": {"best_us": 5.0, "scaled_mm_us": 4.0}},
+                                   "64": {"64x128": {"best_us": 5.0, "scaled_mm_us": 6.0},
+                                          "32x128": {"best_us": 5.0, "scaled_mm_us": 6.0}},
+                                   "256": {"64x128": {"best_us": 9.0, "scaled_mm_us": 8.0},
+                                           "32x128": {"best_us": 5.0, "scaled_mm_us": 6.0}}}}
+    assert tq.fp8_min_rows(64, 128) == 256  # won at 16, lost at 64: not from 16
+    assert tq.fp8_min_rows(32, 128) == 512  # never won: past the largest timed M
+    assert tq.fp8_min_rows(48, 128) == 48  # not timed: the all-shapes value
+
+
+def test_default_tile_splits_k_only_to_fill_the_gpu() -> None:
+    small_n = tq._default_tile(tq.KIND_INT8, 1, 4096, 14336, 132)  # 64 tiles of N: split to fill 132 SMs
+    wide_n = tq._default_tile(tq.KIND_INT8, 1, 28672, 4096, 132)  # 448 tiles: no split
+    assert small_n.split_k > 1 and wide_n.split_k == 1
+    assert tq._default_tile(tq.KIND_INT8, 1, 4096, 14336, 0).split_k == 1  # interpreter: no SMs to fill
+
+
 def test_int4_cpu_layout_falls_back_to_reference() -> None:
     from keepwarm.formats.quant import cpu_int4_layout
 
@@ -405,6 +504,20 @@ def test_fp8_path_selection(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(tq.FP8_MATMUL_ENV, "fast")
     with pytest.raises(ValueError, match=tq.FP8_MATMUL_ENV):
         tq.fp8_path(big, qw, hopper)
+
+
+def test_quantize_rows_kernel_matches_torch_bit_for_bit() -> None:
+    """The one-launch per-token fp8 quantization feeding _scaled_mm equals the torch expression exactly: same
+    scales, same codes (an all-zero row, values that saturate, K not a multiple of the kernel's block)."""
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(4, 1500, generator=g) * torch.tensor([1e-3, 1.0, 30.0, 1.0])[:, None]).bfloat16()
+    x[0] = 0
+    codes, scale = tq.quantize_rows(x)
+    xf = x.float()
+    want_scale = (xf.abs().amax(dim=1, keepdim=True) / 448.0).clamp(min=1e-12)
+    want = (xf / want_scale).clamp(-448, 448).to(FP8)
+    assert torch.equal(scale, want_scale)
+    assert torch.equal(codes.view(torch.uint8), want.view(torch.uint8))
 
 
 def test_fp8_scaled_mm_is_w8a8() -> None:

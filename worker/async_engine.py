@@ -11,11 +11,21 @@ length, model directory, where the weights came from) are read directly.
 
 Torch releases the GIL inside its kernels, so HTTP keeps flowing while a step runs. A request whose consumer goes
 away (client disconnect, cancelled task) is aborted and its KV blocks freed.
+
+Failures (rule): a request the engine fails alone (``RequestOutput.error``) raises :class:`RequestFailed` in its
+consumer; the others go on. If the engine itself dies (:class:`EngineDeadError` or anything else escaping a
+step), every waiting consumer gets a ``RuntimeError``, :attr:`running` turns False and ``on_fatal`` is called once
+(the server exits non-zero so its supervisor restarts it: never a process that answers 503 forever).
+
+Request ids (rule): the engine keys requests by an internal id this class makes (a counter), never by the client's
+``request_id``, so two clients that pick the same id cannot collide, probe or block each other (vLLM keeps its own
+internal id the same way).
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import queue
 import threading
@@ -24,7 +34,7 @@ from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from keepwarm.worker.engine import LLMEngine, RequestError
+from keepwarm.worker.engine import LLMEngine, RequestError, RequestFailed
 from keepwarm.worker.lora import LoRAAdapter
 from keepwarm.worker.outputs import RequestOutput
 from keepwarm.worker.sampling_params import SamplingParams
@@ -144,8 +154,11 @@ class AsyncEngine:
     thread and stepped in another runs 1.6-1.8x slower per step (32 vs 19 ms on SmolLM2; OpenMP thread teams are
     per master thread), while one built and stepped in the same thread runs at full speed."""
 
-    def __init__(self, engine_factory: Callable[[], LLMEngine]) -> None:
+    def __init__(self, engine_factory: Callable[[], LLMEngine],
+                 on_fatal: Callable[[BaseException], None] | None = None) -> None:
         self.engine: LLMEngine | None = None
+        self.on_fatal = on_fatal
+        self._ids = itertools.count()
         self._factory = engine_factory
         self._ready = threading.Event()
         self._commands: queue.Queue[_Add | _Abort | _Call] = queue.Queue()
@@ -187,17 +200,18 @@ class AsyncEngine:
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        prompt: str | None = None, cache_salt: str | None = None,
                        lora: Any = None) -> AsyncGenerator[RequestOutput, None]:
-        """Stream the request's outputs (cumulative); raises RequestError for a request the engine refuses."""
+        """Stream the request's outputs (cumulative); raises RequestError for a request the engine refuses and
+        RequestFailed for one that failed inside it. ``request_id`` is the caller's label (logs, outputs); the
+        engine runs it under an internal id of its own, unique in this process."""
         if not self._accepting:
             raise RequestError("the server is shutting down")
         if not self.running:
             raise RuntimeError(f"the engine is not running: {self.errored}")
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        internal = f"{request_id}~{next(self._ids)}"
         with self._lock:
-            if request_id in self._streams:
-                raise RequestError(f"request id {request_id!r} is already in use")
-            self._streams[request_id] = stream
-        self._commands.put(_Add(request_id, prompt_token_ids, params, prompt, cache_salt, lora))
+            self._streams[internal] = stream
+        self._commands.put(_Add(internal, prompt_token_ids, params, prompt, cache_salt, lora))
         self._wake.set()
         finished = False
         try:
@@ -205,15 +219,19 @@ class AsyncEngine:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
                     raise item
+                if item.error is not None:
+                    finished = True
+                    raise RequestFailed(f"request {request_id} failed inside the engine: {item.error}")
+                item.request_id = request_id
                 yield item
                 if item.finished:
                     finished = True
                     return
         finally:
             with self._lock:
-                self._streams.pop(request_id, None)
+                self._streams.pop(internal, None)
             if not finished:
-                self.abort(request_id)
+                self.abort(internal)
 
     def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
@@ -281,12 +299,14 @@ class AsyncEngine:
                     self._deliver(out.request_id, out)
                 self._take_snapshot(engine)
         except BaseException as e:  # the engine died: fail every waiting request rather than hang them
-            log.exception("engine loop failed")
+            log.critical("the engine cannot go on: %s: %s", type(e).__name__, e, exc_info=e)
             self.errored = e
             with self._lock:
                 ids = list(self._streams)
             for rid in ids:
                 self._deliver(rid, RuntimeError(f"engine failed: {e}"))
+            if self.on_fatal is not None:
+                self.on_fatal(e)
 
     def _take_snapshot(self, e: LLMEngine) -> None:
         bm = e.block_manager

@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from keepwarm.daemon.checkpoint import tensors_from_buffer
 from keepwarm.daemon.client import DaemonClient, DaemonError, ProgressCallback
 from keepwarm.formats.arena import (
     ArenaManifest,
@@ -23,14 +28,14 @@ from keepwarm.formats.arena import (
 from keepwarm.formats.quant import LAYOUT_MKLDNN_PACKED, QuantMeta
 from keepwarm.kernels.cpu_packed import PackedWeight
 from keepwarm.kernels.quant import QuantizedWeight
-from keepwarm.worker.lora import LoRAAdapter
+from keepwarm.worker.lora import LoRAAdapter, LoRAError, build_adapter
 
 log = logging.getLogger("keepwarm.worker")
 
 
 @dataclass
 class Attachment:
-    """Weights viewed in place in the daemon's arena, held under a lease that a background thread renews."""
+    """Weights viewed in place in the daemon's arena, held under a lease that a keeper process renews."""
 
     manifest: ArenaManifest
     tensors: dict[str, Any]
@@ -79,8 +84,8 @@ def attach_weights(model: str, quantization: str = "none", dtype: str = "auto", 
     t0 = time.perf_counter()
     with DaemonClient(runtime_dir) as client:
         reply = client.attach(model, quantization, dtype, fingerprint, preload=preload, on_event=on_event)
-    manifest = ArenaManifest.from_json(reply["manifest"])
-    arena = reply["arena"]
+    manifest = ArenaManifest.from_json(reply.manifest)
+    arena = reply.arena
     storage: CpuArenaFile | torch.Tensor
     if arena["kind"] == "cpu":
         storage = CpuArenaFile.open_readonly(Path(arena["path"]), arena["size"])
@@ -89,93 +94,117 @@ def attach_weights(model: str, quantization: str = "none", dtype: str = "auto", 
         flat = storage = CudaArena.import_handle(arena)
     tensors = model_tensors(manifest, flat)
     seconds = time.perf_counter() - t0
-    att = Attachment(manifest, tensors, reply["lease_id"], reply.get("origin", "?"), seconds,
-                     cached="progress" not in str(reply), storage=storage, runtime_dir=runtime_dir)
+    att = Attachment(manifest, tensors, reply.lease_id, reply.origin, seconds, cached=reply.cached,
+                     storage=storage, runtime_dir=runtime_dir)
     if keep_lease:
-        att.keeper = LeaseKeeper(att, runtime_dir, float(reply.get("lease_ttl", 15.0)), quantization, dtype)
+        att.keeper = LeaseKeeper(att, runtime_dir, reply.lease_ttl, quantization, dtype)
         att.keeper.start()
+        # An attachment dropped without close() (an LLM never closed) stops its keeper and detaches when it is
+        # collected, as the lease thread's end did before: a keeper is a process, not to be left behind.
+        weakref.finalize(att, att.keeper.stop, True)
     log.info("attached %s from the daemon (lease %s, fingerprint %s, %.1f MB) in %.3fs", manifest.model_name,
              att.lease_id, manifest.fingerprint[:16], manifest.total_bytes / 1e6, seconds)
     return att
 
 
-class LeaseKeeper(threading.Thread):
-    """Renews the lease every ``ttl / 3`` seconds. When the daemon answers ``unknown_lease`` (it restarted, or
-    dropped us), it attaches again by fingerprint to get a new lease. A CPU arena we view stays valid either way (a
-    mapped tmpfs file outlives its creator); a CUDA arena does not survive its daemon, so a CUDA worker whose
-    daemon died must be restarted."""
+class LeaseKeeper:
+    """Keeps the lease renewed from a child process (``keepwarm.worker.lease_keeper``: a thread here could be
+    starved by native code holding the GIL). It re-attaches by fingerprint when the daemon answers
+    ``unknown_lease`` (it restarted, or dropped us); a reader thread mirrors the keeper's events here
+    (``renewals``, ``reattaches``, ``att.lease_id``). A CPU arena we view stays valid either way (a mapped tmpfs
+    file outlives its creator); a CUDA arena does not survive its daemon, so a CUDA worker whose daemon died must
+    be restarted."""
 
     def __init__(self, att: Attachment, runtime_dir: Path | None, ttl: float, quantization: str, dtype: str) -> None:
-        super().__init__(name="keepwarm-lease", daemon=True)
-        self.att = att
+        # Weak: the keeper must not keep its attachment alive (see the finalizer in attach()).
+        self._att = weakref.ref(att)
+        self.model = att.manifest.model
+        self.fingerprint = att.fingerprint
+        self.lease_id = att.lease_id
         self.runtime_dir = runtime_dir
+        self.ttl = ttl
         self.interval = max(0.2, ttl / 3)
         self.quantization = quantization
         self.dtype = dtype
-        self._stopped = threading.Event()
         self.renewals = 0
         self.reattaches = 0
+        self._proc: subprocess.Popen | None = None
+        self._reader: threading.Thread | None = None
 
-    def run(self) -> None:
-        client = DaemonClient(self.runtime_dir, timeout=max(1.0, self.interval))
-        try:
-            while not self._stopped.wait(self.interval):
-                try:
-                    client.heartbeat(self.att.lease_id)
-                    self.renewals += 1
-                except DaemonError as e:
-                    if e.code == "unknown_lease":
-                        self._reattach(client)
-                    else:
-                        log.warning("lease %s: cannot renew: %s", self.att.lease_id, e.message)
-        finally:
-            client.close()
+    def start(self) -> None:
+        cmd = [sys.executable, "-m", "keepwarm.worker.lease_keeper", str(self.runtime_dir or ""), self.lease_id,
+               str(os.getpid()), repr(self.ttl), self.model, self.quantization, self.dtype, self.fingerprint]
+        # Its own session: a Ctrl-C meant for the worker must not end the keeper before the worker detaches.
+        self._proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
+                                      close_fds=True, start_new_session=True)
+        self._reader = threading.Thread(target=self._read, name="keepwarm-lease", daemon=True)
+        self._reader.start()
 
-    def _reattach(self, client: DaemonClient) -> None:
-        try:
-            reply = client.attach(self.att.manifest.model, self.quantization, self.dtype,
-                                  fingerprint=self.att.fingerprint, preload=False)
-        except DaemonError as e:
-            log.warning("lease %s lost and re-attach failed (%s); the weights stay mapped", self.att.lease_id,
-                        e.message)
-            return
-        log.info("lease %s lost (daemon restarted?); re-attached with lease %s", self.att.lease_id,
-                 reply["lease_id"])
-        self.att.lease_id = reply["lease_id"]
-        self.reattaches += 1
+    def _read(self) -> None:
+        assert self._proc is not None and self._proc.stdout is not None
+        for line in self._proc.stdout:
+            event, _, rest = line.strip().partition(" ")
+            if event == "renewed":
+                self.renewals += 1
+            elif event == "lease":
+                log.info("lease %s lost (daemon restarted?); re-attached with lease %s", self.lease_id, rest)
+                self.lease_id = rest
+                att = self._att()
+                if att is not None:
+                    att.lease_id = rest
+                self.reattaches += 1
+            elif event == "warn":
+                log.warning("%s", rest)
+
+    def is_alive(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
 
     def stop(self, detach: bool = True) -> None:
-        self._stopped.set()
-        self.join(timeout=5)
-        if detach:
-            try:
-                with DaemonClient(self.runtime_dir, timeout=2.0) as client:
-                    client.detach(self.att.lease_id)
-            except DaemonError as e:
-                log.info("detach of lease %s: %s", self.att.lease_id, e.message)
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        if proc.poll() is not None:  # the keeper is gone (killed?): detach from here
+            log.warning("lease keeper of %s exited (%s) before the worker", self.lease_id, proc.returncode)
+            if detach:
+                try:
+                    with DaemonClient(self.runtime_dir, timeout=2.0) as client:
+                        client.detach(self.lease_id)
+                except DaemonError as e:
+                    log.info("detach of lease %s: %s", self.lease_id, e.message)
+            return
+        try:
+            assert proc.stdin is not None
+            proc.stdin.write("stop detach\n" if detach else "stop keep\n")
+            proc.stdin.close()
+        except (BrokenPipeError, ValueError, OSError):
+            pass
+        try:
+            proc.wait(timeout=5 + self.interval)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        if self._reader is not None:
+            self._reader.join(timeout=5)
 
 
 def attach_adapter(name: str, path: str, model_config, max_lora_rank: int, dtype: torch.dtype,
                    attachment: Attachment | None) -> LoRAAdapter:
     """Get ``path``'s adapter from the daemon (it reads the files only if it does not hold them already), view it
     in shared memory and check it against the model. Raises LoRAError naming the cause."""
-    from keepwarm.daemon.checkpoint import tensors_from_buffer
-    from keepwarm.worker.lora import LoRAError, build_adapter
-
     runtime_dir = attachment.runtime_dir if attachment is not None else None
     try:
         with DaemonClient(runtime_dir) as client:
-            reply = client.request("load_adapter", {"path": str(path)})
+            reply = client.load_adapter(path)
     except DaemonError as e:
         raise LoRAError(e.message) from None
-    storage = CpuArenaFile.open_readonly(Path(reply["data_file"]), reply["size"])
+    storage = CpuArenaFile.open_readonly(Path(reply.data_file), reply.size)
     try:
         tensors = tensors_from_buffer(storage.flat)
     except ValueError as e:
         raise LoRAError(f"adapter {name!r}: {e}") from None
-    adapter = build_adapter(name, reply["path"], reply["digest"], reply["config_json"], tensors, model_config,
+    adapter = build_adapter(name, reply.path, reply.digest, reply.config_json, tensors, model_config,
                             max_lora_rank, source="daemon")
     adapter.storage = storage  # keeps the mapping alive while the adapter's tensors view it
-    log.info("adapter %s attached from the daemon (%s, rank %d, digest %s%s)", name, reply["path"], adapter.rank,
-             adapter.digest[:16], ", already resident" if reply["cached"] else "")
+    log.info("adapter %s attached from the daemon (%s, rank %d, digest %s%s)", name, reply.path, adapter.rank,
+             adapter.digest[:16], ", already resident" if reply.cached else "")
     return adapter

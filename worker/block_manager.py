@@ -350,8 +350,8 @@ class BlockManager:
     def _block_hashes(self, seq: Sequence, num_blocks: int) -> list[BlockHash]:
         """Hashes of the sequence's first ``num_blocks`` full blocks, extending the per-sequence list."""
         hashes = self._seq_hashes.setdefault(seq.seq_id, [])
-        # The salt goes into every block's key, not only the first: a cheap guard on top of the chaining.
-        extra = (seq.cache_salt,) if seq.cache_salt is not None else None
+        # Salt and adapter go into every block's key, not only the first: a cheap guard on top of the chaining.
+        extra = seq.block_hash_extra
         tokens = seq.all_token_ids
         bs = self.block_size
         for i in range(len(hashes), num_blocks):

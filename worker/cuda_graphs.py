@@ -29,7 +29,7 @@ import logging
 import torch
 
 from keepwarm import kernels
-from keepwarm.worker.models.llama import AttentionMetadata, KVCache
+from keepwarm.worker.models.llama import AttentionMetadata, KVCache, LlamaForCausalLM
 
 log = logging.getLogger("keepwarm.worker")
 
@@ -54,13 +54,13 @@ def graphs_supported(device: torch.device) -> str | None:
 class CudaGraphRunner:
     """Captured decode forwards of one model and KV cache, one per padded batch size."""
 
-    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, block_size: int, device: torch.device,
+    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, block_size: int, device: torch.device,
                  batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES, max_position: int | None = None) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
         self.batch_sizes = tuple(sorted(set(batch_sizes)))
-        max_position = max_position or int(model.cos_sin_cache.shape[0])
+        max_position = max_position or model.max_position
         self.max_blocks = -(-max_position // block_size)
         n = self.batch_sizes[-1]
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)

@@ -109,15 +109,3 @@ def check_stop_strings(output_text: str, new_text: str, stop: Sequence[str],
     idx, s = best
     end = base + idx + (len(s) if include_stop_str_in_output else 0)
     return StopMatch(stop_str=s, text=output_text[:end])
-
-
-class StopChecker:
-    """Stop strings of one request: ``check`` per increment, ``hold_back`` for streaming."""
-
-    def __init__(self, stop: Sequence[str], include_stop_str_in_output: bool = False) -> None:
-        self.stop = list(stop)
-        self.include_stop_str_in_output = include_stop_str_in_output
-        self.hold_back = stop_hold_back(self.stop)
-
-    def check(self, output_text: str, new_text: str) -> StopMatch | None:
-        return check_stop_strings(output_text, new_text, self.stop, self.include_stop_str_in_output)

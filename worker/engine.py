@@ -3,6 +3,12 @@
 ``step()`` = schedule -> model runner forward -> sample -> append tokens, detokenize, check stops -> free
 finished sequences. The offline ``LLM`` drives it in a loop; the API server drives it from a thread beside
 its event loop.
+
+Isolation (rules): an exception tied to one request (its sampling row, its detokenization, stop checks, prompt
+logprobs, its output) fails that request alone: its sequences are aborted (KV blocks freed), one log line names
+the request id, and ``step()`` returns a final output for it with ``error`` set; the other requests go on. An
+exception in what the whole batch shares (scheduling, the forward pass) means the engine cannot go on: it is
+raised as :class:`EngineDeadError` and the caller must stop using the engine (the server exits non-zero).
 """
 
 from __future__ import annotations
@@ -43,12 +49,22 @@ class RequestError(ValueError):
     """A request the engine cannot take (e.g. longer than ``max_model_len``); maps to an HTTP 400."""
 
 
+class RequestFailed(RuntimeError):
+    """A request the engine took failed inside it (an internal error tied to that request alone); maps to a 500."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine failed in a step shared by every request and cannot go on."""
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Engine settings, with vLLM's names and meanings."""
 
     model: str
     tokenizer: str | None = None
+    # vLLM's option: no tokenizer files are read; prompts are token ids and outputs carry ids only (text "").
+    skip_tokenizer_init: bool = False
     dtype: str = "auto"
     max_model_len: int | None = None
     max_num_seqs: int = 256
@@ -112,7 +128,10 @@ class LLMEngine:
         mc = self.model_config = load_model_config(self._model_dir)
         self.dtype = mc.dtype if config.dtype == "auto" else parse_dtype(config.dtype)
         self.max_model_len = self._resolve_max_model_len(config, mc)
-        self.tokenizer = self._load_tokenizer(config.tokenizer or config.model)
+        # longrope: sequences longer than this use the long factors (None: the model has no longrope).
+        self._long_rope_after = mc.rope.original_max_position_embeddings if mc.rope.rope_type == "longrope" \
+            else None
+        self.tokenizer = None if config.skip_tokenizer_init else self._load_tokenizer(config.tokenizer or config.model)
         torch.manual_seed(config.seed)
 
         self.loaded = loaded or load_model(
@@ -132,6 +151,9 @@ class LLMEngine:
         self.loras: dict[str, LoRAAdapter] = {}
         self.lora_manager = None
         if config.enable_lora:
+            if mc.family == "moe":
+                raise ModelConfigError(f"LoRA is not supported for {mc.architecture} (experts have no PEFT "
+                                       "projections keepwarm maps; supported: the Llama and Gemma families)")
             self.lora_manager = LoRAManager(self.loaded.model, mc, config.max_loras, config.max_lora_rank,
                                             self.dtype, self.device)
         budget = config.max_num_batched_tokens or max(2048, config.block_size)
@@ -156,15 +178,11 @@ class LLMEngine:
     @staticmethod
     def _resolve_max_model_len(config: EngineConfig, mc) -> int:
         limit = mc.max_position_embeddings
-        if mc.sliding_window is not None and mc.sliding_window < limit:
-            # Within the window, full attention equals sliding-window attention; beyond it we would differ.
-            log.info("capping max_model_len at the model's sliding window (%d)", mc.sliding_window)
-            limit = mc.sliding_window
         if config.max_model_len is None:
             return limit
         if config.max_model_len > limit:
             raise ModelConfigError(f"max_model_len {config.max_model_len} exceeds the model's limit of {limit} "
-                                   "(max_position_embeddings or sliding window)")
+                                   "(max_position_embeddings)")
         if config.max_model_len < 2:
             raise ModelConfigError("max_model_len must be at least 2")
         return config.max_model_len
@@ -241,8 +259,6 @@ class LLMEngine:
                 raise RequestError("LoRA is not enabled (--enable-lora)")
             if lora.unloading or self.loras.get(lora.name) is not lora:
                 raise RequestError(f"adapter {lora.name!r} is being unloaded")
-            # Prefix-cache blocks are keyed by the adapter's content: two adapters never share KV blocks.
-            cache_salt = f"{cache_salt or ''}lora:{lora.digest}"
         n = len(prompt_token_ids)
         if n == 0:
             raise RequestError("the prompt is empty")
@@ -256,6 +272,8 @@ class LLMEngine:
         if isinstance(params.structured, StructuredOutputs):
             # The offline API hands the spec; the HTTP front end compiles ahead, off the engine thread.
             params = dataclasses.replace(params, structured=self.grammar_compiler.compile(params.structured))
+        if self.tokenizer is None and params.stop:
+            raise RequestError("stop strings need a tokenizer (the engine runs with skip_tokenizer_init)")
         if not params.ignore_eos:
             params.eos_token_ids = self.eos_token_ids
         now = time.monotonic()
@@ -268,9 +286,11 @@ class LLMEngine:
                 p.eos_token_ids = params.eos_token_ids
             seq = Sequence(f"{request_id}#{i}", prompt_token_ids, p, cache_salt=cache_salt, arrival_time=now,
                            lora=lora)
+            if self._long_rope_after is not None and n > self._long_rope_after:
+                self._use_long_rope(seq)
             seqs.append(seq)
             detoks.append(IncrementalDetokenizer(self.tokenizer, prompt_token_ids, p.skip_special_tokens)
-                          if p.detokenize else None)
+                          if p.detokenize and self.tokenizer is not None else None)
         req = _Request(request_id, prompt, seqs, detoks, [""] * len(seqs), RequestMetrics(now))
         self._requests[request_id] = req
         for seq in seqs:
@@ -281,7 +301,7 @@ class LLMEngine:
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
         ids = set(self.model_config.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None:
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)
         return tuple(sorted(ids))
 
@@ -308,12 +328,54 @@ class LLMEngine:
 
     # -- the step ----------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        batch = self.scheduler.schedule()
+        try:
+            batch = self.scheduler.schedule()
+        except Exception as e:
+            raise EngineDeadError(f"scheduling failed: {type(e).__name__}: {e}") from e
         if not batch:
             return []
         self.stats.steps += 1
-        # Which flattened token rows need logits: each sequence's last row when it samples, and every prompt
-        # row of a chunk whose prompt logprobs were asked for.
+        token_rows, sample_index, sampled_seqs, prompt_rows = self._rows(batch)
+        try:
+            logits = self.runner.execute(batch, token_rows)
+        except Exception as e:
+            raise EngineDeadError(f"the forward pass failed: {type(e).__name__}: {e}") from e
+        failed: dict[str, tuple[_Request, BaseException]] = {}
+        if prompt_rows:
+            self._record_prompt_logprobs(logits, prompt_rows, failed)
+        self.scheduler.advance(batch)
+        outputs: list[RequestOutput] = []
+        if sampled_seqs:
+            logits = logits[torch.tensor(sample_index)] if len(sample_index) != len(token_rows) else logits
+            sampled = self._sample_isolated(logits, sampled_seqs, failed)
+            touched: dict[str, _Request] = {}
+            now = time.monotonic()
+            for seq, (token, lp) in sampled:
+                req = self._seq_to_request.get(seq.seq_id)
+                if req is None or req.request_id in failed:
+                    continue
+                try:
+                    seq.append_token(token, lp)
+                    if seq.first_token_time is None:
+                        seq.first_token_time = now
+                    self.stats.generation_tokens += 1
+                    touched[req.request_id] = req
+                    self._process_token(req, seq, token)
+                except Exception as e:  # noqa: BLE001 - this request's fault alone
+                    failed[req.request_id] = (req, e)
+            for rid, req in touched.items():
+                if rid in failed:
+                    continue
+                try:
+                    outputs.append(self._make_output(req))
+                except Exception as e:  # noqa: BLE001
+                    failed[rid] = (req, e)
+        outputs += [self._fail_request(req, e) for req, e in failed.values()]
+        return outputs
+
+    def _rows(self, batch) -> tuple[list[int], list[int], list[Sequence], list[tuple[Sequence, int, int, int]]]:
+        """Which flattened token rows need logits: each sequence's last row when it samples, and every prompt
+        row of a chunk whose prompt logprobs were asked for."""
         token_rows: list[int] = []
         sample_index: list[int] = []  # into token_rows, one per sampling sequence
         sampled_seqs: list[Sequence] = []
@@ -334,40 +396,68 @@ class LLMEngine:
                     token_rows.append(row + n - 1)
                 sampled_seqs.append(seq)
             row += n
-        logits = self.runner.execute(batch, token_rows)
-        if prompt_rows:
-            self._record_prompt_logprobs(logits, prompt_rows)
-        self.scheduler.advance(batch)
-        if not sampled_seqs:
-            return []
-        out = self.sampler.sample(logits[torch.tensor(sample_index)] if len(sample_index) != len(token_rows)
-                                  else logits, sampled_seqs)
-        touched: dict[str, _Request] = {}
-        now = time.monotonic()
-        for seq, token, lp in zip(sampled_seqs, out.token_ids, out.logprobs, strict=True):
-            seq.append_token(token, lp)
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            self.stats.generation_tokens += 1
-            req = self._seq_to_request[seq.seq_id]
-            touched[req.request_id] = req
-            self._process_token(req, seq, token)
-        return [self._make_output(req) for req in touched.values()]
+        return token_rows, sample_index, sampled_seqs, prompt_rows
+
+    def _sample_isolated(self, logits: torch.Tensor, seqs: list[Sequence],
+                         failed: dict[str, tuple[_Request, BaseException]],
+                         ) -> list[tuple[Sequence, tuple[int, TokenLogprob | None]]]:
+        """Sample the batch; if that raises, sample row by row so only the rows that fail lose their request."""
+        try:
+            out = self.sampler.sample(logits, seqs)
+            return list(zip(seqs, zip(out.token_ids, out.logprobs, strict=True), strict=True))
+        except Exception:  # noqa: BLE001 - find the row(s) at fault below
+            pass
+        results = []
+        for i, seq in enumerate(seqs):
+            try:
+                one = self.sampler.sample(logits[i:i + 1], [seq])
+            except Exception as e:  # noqa: BLE001
+                req = self._seq_to_request.get(seq.seq_id)
+                if req is not None:
+                    failed.setdefault(req.request_id, (req, e))
+                continue
+            results.append((seq, (one.token_ids[0], one.logprobs[0])))
+        return results
+
+    def _fail_request(self, req: _Request, error: BaseException) -> RequestOutput:
+        """End ``req`` alone after an internal error tied to it: abort its sequences (KV freed), say so once."""
+        log.error("request %s failed inside the engine and was aborted: %s: %s", req.request_id,
+                  type(error).__name__, error, exc_info=error)
+        for seq in req.seqs:
+            if not seq.is_finished:
+                self._finish(seq, SequenceStatus.FINISHED_ABORTED)
+            self._seq_to_request.pop(seq.seq_id, None)
+        self._requests.pop(req.request_id, None)
+        req.metrics.finished_time = time.monotonic()
+        outs = [CompletionOutput(index=i, text=req.texts[i], token_ids=list(seq.output_token_ids),
+                                 finish_reason=SequenceStatus.FINISHED_ABORTED.value)
+                for i, seq in enumerate(req.seqs)]
+        return RequestOutput(req.request_id, req.prompt, list(req.seqs[0].prompt_token_ids), outs, True,
+                             metrics=req.metrics, error=f"{type(error).__name__}: {error}")
 
     def _record_prompt_logprobs(self, logits: torch.Tensor, prompt_rows: list[tuple[Sequence, int, int, int]],
-                                ) -> None:
+                                failed: dict[str, tuple[_Request, BaseException]]) -> None:
         for seq, first, start_pos, n in prompt_rows:
-            lp = torch.log_softmax(logits[first:first + n], dim=-1)
-            targets = torch.tensor(seq.prompt_token_ids[start_pos + 1:start_pos + 1 + n])
-            chosen = lp.gather(1, targets[:, None])[:, 0]
-            ranks = (lp > chosen[:, None]).sum(dim=-1) + 1
-            k = seq.sampling_params.prompt_logprobs or 0
-            top_vals, top_ids = lp.topk(k, dim=-1) if k else (None, None)
-            for i in range(n):
-                if start_pos + 1 + i < len(seq.prompt_logprobs):
-                    continue  # recomputed after a preemption: already recorded
-                top = tuple(zip(top_ids[i].tolist(), top_vals[i].tolist(), strict=True)) if k else ()
-                seq.prompt_logprobs.append(TokenLogprob(int(targets[i]), float(chosen[i]), int(ranks[i]), top))
+            try:
+                self._prompt_logprobs_of(seq, logits[first:first + n], start_pos, n)
+            except Exception as e:  # noqa: BLE001 - this request's fault alone
+                req = self._seq_to_request.get(seq.seq_id)
+                if req is not None:
+                    failed.setdefault(req.request_id, (req, e))
+
+    @staticmethod
+    def _prompt_logprobs_of(seq: Sequence, logits: torch.Tensor, start_pos: int, n: int) -> None:
+        lp = torch.log_softmax(logits, dim=-1)
+        targets = torch.tensor(seq.prompt_token_ids[start_pos + 1:start_pos + 1 + n])
+        chosen = lp.gather(1, targets[:, None])[:, 0]
+        ranks = (lp > chosen[:, None]).sum(dim=-1) + 1
+        k = seq.sampling_params.prompt_logprobs or 0
+        top_vals, top_ids = lp.topk(k, dim=-1) if k else (None, None)
+        for i in range(n):
+            if start_pos + 1 + i < len(seq.prompt_logprobs):
+                continue  # recomputed after a preemption: already recorded
+            top = tuple(zip(top_ids[i].tolist(), top_vals[i].tolist(), strict=True)) if k else ()
+            seq.prompt_logprobs.append(TokenLogprob(int(targets[i]), float(chosen[i]), int(ranks[i]), top))
 
     def _process_token(self, req: _Request, seq: Sequence, token: int) -> None:
         p = seq.sampling_params
@@ -404,6 +494,16 @@ class LLMEngine:
                 req.texts[idx] = detok.output_text
         if status is not None:
             self._finish(seq, status)
+        elif self._long_rope_after is not None and not seq.rope_long and seq.num_tokens > self._long_rope_after:
+            # transformers recomputes the whole cache with the long factors when a sequence first outgrows the
+            # original context (Phi3ForCausalLM.prepare_inputs_for_generation): so do we, by recompute.
+            self.scheduler.recompute(seq)
+            self._use_long_rope(seq)
+
+    @staticmethod
+    def _use_long_rope(seq: Sequence) -> None:
+        seq.rope_long = True
+        seq.cache_salt = f"{seq.cache_salt or ''}longrope"  # blocks rotated with other factors are never shared
 
     def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
         self.scheduler.finish(seq, status)

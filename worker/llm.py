@@ -42,9 +42,15 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def _tokenizer(self):
+        if self.llm_engine.tokenizer is None:
+            raise ValueError("text prompts need a tokenizer: this LLM was made with skip_tokenizer_init=True "
+                             "(pass token ids)")
+        return self.llm_engine.tokenizer
+
     def _encode(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
-            return prompt, self.llm_engine.tokenizer.encode(prompt)
+            return prompt, self._tokenizer().encode(prompt)
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), list(prompt["prompt_token_ids"])
@@ -105,7 +111,7 @@ class LLM:
 
     def encode_chat(self, messages: list[dict[str, str]], chat_template: str | None = None,
                     add_generation_prompt: bool = True) -> list[int]:
-        tok = self.llm_engine.tokenizer
+        tok = self._tokenizer()
         text = tok.apply_chat_template(messages, chat_template=chat_template, tokenize=False,
                                        add_generation_prompt=add_generation_prompt)
         # The template already holds the special tokens; don't add a second BOS.

@@ -47,19 +47,29 @@ class LoRARequest:
 
 
 def module_dims(mc: ModelConfig, module: str) -> tuple[int, int]:
-    """(in_features, out_features) of a PEFT target module in the unfused model."""
+    """(in_features, out_features) of a PEFT target module in the checkpoint's model."""
     h, i = mc.hidden_size, mc.intermediate_size
     return {"q_proj": (h, mc.q_size), "k_proj": (h, mc.kv_size), "v_proj": (h, mc.kv_size), "o_proj": (mc.q_size, h),
-            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}[module]
+            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h),
+            "qkv_proj": (h, mc.q_size + 2 * mc.kv_size), "gate_up_proj": (h, 2 * i)}[module]
 
 
 def fused_slices(mc: ModelConfig) -> dict[str, list[tuple[str, int, int]]]:
-    """Fused module path -> [(PEFT module, output offset, output size)] in the order the fusion stacks them."""
+    """Fused module path -> [(PEFT module, output offset, output size)] in the order the fusion stacks them.
+    Phi-3's checkpoint (and so its PEFT adapters) has qkv_proj and gate_up_proj already fused: one slice each."""
     h, i, q, kv = mc.hidden_size, mc.intermediate_size, mc.q_size, mc.kv_size
+    if mc.architecture == "Phi3ForCausalLM":
+        return {"self_attn.qkv_proj": [("qkv_proj", 0, q + 2 * kv)], "self_attn.o_proj": [("o_proj", 0, h)],
+                "mlp.gate_up_proj": [("gate_up_proj", 0, 2 * i)], "mlp.down_proj": [("down_proj", 0, h)]}
     return {"self_attn.qkv_proj": [("q_proj", 0, q), ("k_proj", q, kv), ("v_proj", q + kv, kv)],
             "self_attn.o_proj": [("o_proj", 0, h)],
             "mlp.gate_up_proj": [("gate_proj", 0, i), ("up_proj", i, i)],
             "mlp.down_proj": [("down_proj", 0, h)]}
+
+
+def lora_targets(mc: ModelConfig) -> tuple[str, ...]:
+    """The PEFT module names an adapter for this model may target."""
+    return tuple(m for slices in fused_slices(mc).values() for m, _, _ in slices)
 
 
 @dataclass
@@ -112,15 +122,16 @@ def build_adapter(name: str, path: str, digest: str, config_text: str, tensors: 
     scaling = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
 
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    targets = lora_targets(mc)
     for key, t in tensors.items():
         m = _KEY.match(key)
         if m is None:
             raise LoRAError(f"adapter {name!r} targets module {_module_of(key)!r}, which the model lacks "
-                            f"(supported: {', '.join(LORA_MODULES)})")
+                            f"(supported: {', '.join(targets)})")
         layer, _, module, ab = int(m.group(1)), m.group(2), m.group(3), m.group(4)
-        if module not in LORA_MODULES:
+        if module not in targets:
             raise LoRAError(f"adapter {name!r} targets module {module!r}, which the model lacks "
-                            f"(supported: {', '.join(LORA_MODULES)})")
+                            f"(supported: {', '.join(targets)})")
         if layer >= mc.num_hidden_layers:
             raise LoRAError(f"adapter {name!r} targets layer {layer}, but the model has {mc.num_hidden_layers} layers")
         pairs.setdefault((layer, module), {})[ab] = t

@@ -20,6 +20,7 @@ from keepwarm.formats.model_config import ModelConfig, parse_model_config
 from keepwarm.formats.paths import RuntimeDirError
 from keepwarm.worker.attach import Attachment, attach_weights, model_tensors
 from keepwarm.worker.models.llama import LlamaForCausalLM
+from keepwarm.worker.models.registry import build_model
 
 log = logging.getLogger("keepwarm.worker")
 
@@ -46,7 +47,7 @@ def load_from_disk(ckpt: Checkpoint, dtype: str, quantization: str, device: torc
     _, total = plan_arena(ckpt, quantization, resolve_dtype(ckpt, dtype), device.type)
     flat = torch.empty(total, dtype=torch.uint8, device=device)
     manifest = build_arena(ckpt, quantization, dtype, flat, str(device))
-    model = LlamaForCausalLM(ckpt.config, max_position=max_position, device=device)
+    model = build_model(ckpt.config, max_position, device)
     model.load_weights(model_tensors(manifest, flat))
     seconds = time.perf_counter() - t0
     log.info("loaded %s from disk (%s): %.1f MB in %.2fs", ckpt.model_dir.name, quantization, total / 1e6, seconds)
@@ -64,7 +65,7 @@ def load_from_daemon(model_dir: str, dtype: str, quantization: str, device: torc
         raise DaemonError("device_mismatch", f"the daemon keeps {m.model_name} on {m.device}, but this engine "
                                              f"runs on {device}")
     config = parse_model_config(m.config_json, m.generation_config_json, source=f"{m.model}/config.json")
-    model = LlamaForCausalLM(config, max_position=max_position, device=device)
+    model = build_model(config, max_position, device)
     model.load_weights(att.tensors)
     return LoadedModel(model, config, "daemon", time.perf_counter() - t0, m.total_bytes, m.fingerprint, att)
 

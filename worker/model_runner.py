@@ -81,6 +81,11 @@ class ModelRunner:
         T = int(qsl[-1])
         seq_idx = torch.repeat_interleave(torch.arange(len(q_lens)), q_lens)
         positions = torch.arange(T, dtype=torch.int64) - qsl[:-1][seq_idx] + start[seq_idx]
+        rope_positions = positions
+        if any(seq.rope_long for seq in batch.seqs):
+            # longrope: the long-factor rotary table sits at [max_position, 2 * max_position) (llama.rope_tables).
+            long = torch.tensor([seq.rope_long for seq in batch.seqs], dtype=torch.int64)
+            rope_positions = positions + long[seq_idx] * self.model.max_position
         width = max(len(t) for t in tables)
         block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)
         slots = block_tables[seq_idx, positions // self.block_size] * self.block_size + positions % self.block_size
@@ -92,7 +97,8 @@ class ModelRunner:
             query_start_loc=qsl.to(torch.int32).to(dev),
             max_query_len=int(q_lens.max()),
         )
-        return torch.tensor(ids, dtype=torch.int64, device=dev), positions.to(dev), attn
+        # The model reads positions only for rotary: KV slots come from the true positions above.
+        return torch.tensor(ids, dtype=torch.int64, device=dev), rope_positions.to(dev), attn
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, token_rows: list[int]) -> torch.Tensor:

@@ -39,6 +39,8 @@ class RequestOutput:
     finished: bool = False
     prompt_logprobs: list[TokenLogprob | None] | None = None
     metrics: RequestMetrics | None = field(default=None, repr=False)
+    # Set (with finished=True) when the request failed inside the engine; the other requests went on.
+    error: str | None = None
 
     @property
     def num_cached_tokens(self) -> int:

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from keepwarm.worker.structured import CompiledGrammar, StructuredOutputs
+
+# torch.Generator.manual_seed's range (vLLM's seed bounds); choice i of an n>1 request samples with seed + i.
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1
 
 
 class SamplingParamsError(ValueError):
@@ -69,6 +73,14 @@ class SamplingParams:
 
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", "an integer >= 1")
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+                raise bad(name, "a finite number")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not SEED_MIN <= self.seed <= SEED_MAX - (self.n - 1)):
+            raise bad("seed", f"an integer in [{SEED_MIN}, {SEED_MAX - (self.n - 1)}]")
         if self.temperature < 0:
             raise bad("temperature", "non-negative")
         if not 0 < self.top_p <= 1:

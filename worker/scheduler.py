@@ -35,10 +35,6 @@ class ScheduledBatch:
     num_new_tokens: list[int] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
 
-    @property
-    def total_tokens(self) -> int:
-        return sum(self.num_new_tokens)
-
     def __bool__(self) -> bool:
         return bool(self.seqs)
 
@@ -56,10 +52,6 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
-
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
@@ -126,6 +118,14 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
+
+    def recompute(self, seq: Sequence) -> None:
+        """Drop a running sequence's KV and queue it first, to be recomputed from its first token (not counted
+        as a preemption: the engine asks for it, e.g. when longrope switches to its long factors)."""
+        self.running.remove(seq)
+        self._preempt(seq)
+        seq.num_preemptions -= 1
+        self.num_preemptions -= 1
 
     def advance(self, batch: ScheduledBatch) -> None:
         """Record that the batch ran: its tokens' K/V are now in the cache."""

@@ -37,8 +37,8 @@ class Sequence:
     """One request's state as the scheduler, block manager and model runner see it.
 
     ``num_computed_tokens`` counts tokens whose KV is in the cache; the scheduler advances it and resets it to
-    0 on preemption (recompute). ``cache_salt`` is mixed into prefix-cache block hashes so that, e.g., two LoRA
-    adapters never share KV blocks.
+    0 on preemption (recompute). ``block_hash_extra`` (the cache salt and the LoRA adapter's content digest) is
+    mixed into prefix-cache block hashes, so requests with different salts or adapters never share KV blocks.
     """
 
     def __init__(self, seq_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
@@ -69,6 +69,8 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_cached_prompt_tokens = 0  # prefix-cache hit at first schedule (for metrics)
         self.num_preemptions = 0
+        # longrope (Phi-3): computed with the long factors (the runner offsets its rotary positions)
+        self.rope_long = False
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.first_token_time: float | None = None
         self.stop_reason: int | str | None = None
@@ -77,6 +79,15 @@ class Sequence:
     @property
     def all_token_ids(self) -> list[int]:
         return self._all_token_ids
+
+    @property
+    def block_hash_extra(self) -> tuple | None:
+        """What keys this sequence's prefix-cache blocks besides their tokens: ``(salt,)``, or ``(salt, digest)``
+        for a LoRA request. Separate fields, so that no cache salt can stand for an adapter's identity."""
+        digest = getattr(self.lora, "digest", None)
+        if digest is None:
+            return None if self.cache_salt is None else (self.cache_salt,)
+        return (self.cache_salt, digest)
 
     @property
     def num_tokens(self) -> int:

@@ -5,18 +5,151 @@ warm restart. A model directory with `tokenizer.json` needs neither: the `tokeni
 and decoding (transformers' fast tokenizers are the same library underneath) and jinja2 renders the chat template
 the way transformers does (sandboxed, trim_blocks, lstrip_blocks, loop controls, `raise_exception`,
 `strftime_now`). Directories without `tokenizer.json` (slow tokenizers) still go through AutoTokenizer.
+
+Chat templates are code, and a request may bring its own (only with ``--trust-request-chat-template``), so
+rendering is bounded (rules):
+
+- sandboxed: jinja2's ImmutableSandboxedEnvironment (no attribute escapes, no mutation, ``range`` capped);
+- bounded in time: a render past ``timeout`` seconds raises :class:`TemplateLimitError` (a line tracer on the
+  template's own code checks the deadline, so a loop that calls nothing still stops);
+- bounded in size: strings made by ``*``, ``%``, ``**`` and the width/replace filters, and the rendered text,
+  stay under ``MAX_TEMPLATE_CHARS``;
+- compiled templates are kept in an LRU of ``TEMPLATE_CACHE_SIZE`` entries, never without bound.
+
+Callers run :meth:`FastTokenizer.apply_chat_template` and ``encode`` off the event loop (a thread pool).
 """
 
 from __future__ import annotations
 
 import json
+import re
+import sys
+import threading
+import time
+from collections import OrderedDict
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+TEMPLATE_CACHE_SIZE = 16
+DEFAULT_RENDER_TIMEOUT_S = 2.0
+MAX_TEMPLATE_CHARS = 4 << 20  # 4 Mi characters, far above any prompt a context window holds
+_TEMPLATE_FILENAME = "<template>"  # what jinja2 names code compiled from a string
+_FORMAT_WIDTH = re.compile(r"%[-#0 +]*(\*|\d+)")
+
 
 class TokenizerError(ValueError):
     pass
+
+
+class TemplateLimitError(TokenizerError):
+    """A chat template ran past its time or size bound."""
+
+
+_render = threading.local()  # the running render's deadline, per thread
+
+
+def _check_deadline() -> None:
+    deadline = getattr(_render, "deadline", None)
+    if deadline is not None and time.monotonic() > deadline:
+        raise TemplateLimitError(f"the chat template did not finish within {_render.timeout:g}s")
+
+
+def _check_size(n: int, what: str) -> None:
+    if n > MAX_TEMPLATE_CHARS:
+        raise TemplateLimitError(f"the chat template made {what} of {n} items (limit {MAX_TEMPLATE_CHARS})")
+
+
+def _size_of_binop(op: str, left: Any, right: Any) -> None:
+    if op == "*":
+        for seq, times in ((left, right), (right, left)):
+            if isinstance(seq, str | list | tuple) and isinstance(times, int):
+                _check_size(len(seq) * max(times, 0), "a repeated sequence")
+    elif op == "**" and isinstance(left, int) and isinstance(right, int) and right > 0:
+        _check_size(abs(left).bit_length() * right // 8, "a power (bytes)")
+    elif op == "%" and isinstance(left, str):
+        for width in _FORMAT_WIDTH.findall(left):
+            if width == "*" or int(width) > MAX_TEMPLATE_CHARS:
+                raise TemplateLimitError("the chat template formats with a width past the limit")
+
+
+def _bounded_sandbox():
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class BoundedSandbox(ImmutableSandboxedEnvironment):
+        intercepted_binops = frozenset({"*", "**", "%"})
+
+        def call_binop(self, context, operator, left, right):
+            _size_of_binop(operator, left, right)
+            return super().call_binop(context, operator, left, right)
+
+        def call(self, context, obj, *args, **kwargs):
+            _check_deadline()
+            for a in (*args, *kwargs.values()):
+                if isinstance(a, int) and not isinstance(a, bool) and a > MAX_TEMPLATE_CHARS:
+                    raise TemplateLimitError(f"the chat template passes {a} to a call (limit {MAX_TEMPLATE_CHARS})")
+            if getattr(obj, "__name__", None) == "replace" and isinstance(getattr(obj, "__self__", None), str):
+                _size_of_replace(obj.__self__, *args[:2])
+            return super().call(context, obj, *args, **kwargs)
+
+    env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    for name in ("center", "indent", "wordwrap", "truncate"):
+        env.filters[name] = _width_checked(env.filters[name])
+    replace = env.filters["replace"]
+
+    def checked_replace(eval_ctx, s, old, new, count=None):
+        _size_of_replace(str(s), str(old), str(new))
+        return replace(eval_ctx, s, old, new, count)
+
+    checked_replace.jinja_pass_arg = replace.jinja_pass_arg
+    env.filters["replace"] = checked_replace
+    return env
+
+
+def _size_of_replace(s: str, old: Any = "", new: Any = "") -> None:
+    if isinstance(old, str) and isinstance(new, str):
+        count = len(s) + 1 if not old else s.count(old)
+        _check_size(len(s) + count * (len(new) - len(old)), "a replaced string")
+
+
+def _width_checked(fn):
+    def checked(*args, **kwargs):
+        for a in (*args[1:], *kwargs.values()):
+            if isinstance(a, int) and not isinstance(a, bool) and a > MAX_TEMPLATE_CHARS:
+                raise TemplateLimitError(f"the chat template asks {fn.__name__} for width {a}")
+        return fn(*args, **kwargs)
+
+    if hasattr(fn, "jinja_pass_arg"):
+        checked.jinja_pass_arg = fn.jinja_pass_arg
+    checked.__name__ = fn.__name__
+    return checked
+
+
+def _render_bounded(template, timeout: float, **context: Any) -> str:
+    """Render with a deadline (checked on every line of the template's code) and a bound on the output size."""
+    def local(frame, event, arg):
+        if time.monotonic() > deadline:
+            raise TemplateLimitError(f"the chat template did not finish within {timeout:g}s")
+        return local
+
+    def global_trace(frame, event, arg):
+        return local if frame.f_code.co_filename == _TEMPLATE_FILENAME else None
+
+    deadline = time.monotonic() + timeout
+    _render.deadline, _render.timeout = deadline, timeout
+    previous = sys.gettrace()
+    sys.settrace(global_trace)
+    try:
+        parts, size = [], 0
+        for chunk in template.generate(**context):
+            size += len(chunk)
+            _check_size(size, "a rendered prompt")
+            parts.append(chunk)
+        return "".join(parts)
+    finally:
+        sys.settrace(previous)
+        _render.deadline = None
 
 
 def _token_text(value: Any) -> str | None:
@@ -47,7 +180,9 @@ class FastTokenizer:
         self.eos_token = _token_text(cfg.get("eos_token"))
         self.pad_token = _token_text(cfg.get("pad_token"))
         self.unk_token = _token_text(cfg.get("unk_token"))
-        self._compiled: dict[str, Any] = {}
+        self._compiled: OrderedDict[str, Any] = OrderedDict()
+        self._compiled_lock = threading.Lock()  # renders run in a thread pool
+        self.render_timeout = DEFAULT_RENDER_TIMEOUT_S
 
     def _id(self, token: str | None) -> int | None:
         return None if token is None else self.backend_tokenizer.token_to_id(token)
@@ -78,24 +213,31 @@ class FastTokenizer:
         return self.backend_tokenizer.id_to_token(token_id)
 
     def _template(self, source: str):
-        if source not in self._compiled:
-            from jinja2.ext import loopcontrols
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
+        with self._compiled_lock:
+            template = self._compiled.get(source)
+            if template is not None:
+                self._compiled.move_to_end(source)
+                return template
+        _check_size(len(source), "a template source")
 
-            def raise_exception(message: str) -> None:
-                raise TokenizerError(message)
+        def raise_exception(message: str) -> None:
+            raise TokenizerError(message)
 
-            def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None,
-                       sort_keys: bool = False) -> str:
-                return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                                  sort_keys=sort_keys)
+        def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None,
+                   sort_keys: bool = False) -> str:
+            return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                              sort_keys=sort_keys)
 
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
-            env.filters["tojson"] = tojson
-            env.globals["raise_exception"] = raise_exception
-            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-            self._compiled[source] = env.from_string(source)
-        return self._compiled[source]
+        env = _bounded_sandbox()
+        env.filters["tojson"] = tojson
+        env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        template = env.from_string(source)
+        with self._compiled_lock:
+            self._compiled[source] = template
+            while len(self._compiled) > TEMPLATE_CACHE_SIZE:
+                self._compiled.popitem(last=False)
+        return template
 
     def apply_chat_template(self, messages: list[dict[str, Any]], chat_template: str | None = None,
                             tokenize: bool = True, add_generation_prompt: bool = False,
@@ -103,8 +245,9 @@ class FastTokenizer:
         source = chat_template or self.chat_template
         if source is None:
             raise TokenizerError("this tokenizer has no chat template")
-        text = self._template(source).render(
-            messages=messages, add_generation_prompt=add_generation_prompt, bos_token=self.bos_token or "",
+        text = _render_bounded(
+            self._template(source), self.render_timeout, messages=messages,
+            add_generation_prompt=add_generation_prompt, bos_token=self.bos_token or "",
             eos_token=self.eos_token or "", pad_token=self.pad_token or "", unk_token=self.unk_token or "",
             **kwargs)
         if continue_final_message and messages:

@@ -3,14 +3,17 @@
 Endpoints: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses (all streamable as server-sent
 events), GET /v1/models, POST /tokenize, /detokenize, POST /v1/load_lora_adapter, /v1/unload_lora_adapter, GET
 /health, GET|POST /ping, GET /version, GET /metrics, GET /keepwarm/config (the effective config). With ``--api-key``
-every /v1 route needs ``Authorization: Bearer <key>``; /health, /metrics, /version stay open, as in vLLM. Every
-error, whatever raised it, is OpenAI's error JSON.
+every route needs ``Authorization: Bearer <key>`` (the /v1 API, /tokenize, /detokenize, /keepwarm/config, the docs
+and /openapi.json) except /health, /ping, /metrics and /version, which stay open, as in vLLM. Every error, whatever
+raised it, is OpenAI's error JSON. The connection limits, the admission bound and the schema's truth are in
+keepwarm.worker.api.limits and keepwarm.worker.api.openapi.
 
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -22,6 +25,8 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from keepwarm.formats.version import __version__
+from keepwarm.worker.api import openapi
+from keepwarm.worker.api.limits import AdmissionLimit, ConnectionLimits
 from keepwarm.worker.api.metrics import ServerMetrics
 from keepwarm.worker.api.protocol import APIError, bad_request
 from keepwarm.worker.api.routes import adapters, admin, chat, completions, models, responses, tokenize
@@ -49,15 +54,24 @@ def build_app(state: ServerState) -> FastAPI:
     _add_error_handlers(app)
     for resource in (admin, models, adapters, completions, chat, responses, tokenize):
         app.include_router(resource.router(state))
+    # Outermost last: a body is bounded and a stalled client timed out before admission counts it.
+    app.add_middleware(AdmissionLimit, admission=state.admission, paths=GENERATION_PATHS)
+    app.add_middleware(ConnectionLimits, max_body_bytes=int(state.config.max_request_body_mb * (1 << 20)),
+                       timeout=state.config.client_timeout)
+    openapi.install(app)
     return app
+
+
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses"})
+OPEN_PATHS = frozenset({"/health", "/ping", "/metrics", "/version"})
 
 
 def _add_auth(app: FastAPI, api_key: str | None) -> None:
     @app.middleware("http")
     async def auth(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-        if api_key and request.url.path.startswith("/v1"):
+        if api_key and request.url.path not in OPEN_PATHS:
             header = request.headers.get("authorization", "")
-            if header != f"Bearer {api_key}":
+            if not hmac.compare_digest(header.encode(), f"Bearer {api_key}".encode()):
                 return JSONResponse(APIError(401, "Incorrect API key provided.", "authentication_error",
                                              code="invalid_api_key").body(), status_code=401)
         return await call_next(request)

@@ -90,6 +90,13 @@ class ServerConfig:
     shutdown_timeout: float = setting(30.0, Flag("Seconds to drain on SIGTERM."))
     threads: int | None = setting(None, Flag("torch threads."))  # default: torch's choice
     uvicorn_log_level: str = "warning"
+    # limits (docs/reliability.md)
+    trust_request_chat_template: bool = setting(False, Flag(
+        "Allow a request's own chat_template (vLLM's flag); rendered sandboxed, time- and size-bounded."))
+    max_request_body_mb: float = setting(16.0, Flag("Largest request body in MiB (413 past it)."))
+    max_queued_requests: int = setting(1024, Flag("Requests that may wait beyond --max-num-seqs (429 past it)."))
+    client_timeout: float = setting(30.0, Flag("Seconds a client may stall sending a body (408) or reading a "
+                                               "response (disconnected)."))
 
     def engine_kwargs(self) -> dict[str, Any]:
         """The engine's settings, as ``EngineConfig`` keyword arguments (``model`` as given: None = the default).

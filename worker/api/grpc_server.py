@@ -5,16 +5,21 @@ A ``grpc.aio`` server on its own event loop in a background thread, beside uvico
 engine. Requests are checked as the HTTP server checks them (same helpers, same messages); a bad one ends with
 INVALID_ARGUMENT, an unknown model with NOT_FOUND. A client that cancels its stream cancels the handler, which
 closes the engine's stream and so aborts the request (its KV blocks are freed).
+
+With ``--api-key``, Generate and Models need the ``authorization`` metadata ``Bearer <key>`` (the header the
+HTTP API takes), else UNAUTHENTICATED; Health stays open, as /health does. A request that fails inside the
+engine ends with INTERNAL; an engine that cannot go on with UNAVAILABLE.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import hmac
 import logging
 import math
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from typing import Any
 
@@ -24,6 +29,7 @@ from keepwarm.formats.version import __version__
 from keepwarm.worker.api import pipeline
 from keepwarm.worker.api.grpc_gen import keepwarm_pb2 as pb
 from keepwarm.worker.api.grpc_gen import keepwarm_pb2_grpc as pb_grpc
+from keepwarm.worker.api.limits import check_prompt_chars
 from keepwarm.worker.api.protocol import APIError, bad_request, new_id
 from keepwarm.worker.api.state import ServerState
 from keepwarm.worker.lora import LoRAAdapter
@@ -32,7 +38,7 @@ from keepwarm.worker.sampling_params import SamplingParams
 
 log = logging.getLogger("keepwarm.grpc")
 
-_CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_FOUND,
+_CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_FOUND, 500: grpc.StatusCode.INTERNAL,
           503: grpc.StatusCode.UNAVAILABLE}
 DEFAULT_MAX_TOKENS = 16  # SamplingParams' and /v1/completions' default
 MAX_N = 16  # as the HTTP API
@@ -73,6 +79,7 @@ def _prepare(state: ServerState, request: pb.GenerateRequest
         if not request.prompt:
             raise bad_request("the prompt is empty", "prompt")
         text: str | None = request.prompt
+        check_prompt_chars(len(request.prompt), state.engine.max_model_len, state.token_chars, "prompt")
         ids = state.tokenizer.encode(request.prompt)  # as /v1/completions tokenizes a string prompt
     elif kind == "prompt_token_ids":
         text, ids = None, list(request.prompt_token_ids.ids)
@@ -170,6 +177,36 @@ class KeepwarmServicer(pb_grpc.KeepwarmServicer):
         return messages
 
 
+class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
+    """Refuses every RPC but Health without ``authorization: Bearer <key>`` metadata (UNAUTHENTICATED)."""
+
+    OPEN = frozenset({"/keepwarm.v1.Keepwarm/Health"})
+
+    def __init__(self, api_key: str) -> None:
+        self._expected = f"Bearer {api_key}".encode()
+
+        async def refuse(request: bytes, context: grpc.aio.ServicerContext) -> None:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "Incorrect API key provided.")
+
+        self._refusals = {
+            False: grpc.unary_unary_rpc_method_handler(refuse),
+            True: grpc.unary_stream_rpc_method_handler(refuse),
+        }
+
+    async def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]],
+                                handler_call_details: grpc.HandlerCallDetails) -> Any:
+        if handler_call_details.method in self.OPEN:
+            return await continuation(handler_call_details)
+        given = next((v for k, v in handler_call_details.invocation_metadata or () if k == "authorization"), "")
+        given = given.encode() if isinstance(given, str) else bytes(given)
+        if hmac.compare_digest(given, self._expected):
+            return await continuation(handler_call_details)
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None  # UNIMPLEMENTED, as without a key
+        return self._refusals[bool(handler.response_streaming)]
+
+
 class GrpcServer:
     """A running ``grpc.aio`` server on its own event loop and thread; ``stop(grace)`` from any other thread."""
 
@@ -204,7 +241,8 @@ class GrpcServer:
 
     async def _start(self, state: ServerState, host: str, port: int, ready: concurrent.futures.Future) -> None:
         # No SO_REUSEPORT: a port another process serves must fail to bind here rather than be shared silently.
-        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        interceptors = [ApiKeyInterceptor(state.config.api_key)] if state.config.api_key else []
+        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)], interceptors=interceptors)
         pb_grpc.add_KeepwarmServicer_to_server(KeepwarmServicer(state), server)
         try:
             bound = server.add_insecure_port(f"{_host(host)}:{port}")

@@ -24,10 +24,11 @@ from typing import Any, Protocol, cast
 
 from fastapi import Request
 
+from keepwarm.worker.api.limits import until_disconnected
 from keepwarm.worker.api.protocol import APIError, bad_request
 from keepwarm.worker.api.state import ServerState
 from keepwarm.worker.detokenizer import stop_hold_back, streamable_end
-from keepwarm.worker.engine import RequestError
+from keepwarm.worker.engine import RequestError, RequestFailed
 from keepwarm.worker.lora import LoRAAdapter
 from keepwarm.worker.outputs import CompletionOutput, RequestOutput
 from keepwarm.worker.sampling_params import SamplingParams, SamplingParamsError
@@ -44,9 +45,12 @@ class SamplingRequest(Protocol):
 
 
 def engine_error(e: Exception) -> APIError:
-    """The API error for what the engine raised: a refused request is the client's (400), anything else 503."""
+    """The API error for what the engine raised: a refused request is the client's (400), one that failed inside
+    the engine alone is ours (500, the others went on), anything else means the engine is gone (503)."""
     if isinstance(e, RequestError):
         return bad_request(str(e))
+    if isinstance(e, RequestFailed):
+        return APIError(500, str(e), "InternalServerError")
     return APIError(503, f"the engine cannot serve: {e}", "ServiceUnavailable")
 
 
@@ -139,13 +143,17 @@ async def collect(state: ServerState, request: Request, merged: AsyncGenerator[t
                     finals[i] = out
                     observe(state, out)
 
+    # Racing the requests against the client's disconnect: the body has been read, so the next message the
+    # client's side can produce is http.disconnect (Request.is_disconnected() only peeks and missed it: issue 17).
     task = asyncio.create_task(consume())
-    while not task.done():
-        done, _ = await asyncio.wait({task}, timeout=0.5)
-        if not done and await request.is_disconnected():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            raise APIError(499, "client disconnected", "ClientDisconnected")
+    gone = asyncio.create_task(until_disconnected(request.receive))
+    await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    if not task.done():
+        task.cancel()  # closes the merged streams: every unfinished request is aborted, its KV freed
+        await asyncio.gather(task, return_exceptions=True)
+        raise APIError(499, "client disconnected", "ClientDisconnected")
+    gone.cancel()
+    await asyncio.gather(gone, return_exceptions=True)
     try:
         await task  # re-raises the engine's error, if any
     except ENGINE_ERRORS as e:

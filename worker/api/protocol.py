@@ -1,8 +1,18 @@
 """OpenAI-compatible request and response shapes (with vLLM's extra sampling fields), and OpenAI's error shape.
 
-Lenient like vLLM: a request field this server does not know is accepted and ignored, with one warning per field
-name for the life of the process (clients send ``store``, ``metadata``, ``service_tier``...). A field it knows
-but cannot honour is a 400 naming it (``logit_bias``, ``suffix``, ``best_of`` other than ``n``...).
+Validation lives here, at the boundary, so nothing the engine cannot run reaches it (rules):
+
+- every number has a range and is finite (``allow_inf_nan=False``): NaN/inf temperatures, penalties are refused;
+- integers are strict (``true``/``false`` is not a token id or a count) and within a 64-bit range (``seed`` takes
+  what ``torch.Generator.manual_seed`` takes: vLLM's ``torch.long`` range);
+- every string anywhere in the body is encodable as UTF-8: a lone surrogate (``"\\ud800"``, valid JSON but not
+  Unicode text) is refused with the path of the field that holds it;
+- lenient like vLLM about names: a request field this server does not know is accepted and ignored, with one
+  warning per field name for the life of the process (clients send ``store``, ``metadata``, ``service_tier``...);
+  a field it knows but cannot honour is a 400 naming it (``logit_bias``, ``suffix``...). Admin bodies (LoRA
+  load/unload) stay closed (``extra="forbid"``): a typo there must not silently mean the default.
+
+Errors surface as OpenAI's error JSON with HTTP 400 (the server maps pydantic's errors, naming the field).
 """
 
 from __future__ import annotations
@@ -11,11 +21,17 @@ import logging
 import threading
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
 
 from keepwarm.worker.sampling_params import SamplingParams
+
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+# Token ids and counts: strict ints, non-negative, within int64 (the vocabulary bound is checked by the server).
+TokenId = Annotated[StrictInt, Field(ge=0, le=INT64_MAX)]
+Count = Annotated[StrictInt, Field(ge=0, le=INT64_MAX)]
+MAX_LOGPROBS = 20
 
 
 class APIError(Exception):
@@ -57,49 +73,94 @@ def warn_unknown(names: list[str], where: str) -> None:
         warn_once(f"{where}.{n}", f"{where}: ignoring the unknown request field {n!r}")
 
 
-class Lenient(BaseModel):
-    """A request model that keeps unknown fields out of the way and warns about each name once."""
+def unencodable_path(value: Any, path: str = "") -> str | None:
+    """The dotted path of the first string (key or value) in ``value`` that is not valid Unicode text, or None."""
+    stack = [(value, path)]
+    while stack:
+        v, where = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                return where or "body"
+        elif isinstance(v, dict):
+            for k, x in v.items():
+                sub = f"{where}.{k}" if where else str(k)
+                if isinstance(k, str):
+                    try:
+                        k.encode("utf-8")
+                    except UnicodeEncodeError:
+                        return where or "body"
+                stack.append((x, sub))
+        elif isinstance(v, list):
+            stack.extend((x, f"{where}.{i}" if where else str(i)) for i, x in enumerate(v))
+    return None
 
-    model_config = ConfigDict(extra="allow")
+
+class RequestBody(BaseModel):
+    """Base of every OpenAI request body: finite numbers, encodable strings; unknown fields accepted and ignored,
+    each name warned about once (vLLM's leniency)."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _encodable(cls, data: Any) -> Any:
+        where = unencodable_path(data)
+        if where is not None:
+            # The message must stay encodable itself: it names the field, never quotes the bad string.
+            raise ValueError(f"{where}: not valid Unicode text (a lone surrogate?)")
+        return data
 
     @model_validator(mode="after")
-    def _warn_extra(self) -> Lenient:
+    def _warn_extra(self) -> RequestBody:
         if self.model_extra:
             warn_unknown(sorted(self.model_extra), type(self).__name__)
         return self
 
 
-class StreamOptions(Lenient):
-    include_usage: bool = False
-    continuous_usage_stats: bool = False
+class ClosedBody(RequestBody):
+    """An admin body: unknown fields refused."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
-class _SamplingFields(Lenient):
-    """Fields shared by completions and chat; OpenAI's plus vLLM's extras."""
+class StreamOptions(RequestBody):
+    include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False
+
+
+Unit = Annotated[float, Field(ge=0.0, le=1.0)]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+
+
+class _SamplingFields(RequestBody):
+    """Fields shared by completions and chat; OpenAI's plus vLLM's extras, each with its range."""
 
     model: str | None = None
-    n: int = 1
-    temperature: float | None = None
-    top_p: float | None = None
+    n: Annotated[StrictInt, Field(ge=1, le=16)] = 1
+    temperature: Annotated[float, Field(ge=0.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     stop: str | list[str] | None = None
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    seed: Annotated[StrictInt, Field(ge=INT64_MIN, le=INT64_MAX)] | None = None
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
     user: str | None = None
-    logit_bias: dict[str, float] | None = None
+    # Refused when non-empty (keepwarm does not apply logit biases); the schema says so with maxProperties 0.
+    logit_bias: Annotated[dict[str, float], Field(max_length=0)] | None = None
     # vLLM's extra sampling parameters
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
-    min_tokens: int = 0
-    skip_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
-    request_id: str | None = None
-    prompt_logprobs: int | None = None
+    top_k: Annotated[StrictInt, Field(ge=-1, le=INT64_MAX)] | None = None
+    min_p: Unit | None = None
+    repetition_penalty: Annotated[float, Field(gt=0.0)] | None = None
+    ignore_eos: StrictBool = False
+    stop_token_ids: list[TokenId] | None = None
+    min_tokens: Count = 0
+    skip_special_tokens: StrictBool = True
+    include_stop_str_in_output: StrictBool = False
+    request_id: Annotated[str, Field(max_length=256)] | None = None
+    prompt_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     # structured outputs: OpenAI's response_format, vLLM's guided_* and structured_outputs
     response_format: dict[str, Any] | None = None
     guided_json: dict[str, Any] | str | None = None
@@ -109,12 +170,8 @@ class _SamplingFields(Lenient):
     structured_outputs: dict[str, Any] | None = None
 
     def sampling(self, max_tokens: int | None, logprobs: int | None, default_max: int) -> SamplingParams:
-        if self.logit_bias:
-            raise bad_request("logit_bias is not supported", "logit_bias")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed with stream: true", "stream_options")
-        if self.n < 1 or self.n > 16:
-            raise bad_request(f"n must be between 1 and 16, got {self.n}", "n")
         return SamplingParams(
             n=self.n,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -137,17 +194,23 @@ class _SamplingFields(Lenient):
         )
 
 
+MaxTokens = Annotated[StrictInt, Field(ge=1, le=INT64_MAX)]
+
+
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
-    echo: bool = False
-    suffix: str | None = None
-    best_of: int | None = None
+    prompt: Annotated[str, Field(min_length=1)] | Annotated[list[str], Field(min_length=1)] | \
+        Annotated[list[TokenId], Field(min_length=1)] | \
+        Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
+    max_tokens: MaxTokens | None = 16
+    logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    echo: StrictBool = False
+    suffix: None = None  # not supported: only null is accepted
+    best_of: Annotated[StrictInt, Field(ge=1, le=16)] | None = None
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    # Extra keys (tool_call_id, ...) pass through to the template; strings in them were checked by the request.
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
@@ -155,17 +218,17 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
+    max_tokens: MaxTokens | None = None
+    max_completion_tokens: MaxTokens | None = None
+    logprobs: StrictBool = False
+    top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: StrictBool | None = None
 
 
 def new_id(prefix: str) -> str:
@@ -176,33 +239,31 @@ def now() -> int:
     return int(time.time())
 
 
-class TokenizeRequest(Lenient):
+class TokenizeRequest(RequestBody):
     """vLLM's /tokenize: a prompt, or chat messages rendered by the template."""
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
+    add_special_tokens: StrictBool = True
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
-    return_token_strs: bool = False
+    return_token_strs: StrictBool = False
 
 
-class DetokenizeRequest(Lenient):
+class DetokenizeRequest(RequestBody):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
-class LoadLoRARequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class LoadLoRARequest(ClosedBody):
     lora_name: str
     lora_path: str
 
 
-class UnloadLoRARequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class UnloadLoRARequest(ClosedBody):
     lora_name: str
-    lora_int_id: int | None = None
+    lora_int_id: StrictInt | None = None

@@ -19,31 +19,33 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import Field
+from pydantic import Field, StrictBool, StrictInt
 
-from keepwarm.worker.api.protocol import Lenient, bad_request, warn_once
+from keepwarm.worker.api.protocol import INT64_MAX, INT64_MIN, MaxTokens, RequestBody, bad_request, warn_once
 
 
-class ResponsesRequest(Lenient):
+class ResponsesRequest(RequestBody):
+    """Strict like every request body (finite numbers, strict ints and booleans); unknown fields warned once."""
+
     model: str | None = None
     input: str | list[dict[str, Any]] = Field(default="")
     instructions: str | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
-    parallel_tool_calls: bool | None = None
-    max_output_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    stream: bool = False
-    store: bool | None = None
+    parallel_tool_calls: StrictBool | None = None
+    max_output_tokens: MaxTokens | None = None
+    temperature: Annotated[float, Field(ge=0.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    stream: StrictBool = False
+    store: StrictBool | None = None
     metadata: dict[str, Any] | None = None
     text: dict[str, Any] | None = None
     previous_response_id: str | None = None
     conversation: Any = None
     user: str | None = None
-    seed: int | None = None
+    seed: Annotated[StrictInt, Field(ge=INT64_MIN, le=INT64_MAX)] | None = None
 
 
 def _new(prefix: str) -> str:

@@ -1,7 +1,8 @@
 """`keepwarm serve`: build the engine, then run the HTTP app (and gRPC with ``--grpc``) until SIGTERM.
 
 The app itself is ``keepwarm.worker.api.app`` (routers by resource in ``routes/`` over ``pipeline``); this module
-owns the process: the engine from the config, systemd socket activation, uvicorn, the drain on SIGTERM.
+owns the process: the engine from the config, systemd socket activation, uvicorn, the drain on SIGTERM, and the
+exit with status 70 when the engine cannot go on (so the supervisor restarts the worker, warm).
 """
 
 from __future__ import annotations
@@ -11,7 +12,9 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -98,7 +101,13 @@ def serve(config: ServerConfig, process_start: float | None = None) -> int:
     t0 = time.perf_counter()
     # Take systemd's socket (and drop LISTEN_*) before anything can start a child process.
     inherited = systemd_socket()
-    async_engine = AsyncEngine(lambda: create_engine(config))
+    fatal_hook: list[Callable[[BaseException], None]] = []  # set once the server exists
+
+    def on_fatal(error: BaseException) -> None:
+        for hook in fatal_hook:
+            hook(error)
+
+    async_engine = AsyncEngine(lambda: create_engine(config), on_fatal=on_fatal)
     names = config.served_model_name or [config.model or DEFAULT_MODEL_NAME]
     assert async_engine.engine is not None  # built before AsyncEngine() returns (or it raised)
     state = ServerState(config, async_engine.engine, async_engine, names)
@@ -109,7 +118,9 @@ def serve(config: ServerConfig, process_start: float | None = None) -> int:
 
         grpc_server = start_grpc_server(state, config.host, config.grpc_port)
     uv_options: dict[str, Any] = {"host": config.host, "port": config.port, "log_level": config.uvicorn_log_level,
-                                  "timeout_graceful_shutdown": config.shutdown_timeout, "access_log": False}
+                                  "timeout_graceful_shutdown": config.shutdown_timeout, "access_log": False,
+                                  # an idle keep-alive connection is closed after this (uvicorn's default: 5 s)
+                                  "timeout_keep_alive": 5}
     if inherited:
         uv_options["backlog"] = _listen_backlog()
     uv_config = uvicorn.Config(app, **uv_options)
@@ -123,6 +134,9 @@ def serve(config: ServerConfig, process_start: float | None = None) -> int:
             super().handle_exit(sig, frame)
 
     server = _Server(uv_config)
+    fatal_hook.append(lambda e: _exit_on_fatal(state, server, e))
+    if async_engine.errored is not None:
+        _exit_on_fatal(state, server, async_engine.errored)
     info = state.weights_info()
     where = f"systemd socket fd 3 ({inherited.getsockname()})" if inherited else \
         f"http://{config.host}:{config.port}"
@@ -145,4 +159,26 @@ def serve(config: ServerConfig, process_start: float | None = None) -> int:
     finally:
         if grpc_server is not None:
             grpc_server.stop(grace=1.0)
+    if state.fatal is not None:
+        print(f"keepwarm: the engine failed ({type(state.fatal).__name__}: {state.fatal}); exiting with status "
+              f"{FATAL_EXIT_CODE} so the supervisor restarts the server", file=sys.stderr, flush=True)
+        return FATAL_EXIT_CODE
     return 0
+
+
+FATAL_EXIT_CODE = 70  # EX_SOFTWARE: the engine died; systemd's Restart=on-failure brings a fresh worker up warm
+FATAL_EXIT_GRACE_S = 5.0
+
+
+def _exit_on_fatal(state: ServerState, server: Any, error: BaseException) -> None:
+    """The engine cannot go on: stop serving now (waiting requests already got their error) and exit non-zero;
+    if the orderly stop hangs, end the process after a short grace."""
+    if state.fatal is not None:
+        return
+    state.fatal = error
+    state.draining = True
+    state.async_engine.stop_accepting()
+    server.should_exit = True
+    timer = threading.Timer(FATAL_EXIT_GRACE_S, os._exit, (FATAL_EXIT_CODE,))
+    timer.daemon = True
+    timer.start()

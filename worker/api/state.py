@@ -8,11 +8,13 @@ adapters) goes through ``AsyncEngine`` commands and comes back through what its 
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from keepwarm.worker.api.config import ServerConfig
+from keepwarm.worker.api.limits import Admission, longest_token_chars
 from keepwarm.worker.api.metrics import ServerMetrics
 from keepwarm.worker.async_engine import AsyncEngine
 from keepwarm.worker.engine import LLMEngine
@@ -27,6 +29,16 @@ class ServerState:
     started_at: float = field(default_factory=time.time)
     draining: bool = False
     metrics: ServerMetrics | None = None
+    fatal: BaseException | None = None  # the engine died: the process is exiting non-zero (70)
+    admission: Admission = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.admission = Admission(self.config.max_num_seqs, self.config.max_queued_requests)
+
+    @functools.cached_property
+    def token_chars(self) -> int:
+        """The most characters one token stands for (bounds a prompt's characters before tokenizing)."""
+        return longest_token_chars(self.engine.tokenizer)
 
     @property
     def tokenizer(self) -> Any:

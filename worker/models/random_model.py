@@ -74,7 +74,8 @@ def make_random_model(out_dir: str | Path, arch: str = "llama", *, seed: int = 0
                       initializer_range: float = 0.2, dtype: str = "float32", tokenizer: bool = True,
                       max_shard_size: str | None = None, chat_template: str = CHAT_TEMPLATE,
                       **extra: Any) -> Path:
-    """Save a random ``llama`` / ``mistral`` / ``qwen2`` model (safetensors) plus tokenizer to ``out_dir``."""
+    """Save a random model of one of transformers' classes below (safetensors) plus tokenizer to ``out_dir``;
+    ``extra`` goes to the config class (windows, experts, soft-capping, rope parameters, ...)."""
     import torch
     import transformers
 
@@ -82,6 +83,12 @@ def make_random_model(out_dir: str | Path, arch: str = "llama", *, seed: int = 0
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
+        "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
+        "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
+        "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
+        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
     }
     config_cls, model_cls = classes[arch]
     out = Path(out_dir)

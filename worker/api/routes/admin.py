@@ -1,7 +1,9 @@
-"""GET /health, GET|POST /ping, /version, /metrics (open even with --api-key, as in vLLM) and /keepwarm/config."""
+"""GET /health, GET|POST /ping, /version, /metrics (open even with --api-key, as in vLLM) and /keepwarm/config
+(behind the key)."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -18,9 +20,18 @@ def router(state: ServerState) -> APIRouter:
 
     @api.get("/health")
     async def health() -> JSONResponse:
+        """200 only while the engine thread runs, no fatal error happened and the server is not draining."""
         info = state.weights_info()
-        ok = state.async_engine.running and not state.draining
-        body = {"status": "ok" if ok else ("draining" if state.draining else "engine stopped"),
+        engine = state.async_engine
+        ok = engine.running and not state.draining and state.fatal is None
+        status = "ok" if ok else ("engine stopped" if not engine.running or state.fatal is not None else "draining")
+        error = engine.errored or state.fatal
+        body = {"status": status,
+                "engine": {"running": engine.running,
+                           "error": None if error is None else f"{type(error).__name__}: {error}",
+                           "requests_in_flight": engine.num_in_flight,
+                           "seconds_since_step": round(max(0.0, time.monotonic() - engine.snapshot.last_step_time),
+                                                       3)},
                 "weights": info, "model": state.model_name, "version": __version__}
         return JSONResponse(body, status_code=200 if ok else 503)
 

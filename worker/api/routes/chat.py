@@ -34,9 +34,10 @@ def chat_logprobs(tokenizer: Any, lps: list[TokenLogprob]) -> dict[str, Any]:
                         for x in lps]}
 
 
-def prompt_ids(state: ServerState, req: ChatCompletionRequest) -> list[int]:
-    """The messages rendered by the chat template (tools, tool calls and results included) and tokenized."""
-    return render_chat(state.tokenizer, req)
+async def prompt_ids(state: ServerState, req: ChatCompletionRequest) -> list[int]:
+    """The messages rendered by the chat template (tools, tool calls and results included) and tokenized, off the
+    event loop and bounded (chat_render)."""
+    return await render_chat(state, req)
 
 
 def _constraint(state: ServerState, req: ChatCompletionRequest) -> tuple[ToolMode, StructuredOutputs | None]:
@@ -67,7 +68,7 @@ async def chat_completion(state: ServerState, req: ChatCompletionRequest, reques
     lora = pipeline.resolve_model(state, req.model)
     mode, spec = _constraint(state, req)
     known = set(functions(req.tools))
-    ids = prompt_ids(state, req)
+    ids = await prompt_ids(state, req)
     max_tokens = pipeline.check_length(state, len(ids), req.max_completion_tokens if req.max_completion_tokens
                                        is not None else req.max_tokens)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None

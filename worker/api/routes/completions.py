@@ -14,6 +14,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from keepwarm.worker.api import pipeline
+from keepwarm.worker.api.limits import check_prompt_chars, offload
 from keepwarm.worker.api.protocol import CompletionRequest, bad_request, new_id, now
 from keepwarm.worker.api.state import ServerState
 from keepwarm.worker.api.structured_fields import structured_spec
@@ -21,25 +22,30 @@ from keepwarm.worker.outputs import CompletionOutput, RequestOutput
 from keepwarm.worker.sequence import TokenLogprob
 
 
-def completion_logprobs(tokenizer: Any, lps: list[TokenLogprob], text_offset0: int) -> dict[str, Any]:
-    tokens = [tokenizer.decode([x.token_id]) for x in lps]
-    offsets, pos = [], text_offset0
-    for t in tokens:
-        offsets.append(pos)
-        pos += len(t)
-    return {"tokens": tokens, "token_logprobs": [x.logprob for x in lps],
+def text_offsets(tokenizer: Any, token_ids: list[int], start: int, end: int, skip_special_tokens: bool,
+                 text_len: int) -> list[int]:
+    """Where each of ``token_ids[start:end]`` begins in the returned text: the length of the text decoded from the
+    tokens before it, decoded as the output was (hidden special tokens add nothing), capped at the text's length
+    (a stop string cuts the text)."""
+    return [min(len(tokenizer.decode(token_ids[:i], skip_special_tokens=skip_special_tokens)), text_len)
+            for i in range(start, end)]
+
+
+def completion_logprobs(tokenizer: Any, lps: list[TokenLogprob], offsets: list[int]) -> dict[str, Any]:
+    return {"tokens": [tokenizer.decode([x.token_id]) for x in lps], "token_logprobs": [x.logprob for x in lps],
             "top_logprobs": [{tokenizer.decode([t]): lp for t, lp in x.top} for x in lps],
             "text_offset": offsets}
 
 
-def prompt_completion_logprobs(tokenizer: Any, first_id: int, lps: list[TokenLogprob | None]) -> dict[str, Any]:
-    """Echo: the prompt's tokens with their logprobs; the first has none (nothing comes before it), as vLLM."""
-    first = tokenizer.decode([first_id])
-    rest = completion_logprobs(tokenizer, [x for x in lps if x is not None], len(first))
+def prompt_completion_logprobs(tokenizer: Any, prompt_ids: list[int], lps: list[TokenLogprob | None],
+                               text_len: int) -> dict[str, Any]:
+    """Echo: the prompt's tokens with their logprobs; the first has none (nothing comes before it), as vLLM.
+    ``text_offset`` counts from the start of the echoed prompt (decoded as the echo was, specials kept)."""
+    first = tokenizer.decode([prompt_ids[0]])
+    offsets = text_offsets(tokenizer, prompt_ids, 1, len(prompt_ids), False, text_len)
+    rest = completion_logprobs(tokenizer, [x for x in lps if x is not None], offsets)
     return {"tokens": [first, *rest["tokens"]], "token_logprobs": [None, *rest["token_logprobs"]],
             "top_logprobs": [None, *rest["top_logprobs"]], "text_offset": [0, *rest["text_offset"]]}
-
-
 def vllm_prompt_logprobs(tokenizer: Any, lps: list[TokenLogprob | None] | None) -> list[dict | None] | None:
     """vLLM's ``prompt_logprobs``: per prompt token, {token id: {logprob, rank, decoded_token}} (None first)."""
     if lps is None:
@@ -57,16 +63,17 @@ def vllm_prompt_logprobs(tokenizer: Any, lps: list[TokenLogprob | None] | None) 
     return out
 
 
-def _prompts(state: ServerState, req: CompletionRequest) -> tuple[list[list[int]], list[str | None]]:
-    """(token ids, text or None) per prompt; 400 for a shape OpenAI does not allow or ids outside the vocab."""
+async def _prompts(state: ServerState, req: CompletionRequest) -> tuple[list[list[int]], list[str | None]]:
+    """(token ids, text or None) per prompt; 400 for a shape OpenAI does not allow, a text that cannot fit the
+    context whatever it tokenizes to, or ids outside the vocab. Tokenizing runs off the event loop."""
     tok = state.tokenizer
     p = req.prompt
     prompts: list[list[int]]
     texts: list[str | None]
-    if isinstance(p, str):
-        prompts, texts = [tok.encode(p)], [p]
-    elif p and all(isinstance(x, str) for x in p):
-        prompts, texts = [tok.encode(x) for x in p], list(p)  # type: ignore[arg-type]
+    if isinstance(p, str) or (p and all(isinstance(x, str) for x in p)):
+        strs: list[str] = [p] if isinstance(p, str) else list(p)  # type: ignore[arg-type]
+        check_prompt_chars(max(len(t) for t in strs), state.engine.max_model_len, state.token_chars, "prompt")
+        prompts, texts = await offload(lambda: [tok.encode(t) for t in strs]), list(strs)
     elif p and all(isinstance(x, int) for x in p):
         prompts, texts = [list(p)], [None]  # type: ignore[arg-type]
     elif p and all(isinstance(x, list) for x in p):
@@ -86,11 +93,9 @@ def router(state: ServerState) -> APIRouter:
     @api.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request) -> Any:
         lora = pipeline.resolve_model(state, req.model)
-        if req.suffix is not None:
-            raise bad_request("suffix is not supported", "suffix")
         if req.best_of is not None and req.best_of != req.n:
             raise bad_request("best_of is not supported (it must equal n)", "best_of")
-        prompts, texts = _prompts(state, req)
+        prompts, texts = await _prompts(state, req)
         max_tokens = min(pipeline.check_length(state, len(ids), req.max_tokens) for ids in prompts)
         params = pipeline.request_params(req, max_tokens, req.logprobs)
         if req.echo and req.logprobs is not None and params.prompt_logprobs is None:
@@ -101,24 +106,28 @@ def router(state: ServerState) -> APIRouter:
         merged = pipeline.start(state, prompts, texts, params, lora, rid)
         tok = state.tokenizer
 
-        def choice_logprobs(c: CompletionOutput, start: int, end: int, offset0: int) -> dict | None:
+        def choice_logprobs(c: CompletionOutput, start: int, end: int, base: int) -> dict | None:
+            """Logprobs of tokens start..end; text_offset counts from the start of the returned text, which begins
+            ``base`` characters in (after the echoed prompt)."""
             if req.logprobs is None or c.logprobs is None:
                 return None
-            return completion_logprobs(tok, c.logprobs[start:end], offset0)
+            offsets = text_offsets(tok, c.token_ids, start, end, params.skip_special_tokens, len(c.text))
+            return completion_logprobs(tok, c.logprobs[start:end], [base + o for o in offsets])
 
         def echoed(i: int, out: RequestOutput) -> str:
             return texts[i] or tok.decode(out.prompt_token_ids)
 
-        def echo_logprobs(out: RequestOutput) -> dict | None:
+        def echo_logprobs(i: int, out: RequestOutput) -> dict | None:
             if req.logprobs is None or out.prompt_logprobs is None:
                 return None
-            return prompt_completion_logprobs(tok, out.prompt_token_ids[0], out.prompt_logprobs[1:])
+            return prompt_completion_logprobs(tok, out.prompt_token_ids, out.prompt_logprobs[1:],
+                                              len(echoed(i, out)))
 
         def final_logprobs(i: int, out: RequestOutput, c: CompletionOutput) -> dict | None:
             if not req.echo:
                 return choice_logprobs(c, 0, len(c.token_ids), 0)
             lps = choice_logprobs(c, 0, len(c.token_ids), len(echoed(i, out)))
-            prompt = echo_logprobs(out)
+            prompt = echo_logprobs(i, out)
             if lps is None or prompt is None:
                 return lps
             return {k: prompt[k] + lps[k] for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
@@ -131,10 +140,10 @@ def router(state: ServerState) -> APIRouter:
                 for c in out.outputs:
                     completion_tokens += len(c.token_ids)
                     choice = {"index": i * req.n + c.index, "text": echoed(i, out) + c.text if req.echo
-                              else c.text, "logprobs": final_logprobs(i, out, c),
+                              else c.text, "logprobs": await offload(final_logprobs, i, out, c),
                               "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
                     if req.prompt_logprobs is not None:
-                        choice["prompt_logprobs"] = vllm_prompt_logprobs(tok, out.prompt_logprobs)
+                        choice["prompt_logprobs"] = await offload(vllm_prompt_logprobs, tok, out.prompt_logprobs)
                     choices.append(choice)
             return {**head, "choices": choices,
                     "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
@@ -152,10 +161,10 @@ def router(state: ServerState) -> APIRouter:
                         d = tracker.advance(idx, c)
                         if d.first and req.echo:
                             yield {**head, "choices": [{"index": idx, "text": echoed(i, out),
-                                                        "logprobs": echo_logprobs(out),
+                                                        "logprobs": await offload(echo_logprobs, i, out),
                                                         "finish_reason": None}]}
-                        offset = d.text_start + (len(echoed(i, out)) if req.echo else 0)  # after the echo
-                        lp = choice_logprobs(c, d.token_start, d.token_end, offset)
+                        base = len(echoed(i, out)) if req.echo else 0  # offsets run on after the echo
+                        lp = choice_logprobs(c, d.token_start, d.token_end, base)
                         if d.text or c.finished or lp:
                             yield {**head, "choices": [{"index": idx, "text": d.text, "logprobs": lp,
                                                         "finish_reason": c.finish_reason,

@@ -1,0 +1,151 @@
+"""Load jobs: making a model resident off the socket loop, one thread per job.
+
+One job type for both ways in: ``preload`` (read the checkpoint, quantize, pack into a new arena) and ``load_image``
+(copy a snapshot's arena image into a new arena and check its digest; nothing is re-quantized). The socket loop
+creates a job, adds every request waiting on the same key to ``waiters``, forwards progress (``bytes_done``) and,
+once ``done`` is set, makes ``result`` resident and answers the waiters (``error`` is their answer on failure).
+
+Rules: a job thread touches only its own job and the arena files it creates; on failure those files are removed
+before ``done`` is set. Only the socket loop touches residency, leases and the job table.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from keepwarm.daemon.checkpoint import Checkpoint
+from keepwarm.daemon.image import ImageError, check_cpu_layouts, fill_cpu, fill_cuda, image_size
+from keepwarm.daemon.loader import build_arena, plan_arena, resolve_dtype
+from keepwarm.daemon.protocol import ProtocolError
+from keepwarm.daemon.residency import Residency, Resident
+from keepwarm.formats import paths
+from keepwarm.formats.arena import ArenaManifest, CpuArenaFile, CudaArena, arena_digest_of
+
+log = logging.getLogger("keepwarm.daemon")
+
+JobKey = tuple[str, str, str]  # (model, quantization or "image:<fingerprint>", dtype)
+Waiter = tuple[bytes, str, str, Any]  # (socket identity, request id, verb, args)
+
+
+@dataclass
+class LoadJob:
+    key: JobKey
+    kind: str  # "preload" | "image"
+    what: str  # for logs and errors: "preload of <dir>", "loading the image <path>"
+    quantization: str
+    total_bytes: int  # bytes to read or copy (progress)
+    arena_bytes: int  # size of the arena being built (memory budget)
+    work: Callable[[LoadJob], Resident]  # runs in the job's thread; records what it creates in `created`
+    started: float = field(default_factory=time.monotonic)
+    bytes_done: int = 0
+    waiters: list[Waiter] = field(default_factory=list)
+    result: Resident | None = None
+    error: ProtocolError | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    created: tuple[CpuArenaFile | CudaArena | None, Path | None] = (None, None)  # (storage, temporary file)
+
+    def add_bytes(self, n: int) -> None:
+        with self.lock:
+            self.bytes_done += n
+
+    def start(self, thread_name: str, on_end: Callable[[], None]) -> None:
+        threading.Thread(target=self._run, args=(on_end,), name=thread_name, daemon=True).start()
+
+    def _run(self, on_end: Callable[[], None]) -> None:
+        try:
+            self.result = self.work(self)
+        except ProtocolError as e:
+            self.error = e
+        except ImageError as e:
+            self.error = ProtocolError(e.code, e.message)
+        except Exception as e:
+            log.error("%s failed: %s\n%s", self.what, e, traceback.format_exc())
+            self.error = ProtocolError("load_failed", f"{self.what} failed: {e}")
+        finally:
+            if self.error is not None:  # remove what the failed job built
+                storage, tmp = self.created
+                if isinstance(storage, CpuArenaFile):
+                    storage.close()
+                    storage.unlink()
+                if tmp is not None:
+                    tmp.unlink(missing_ok=True)
+            self.done.set()
+            on_end()
+
+
+def preload_job(key: JobKey, ckpt: Checkpoint, dtype: str, arena_bytes: int, fingerprint: str | None,
+                residency: Residency, device_name: str) -> LoadJob:
+    """Read ``ckpt``, quantize and pack it into a new arena (``fingerprint``: what it must turn out to be)."""
+    def work(job: LoadJob) -> Resident:
+        t0 = time.perf_counter()
+        target = resolve_dtype(ckpt, dtype)
+        planned, total = plan_arena(ckpt, job.quantization, target, residency.device.type)
+        storage: CpuArenaFile | CudaArena
+        if residency.device.type == "cpu":
+            tmp = residency.arena_dir / f".building-{secrets.token_hex(6)}.arena"
+            storage = CpuArenaFile.create(tmp, total)
+            job.created = (storage, tmp)
+        else:
+            storage = CudaArena.create(total, residency.device)
+            job.created = (storage, None)
+        manifest = build_arena(ckpt, job.quantization, dtype, storage.flat, device_name,
+                               progress=job.add_bytes, threads=residency.threads, planned=planned)
+        if fingerprint and manifest.fingerprint != fingerprint:
+            raise ProtocolError("fingerprint_mismatch", f"{ckpt.model_dir.name} on disk has fingerprint "
+                                                        f"{manifest.fingerprint[:16]}, not {fingerprint[:16]}")
+        mpath = None
+        if isinstance(storage, CpuArenaFile):
+            storage, mpath = residency.install_cpu_arena(storage, manifest)
+            job.created = (storage, job.created[1])
+        seconds = time.perf_counter() - t0
+        log.info("preloaded %s (%s, %s): %.1f MB read, %.1f MB arena in %.2fs (%.2f GB/s), fingerprint %s",
+                 ckpt.model_dir.name, job.quantization, manifest.dtype, job.total_bytes / 1e6,
+                 manifest.total_bytes / 1e6, seconds, job.total_bytes / max(seconds, 1e-9) / 1e9,
+                 manifest.fingerprint[:16])
+        now = time.time()
+        return Resident(manifest, storage, "preload", now, seconds, now, mpath)
+
+    return LoadJob(key, "preload", f"preload of {ckpt.model_dir}", key[1], ckpt.nbytes, arena_bytes, work)
+
+
+def image_job(key: JobKey, manifest: ArenaManifest, image: Path, arena_bytes: int,
+              residency: Residency) -> LoadJob:
+    """Copy the arena image at ``image`` into a new arena and check it against ``manifest``."""
+    def work(job: LoadJob) -> Resident:
+        t0 = time.perf_counter()
+        m = manifest
+        storage: CpuArenaFile | CudaArena
+        if residency.device.type == "cpu":
+            check_cpu_layouts(m)
+            paths.ensure_private_dir(residency.arena_dir)
+            tmp = residency.arena_dir / f".image-{secrets.token_hex(6)}.arena"
+            storage = CpuArenaFile.create(tmp, arena_bytes)
+            job.created = (storage, tmp)
+            fill_cpu(storage, image, arena_bytes, job.add_bytes)
+            if arena_digest_of(storage.flat, m.tensors, residency.threads) != m.arena_digest:
+                raise ProtocolError("bad_image", f"the image {image} does not match its manifest's "
+                                                 "arena_digest (corrupt or not this model's image)")
+            storage, mpath = residency.install_cpu_arena(storage, m)
+            job.created = (storage, tmp)
+        else:
+            mpath = None
+            storage = CudaArena.create(arena_bytes, residency.device)
+            job.created = (storage, None)
+            fill_cuda(storage, image, image_size(m, image), m, residency.threads, job.add_bytes)
+        seconds = time.perf_counter() - t0
+        log.info("loaded the image of %s (%s, %s): %.1f MB in %.2fs (%.2f GB/s), fingerprint %s", m.model_name,
+                 m.quantization, m.dtype, arena_bytes / 1e6, seconds,
+                 arena_bytes / max(seconds, 1e-9) / 1e9, m.fingerprint[:16])
+        now = time.time()
+        return Resident(m, storage, "image", now, seconds, now, mpath)
+
+    return LoadJob(key, "image", f"loading the image {image}", manifest.quantization, arena_bytes, arena_bytes, work)

@@ -1,0 +1,70 @@
+"""Mixture-of-experts decoders (Mixtral, Qwen3-MoE): the Llama layer with routed experts in place of the MLP.
+
+Routing follows transformers: router logits ``x @ gate^T``, softmax in float32 over all experts, the top-k
+experts per token, their weights renormalised to sum to one when ``norm_topk_prob`` (always for Mixtral), and
+rounded back to the activation dtype. Each expert is a plain gate/up + down MLP whose fused weights are ordinary
+:class:`Linear` slots (``mlp.experts.E.gate_up_proj`` / ``down_proj``), so the daemon's arena, quantization
+(int8 / int4 / fp8) and the CPU's oneDNN packing apply to experts exactly as to dense layers.
+
+CPU execution: tokens are grouped by expert (a sort of the flat (token, slot) assignments), and each expert that
+received tokens runs one matmul pair over all of its tokens; results are scaled by the routing weight and summed
+into the output with ``index_add_`` in ascending expert order, the order transformers adds them, so float32 sums
+are bit-identical. Qwen3-MoE layers listed in ``mlp_only_layers`` (or off the ``decoder_sparse_step``) keep a
+dense MLP. (Shared experts, as in Qwen2-MoE, are not part of either family and are not implemented.)
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from keepwarm.formats.model_config import ModelConfig
+from keepwarm.worker.models.layers import Linear
+from keepwarm.worker.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
+
+
+class MoEBlock(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.top_k = config.num_experts_per_tok
+        self.num_experts = config.num_experts
+        self.renormalize = config.norm_topk_prob
+        self.gate = Linear(config.hidden_size, config.num_experts, bias=False)  # the router
+        self.experts = nn.ModuleList(LlamaMLP(config, config.moe_intermediate_size)
+                                     for _ in range(config.num_experts))
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k] in x's dtype, expert ids [T, k])."""
+        probs = torch.softmax(self.gate(x).float(), dim=-1)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(x.dtype), ids
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.route(x)
+        out = torch.zeros_like(x)
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert, tokens ascending
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        tokens = order // self.top_k
+        w = weights.reshape(-1)[order]
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                idx = tokens[start:start + n]
+                y = self.experts[e](x.index_select(0, idx)) * w[start:start + n, None]
+                out.index_add_(0, idx, y)
+            start += n
+        return out
+
+
+class MoEDecoderLayer(LlamaDecoderLayer):
+    def make_mlp(self, config: ModelConfig, layer_idx: int) -> nn.Module:
+        return MoEBlock(config) if config.is_moe_layer[layer_idx] else LlamaMLP(config)
+
+
+class MoEForCausalLM(LlamaForCausalLM):
+    """Serves MixtralForCausalLM and Qwen3MoeForCausalLM checkpoints."""
+
+    layer_cls = MoEDecoderLayer
