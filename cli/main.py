@@ -19,6 +19,7 @@ def _add_subcommands() -> None:
         bench_lora,  # noqa: F401  (registers `bench lora`)
         bench_serving,  # noqa: F401  (registers `bench restart` and `bench serving`)
         bench_snapshot,  # noqa: F401  (registers `bench snapshot`)
+        bench_structured,  # noqa: F401  (registers `bench structured`)
         daemon_cmds,
         serve_cmd,
         snapshot_cmds,

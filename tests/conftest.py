@@ -43,6 +43,9 @@ TINY_MODELS = {
     "mistral": dict(arch="mistral", tie_word_embeddings=False, sliding_window=None),
     # Qwen2 has q/k/v biases.
     "qwen2": dict(arch="qwen2", tie_word_embeddings=True, num_attention_heads=4, num_key_value_heads=2),
+    # A chat template that takes tools (Qwen 2.5's Hermes format), for the tool-calling tests.
+    "qwen2_tools": dict(arch="qwen2", tie_word_embeddings=True, num_attention_heads=4, num_key_value_heads=2,
+                        chat_template="tools"),
     # The families of issue 13. Windows of 16 tokens, well below the 70-token prompts of test_engine.
     # Qwen3: per-head q/k norms, head_dim 32 != hidden / heads (128 / 8), layer 1 of 2 sliding.
     "qwen3": dict(arch="qwen3", num_attention_heads=8, use_sliding_window=True, sliding_window=16,
@@ -80,6 +83,10 @@ def tiny_model_factory(tmp_path_factory: pytest.TempPathFactory):
         if name not in built:
             spec = dict(TINY_MODELS[name])
             arch = spec.pop("arch")
+            if spec.get("chat_template") == "tools":
+                from keepwarm.worker.models.random_model import TOOLS_CHAT_TEMPLATE
+
+                spec["chat_template"] = TOOLS_CHAT_TEMPLATE
             built[name] = str(make_random_model(tmp_path_factory.mktemp(name), arch, head_dim=32, **spec))
         return built[name]
 

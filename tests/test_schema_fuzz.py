@@ -80,5 +80,24 @@ def test_schema_tells_the_truth(tiny_llama) -> None:
         assert set(schema["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == {"text/plain"}
         r = httpx.post(server.base + "/v1/completions", json={"model": "tiny", "prompt": [[False]]})
         assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+        # Issue 18's routes are documented as they answer: /v1/responses streams or returns JSON, /ping has no
+        # body (200 or 503), /tokenize and /detokenize return JSON.
+        responses = schema["paths"]["/v1/responses"]["post"]["responses"]
+        assert set(responses["200"]["content"]) == {"application/json", "text/event-stream"}
+        for method in ("get", "post"):
+            ping = schema["paths"]["/ping"][method]["responses"]
+            assert set(ping) == {"200", "503"} and all("content" not in v for v in ping.values()), ping
+        for path in ("/tokenize", "/detokenize"):
+            assert set(schema["paths"][path]["post"]["responses"]["200"]["content"]) == {"application/json"}
+        # Unknown top-level fields are accepted (issue 18, as vLLM), so the schema must not forbid them; a known
+        # field of the wrong type is still a 400 naming it (issue 17).
+        body = schema["components"]["schemas"]["CompletionRequest"]
+        assert body.get("additionalProperties", True) is not False
+        r = httpx.post(server.base + "/v1/completions", json={"model": "tiny", "prompt": "a", "max_tokens": 1,
+                                                               "service_tier": "auto"})
+        assert r.status_code == 200, r.text
+        r = httpx.post(server.base + "/v1/completions", json={"model": "tiny", "prompt": "a", "max_tokens": True,
+                                                               "service_tier": "auto"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
     finally:
         assert server.stop() == 0

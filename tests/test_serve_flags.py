@@ -67,6 +67,8 @@ EFFECT_TESTS = {
     "max_queued_requests": "test_hostile::test_past_the_queue_bound_is_429",
     "client_timeout": "test_hostile::test_a_stalled_client_gets_408",
     "trust_request_chat_template": "test_hostile::test_item5_a_request_chat_template_needs_the_trust_flag",
+    "enable_auto_tool_choice": "test_tool_calls::test_tool_choice_rules",
+    "tool_call_parser": "test_tool_calls::test_tool_choice_rules",
     # Effective only on a CUDA device (on a CPU the engine has no graphs and no device memory to size by).
     "enforce_eager": "test_gpu_reference::test_gpu_flags_reach_the_engine",
     "gpu_memory_utilization": "test_gpu_reference::test_gpu_flags_reach_the_engine",

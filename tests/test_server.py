@@ -132,7 +132,7 @@ MALFORMED = [
     ("completions", {"model": "tiny", "prompt": "x", "max_tokens": 400}, 400),
     ("completions", {"model": "tiny", "prompt": "x", "logprobs": 50}, 400),
     ("completions", {"model": "tiny", "prompt": "x", "stop": 5}, 400),
-    ("completions", {"model": "tiny", "prompt": "x", "frobnicate": True}, 400),
+    ("completions", {"model": "tiny", "prompt": "x", "suffix": "known but unsupported"}, 400),
     ("completions", {"model": "tiny", "prompt": "x", "presence_penalty": 5}, 400),
     ("completions", {"model": "tiny", "prompt": "x", "repetition_penalty": 0}, 400),
     ("completions", {"model": "tiny", "prompt": "x", "min_p": 2}, 400),

@@ -13,6 +13,7 @@ raised as :class:`EngineDeadError` and the caller must stop using the engine (th
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -37,6 +38,7 @@ from keepwarm.worker.sampler import Sampler
 from keepwarm.worker.sampling_params import SamplingParams
 from keepwarm.worker.scheduler import Scheduler, SchedulerConfig
 from keepwarm.worker.sequence import Sequence, SequenceStatus, TokenLogprob
+from keepwarm.worker.structured import GrammarCompiler, StructuredOutputs
 
 log = logging.getLogger("keepwarm.worker")
 
@@ -162,6 +164,10 @@ class LLMEngine:
                                   self.block_manager.get_block_ids, self.device, self.lora_manager,
                                   enforce_eager=config.enforce_eager)
         self.sampler = Sampler()
+        # Structured outputs over this tokenizer and logits width; thread-safe, so front ends compile off the engine
+        # thread. It indexes the vocabulary on first use.
+        self.grammar_compiler = GrammarCompiler.for_tokenizer(self.tokenizer, self.model_config.vocab_size,
+                                                              self.eos_token_ids)
         self.stats = EngineStats()
         self._requests: dict[str, _Request] = {}
         self._seq_to_request: dict[str, _Request] = {}
@@ -264,6 +270,9 @@ class LLMEngine:
         if any(t < 0 or t >= vocab for t in prompt_token_ids):
             raise RequestError(f"prompt token ids must be in [0, {vocab})")
         params.validate()
+        if isinstance(params.structured, StructuredOutputs):
+            # The offline API hands the spec; the HTTP front end compiles ahead, off the engine thread.
+            params = dataclasses.replace(params, structured=self.grammar_compiler.compile(params.structured))
         if self.tokenizer is None and params.stop:
             raise RequestError("stop strings need a tokenizer (the engine runs with skip_tokenizer_init)")
         if not params.ignore_eos:
@@ -459,6 +468,13 @@ class LLMEngine:
             status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, token
         elif token in p.eos_token_ids and seq.num_output_tokens >= p.min_tokens:
             status = SequenceStatus.FINISHED_STOPPED
+        grammar_done = False
+        if status is None and seq.grammar is not None:
+            if not seq.grammar.accept(token):  # the mask allows only what the grammar takes: an engine bug
+                log.error("request %s: the grammar rejected sampled token %d (%s)", req.request_id, token,
+                          seq.grammar.error)
+            # Complete: the grammar takes nothing but EOS, which would not be part of the text anyway.
+            grammar_done = seq.grammar.is_stopped
         detok = req.detoks[idx]
         if detok is not None and status is None:  # an EOS / stop token is not part of the text
             new_text = detok.step([token])
@@ -470,7 +486,9 @@ class LLMEngine:
                     req.texts[idx] = hit.text
         if status is None:
             out_of_tokens = p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens
-            if out_of_tokens or seq.num_tokens >= self.max_model_len:
+            if grammar_done:
+                status = SequenceStatus.FINISHED_STOPPED
+            elif out_of_tokens or seq.num_tokens >= self.max_model_len:
                 status = SequenceStatus.FINISHED_LENGTH
             if status is not None and detok is not None:
                 detok.flush()  # text held back for an incomplete character is final now

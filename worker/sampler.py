@@ -1,7 +1,10 @@
 """Batched next-token sampling with vLLM semantics: penalties, min_tokens, greedy, temperature, top-k/p/min-p.
 
-Order per step (as vLLM): raw logprobs -> penalties -> min_tokens EOS/stop masking -> greedy argmax or
-(temperature -> top-k -> top-p -> min-p -> softmax -> sample). Everything is vectorized over the batch with
+Order per step (as vLLM): raw logprobs -> penalties -> grammar masks (constrained rows) -> min_tokens EOS/stop
+masking -> greedy argmax or (temperature -> top-k -> top-p -> min-p -> softmax -> sample). Grammar masks are
+filled per constrained row and applied in one batched fill; free rows are untouched. A constrained row that
+min_tokens would leave with no token (the grammar allows only EOS) keeps the grammar's choice: the output must
+stay valid. Everything is vectorized over the batch with
 per-row parameter tensors; only the noise of seeded rows is drawn per row, from that sequence's own generator,
 so a seeded request samples the same tokens whatever else is in the batch.
 """
@@ -14,6 +17,7 @@ import torch
 
 from keepwarm.worker.sampling_params import SamplingParams
 from keepwarm.worker.sequence import Sequence, TokenLogprob
+from keepwarm.worker.structured import unpack_bitmask
 
 
 @dataclass
@@ -94,11 +98,15 @@ class Sampler:
         raw_logprobs = torch.log_softmax(logits[lp_rows], dim=-1) if lp_rows else None
 
         min_tok_rows = [i for i, s in enumerate(seqs) if s.num_output_tokens < s.sampling_params.min_tokens]
-        # Both steps work on a copy: the caller's tensor stays untouched.
+        grammar_rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
+        # These steps work on a copy: the caller's tensor stays untouched.
         if any(p.needs_penalties for p in params):
             logits = apply_penalties(logits, seqs)
-        elif min_tok_rows:
+        elif min_tok_rows or grammar_rows:
             logits = logits.clone()
+        grammar_logits = None
+        if grammar_rows:
+            grammar_logits = self._apply_grammars(logits, seqs, grammar_rows)
         if min_tok_rows:
             rows: list[int] = []
             cols: list[int] = []
@@ -109,6 +117,8 @@ class Sampler:
                 cols += sorted(banned)
             if rows:
                 logits[torch.tensor(rows, device=device), torch.tensor(cols, device=device)] = float("-inf")
+            if grammar_logits is not None:
+                self._keep_grammar_choice(logits, grammar_logits, grammar_rows)
 
         greedy_rows = [i for i, p in enumerate(params) if p.greedy]
         if len(greedy_rows) == num_rows:
@@ -129,6 +139,28 @@ class Sampler:
         if raw_logprobs is not None:
             self._fill_logprobs(logprobs, raw_logprobs, lp_rows, tokens, params)
         return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
+
+    @staticmethod
+    def _apply_grammars(logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> torch.Tensor:
+        """Mask the constrained rows of ``logits`` in place; returns those rows after masking (a copy)."""
+        vocab = logits.shape[1]
+        bitmask = torch.zeros(len(rows), (vocab + 31) // 32, dtype=torch.int32)
+        for j, i in enumerate(rows):
+            grammar = seqs[i].grammar
+            assert grammar is not None  # rows are the constrained ones
+            grammar.fill_bitmask(bitmask[j])
+        allowed = unpack_bitmask(bitmask, vocab).to(logits.device)
+        masked = logits[rows].masked_fill_(~allowed, float("-inf"))
+        logits[rows] = masked
+        return masked
+
+    @staticmethod
+    def _keep_grammar_choice(logits: torch.Tensor, grammar_logits: torch.Tensor, rows: list[int]) -> None:
+        """Constrained rows that min_tokens emptied (only EOS was allowed) go back to the grammar's mask alone."""
+        dead = torch.isneginf(logits[rows]).all(dim=-1)
+        if bool(dead.any()):
+            idx = torch.tensor(rows, device=logits.device)[dead]
+            logits[idx] = grammar_logits[dead]
 
     def _sample_rows(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """Sample one token per row of ``logits`` (all rows non-greedy); ``logits`` is not modified."""

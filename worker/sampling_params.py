@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from keepwarm.worker.structured import CompiledGrammar, StructuredOutputs
 
 # torch.Generator.manual_seed's range (vLLM's seed bounds); choice i of an n>1 request samples with seed + i.
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1
@@ -47,6 +51,10 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     detokenize: bool = True
+    # Constrained decoding (structured outputs, forced tool calls): the grammar every sequence of the request
+    # follows (each with its own matcher); None samples freely. A StructuredOutputs spec is compiled by the
+    # engine's add_request (cached); the HTTP front end passes it compiled.
+    structured: StructuredOutputs | CompiledGrammar | None = field(default=None, repr=False, compare=False)
     # Filled by the engine: the model's EOS ids (from generation_config/config), unless ignore_eos.
     eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
 

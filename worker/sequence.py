@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass
 
 from keepwarm.worker.sampling_params import SamplingParams
+from keepwarm.worker.structured import CompiledGrammar, GrammarMatcher
 
 
 class SequenceStatus(enum.Enum):
@@ -53,6 +54,14 @@ class Sequence:
         self.prompt_logprobs: list[TokenLogprob | None] | None = (
             [None] if sampling_params.prompt_logprobs is not None else None)
         self.sampling_params = sampling_params
+        # Where this sequence stands in its grammar (constrained decoding); None when it samples freely.
+        structured = sampling_params.structured
+        self.grammar: GrammarMatcher | None = None
+        if isinstance(structured, CompiledGrammar):
+            self.grammar = structured.matcher()
+        elif structured is not None:  # LLMEngine.add_request compiles a spec before it makes sequences
+            raise TypeError("SamplingParams.structured must be compiled (GrammarCompiler.compile) before a "
+                            "Sequence is made")
         self.cache_salt = cache_salt
         self.lora = lora  # a LoRAAdapter, or None for the base model
         self.lora_slot = -1  # its slot while scheduled (LoRAManager), -1 otherwise

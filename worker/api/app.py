@@ -1,11 +1,13 @@
 """The FastAPI app: the routers of ``keepwarm.worker.api.routes``, API-key auth, OpenAI-shaped errors, shutdown.
 
-Endpoints: POST /v1/completions, POST /v1/chat/completions (both streamable as server-sent events), GET /v1/models,
-POST /v1/load_lora_adapter, /v1/unload_lora_adapter, GET /health, GET /version, GET /metrics, GET /keepwarm/config
-(the effective config). With ``--api-key`` every route needs ``Authorization: Bearer <key>`` (the /v1 API,
-/keepwarm/config, the docs and /openapi.json) except /health, /metrics and /version, which stay open, as in vLLM.
-Every error, whatever raised it, is OpenAI's error JSON. The connection limits, the admission bound and the
-schema's truth are in keepwarm.worker.api.limits and keepwarm.worker.api.openapi.
+Endpoints: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses (all streamable as server-sent
+events), GET /v1/models, POST /tokenize, /detokenize, POST /v1/load_lora_adapter, /v1/unload_lora_adapter, GET
+/health, GET|POST /ping, GET /version, GET /metrics, GET /keepwarm/config (the effective config). With ``--api-key``
+every route needs ``Authorization: Bearer <key>`` (the /v1 API, /tokenize, /detokenize, /keepwarm/config, the docs
+and /openapi.json) except /health, /ping, /metrics and /version, which stay open, as in vLLM. Every error, whatever
+raised it, is OpenAI's error JSON. The connection limits, the admission bound and the schema's truth are in
+keepwarm.worker.api.limits and keepwarm.worker.api.openapi.
+
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from keepwarm.worker.api import openapi
 from keepwarm.worker.api.limits import AdmissionLimit, ConnectionLimits
 from keepwarm.worker.api.metrics import ServerMetrics
 from keepwarm.worker.api.protocol import APIError, bad_request
-from keepwarm.worker.api.routes import adapters, admin, chat, completions, models
+from keepwarm.worker.api.routes import adapters, admin, chat, completions, models, responses, tokenize
 from keepwarm.worker.api.state import ServerState
 
 log = logging.getLogger("keepwarm.server")
@@ -51,7 +53,7 @@ def build_app(state: ServerState) -> FastAPI:
     state.metrics = ServerMetrics(lambda: state.async_engine.snapshot, state.model_name, state.weights_info)
     _add_auth(app, state.config.api_key)
     _add_error_handlers(app)
-    for resource in (admin, models, adapters, completions, chat):
+    for resource in (admin, models, adapters, completions, chat, responses, tokenize):
         app.include_router(resource.router(state))
     # Outermost last: a body is bounded and a stalled client timed out before admission counts it.
     app.add_middleware(AdmissionLimit, admission=state.admission, paths=GENERATION_PATHS)
@@ -61,8 +63,8 @@ def build_app(state: ServerState) -> FastAPI:
     return app
 
 
-GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
-OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses"})
+OPEN_PATHS = frozenset({"/health", "/ping", "/metrics", "/version"})
 
 
 class ApiKeyMiddleware:

@@ -77,6 +77,10 @@ class ServerConfig:
     max_lora_rank: int = setting(16, Flag(engine=SAME))
     max_cpu_loras: int | None = setting(None, Flag(engine=SAME))
     enable_lora_runtime_updates: bool = False
+    # tool calling (vLLM's flags): "auto" tool choice needs both
+    enable_auto_tool_choice: bool = setting(False, Flag(
+        "Let the model choose to call tools (tool_choice auto); needs --tool-call-parser."))
+    tool_call_parser: str | None = setting(None, Flag("hermes (Hermes, Qwen), llama3_json or mistral."))
     # keepwarm
     # attach to the daemon (starting one if needed); False = --no-daemon, load from disk
     daemon: bool = setting(True, Flag("Attach to the daemon (default) or load from disk.", engine=SAME))

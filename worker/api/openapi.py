@@ -45,9 +45,16 @@ class Usage(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    # None for an echoed prompt's first token (nothing comes before it).
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
+
+
+class PromptTokenLogprob(BaseModel):
+    logprob: float
+    rank: int | None
+    decoded_token: str
 
 
 class CompletionChoice(BaseModel):
@@ -56,6 +63,7 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None
     finish_reason: Literal["stop", "length", "abort"] | None
     stop_reason: int | str | None = None
+    prompt_logprobs: list[dict[str, PromptTokenLogprob] | None] | None = None  # vLLM's, when asked for
 
 
 class CompletionResponse(BaseModel):
@@ -81,16 +89,28 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob]
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
-    content: str
+    content: str | None  # None when the whole answer is tool calls
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None
-    finish_reason: Literal["stop", "length", "abort"] | None
+    finish_reason: Literal["stop", "length", "abort", "tool_calls"] | None
     stop_reason: int | str | None = None
 
 
@@ -101,6 +121,29 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+
+
+class ResponseObject(_Open):
+    """OpenAI's Responses object (stateless: ``store`` is always false)."""
+
+    id: str
+    object: Literal["response"]
+    created_at: int
+    status: Literal["completed", "incomplete"]
+    model: str
+    output: list[dict[str, Any]]
+    usage: dict[str, Any] | None
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 class ModelCard(_Open):
@@ -148,15 +191,22 @@ GENERATE_ERRORS = (400, 401, 404, 413, 429, 500, 503)
 ROUTES: dict[str, dict[str, tuple[dict[str, Any], tuple[int, ...]]]] = {
     "/v1/completions": {"post": ({"application/json": CompletionResponse, **SSE}, GENERATE_ERRORS)},
     "/v1/chat/completions": {"post": ({"application/json": ChatCompletionResponse, **SSE}, GENERATE_ERRORS)},
+    "/v1/responses": {"post": ({"application/json": ResponseObject, **SSE}, GENERATE_ERRORS)},
+    "/tokenize": {"post": ({"application/json": TokenizeResponse}, (400, 401, 404, 413, 500))},
+    "/detokenize": {"post": ({"application/json": DetokenizeResponse}, (400, 401, 404, 413, 500))},
     "/v1/models": {"get": ({"application/json": ModelList}, (401,))},
     "/v1/load_lora_adapter": {"post": (TEXT, (400, 401, 413, 500))},
     "/v1/unload_lora_adapter": {"post": (TEXT, (400, 401, 404, 409, 413, 500))},
     "/health": {"get": ({"application/json": Health}, (503,))},
+    # /ping answers with a status and no body: 200 live, 503 draining or stopped (see BARE).
+    "/ping": {"get": ({}, ()), "post": ({}, ())},
     "/version": {"get": ({"application/json": Version}, ())},
     "/metrics": {"get": ({"text/plain": {"schema": {"type": "string"}}}, ())},
     "/keepwarm/config": {"get": ({"application/json": EffectiveConfig}, (401,))},
 }
 ERRORS[409] = "The adapter still has requests in flight"
+# path -> method -> statuses answered with no body at all
+BARE: dict[str, dict[str, tuple[int, ...]]] = {"/ping": {"get": (503,), "post": (503,)}}
 
 
 def _schema_ref(model: type[BaseModel], components: dict[str, Any]) -> dict[str, Any]:
@@ -182,7 +232,10 @@ def fix_schema(schema: dict[str, Any]) -> dict[str, Any]:
             ok = {}
             for media, body in content.items():
                 ok[media] = {"schema": _schema_ref(body, components)} if isinstance(body, type) else body
-            responses["200"] = {"description": "Successful Response", "content": ok}
+            responses["200"] = {"description": "Successful Response", "content": ok} if ok else \
+                {"description": "Successful Response (no body)"}
+            for status in BARE.get(path, {}).get(method, ()):
+                responses[str(status)] = {"description": ERRORS[status] + " (no body)"}
             for status in errors:
                 responses[str(status)] = {"description": ERRORS[status],
                                           "content": {"application/json": {"schema": error_ref}}}

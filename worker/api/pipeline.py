@@ -1,14 +1,16 @@
 """The one request pipeline every front end (the HTTP routers, gRPC) runs a generation request through.
 
 Stages, in order: resolve the model name (base model or a LoRA adapter: 404 if unknown), check the prompt length
-against the context (400), build ``SamplingParams`` (400 naming the field), hand the request to the engine
-(``start``), then either collect the final outputs (``collect``: aborts when the client goes away) or stream them
-as deltas (``DeltaTracker``: per choice, the text not yet sent, holding back what a stop string may still cut).
+against the context (400), build ``SamplingParams`` (400 naming the field), compile the request's output constraint
+if it has one (``compile_structured``: cached, off the event loop, 400 naming the field), hand the request to the
+engine (``start``), then either collect the final outputs (``collect``: aborts when the client goes away) or stream
+them as deltas (``DeltaTracker``: per choice, the text not yet sent, holding back what a stop string may still cut).
 Errors: validation raises ``APIError``; what the engine raises while serving (``ENGINE_ERRORS``) becomes one
 ``APIError`` through ``engine_error``, so a front end maps errors in one place.
 
-The pipeline reads only what the engine fixed at construction (tokenizer, model config, context length) and the
-adapter table the engine thread publishes (``AsyncEngine.adapters``); it never touches the engine's live state.
+The pipeline reads only what the engine fixed at construction (tokenizer, model config, context length, the thread-
+safe grammar compiler) and the adapter table the engine thread publishes (``AsyncEngine.adapters``); it never
+touches the engine's live state.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from keepwarm.worker.engine import RequestError, RequestFailed
 from keepwarm.worker.lora import LoRAAdapter
 from keepwarm.worker.outputs import CompletionOutput, RequestOutput
 from keepwarm.worker.sampling_params import SamplingParams, SamplingParamsError
+from keepwarm.worker.structured import GrammarError, StructuredOutputs
 
 # What the engine raises for one request while serving it: refused (RequestError, a 400) or dead (503).
 ENGINE_ERRORS = (RequestError, RuntimeError)
@@ -93,6 +96,19 @@ def sampling_params(build: Callable[[], SamplingParams]) -> SamplingParams:
 
 def request_params(req: SamplingRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
     return sampling_params(lambda: req.sampling(max_tokens, logprobs, max_tokens))
+
+
+async def compile_structured(state: ServerState, spec: StructuredOutputs | None, params: SamplingParams) -> None:
+    """Compile the request's constraint (cached) off the event loop; an invalid one is a 400 naming its field.
+
+    The compiler only reads what the engine fixed at construction (tokenizer, vocabulary, EOS ids)."""
+    if spec is None:
+        return
+    compiler = state.engine.grammar_compiler
+    try:
+        params.structured = await asyncio.to_thread(compiler.compile, spec)
+    except GrammarError as e:
+        raise bad_request(str(e), e.field) from None
 
 
 def observe(state: ServerState, out: RequestOutput) -> None:

@@ -7,13 +7,18 @@ Validation lives here, at the boundary, so nothing the engine cannot run reaches
   what ``torch.Generator.manual_seed`` takes: vLLM's ``torch.long`` range);
 - every string anywhere in the body is encodable as UTF-8: a lone surrogate (``"\\ud800"``, valid JSON but not
   Unicode text) is refused with the path of the field that holds it;
-- unknown fields are refused (``extra="forbid"``), so a typo never silently means the default.
+- lenient like vLLM about names: a request field this server does not know is accepted and ignored, with one
+  warning per field name for the life of the process (clients send ``store``, ``metadata``, ``service_tier``...);
+  a field it knows but cannot honour is a 400 naming it (``logit_bias``, ``suffix``...). Admin bodies (LoRA
+  load/unload) stay closed (``extra="forbid"``): a typo there must not silently mean the default.
 
 Errors surface as OpenAI's error JSON with HTTP 400 (the server maps pydantic's errors, naming the field).
 """
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 import uuid
 from typing import Annotated, Any, Literal
@@ -49,6 +54,25 @@ def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, "invalid_request_error", param)
 
 
+log = logging.getLogger("keepwarm.server")
+_warned: set[str] = set()
+_warned_lock = threading.Lock()
+
+
+def warn_once(key: str, message: str) -> None:
+    """Log ``message`` the first time ``key`` is seen in this process."""
+    with _warned_lock:
+        if key in _warned:
+            return
+        _warned.add(key)
+    log.warning("%s (logged once)", message)
+
+
+def warn_unknown(names: list[str], where: str) -> None:
+    for n in names:
+        warn_once(f"{where}.{n}", f"{where}: ignoring the unknown request field {n!r}")
+
+
 def unencodable_path(value: Any, path: str = "") -> str | None:
     """The dotted path of the first string (key or value) in ``value`` that is not valid Unicode text, or None."""
     stack = [(value, path)]
@@ -73,10 +97,11 @@ def unencodable_path(value: Any, path: str = "") -> str | None:
     return None
 
 
-class _Strict(BaseModel):
-    """Base of every request body: no unknown fields, finite numbers, encodable strings."""
+class RequestBody(BaseModel):
+    """Base of every OpenAI request body: finite numbers, encodable strings; unknown fields accepted and ignored,
+    each name warned about once (vLLM's leniency)."""
 
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod
@@ -87,8 +112,20 @@ class _Strict(BaseModel):
             raise ValueError(f"{where}: not valid Unicode text (a lone surrogate?)")
         return data
 
+    @model_validator(mode="after")
+    def _warn_extra(self) -> RequestBody:
+        if self.model_extra:
+            warn_unknown(sorted(self.model_extra), type(self).__name__)
+        return self
 
-class StreamOptions(_Strict):
+
+class ClosedBody(RequestBody):
+    """An admin body: unknown fields refused."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+class StreamOptions(RequestBody):
     include_usage: StrictBool = False
     continuous_usage_stats: StrictBool = False
 
@@ -97,7 +134,7 @@ Unit = Annotated[float, Field(ge=0.0, le=1.0)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 
 
-class _SamplingFields(_Strict):
+class _SamplingFields(RequestBody):
     """Fields shared by completions and chat; OpenAI's plus vLLM's extras, each with its range."""
 
     model: str | None = None
@@ -123,6 +160,14 @@ class _SamplingFields(_Strict):
     skip_special_tokens: StrictBool = True
     include_stop_str_in_output: StrictBool = False
     request_id: Annotated[str, Field(max_length=256)] | None = None
+    prompt_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    # structured outputs: OpenAI's response_format, vLLM's guided_* and structured_outputs
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
 
     def sampling(self, max_tokens: int | None, logprobs: int | None, default_max: int) -> SamplingParams:
         if self.stream_options is not None and not self.stream:
@@ -144,6 +189,7 @@ class _SamplingFields(_Strict):
             max_tokens=default_max if max_tokens is None else max_tokens,
             min_tokens=self.min_tokens,
             logprobs=logprobs,
+            prompt_logprobs=self.prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
         )
 
@@ -178,7 +224,6 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
     chat_template: str | None = None
@@ -194,11 +239,31 @@ def now() -> int:
     return int(time.time())
 
 
-class LoadLoRARequest(_Strict):
+class TokenizeRequest(RequestBody):
+    """vLLM's /tokenize: a prompt, or chat messages rendered by the template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: StrictBool = True
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    return_token_strs: StrictBool = False
+
+
+class DetokenizeRequest(RequestBody):
+    model: str | None = None
+    tokens: list[TokenId]
+
+
+class LoadLoRARequest(ClosedBody):
     lora_name: str
     lora_path: str
 
 
-class UnloadLoRARequest(_Strict):
+class UnloadLoRARequest(ClosedBody):
     lora_name: str
     lora_int_id: StrictInt | None = None

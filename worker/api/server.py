@@ -87,6 +87,12 @@ def serve(config: ServerConfig, process_start: float | None = None) -> int:
     """Load or attach, then serve until SIGTERM/SIGINT; drains in-flight requests for ``shutdown_timeout``."""
     import uvicorn
 
+    from keepwarm.worker.api.tool_calls import PARSERS
+
+    if config.tool_call_parser is not None and config.tool_call_parser not in PARSERS:
+        raise ValueError(f"--tool-call-parser {config.tool_call_parser!r} is not one of {', '.join(PARSERS)}")
+    if config.enable_auto_tool_choice and config.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
     if config.threads:
         torch.set_num_threads(config.threads)
     # The engine thread and the event loop hand the GIL back and forth every token; Python's default 5 ms switch

@@ -16,6 +16,26 @@ CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+# Qwen 2.5's shape of tool support (Hermes format): tools listed in the system turn, calls in <tool_call> tags,
+# results in <tool_response> tags inside a user turn.
+TOOLS_CHAT_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n\n"
+    "{% endif %}# Tools\n\nYou may call one or more functions.\n<tools>\n{% for tool in tools %}"
+    "{{ tool | tojson }}\n{% endfor %}</tools>\n\nFor each call return <tool_call>{\"name\": <name>, "
+    "\"arguments\": <args-json-object>}</tool_call><|im_end|>\n"
+    "{% elif messages[0]['role'] == 'system' %}<|im_start|>system\n{{ messages[0]['content'] }}<|im_end|>\n"
+    "{% endif %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}"
+    "{% elif message['role'] == 'assistant' and message.tool_calls %}<|im_start|>assistant\n"
+    "{% if message['content'] %}{{ message['content'] }}{% endif %}"
+    "{% for call in message.tool_calls %}\n<tool_call>\n{\"name\": \"{{ call.function.name }}\", "
+    "\"arguments\": {{ call.function.arguments | tojson }}}\n</tool_call>{% endfor %}<|im_end|>\n"
+    "{% elif message['role'] == 'tool' %}<|im_start|>user\n<tool_response>\n{{ message['content'] }}\n"
+    "</tool_response><|im_end|>\n"
+    "{% else %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 _CORPUS = [
     "The quick brown fox jumps over the lazy dog while the cat sleeps in the warm sun.",
@@ -29,7 +49,7 @@ _CORPUS = [
 ]
 
 
-def make_tokenizer(out_dir: str | Path, vocab_size: int = 512) -> None:
+def make_tokenizer(out_dir: str | Path, vocab_size: int = 512, chat_template: str = CHAT_TEMPLATE) -> None:
     """Train a byte-level BPE tokenizer offline and save it as a transformers fast tokenizer."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -43,7 +63,7 @@ def make_tokenizer(out_dir: str | Path, vocab_size: int = 512) -> None:
     tok.train_from_iterator(_CORPUS * 20, trainer=trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
                                    eos_token="<|im_end|>", pad_token="</s>")
-    fast.chat_template = CHAT_TEMPLATE
+    fast.chat_template = chat_template
     fast.save_pretrained(str(out_dir))
 
 
@@ -52,7 +72,8 @@ def make_random_model(out_dir: str | Path, arch: str = "llama", *, seed: int = 0
                       num_attention_heads: int = 4, num_key_value_heads: int = 2, head_dim: int | None = None,
                       tie_word_embeddings: bool = False, max_position_embeddings: int = 1024,
                       initializer_range: float = 0.2, dtype: str = "float32", tokenizer: bool = True,
-                      max_shard_size: str | None = None, **extra: Any) -> Path:
+                      max_shard_size: str | None = None, chat_template: str = CHAT_TEMPLATE,
+                      **extra: Any) -> Path:
     """Save a random model of one of transformers' classes below (safetensors) plus tokenizer to ``out_dir``;
     ``extra`` goes to the config class (windows, experts, soft-capping, rope parameters, ...)."""
     import torch
@@ -73,7 +94,7 @@ def make_random_model(out_dir: str | Path, arch: str = "llama", *, seed: int = 0
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if tokenizer:
-        make_tokenizer(out, vocab_size=vocab_size)
+        make_tokenizer(out, vocab_size=vocab_size, chat_template=chat_template)
         tok_json = json.loads((out / "tokenizer.json").read_text())
         ids = {t["content"]: t["id"] for t in tok_json["added_tokens"]}
         bos, eos = ids["<s>"], ids["<|im_end|>"]

@@ -1,4 +1,5 @@
-"""GET /health, /version, /metrics (open even with --api-key, as in vLLM) and /keepwarm/config (behind the key)."""
+"""GET /health, GET|POST /ping, /version, /metrics (open even with --api-key, as in vLLM) and /keepwarm/config
+(behind the key)."""
 
 from __future__ import annotations
 
@@ -34,6 +35,12 @@ def router(state: ServerState) -> APIRouter:
                                                        3)},
                 "weights": info, "model": state.model_name, "version": __version__}
         return JSONResponse(body, status_code=200 if ok else 503)
+
+    @api.api_route("/ping", methods=["GET", "POST"])
+    async def ping() -> Response:
+        """vLLM's (and SageMaker's) liveness route: /health's status code, no body."""
+        ok = state.async_engine.running and not state.draining
+        return Response(status_code=200 if ok else 503)
 
     @api.get("/version")
     async def version() -> dict[str, str]:

@@ -1,4 +1,8 @@
-"""POST /v1/completions: OpenAI's legacy completions (several prompts, n choices each, echo, logprobs)."""
+"""POST /v1/completions: OpenAI's legacy completions (several prompts, n choices each, echo, logprobs).
+
+``echo`` with ``logprobs`` returns the prompt's tokens with their logprobs before the output's (the first prompt
+token has none), as vLLM does: lm-evaluation-harness scores log-likelihoods this way. vLLM's ``prompt_logprobs``
+and the structured-output fields (``guided_*``, ``structured_outputs``, ``response_format``) work here too."""
 
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ from keepwarm.worker.api import pipeline
 from keepwarm.worker.api.limits import check_prompt_chars, offload
 from keepwarm.worker.api.protocol import CompletionRequest, bad_request, new_id, now
 from keepwarm.worker.api.state import ServerState
+from keepwarm.worker.api.structured_fields import structured_spec
 from keepwarm.worker.outputs import CompletionOutput, RequestOutput
 from keepwarm.worker.sequence import TokenLogprob
 
@@ -30,6 +35,32 @@ def completion_logprobs(tokenizer: Any, lps: list[TokenLogprob], offsets: list[i
     return {"tokens": [tokenizer.decode([x.token_id]) for x in lps], "token_logprobs": [x.logprob for x in lps],
             "top_logprobs": [{tokenizer.decode([t]): lp for t, lp in x.top} for x in lps],
             "text_offset": offsets}
+
+
+def prompt_completion_logprobs(tokenizer: Any, prompt_ids: list[int], lps: list[TokenLogprob | None],
+                               text_len: int) -> dict[str, Any]:
+    """Echo: the prompt's tokens with their logprobs; the first has none (nothing comes before it), as vLLM.
+    ``text_offset`` counts from the start of the echoed prompt (decoded as the echo was, specials kept)."""
+    first = tokenizer.decode([prompt_ids[0]])
+    offsets = text_offsets(tokenizer, prompt_ids, 1, len(prompt_ids), False, text_len)
+    rest = completion_logprobs(tokenizer, [x for x in lps if x is not None], offsets)
+    return {"tokens": [first, *rest["tokens"]], "token_logprobs": [None, *rest["token_logprobs"]],
+            "top_logprobs": [None, *rest["top_logprobs"]], "text_offset": [0, *rest["text_offset"]]}
+def vllm_prompt_logprobs(tokenizer: Any, lps: list[TokenLogprob | None] | None) -> list[dict | None] | None:
+    """vLLM's ``prompt_logprobs``: per prompt token, {token id: {logprob, rank, decoded_token}} (None first)."""
+    if lps is None:
+        return None
+    out: list[dict | None] = []
+    for x in lps:
+        if x is None:
+            out.append(None)
+            continue
+        entry = {str(t): {"logprob": lp, "rank": r + 1, "decoded_token": tokenizer.decode([t])}
+                 for r, (t, lp) in enumerate(x.top)}
+        entry[str(x.token_id)] = {"logprob": x.logprob, "rank": x.rank,
+                                  "decoded_token": tokenizer.decode([x.token_id])}
+        out.append(entry)
+    return out
 
 
 async def _prompts(state: ServerState, req: CompletionRequest) -> tuple[list[list[int]], list[str | None]]:
@@ -64,25 +95,42 @@ def router(state: ServerState) -> APIRouter:
         lora = pipeline.resolve_model(state, req.model)
         if req.best_of is not None and req.best_of != req.n:
             raise bad_request("best_of is not supported (it must equal n)", "best_of")
-        if req.echo and req.logprobs is not None:
-            raise bad_request("echo with logprobs is not supported", "echo")
         prompts, texts = await _prompts(state, req)
         max_tokens = min(pipeline.check_length(state, len(ids), req.max_tokens) for ids in prompts)
         params = pipeline.request_params(req, max_tokens, req.logprobs)
+        if req.echo and req.logprobs is not None and params.prompt_logprobs is None:
+            params.prompt_logprobs = req.logprobs  # the echoed prompt's tokens carry logprobs too (as vLLM)
+        await pipeline.compile_structured(state, structured_spec(req), params)
         rid = req.request_id or new_id("cmpl")
         head = {"id": rid, "object": "text_completion", "created": now(), "model": req.model or state.model_name}
         merged = pipeline.start(state, prompts, texts, params, lora, rid)
         tok = state.tokenizer
 
-        def choice_logprobs(c: CompletionOutput, start: int, end: int) -> dict | None:
-            """Logprobs of tokens start..end; text_offset counts from the start of the returned text."""
+        def choice_logprobs(c: CompletionOutput, start: int, end: int, base: int) -> dict | None:
+            """Logprobs of tokens start..end; text_offset counts from the start of the returned text, which begins
+            ``base`` characters in (after the echoed prompt)."""
             if req.logprobs is None or c.logprobs is None:
                 return None
             offsets = text_offsets(tok, c.token_ids, start, end, params.skip_special_tokens, len(c.text))
-            return completion_logprobs(tok, c.logprobs[start:end], offsets)
+            return completion_logprobs(tok, c.logprobs[start:end], [base + o for o in offsets])
 
         def echoed(i: int, out: RequestOutput) -> str:
             return texts[i] or tok.decode(out.prompt_token_ids)
+
+        def echo_logprobs(i: int, out: RequestOutput) -> dict | None:
+            if req.logprobs is None or out.prompt_logprobs is None:
+                return None
+            return prompt_completion_logprobs(tok, out.prompt_token_ids, out.prompt_logprobs[1:],
+                                              len(echoed(i, out)))
+
+        def final_logprobs(i: int, out: RequestOutput, c: CompletionOutput) -> dict | None:
+            if not req.echo:
+                return choice_logprobs(c, 0, len(c.token_ids), 0)
+            lps = choice_logprobs(c, 0, len(c.token_ids), len(echoed(i, out)))
+            prompt = echo_logprobs(i, out)
+            if lps is None or prompt is None:
+                return lps
+            return {k: prompt[k] + lps[k] for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
 
         if not req.stream:
             finals = await pipeline.collect(state, request, merged, len(prompts))
@@ -91,9 +139,12 @@ def router(state: ServerState) -> APIRouter:
                 prompt_tokens += len(out.prompt_token_ids)
                 for c in out.outputs:
                     completion_tokens += len(c.token_ids)
-                    choices.append({"index": i * req.n + c.index, "text": echoed(i, out) + c.text if req.echo
-                                    else c.text, "logprobs": await offload(choice_logprobs, c, 0, len(c.token_ids)),
-                                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+                    choice = {"index": i * req.n + c.index, "text": echoed(i, out) + c.text if req.echo
+                              else c.text, "logprobs": await offload(final_logprobs, i, out, c),
+                              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                    if req.prompt_logprobs is not None:
+                        choice["prompt_logprobs"] = await offload(vllm_prompt_logprobs, tok, out.prompt_logprobs)
+                    choices.append(choice)
             return {**head, "choices": choices,
                     "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                               "total_tokens": prompt_tokens + completion_tokens}}
@@ -109,9 +160,11 @@ def router(state: ServerState) -> APIRouter:
                         idx = i * req.n + c.index
                         d = tracker.advance(idx, c)
                         if d.first and req.echo:
-                            yield {**head, "choices": [{"index": idx, "text": echoed(i, out), "logprobs": None,
+                            yield {**head, "choices": [{"index": idx, "text": echoed(i, out),
+                                                        "logprobs": await offload(echo_logprobs, i, out),
                                                         "finish_reason": None}]}
-                        lp = choice_logprobs(c, d.token_start, d.token_end)
+                        base = len(echoed(i, out)) if req.echo else 0  # offsets run on after the echo
+                        lp = choice_logprobs(c, d.token_start, d.token_end, base)
                         if d.text or c.finished or lp:
                             yield {**head, "choices": [{"index": idx, "text": d.text, "logprobs": lp,
                                                         "finish_reason": c.finish_reason,
