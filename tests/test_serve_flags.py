@@ -180,6 +180,7 @@ def test_config_file_keys_reach_the_engine(tiny_llama, tmp_path, default_engine)
             toml.append(f"{key} = {str(value).lower() if isinstance(value, bool) else repr(value)}".replace("'", '"'))
     kv_bytes = 48 * kv_bytes_per_block(load_model_config(tiny_llama), 32, torch.float8_e4m3fn)
     toml.append(f"kv_cache_memory_bytes = {kv_bytes}")
+    toml.append("daemon = false")  # a daemon started here would outlive the test and be attached by later ones
     path = tmp_path / "server.toml"
     path.write_text("\n".join(toml) + "\n")
     engine = create_engine(build_config(load_toml(path), {}))
