@@ -8,7 +8,7 @@ DEV := $(VENV)/.dev-installed
 # Tests and benchmarks set threads deliberately: oversubscribing 2 cores costs ~10x.
 export OMP_NUM_THREADS ?= 2
 
-.PHONY: run test test-fast lint lint-tree proto gpu-check mutation clean
+.PHONY: run test test-fast test-registry lint lint-tree proto gpu-check mutation clean
 
 $(RUNTIME): pyproject.toml requirements.txt constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -29,10 +29,19 @@ run: $(RUNTIME)
 
 # CI (`.ci/run`) runs this: lint (ruff, the import contract, the type checker) first, then every test with
 # branch coverage (pytest-cov; daemons and servers the tests start included), summed per package at the end.
-test: lint
+test: lint test-registry
 	rm -f .coverage .coverage.*
 	COVERAGE_FILE=$(CURDIR)/.coverage $(BIN)/python -m pytest --cov --cov-report=
 	COVERAGE_FILE=$(CURDIR)/.coverage $(BIN)/python tests/_coverage_summary.py
+
+# The OCI tests (tests/test_oci.py, test_snapshot.py's push/pull) start a real registry, Debian's docker-registry
+# (the CNCF distribution server): installed here when missing and make runs as root with apt (CI); elsewhere those
+# tests skip and say why.
+test-registry:
+	@command -v docker-registry >/dev/null 2>&1 || [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1 || \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -q docker-registry >/dev/null 2>&1 || \
+		(apt-get update -q >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y -q docker-registry \
+			>/dev/null 2>&1) || echo "docker-registry could not be installed: the OCI registry tests will skip"
 
 # Skips the slow end-to-end tests (CI runs everything through `make test`).
 test-fast: $(DEV)

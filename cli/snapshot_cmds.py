@@ -1,4 +1,4 @@
-"""`keepwarm snapshot create|restore|list|show|diff|verify|delete|gc|export|import` (see docs/snapshots.md)."""
+"""`keepwarm snapshot create|restore|list|show|diff|verify|delete|gc|export|import|push|pull` (docs/snapshots.md)."""
 
 from __future__ import annotations
 
@@ -31,6 +31,8 @@ def _store():
 
 def _guard(fn):
     """Run ``fn``; a SnapshotError (or a daemon / OS error) becomes one line on stderr and exit status 1."""
+    import httpx
+
     from keepwarm.daemon.client import DaemonError
     from keepwarm.snapshot.manifest import SnapshotError
 
@@ -38,6 +40,8 @@ def _guard(fn):
         return fn()
     except SnapshotError as e:
         _fail(str(e))
+    except httpx.HTTPError as e:  # a registry connection that broke where push/pull do not retry
+        _fail(f"registry connection failed: {type(e).__name__}: {e}")
     except DaemonError as e:
         _fail(e.message)
     except OSError as e:
@@ -224,6 +228,80 @@ def import_(
         typer.echo(f"{r.name}: already in the store")
     else:
         typer.echo(f"imported {r.name}: {r.blobs} blobs, {r.new_blobs} new ({mb(r.new_bytes)})")
+
+
+def _registry(reference: str, insecure: bool, username: str | None, password_stdin: bool, chunk_size: int):
+    """The registry client for a REF, with credentials from --username/--password-stdin or the docker config."""
+    import sys
+
+    from keepwarm.snapshot.manifest import SnapshotError
+    from keepwarm.snapshot.oci import Credentials, Reference, Registry
+
+    def make():
+        if password_stdin and not username:
+            raise SnapshotError("--password-stdin needs --username")
+        creds = None
+        if username:
+            if not password_stdin:
+                raise SnapshotError("--username needs --password-stdin (a password is never taken as an argument)")
+            creds = Credentials(username, sys.stdin.readline().rstrip("\r\n"))
+        return Registry(Reference.parse(reference), insecure=insecure, credentials=creds, chunk_size=chunk_size,
+                        say=_say)
+
+    return _guard(make)
+
+
+_Insecure = Annotated[bool, typer.Option("--insecure", help="Plain HTTP (no TLS) to the registry.")]
+_Username = Annotated[str | None, typer.Option("--username", help="Registry user (with --password-stdin); "
+                                               "default: the docker config's credentials.")]
+_PasswordStdin = Annotated[bool, typer.Option("--password-stdin", help="Read the registry password from stdin.")]
+
+
+@snapshot_app.command()
+def push(
+    name: Annotated[str, typer.Argument(help="The snapshot to push.")],
+    reference: Annotated[str, typer.Argument(help="REGISTRY/REPOSITORY:TAG")],
+    insecure: _Insecure = False,
+    username: _Username = None,
+    password_stdin: _PasswordStdin = False,
+    chunk_size: Annotated[int, typer.Option("--chunk-size", help="Upload chunk in bytes (PATCH); a broken "
+                                            "chunk resumes.")] = 64 << 20,
+) -> None:
+    """Push a snapshot to an OCI registry (an OCI artifact; blobs the registry has are not uploaded again)."""
+    from keepwarm.snapshot.inspect import mb
+    from keepwarm.snapshot.oci import push as do_push
+
+    reg = _registry(reference, insecure, username, password_stdin, chunk_size)
+    with reg:
+        r = _guard(lambda: do_push(_store(), name, reg))
+    rate = r.uploaded_bytes / 1e6 / r.seconds if r.seconds > 0 else 0.0
+    typer.echo(f"pushed {name} to {r.reference} ({r.manifest_digest}): {r.blobs} blobs ({mb(r.total_bytes)}), "
+               f"{r.uploaded} uploaded ({mb(r.uploaded_bytes)}, {rate:.0f} MB/s), {r.blobs - r.uploaded} already "
+               f"there; {r.seconds:.2f}s")
+
+
+@snapshot_app.command()
+def pull(
+    reference: Annotated[str, typer.Argument(help="REGISTRY/REPOSITORY:TAG")],
+    name: Annotated[str | None, typer.Option("--name", help="Store it under another name.")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Replace a different snapshot of the same name.")] = False,
+    insecure: _Insecure = False,
+    username: _Username = None,
+    password_stdin: _PasswordStdin = False,
+) -> None:
+    """Pull a snapshot from an OCI registry: blobs the store has are skipped, every other one is verified before
+    anything lands."""
+    from keepwarm.snapshot.inspect import mb
+    from keepwarm.snapshot.oci import pull as do_pull
+
+    reg = _registry(reference, insecure, username, password_stdin, 64 << 20)
+    with reg:
+        r = _guard(lambda: do_pull(_store(), reg, rename=name, force=force))
+    i = r.imported
+    rate = r.downloaded_bytes / 1e6 / r.seconds if r.seconds > 0 else 0.0
+    state = "already in the store" if i.already_present else "pulled"
+    typer.echo(f"{state} {i.name} from {reference}: {i.blobs} blobs, {i.new_blobs} downloaded "
+               f"({mb(r.downloaded_bytes)}, {rate:.0f} MB/s); {r.seconds:.2f}s")
 
 
 def register(app: typer.Typer) -> None:

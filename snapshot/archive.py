@@ -56,12 +56,7 @@ def _tarinfo(name: str, size: int, mtime: float) -> tarfile.TarInfo:
 def export(store: Store, name: str, out: Path, zstd: bool = False, level: int = 3) -> int:
     """Write the snapshot and its blobs to ``out`` (atomically: a temp file renamed at the end); returns bytes."""
     with store.lock():
-        m = store.load(name)
-        blobs = mf.blobs(m)
-        for digest, size in blobs.items():
-            if not store.has_blob(digest, size):
-                raise SnapshotError(f"blob {digest} of snapshot {name} is missing or truncated; run "
-                                    f"`keepwarm snapshot verify {name}`")
+        m, blobs = store.load_complete(name)
         out = out.absolute()
         tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
         try:
@@ -199,20 +194,32 @@ def _import(store: Store, path: Path, staging: Path, rename: str | None, force: 
                 tar.close()
     if m is None:
         raise SnapshotError(f"{path} holds no snapshot manifest; nothing imported")
+    return commit_staged(store, m, expected, received, staging, rename, force)
+
+
+def target_name(store: Store, m: dict[str, Any], rename: str | None, force: bool) -> tuple[str, bool]:
+    """The name the snapshot lands under and whether that exact snapshot is there already; a different one of
+    that name is refused unless ``force``."""
+    name = mf.check_name(rename) if rename else m["name"]
+    if store.exists(name):
+        if mf.dumps(store.load(name)) == mf.dumps({**m, "name": name}):
+            return name, True
+        if not force:
+            raise SnapshotError(f"a different snapshot named {name!r} exists; import it under another name "
+                                "(--name) or replace it (--force)")
+    return name, False
+
+
+def commit_staged(store: Store, m: dict[str, Any], expected: dict[str, int], received: dict[str, bool],
+                  staging: Path, rename: str | None, force: bool) -> ImportResult:
+    """Land checked blobs (``received``: digest -> staged in ``staging``) and the manifest, once nothing is
+    missing (import and pull)."""
     missing = [d for d in expected if d not in received and not store.has_blob(d, expected[d])]
     if missing:
         raise SnapshotError(f"blob {missing[0]} ({len(missing)} in all) is neither in the archive nor in the store; "
                             "nothing imported")
-    if rename:
-        m["name"] = mf.check_name(rename)
-    name = m["name"]
-    already = False
-    if store.exists(name):
-        if mf.dumps(store.load(name)) == mf.dumps(m):
-            already = True
-        elif not force:
-            raise SnapshotError(f"a different snapshot named {name!r} exists; import it under another name "
-                                "(--name) or replace it (--force)")
+    name, already = target_name(store, m, rename, force)
+    m = {**m, "name": name}
     new_bytes = 0
     for digest, staged in received.items():
         if staged:

@@ -280,6 +280,16 @@ class Store:
             raise SnapshotError(f"{path} holds snapshot {m['name']!r}, not {name!r}")
         return m
 
+    def load_complete(self, name: str) -> tuple[dict[str, Any], dict[str, int]]:
+        """A manifest and its blobs (digest -> size), refused when one is missing or truncated (export, push)."""
+        m = self.load(name)
+        blobs = mf.blobs(m)
+        for digest, size in blobs.items():
+            if not self.has_blob(digest, size):
+                raise SnapshotError(f"blob {digest} of snapshot {name} is missing or truncated; run "
+                                    f"`keepwarm snapshot verify {name}`")
+        return m, blobs
+
     def save(self, m: dict[str, Any]) -> None:
         mf.validate(m)
         mf.blobs(m)

@@ -241,6 +241,20 @@ def test_round_trip_restores_config_adapters_and_greedy_output(prod, tmp_path) -
     assert side.status()["counters"]["preloads"] == after["preloads"]
 
 
+def restore_and_serve_the_same(other: Side, prod) -> None:
+    """`snapshot restore prod` on another machine, a server from the written config: prod's greedy outputs, from
+    the image alone (no preload)."""
+    kw(other.env, "snapshot", "restore", "prod")
+    server = Server(other.env, "--config", other.home / "server.toml")
+    try:
+        assert server.config()["weights"]["fingerprint"] == prod.fingerprint
+        assert server.outputs(prod.ref.names) == prod.ref.outputs
+    finally:
+        server.stop()
+    counters = other.status()["counters"]
+    assert counters["images_loaded"] == 1 and counters["preloads"] == 0
+
+
 # -- 2. across machines ------------------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_export_import_restore_on_another_machine(prod, tmp_path) -> None:
@@ -253,21 +267,33 @@ def test_export_import_restore_on_another_machine(prod, tmp_path) -> None:
     try:
         assert "imported prod" in kw(other.env, "snapshot", "import", archive).stdout
         assert "ok" in kw(other.env, "snapshot", "verify", "prod").stdout
-        kw(other.env, "snapshot", "restore", "prod")
-        server = Server(other.env, "--config", other.home / "server.toml")
-        try:
-            assert server.config()["weights"]["fingerprint"] == prod.fingerprint
-            assert server.outputs(prod.ref.names) == prod.ref.outputs
-        finally:
-            server.stop()
-        counters = other.status()["counters"]
-        assert counters["images_loaded"] == 1 and counters["preloads"] == 0
+        restore_and_serve_the_same(other, prod)
         # nothing of the original machine was read: its files are gone
         assert not prod.model.exists()
     finally:
         for src, dst in moved:
             dst.rename(src)
         other.stop()
+
+
+@pytest.mark.slow
+def test_push_pull_through_a_registry_restores_on_another_machine(prod, tmp_path) -> None:
+    """prod pushed to a real OCI registry (docker-registry), pulled into another KEEPWARM_HOME, restored there by a
+    fresh daemon: the same greedy text, with no checkpoint read."""
+    from _registry import registry_env
+
+    env_gen = registry_env(tmp_path / "registry")
+    reg = next(env_gen)
+    other = Side(tmp_path / "B")
+    try:
+        ref = f"{reg.host}/keepwarm/prod:v1"
+        assert "uploaded" in kw(prod.side.env, "snapshot", "push", "prod", ref, "--insecure").stdout
+        assert "pulled prod" in kw(other.env, "snapshot", "pull", ref, "--insecure").stdout
+        assert other.store.load("prod") == prod.side.store.load("prod")
+        restore_and_serve_the_same(other, prod)
+    finally:
+        other.stop()
+        env_gen.close()
 
 
 # -- 3. dedup ----------------------------------------------------------------------------------------------------------
