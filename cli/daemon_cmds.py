@@ -116,6 +116,9 @@ def preload_model(model: str | None, quantization: str = "auto", dtype: str = "a
         client.close()
     secs = time.perf_counter() - t0
     how = "already resident" if reply.cached else f"loaded in {secs:.2f}s"
+    if not reply.cached and reply.load_seconds > 0:  # the daemon's own time for reading and packing the source
+        how += (f" (read {reply.source_bytes / 1e9:.3f} GB of checkpoint at "
+                f"{reply.source_bytes / reply.load_seconds / 1e9:.2f} GB/s)")
     typer.echo(f"{reply.name}: {how}; {reply.bytes / 1e6:.1f} MB, {reply.quantization}, "
                f"{reply.dtype}, fingerprint {reply.fingerprint[:16]}", err=True)
     return model

@@ -117,7 +117,7 @@ def preload_job(key: JobKey, ckpt: Checkpoint, dtype: str, arena_bytes: int, fin
                  manifest.total_bytes / 1e6, seconds, job.total_bytes / max(seconds, 1e-9) / 1e9,
                  manifest.fingerprint[:16])
         now = time.time()
-        return Resident(manifest, storage, "preload", now, seconds, now, mpath)
+        return Resident(manifest, storage, "preload", now, seconds, now, mpath, source_bytes=job.total_bytes)
 
     return LoadJob(key, "preload", f"preload of {ckpt.model_dir}", key[1], ckpt.nbytes, arena_bytes, work)
 
@@ -151,6 +151,6 @@ def image_job(key: JobKey, manifest: ArenaManifest, image: Path, arena_bytes: in
                  m.quantization, m.dtype, arena_bytes / 1e6, seconds,
                  arena_bytes / max(seconds, 1e-9) / 1e9, m.fingerprint[:16])
         now = time.time()
-        return Resident(m, storage, "image", now, seconds, now, mpath)
+        return Resident(m, storage, "image", now, seconds, now, mpath, source_bytes=arena_bytes)
 
     return LoadJob(key, "image", f"loading the image {image}", manifest.quantization, arena_bytes, arena_bytes, work)

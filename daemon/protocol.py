@@ -225,6 +225,8 @@ class LoadReply(Reply):
     loaded_at: float
     last_used: float
     leases: list[dict[str, Any]]
+    source_bytes: int = 0  # read to build it (checkpoint files or the image); 0 when adopted
+    arena_bytes: int = 0  # the arena's allocation
 
 
 @dataclass(frozen=True)

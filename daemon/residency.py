@@ -61,6 +61,12 @@ class Resident:
     load_seconds: float
     last_used: float
     manifest_path: Path | None = None
+    source_bytes: int = 0  # bytes read to build it: the checkpoint's files (preload), the image (image), 0 (adopted)
+
+    @property
+    def arena_bytes(self) -> int:
+        """The arena's allocation (what the memory budget counts)."""
+        return self.storage.size
 
     @property
     def nbytes(self) -> int:

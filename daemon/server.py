@@ -245,7 +245,8 @@ class Daemon:
         return {"model": m.model, "name": m.model_name, "fingerprint": m.fingerprint, "quantization": m.quantization,
                 "dtype": m.dtype, "device": m.device, "bytes": m.total_bytes, "origin": r.origin,
                 "load_seconds": round(r.load_seconds, 4), "loaded_at": r.loaded_at, "last_used": r.last_used,
-                "leases": [{"lease_id": x.lease_id, "pid": x.pid} for x in leases]}
+                "leases": [{"lease_id": x.lease_id, "pid": x.pid} for x in leases],
+                "source_bytes": r.source_bytes, "arena_bytes": r.arena_bytes}
 
     def _verb_status(self, _identity: bytes, rid: str, _args: Any) -> dict:
         return reply_ok(rid, pid=os.getpid(), version=__version__, socket=str(paths.socket_path(self.runtime_dir)),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -34,6 +35,8 @@ def test_preload_starts_a_daemon_quantizes_and_status_reports_it(tiny_llama) -> 
         first = kw(env, "preload", tiny_llama, "-q", "int8", "--dtype", "float32")
         assert first.returncode == 0, first.stderr
         assert "started the keepwarm daemon" in first.stderr and paths.socket_path(rt).exists()
+        rate = re.search(r"read ([0-9.]+) GB of checkpoint at ([0-9.]+) GB/s", first.stderr)
+        assert rate and float(rate.group(2)) > 0, first.stderr
         for scheme in ("fp8", "int4"):
             r = kw(env, "preload", tiny_llama, "--quantization", scheme, "--dtype", "float32")
             assert r.returncode == 0 and "started the keepwarm daemon" not in r.stderr, r.stderr
@@ -45,6 +48,14 @@ def test_preload_starts_a_daemon_quantizes_and_status_reports_it(tiny_llama) -> 
         # Each arena holds the scheme's layout: int4 < int8 < fp8 = int8 in bytes, fingerprints all distinct.
         assert by_scheme["int4"]["bytes"] < by_scheme["int8"]["bytes"]
         assert len({m["fingerprint"] for m in st["models"]}) == 3
+        # Per model: the checkpoint's tensor bytes read (every safetensors file less its header), the arena's
+        # allocation (at least the packed bytes; int4 packs into less than it read) and the time the load took.
+        tensor_bytes = sum(f.stat().st_size - 8 - int.from_bytes(f.read_bytes()[:8], "little")
+                           for f in Path(tiny_llama).glob("*.safetensors"))
+        for m in st["models"]:
+            assert m["source_bytes"] == tensor_bytes and m["arena_bytes"] >= m["bytes"] and m["load_seconds"] > 0
+        assert by_scheme["int4"]["arena_bytes"] < tensor_bytes
+        assert f"read {tensor_bytes / 1e9:.3f} GB" in first.stderr
 
         # serve -q int4 attaches to that arena (no new preload) and runs int4 weights.
         s = ServeProcess(tiny_llama, "-q", "int4", "--dtype", "float32", "--max-model-len", "128", "--threads", "1",

@@ -224,6 +224,9 @@ def test_round_trip_restores_config_adapters_and_greedy_output(prod, tmp_path) -
         assert after["preloads"] == before["preloads"]  # no re-quantization, no checkpoint read
         resident = {m["fingerprint"]: m for m in side.status()["models"]}
         assert resident[prod.fingerprint]["origin"] == "image"
+        image = side.store.load("prod")["models"][0]["image"]
+        assert resident[prod.fingerprint]["source_bytes"] == image["size"]  # the image read, not the checkpoint
+        assert resident[prod.fingerprint]["arena_bytes"] == image["size"]
     finally:
         bad.stop()
     good = Server(side.env, "--config", unit_config)  # what the unit's restart runs
