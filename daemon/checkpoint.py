@@ -33,8 +33,10 @@ SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
 _QUANTIZED_TENSOR_SUFFIXES = frozenset({"weight_packed", "weight_scale", "weight_scale_inv", "weight_zero_point",
                                         "weight_g_idx", "qweight", "qzeros", "scales", "g_idx"})
 
-# Reads this large keep the kernel's readahead busy without holding big Python buffers.
-_READ_CHUNK = 64 << 20
+# 1 MiB reads: the chunk is still in cache when it is hashed (measured here: 8-64 MiB pieces read, hash and
+# write 2-5x slower than 1 MiB ones, the bytes having left the cache); POSIX_FADV_WILLNEED on each part keeps the
+# disk busy meanwhile.
+_READ_CHUNK = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -345,6 +347,8 @@ def read_into(part: SourceTensor, dest: memoryview, on_bytes: Callable[[bytes | 
     """Read one source tensor's bytes from its file straight into ``dest`` (exactly ``part.nbytes`` long)."""
     fd = os.open(part.file, os.O_RDONLY)
     try:
+        # the whole range asynchronously now: the disk streams while earlier chunks are hashed and packed
+        os.posix_fadvise(fd, part.offset, part.nbytes, os.POSIX_FADV_WILLNEED)
         done = 0
         while done < part.nbytes:
             n = os.preadv(fd, [dest[done:min(done + _READ_CHUNK, part.nbytes)]], part.offset + done)

@@ -1,8 +1,11 @@
 """Preload: read a checkpoint, fuse, quantize and pack it into an arena, fingerprinting the bytes as read.
 
-Tensors are processed by a few threads at once (``preadv`` and sha256 release the GIL). A plain tensor whose
-checkpoint dtype is the arena dtype is read straight into its arena slice (no intermediate copy); others are
-read into a temporary buffer, converted or quantized, and copied in.
+Tensors are processed by a few threads at once (``preadv``, sha256 and the packing ops release the GIL). Each
+byte is read once and hashed while it is in cache (1 MiB reads, ``checkpoint.read_into``). A plain tensor whose
+checkpoint dtype is the arena dtype is read straight into its arena slice (no intermediate copy), and when it is
+one source part its arena digest is that part's digest (the same bytes: not hashed twice). Others are read into a
+per-thread scratch buffer (reused: no page faults per tensor), converted or quantized and copied in; oneDNN-packed
+weights are moved by the pack straight into their arena slice.
 
 With quantization "none" on CPU, where :func:`keepwarm.kernels.cpu_packed.packing_available` says so, the linear
 weights and ``lm_head.weight`` are stored packed for oneDNN (one ``packed`` uint8 entry each, layout
@@ -120,6 +123,18 @@ def plan_arena(ckpt: Checkpoint, quantization: str, dtype: torch.dtype, device_t
     return planned, offset
 
 
+_THREAD = threading.local()
+
+
+def _staging(n: int) -> torch.Tensor:
+    """A per-thread scratch buffer of ``n`` bytes, reused across tensors: a fresh large allocation page-faults all
+    of its pages again. Whatever is made from it is copied into the arena before the thread's next tensor."""
+    buf = getattr(_THREAD, "staging", None)
+    if buf is None or buf.numel() < n:
+        buf = _THREAD.staging = torch.empty(n, dtype=torch.uint8)
+    return buf[:n]
+
+
 def _read_hashed(t: FusedTensor, dest: memoryview) -> list[str]:
     """Read every part of ``t`` into ``dest`` back to back; return each part's sha256."""
     digests, off = [], 0
@@ -156,9 +171,10 @@ def build_arena(ckpt: Checkpoint, quantization: str, dtype: str, flat: torch.Ten
             e = p.entries[0]
             dest = tensor_bytes(flat[e.offset:e.offset + e.nbytes])
             src_digests = _read_hashed(t, dest)
-            arena_digests = [hashlib.sha256(dest).hexdigest()]
+            # one part read straight into its place: the arena entry's bytes are that part's, already hashed
+            arena_digests = src_digests[:1] if len(t.parts) == 1 else [hashlib.sha256(dest).hexdigest()]
         else:
-            staging = torch.empty(t.nbytes, dtype=torch.uint8)
+            staging = _staging(t.nbytes)
             src_digests = _read_hashed(t, tensor_bytes(staging))
             if t.roles:
                 parts = ckpt.convert_quantized(t, p.meta, staging, target)
@@ -172,7 +188,8 @@ def build_arena(ckpt: Checkpoint, quantization: str, dtype: str, flat: torch.Ten
                     quant_meta[p.name] = meta.to_dict()
             elif p.packed:
                 w = staging.view(t.dtype).view(t.shape)
-                raw, desc = pack(w.to(target))
+                e = p.entries[0]
+                raw, desc = pack(w.to(target), out=flat[e.offset:e.offset + e.nbytes] if on_cpu else None)
                 if desc != packed_layout(tuple(t.shape), target)[1]:
                     # The arena was sized from the zeros probe; a data-dependent format would break that.
                     raise RuntimeError(f"{p.name}: oneDNN packed it in another format than planned")
@@ -190,7 +207,9 @@ def build_arena(ckpt: Checkpoint, quantization: str, dtype: str, flat: torch.Ten
                     raise RuntimeError(f"{p.name}{'.' + e.part if e.part else ''}: {raw.numel()} bytes, "
                                        f"planned {e.nbytes}")
                 arena_digests.append(hashlib.sha256(memoryview(raw.numpy())).hexdigest())
-                flat[e.offset:e.offset + e.nbytes].copy_(raw, non_blocking=not on_cpu)
+                dest_t = flat[e.offset:e.offset + e.nbytes]
+                if raw.data_ptr() != dest_t.data_ptr():  # a packed weight is already in its place
+                    dest_t.copy_(raw, non_blocking=not on_cpu)
         if progress is not None and not p.derived:
             progress(t.nbytes)
         return src_digests, arena_digests

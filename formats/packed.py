@@ -45,8 +45,10 @@ def _pack_threads() -> Iterator[None]:
             torch.set_num_threads(before)
 
 
-def pack(w: torch.Tensor) -> tuple[torch.Tensor, bytes]:
+def pack(w: torch.Tensor, out: torch.Tensor | None = None) -> tuple[torch.Tensor, bytes]:
     """Pack a [N, K] CPU weight for oneDNN: (packed bytes as a uint8 tensor [nbytes], serialized descriptor).
+    ``out`` (a contiguous CPU uint8 tensor of exactly the packed size, e.g. the arena's slice): the bytes are moved
+    there, saving a copy, and ``out`` is returned.
 
     Always under ``PACK_THREADS`` threads, so the format does not depend on the caller's thread count."""
     if w.dim() != 2 or w.device.type != "cpu":
@@ -56,7 +58,11 @@ def pack(w: torch.Tensor) -> tuple[torch.Tensor, bytes]:
         pw = torch.ops.mkldnn._reorder_linear_weight(w, BATCH_HINT)
         desc = bytes(torch.ops.mkldnn._get_mkldnn_serialized_md(pw).numpy())
     n = int(torch.ops.mkldnn._nbytes(pw))
-    raw = torch.empty(n, dtype=torch.uint8)
+    if out is not None and (out.numel() != n or out.dtype != torch.uint8 or not out.is_contiguous()
+                            or out.device.type != "cpu"):
+        raise QuantizationError(f"packing a {tuple(w.shape)} weight: the destination holds {out.numel()} bytes, "
+                                f"the packed weight {n}")
+    raw = torch.empty(n, dtype=torch.uint8) if out is None else out
     ctypes.memmove(raw.data_ptr(), torch.ops.mkldnn.data_ptr(pw), n)  # releases the GIL, like a tensor copy
     return raw, desc
 
