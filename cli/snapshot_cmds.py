@@ -145,28 +145,27 @@ def verify(name: Annotated[str, typer.Argument()]) -> None:
     from keepwarm.snapshot.inspect import mb
 
     def run():
-        from keepwarm.formats.arena import ArenaManifest, CpuArenaFile, arena_digest_of
+        from keepwarm.formats.arena import ArenaHasher, ArenaManifest
         from keepwarm.snapshot.manifest import SnapshotError
 
         store = _store()
         t0 = time.perf_counter()
         with store.lock():
             m = store.load(name)
-            n, nbytes = store.verify(m)
+            images = {mod["image"]["digest"]: mod["image"]["size"] for mod in m["models"]}
+            n, nbytes = store.verify(m, skip=frozenset(images))
             for mod in m["models"]:
                 arena = ArenaManifest.from_json(store.read_blob(mod["image_manifest"]["digest"]).decode())
                 if (arena.fingerprint, arena.arena_digest) != (mod["fingerprint"], mod["arena_digest"]):
                     raise SnapshotError(f"blob {mod['image_manifest']['digest']} (model {mod['name']}: arena "
                                         "manifest) does not match the snapshot's model entry")
-                image = CpuArenaFile.open_readonly(store.blob_path(mod["image"]["digest"]), mod["image"]["size"])
-                try:
-                    ok = arena_digest_of(image.flat, arena.tensors, 2) == arena.arena_digest
-                finally:
-                    image.close()
-                if not ok:
+                hasher = ArenaHasher(arena.tensors)  # the blob's sha256 and the arena digest in one pass
+                store.verify_blob(mod["image"]["digest"], mod["image"]["size"], f"model {mod['name']}: arena image",
+                                  also=hasher.feed)
+                if hasher.hexdigest() != arena.arena_digest:
                     raise SnapshotError(f"blob {mod['image']['digest']} (model {mod['name']}: arena image) does "
                                         "not match its arena_digest")
-        return n, nbytes, time.perf_counter() - t0
+        return n + len(images), nbytes + sum(images.values()), time.perf_counter() - t0
 
     n, nbytes, secs = _guard(run)
     typer.echo(f"{name}: ok, {n} blobs ({mb(nbytes)}) verified in {secs:.2f}s")

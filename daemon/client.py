@@ -142,11 +142,14 @@ class DaemonClient:
             args["fingerprint"] = fingerprint
         return self.typed(AttachReply, "attach", args, timeout=60.0, on_event=on_event)
 
-    def load_image(self, manifest_json: str, image: str | Path,
+    def load_image(self, manifest_json: str, image: str | Path, sha256: str | None = None,
                    on_event: ProgressCallback | None = None) -> LoadReply:
-        """Make an arena image resident (no re-quantization); ``image`` is read by the daemon."""
-        return self.typed(LoadReply, "load_image", {"manifest": manifest_json, "image": str(Path(image).absolute())},
-                          timeout=60.0, on_event=on_event)
+        """Make an arena image resident (no re-quantization); ``image`` is read by the daemon, which checks it
+        against ``sha256`` (when given) in the same pass."""
+        args = {"manifest": manifest_json, "image": str(Path(image).absolute())}
+        if sha256 is not None:
+            args["sha256"] = sha256
+        return self.typed(LoadReply, "load_image", args, timeout=60.0, on_event=on_event)
 
     def load_adapter(self, path: str | Path) -> AdapterReply:
         """Make a LoRA adapter resident in the daemon's shared memory (read and checked once per content)."""

@@ -13,18 +13,27 @@ bytes would not mean the same thing:
 
 from __future__ import annotations
 
+import hashlib
 import os
 import stat
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
-from keepwarm.formats.arena import ArenaManifest, CpuArenaFile, CudaArena, arena_digest_of, dtype_from_name
+from keepwarm.formats.arena import (
+    ArenaHasher,
+    ArenaManifest,
+    CpuArenaFile,
+    CudaArena,
+    arena_digest_of,
+    dtype_from_name,
+)
 from keepwarm.formats.packed import packed_layout
 from keepwarm.formats.quant import LAYOUT_MKLDNN_PACKED, QuantizationError, QuantMeta, cpu_int4_layout
 
-CHUNK = 16 << 20
+CHUNK = 1 << 20  # still in cache when hashed (see snapshot/store.py's CHUNK)
 
 
 class ImageError(Exception):
@@ -95,28 +104,47 @@ def image_size(manifest: ArenaManifest, path: Path) -> int:
     return max(st.st_size, 1)
 
 
-def fill_cpu(storage: CpuArenaFile, path: Path, size: int, progress: Callable[[int], None] | None = None) -> None:
-    """Copy ``size`` bytes of the image into a writable CPU arena (one copy, straight into the mapping)."""
+def fill_cpu(storage: CpuArenaFile, path: Path, size: int, manifest: ArenaManifest, file_digest: bool = False,
+             progress: Callable[[int], None] | None = None) -> tuple[str | None, str]:
+    """Copy ``size`` bytes of the image into a writable CPU arena in one pass: each chunk is read straight into
+    its place in the mapping and, while it is in cache, fed to the arena digest (a second thread) and, with
+    ``file_digest``, to the file's sha256 (here). Returns (the file's sha256 or None, the arena digest)."""
     view = memoryview(storage.flat.numpy())
+    hasher = ArenaHasher(manifest.tensors)
+    h = hashlib.sha256() if file_digest else None
     try:
-        with open(path, "rb", buffering=0) as f:
+        with open(path, "rb", buffering=0) as f, ThreadPoolExecutor(max_workers=1) as pool:
+            os.posix_fadvise(f.fileno(), 0, size, os.POSIX_FADV_SEQUENTIAL)
             off = 0
+            fed: list[Future] = []
             while off < size:
-                n = f.readinto(view[off:min(off + CHUNK, size)])
+                chunk = view[off:min(off + CHUNK, size)]
+                n = f.readinto(chunk)
                 if not n:
                     raise ImageError("bad_image", f"the image {path} ended after {off} of {size} bytes")
+                fed.append(pool.submit(hasher.feed, off, chunk[:n]))
+                if h is not None:
+                    h.update(chunk[:n])
                 off += n
                 if progress is not None:
                     progress(n)
+            for fut in fed:
+                fut.result()
     finally:
         view.release()
+    return (h.hexdigest() if h is not None else None), hasher.hexdigest()
 
 
 def fill_cuda(storage: CudaArena, path: Path, size: int, manifest: ArenaManifest, threads: int,
-              progress: Callable[[int], None] | None = None) -> None:
-    """Check the image's bytes in host memory against ``arena_digest``, then copy them to the device."""
+              progress: Callable[[int], None] | None = None, sha256: str | None = None) -> None:
+    """Check the image's bytes in host memory against ``arena_digest`` (and the file against ``sha256``, a
+    separate pass here), then copy them to the device."""
     src = CpuArenaFile.open_readonly(path, size)
     try:
+        if sha256 is not None:
+            got = hashlib.sha256(memoryview(src.flat.numpy())).hexdigest()
+            if got != sha256:
+                raise ImageError("bad_image", f"the image {path} is corrupt: it hashes to {got}, not {sha256}")
         if arena_digest_of(src.flat, manifest.tensors, threads) != manifest.arena_digest:
             raise ImageError("bad_image", f"the image {path} does not match its manifest's arena_digest")
         for off in range(0, manifest.total_bytes, CHUNK):

@@ -27,7 +27,7 @@ from keepwarm.daemon.loader import build_arena, plan_arena, resolve_dtype
 from keepwarm.daemon.protocol import ProtocolError
 from keepwarm.daemon.residency import Residency, Resident
 from keepwarm.formats import paths
-from keepwarm.formats.arena import ArenaManifest, CpuArenaFile, CudaArena, arena_digest_of
+from keepwarm.formats.arena import ArenaManifest, CpuArenaFile, CudaArena
 from keepwarm.formats.model_config import ModelConfigError
 from keepwarm.formats.quant import QuantizationError
 
@@ -122,9 +122,19 @@ def preload_job(key: JobKey, ckpt: Checkpoint, dtype: str, arena_bytes: int, fin
     return LoadJob(key, "preload", f"preload of {ckpt.model_dir}", key[1], ckpt.nbytes, arena_bytes, work)
 
 
+def _check_image(image: Path, sha256: str | None, file_digest: str | None, arena_digest: str,
+                 m: ArenaManifest) -> None:
+    if sha256 is not None and file_digest != sha256:
+        raise ProtocolError("bad_image", f"the image {image} is corrupt: it hashes to {file_digest}, not {sha256}")
+    if arena_digest != m.arena_digest:
+        raise ProtocolError("bad_image", f"the image {image} does not match its manifest's arena_digest (corrupt or "
+                                         "not this model's image)")
+
+
 def image_job(key: JobKey, manifest: ArenaManifest, image: Path, arena_bytes: int,
-              residency: Residency) -> LoadJob:
-    """Copy the arena image at ``image`` into a new arena and check it against ``manifest``."""
+              residency: Residency, sha256: str | None = None) -> LoadJob:
+    """Copy the arena image at ``image`` into a new arena and check it against ``manifest`` (and, given
+    ``sha256``, the file against that digest), hashing each chunk as it lands: one pass over the bytes."""
     def work(job: LoadJob) -> Resident:
         t0 = time.perf_counter()
         m = manifest
@@ -135,17 +145,15 @@ def image_job(key: JobKey, manifest: ArenaManifest, image: Path, arena_bytes: in
             tmp = residency.arena_dir / f".image-{secrets.token_hex(6)}.arena"
             storage = CpuArenaFile.create(tmp, arena_bytes)
             job.created = (storage, tmp)
-            fill_cpu(storage, image, arena_bytes, job.add_bytes)
-            if arena_digest_of(storage.flat, m.tensors, residency.threads) != m.arena_digest:
-                raise ProtocolError("bad_image", f"the image {image} does not match its manifest's "
-                                                 "arena_digest (corrupt or not this model's image)")
+            file_digest, arena_digest = fill_cpu(storage, image, arena_bytes, m, sha256 is not None, job.add_bytes)
+            _check_image(image, sha256, file_digest, arena_digest, m)
             storage, mpath = residency.install_cpu_arena(storage, m)
             job.created = (storage, tmp)
         else:
             mpath = None
             storage = CudaArena.create(arena_bytes, residency.device)
             job.created = (storage, None)
-            fill_cuda(storage, image, image_size(m, image), m, residency.threads, job.add_bytes)
+            fill_cuda(storage, image, image_size(m, image), m, residency.threads, job.add_bytes, sha256)
         seconds = time.perf_counter() - t0
         log.info("loaded the image of %s (%s, %s): %.1f MB in %.2fs (%.2f GB/s), fingerprint %s", m.model_name,
                  m.quantization, m.dtype, arena_bytes / 1e6, seconds,

@@ -76,6 +76,7 @@ class UnloadAdapterArgs:
 class LoadImageArgs:
     manifest: str  # the arena manifest (JSON) of the image
     image: str  # absolute path of the image file: the arena's bytes (e.g. a snapshot blob), read by the daemon
+    sha256: str | None = None  # the file's sha256 (a snapshot blob's digest): checked in the same pass as the load
 
 
 @dataclass(frozen=True)

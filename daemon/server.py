@@ -21,6 +21,7 @@ import contextlib
 import fcntl
 import logging
 import os
+import re
 import signal
 import socket
 import time
@@ -362,6 +363,8 @@ class Daemon:
         image = Path(args.image)
         if not image.is_absolute():
             raise ProtocolError("bad_request", "load_image: the image path must be absolute")
+        if args.sha256 is not None and not re.fullmatch(r"[0-9a-f]{64}", args.sha256):
+            raise ProtocolError("bad_request", "load_image: sha256 must be 64 lowercase hex digits")
         try:
             check_device(manifest, self.device)  # the CPU layouts are checked in the job's thread
             size = image_size(manifest, image)
@@ -372,7 +375,7 @@ class Daemon:
         if job is None:
             arena_bytes = size if self.device.type == "cpu" else manifest.total_bytes
             self.residency.room_plan(arena_bytes, manifest.model_name)  # refuse now if it can never fit
-            job = image_job(key, manifest, image, arena_bytes, self.residency)
+            job = image_job(key, manifest, image, arena_bytes, self.residency, args.sha256)
             self.jobs[key] = job
             job.start(f"image-{manifest.fingerprint[:12]}", self._job_ended)
         job.waiters.append((identity, rid, "load_image", args))

@@ -6,8 +6,13 @@ offset, dtype and shape, the quantization metadata, the model's config files, an
 
 - ``fingerprint``: sha256 over the checkpoint's tensor bytes as read from disk (per-part digests, in plan
   order), the quantization scheme, the dtype and ``LAYOUT_VERSION``. It identifies *what* is resident.
-- ``arena_digest``: sha256 over the arena's own bytes (per-tensor digests, in layout order). A restarted daemon
-  re-adopts an arena only when its bytes still hash to this.
+- ``arena_digest``: a tree hash of the arena's own bytes, scheme ``arena_digest_scheme`` =
+  :data:`ARENA_DIGEST_SCHEME` ("sha256-tensors": sha256 over the label ``arena`` and each entry's sha256, in
+  manifest order; manifests written before the field existed used the same scheme and read as it; another scheme
+  is refused). Per-entry leaves let every entry hash on its own thread, a preload hash each entry as it is placed
+  (and reuse a part's digest read straight into place), and a copy or download feed it chunk by chunk
+  (:class:`ArenaHasher`), so no one re-reads an arena to hash it. A restarted daemon re-adopts an arena only when
+  its bytes still hash to this.
 
 CPU arenas are files in a 0700 tmpfs directory, mapped read-only by workers. CUDA arenas are one device
 allocation exported as one IPC handle (see ``CudaArena``).
@@ -31,6 +36,7 @@ from typing import Any
 import torch
 
 LAYOUT_VERSION = 1
+ARENA_DIGEST_SCHEME = "sha256-tensors"
 # 256 bytes: covers every dtype's alignment, AVX-512 loads and GPU coalescing, at negligible padding cost.
 ALIGN = 256
 
@@ -84,6 +90,7 @@ class ArenaManifest:
     source_files: tuple[tuple[str, int, int, int], ...]  # (file name, size, mtime_ns, inode): on-disk changes
     created_at: float = field(default_factory=time.time)
     keepwarm_version: str = ""
+    arena_digest_scheme: str = ARENA_DIGEST_SCHEME
 
     @property
     def model_name(self) -> str:
@@ -98,6 +105,10 @@ class ArenaManifest:
         d = json.loads(text)
         if d.get("layout_version") != LAYOUT_VERSION:
             raise ValueError(f"arena layout version {d.get('layout_version')!r}, expected {LAYOUT_VERSION}")
+        scheme = d.setdefault("arena_digest_scheme", ARENA_DIGEST_SCHEME)  # older manifests: the same scheme
+        if scheme != ARENA_DIGEST_SCHEME:
+            raise ValueError(f"arena digest scheme {scheme!r}: this keepwarm computes {ARENA_DIGEST_SCHEME!r} "
+                             "(upgrade keepwarm)")
         d["tensors"] = tuple(TensorEntry(**{**t, "shape": tuple(t["shape"])}) for t in d["tensors"])
         d["source_files"] = tuple(tuple(x) for x in d["source_files"])
         return cls(**d)
@@ -166,6 +177,36 @@ def arena_digest_of(flat: torch.Tensor, entries: tuple[TensorEntry, ...], thread
 
     with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
         return combine_digests("arena", list(pool.map(one, entries)))
+
+
+class ArenaHasher:
+    """The arena digest of bytes arriving in order (a copy into the store, an image into an arena): each chunk's
+    slices go to the sha256 of every entry they cover while the chunk is in cache; nothing is read twice."""
+
+    def __init__(self, entries: tuple[TensorEntry, ...]) -> None:
+        self.entries = entries
+        self.hashers = [hashlib.sha256() for _ in entries]
+        self.order = sorted(range(len(entries)), key=lambda i: entries[i].offset)
+        self.next = 0  # in ``order``: entries before it are complete
+
+    def feed(self, offset: int, chunk: memoryview) -> None:
+        end = offset + len(chunk)
+        j = self.next
+        while j < len(self.order) and self.entries[self.order[j]].offset < end:
+            i = self.order[j]
+            e = self.entries[i]
+            lo, hi = max(offset, e.offset), min(end, e.offset + e.nbytes)
+            if hi > lo:
+                self.hashers[i].update(chunk[lo - offset:hi - offset])
+            j += 1
+        while self.next < len(self.order) and sum(self._span(self.order[self.next])) <= end:
+            self.next += 1
+
+    def _span(self, i: int) -> tuple[int, int]:
+        return self.entries[i].offset, self.entries[i].nbytes
+
+    def hexdigest(self) -> str:
+        return combine_digests("arena", [h.hexdigest() for h in self.hashers])
 
 
 # -- CPU storage ---------------------------------------------------------------------------------------------------

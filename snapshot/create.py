@@ -118,10 +118,11 @@ def _cuda_chunks(flat) -> Iterator[memoryview]:
         yield memoryview(flat[off:off + CHUNK].cpu().numpy())
 
 
-def capture_arena(store: Store, manifest_json: str, arena: dict[str, Any], threads: int | None = None,
-                  ) -> tuple[BlobRef, list[str]]:
-    """Store the arena's bytes as a blob (or find it stored already); check them against the manifest."""
-    from keepwarm.formats.arena import ArenaManifest, CpuArenaFile, CudaArena, arena_digest_of
+def capture_arena(store: Store, manifest_json: str, arena: dict[str, Any]) -> tuple[BlobRef, list[str]]:
+    """Store the arena's bytes as a blob (or find it stored already), in one pass: each chunk is hashed for the
+    blob, written, and fed to the arena digest while it is in cache; a copy that does not match the manifest's
+    arena_digest never lands."""
+    from keepwarm.formats.arena import ArenaHasher, ArenaManifest, CudaArena
 
     m = ArenaManifest.from_json(manifest_json)
     layouts = sorted({q.get("layout", "?") for q in m.quant.values()} | ({"dense"} if any(
@@ -135,6 +136,13 @@ def capture_arena(store: Store, manifest_json: str, arena: dict[str, Any], threa
         f = None
         size = int(arena["size"])
     key = store.arena_key(m.arena_digest, [layout_id], size)
+    hasher = ArenaHasher(m.tensors)
+
+    def check() -> None:
+        if hasher.hexdigest() != m.arena_digest:
+            raise SnapshotError(f"the arena of {m.model_name} read from the daemon does not match its manifest's "
+                                "arena_digest; not recorded")
+
     try:
         found = store.arena_lookup(key, size)
         if found is not None:
@@ -142,20 +150,13 @@ def capture_arena(store: Store, manifest_json: str, arena: dict[str, Any], threa
         if f is not None:
             from keepwarm.snapshot.store import file_chunks
 
-            ref = store.put_chunks(file_chunks(f))
+            chunks = file_chunks(f)
         else:
-            ref = store.put_chunks(_cuda_chunks(CudaArena.import_handle(arena)))
+            chunks = _cuda_chunks(CudaArena.import_handle(arena))
+        ref = store.put_chunks(chunks, also=hasher.feed, check=check)
     finally:
         if f is not None:
             f.close()
-    blob = CpuArenaFile.open_readonly(store.blob_path(ref.digest), ref.size)
-    try:
-        ok = arena_digest_of(blob.flat, m.tensors, threads or min(8, os.cpu_count() or 2)) == m.arena_digest
-    finally:
-        blob.close()
-    if not ok:
-        raise SnapshotError(f"the arena of {m.model_name} read from the daemon does not match its manifest's "
-                            "arena_digest; not recorded")
     store.arena_remember(key, ref)
     return ref, layouts
 

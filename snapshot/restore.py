@@ -2,7 +2,9 @@
 
 Order, so that a failure at any step leaves the previous state in place:
 
-1. re-hash every blob the snapshot names (nothing is touched before they all check out);
+1. re-hash every blob the snapshot names but the arena image (nothing is touched before they all check out); the
+   image is checked at step 4 by the daemon against its sha256 as it loads it, in the same pass as the copy and the
+   arena digest (or here, if the daemon holds that model already and does not read it);
 2. check what can be checked up front: the daemon's device kind against the image's, the server config (and the
    API key it needs), the systemd unit's config path;
 3. stage the model files under ``$KEEPWARM_HOME/restored/.staging-*`` and write the adapters' directories
@@ -181,10 +183,13 @@ def restore(name: str, *, store: Store | None = None, server_config: str | None 
     store = store or Store()
     with store.lock():
         m = store.load(name)
-        # 1. every blob, before anything else
-        n, nbytes = store.verify(m)
+        # 1. every blob, before anything else; the arena image is checked by the daemon as it loads it (one pass),
+        # or here if the daemon turns out to hold that model already (step 4)
+        images = frozenset(mod["image"]["digest"] for mod in m["models"])
+        n, nbytes = store.verify(m, skip=images)
         verify_seconds = time.perf_counter() - t0
-        say(f"verified {n} blobs ({nbytes / 1e6:.1f} MB) in {verify_seconds:.2f}s")
+        say(f"verified {n} blobs ({nbytes / 1e6:.1f} MB) in {verify_seconds:.2f}s; the arena image is checked "
+            "as the daemon loads it")
         model, arena_json = _arena_manifest(store, name, m)
 
         # 2. up-front checks: the server config's target, the API key, the daemon's device
@@ -303,6 +308,8 @@ def _stage_files(store: Store, root: Path, m: dict[str, Any], adapter_dirs: dict
     path made is appended to ``created`` (removed if the restore fails)."""
     model = m["models"][0]
     adapter_root = root / "adapters"
+    if not root.exists():
+        created.append(root)  # made by this restore: removed with the rest if it fails
     root.mkdir(mode=0o755, parents=True, exist_ok=True)
     staged = root / f".staging-{secrets.token_hex(6)}"
     created.append(staged)
@@ -335,12 +342,15 @@ def _load_into_daemon(client: Any, store: Store, m: dict[str, Any], arena_json: 
     tl = time.perf_counter()
     say(f"loading the image of {model['name']} ({model['quantization']}/{model['dtype']}, "
         f"{model['image']['size'] / 1e6:.1f} MB) into the daemon")
+    image = model["image"]
     try:
-        reply = client.load_image(arena_json, store.blob_path(model["image"]["digest"]))
+        reply = client.load_image(arena_json, store.blob_path(image["digest"]), sha256=image["digest"])
     except DaemonError as e:
         raise SnapshotError(f"the daemon cannot hold the image of {model['name']}: {e.message}") from None
     if not reply.cached:
         loaded_images.append(model["fingerprint"])
+    else:  # resident already, so the daemon did not read the image: a corrupt snapshot is refused all the same
+        store.verify_blob(image["digest"], image["size"], f"model {model['name']}: arena image")
     load_seconds = time.perf_counter() - tl
     say(f"{model['name']}: " + ("already resident, kept as is" if reply.cached else
                                 f"image loaded in {load_seconds:.2f}s (no re-quantization)"))

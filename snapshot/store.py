@@ -23,8 +23,8 @@ import os
 import secrets
 import shutil
 import time
-from collections.abc import Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -33,7 +33,9 @@ from keepwarm.formats.paths import keepwarm_home
 from keepwarm.snapshot import manifest as mf
 from keepwarm.snapshot.manifest import DIGEST_RE, SnapshotError
 
-CHUNK = 8 << 20
+# 1 MiB: each chunk is still in cache while it is hashed, written and (create) fed to the arena digest. Measured
+# here (docs/benchmarks.md): 8 MiB chunks read, hash and write 1.5-3x slower than 1 MiB ones.
+CHUNK = 1 << 20
 
 
 def default_root() -> Path:
@@ -84,21 +86,28 @@ def file_chunks(f: BinaryIO, limit: int | None = None) -> Iterator[memoryview]:
         i += 1
 
 
-def pipe_hashing(chunks: Iterable[memoryview], fd: int | None) -> tuple[str, int]:
-    """sha256 and size of the chunks, writing them to ``fd`` (if given) in a second thread while hashing here."""
+Consumer = Callable[[int, memoryview], None]  # (offset in the stream, the chunk)
+
+
+def pipe_hashing(chunks: Iterable[memoryview], fd: int | None, also: Consumer | None = None) -> tuple[str, int]:
+    """sha256 and size of the chunks, writing them to ``fd`` (if given) in a second thread and handing them to
+    ``also`` (if given; e.g. the arena digest) in a third, while hashing here: one pass over the bytes, each chunk
+    used by all three while it is in cache. Chunk i's buffer is released (chunk i + 2 may be read into it) once
+    all of them are done with it."""
     h = hashlib.sha256()
     size = 0
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        prev = None
+    with ThreadPoolExecutor(max_workers=1) as writer, ThreadPoolExecutor(max_workers=1) as other:
+        prev: list[Future] = []
         for mv in chunks:
-            fut = pool.submit(_write_all, fd, mv) if fd is not None else None
+            futs = ([writer.submit(_write_all, fd, mv)] if fd is not None else []) + \
+                ([other.submit(also, size, mv)] if also is not None else [])
             h.update(mv)
             size += len(mv)
-            if prev is not None:
-                prev.result()  # chunk i-1 written: its buffer may be refilled
-            prev = fut
-        if prev is not None:
-            prev.result()
+            for f in prev:
+                f.result()  # chunk i-1 used by everyone: its buffer may be refilled
+            prev = futs
+        for f in prev:
+            f.result()
     return h.hexdigest(), size
 
 
@@ -167,19 +176,24 @@ class Store:
         return True
 
     def put_chunks(self, chunks: Iterable[memoryview], expect_digest: str | None = None,
-                   staging: Path | None = None) -> BlobRef:
+                   staging: Path | None = None, also: Consumer | None = None,
+                   check: Callable[[], None] | None = None) -> BlobRef:
         """Stream chunks into a blob, hashing as they are written. ``expect_digest``: refuse other content.
-        ``staging``: leave the checked file there (named by digest) instead of landing it (import)."""
+        ``staging``: leave the checked file there (named by digest) instead of landing it (import). ``also``: gets
+        every chunk in the same pass (see :func:`pipe_hashing`); ``check``: runs before the blob lands and refuses
+        it by raising (create checks the arena digest ``also`` computed)."""
         self.ensure()
         fd, tmp = self._temp(staging or self.blobs_dir)
         try:
             try:
-                digest, size = pipe_hashing(chunks, fd)
+                digest, size = pipe_hashing(chunks, fd, also)
                 os.fsync(fd)
             finally:
                 os.close(fd)
             if expect_digest is not None and digest != expect_digest:
                 raise SnapshotError(f"blob {expect_digest} is corrupt: its content hashes to {digest}")
+            if check is not None:
+                check()
             if staging is not None:
                 os.replace(tmp, staging / digest)
                 return BlobRef(digest, size, True)
@@ -201,8 +215,9 @@ class Store:
     def read_blob(self, digest: str) -> bytes:
         return self.blob_path(digest).read_bytes()
 
-    def verify_blob(self, digest: str, size: int, what: str = "") -> None:
-        """Re-hash one blob; SnapshotError naming it when it is missing, truncated or altered."""
+    def verify_blob(self, digest: str, size: int, what: str = "", also: Consumer | None = None) -> None:
+        """Re-hash one blob (``also`` gets its chunks in the same pass); SnapshotError naming it when it is
+        missing, truncated or altered."""
         label = f"blob {digest}" + (f" ({what})" if what else "")
         path = self.blob_path(digest)
         try:
@@ -211,15 +226,18 @@ class Store:
             raise SnapshotError(f"{label} is missing from the store {self.root}") from None
         if actual_size != size:
             raise SnapshotError(f"{label} is corrupt: {actual_size} bytes, the manifest says {size}")
-        actual, _ = hash_file(path)
+        with open(path, "rb", buffering=0) as f:
+            actual, _ = pipe_hashing(file_chunks(f), None, also)
         if actual != digest:
             raise SnapshotError(f"{label} is corrupt: its content hashes to {actual}")
 
-    def verify(self, m: dict[str, Any], threads: int = 2) -> tuple[int, int]:
-        """Re-hash every blob a manifest names (a few at once); (blobs, bytes). Raises on the first bad one."""
+    def verify(self, m: dict[str, Any], threads: int = 2, skip: frozenset[str] = frozenset()) -> tuple[int, int]:
+        """Re-hash every blob a manifest names but those in ``skip`` (a few at once); (blobs, bytes). Raises on
+        the first bad one."""
         seen: dict[str, tuple[int, str]] = {}
         for digest, size, what in mf.blob_refs(m):
-            seen.setdefault(digest, (size, what))
+            if digest not in skip:
+                seen.setdefault(digest, (size, what))
         with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
             futures = [pool.submit(self.verify_blob, d, s, w) for d, (s, w) in seen.items()]
             for f in futures:

@@ -433,8 +433,15 @@ def test_load_image_verb(prod, tmp_path) -> None:
             with pytest.raises(DaemonError) as err:
                 c.load_image(manifest_json, tmp_path / "missing")
             assert err.value.code == "bad_image"
+            # the file checked against the snapshot's blob digest in the same pass as the load
+            with pytest.raises(DaemonError) as err:
+                c.load_image(manifest_json, image, sha256="1" * 64)
+            assert err.value.code == "bad_image" and f"hashes to {mod['image']['digest']}, not " in err.value.message
+            with pytest.raises(DaemonError) as err:
+                c.load_image(manifest_json, image, sha256="../etc")
+            assert err.value.code == "bad_request"
             assert f.status()["models"] == [] and sorted(p.name for p in arena_dir.iterdir()) == []
-            reply = c.load_image(manifest_json, image)
+            reply = c.load_image(manifest_json, image, sha256=mod["image"]["digest"])
             assert reply["cached"] is False and reply["origin"] == "image"
             assert c.load_image(manifest_json, image)["cached"] is True
             # attach by fingerprint from a directory without weights (a restored model dir), without preload

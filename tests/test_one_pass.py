@@ -1,0 +1,123 @@
+"""One pass over the bytes (issue 14), as units: the streaming arena digest equals the whole-arena one whatever the
+chunking, the store hands every chunk to a second consumer in the same pass and lands nothing a check refuses, the
+arena manifest names its digest scheme (old manifests read, unknown schemes refused), and the daemon's image fill
+returns the file's sha256 and the arena digest from one read."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import random
+
+import pytest
+import torch
+
+from keepwarm.formats.arena import (
+    ARENA_DIGEST_SCHEME,
+    ArenaHasher,
+    ArenaManifest,
+    CpuArenaFile,
+    TensorEntry,
+    align,
+    arena_digest_of,
+)
+from keepwarm.snapshot.manifest import SnapshotError
+from keepwarm.snapshot.store import Store, file_chunks, pipe_hashing
+
+
+def _entries(sizes: list[int]) -> tuple[tuple[TensorEntry, ...], int]:
+    out, off = [], 0
+    for i, n in enumerate(sizes):
+        out.append(TensorEntry(f"w{i}", "", off, n, "uint8", (n,)))
+        off = align(off + n)
+    return tuple(out), off
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_streamed_arena_digest_equals_the_whole_arena_one(seed: int) -> None:
+    rng = random.Random(seed)
+    entries, total = _entries([rng.choice([0, 1, 255, 256, 257, 5000, 70000]) for _ in range(40)])
+    flat = torch.randint(0, 256, (total + 100,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+    want = arena_digest_of(flat, entries, 2)
+    data = memoryview(flat.numpy())
+    h, off = ArenaHasher(entries), 0
+    while off < len(data):  # random chunk boundaries, some inside entries, some in the padding
+        n = rng.choice([1, 7, 256, 1000, 4096, 65536])
+        h.feed(off, data[off:off + n])
+        off += n
+    assert h.hexdigest() == want
+    flat[entries[-2].offset] ^= 1  # one flipped byte inside an entry changes the digest
+    h2 = ArenaHasher(entries)
+    h2.feed(0, memoryview(flat.numpy()))
+    assert h2.hexdigest() != want
+
+
+def test_pipe_hashing_hands_every_chunk_in_order_to_the_second_consumer(tmp_path, monkeypatch) -> None:
+    import keepwarm.snapshot.store as store_mod
+
+    monkeypatch.setattr(store_mod, "CHUNK", 1000)  # many chunks through the two alternating buffers
+    data = os.urandom(10_500)
+    got = bytearray()
+    offsets = []
+
+    def also(offset: int, mv: memoryview) -> None:
+        offsets.append(offset)
+        got.extend(mv)
+
+    fd = os.open(tmp_path / "out", os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        digest, size = pipe_hashing(file_chunks(io.BytesIO(data)), fd, also)
+    finally:
+        os.close(fd)
+    assert (digest, size) == (hashlib.sha256(data).hexdigest(), len(data))
+    assert bytes(got) == data and offsets == list(range(0, len(data), 1000))
+    assert (tmp_path / "out").read_bytes() == data
+
+
+def test_a_refusing_check_lands_nothing(tmp_path) -> None:
+    store = Store(tmp_path / "store").ensure()
+
+    def refuse() -> None:
+        raise SnapshotError("arena digest differs")
+
+    with pytest.raises(SnapshotError, match="arena digest differs"):
+        store.put_chunks([memoryview(b"x" * 5000)], check=refuse)
+    assert list(store.blobs_dir.iterdir()) == []
+
+
+def _manifest_json(**extra) -> str:
+    m = ArenaManifest(1, "f" * 64, "a" * 64, "/m", "none", "float32", "cpu", 0, (), {}, "{}", None, ())
+    d = json.loads(m.to_json())
+    d.update(extra)
+    return json.dumps(d)
+
+
+def test_arena_manifest_names_its_digest_scheme() -> None:
+    assert json.loads(_manifest_json())["arena_digest_scheme"] == ARENA_DIGEST_SCHEME == "sha256-tensors"
+    old = json.loads(_manifest_json())
+    del old["arena_digest_scheme"]  # written before the field existed: the same scheme
+    assert ArenaManifest.from_json(json.dumps(old)).arena_digest_scheme == ARENA_DIGEST_SCHEME
+    with pytest.raises(ValueError, match="arena digest scheme 'blake3-tree'"):
+        ArenaManifest.from_json(_manifest_json(arena_digest_scheme="blake3-tree"))
+
+
+def test_image_fill_checks_file_and_arena_in_one_read(tmp_path) -> None:
+    from keepwarm.daemon.image import fill_cpu
+
+    entries, total = _entries([3000, 0, 2_500_000, 17])
+    image = tmp_path / "image"
+    image.write_bytes(os.urandom(total))
+    flat = torch.frombuffer(bytearray(image.read_bytes()), dtype=torch.uint8)
+    m = ArenaManifest(1, "f" * 64, arena_digest_of(flat, entries), "/m", "none", "float32", "cpu", total, entries,
+                      {}, "{}", None, ())
+    storage = CpuArenaFile.create(tmp_path / "arena", total)
+    try:
+        file_digest, arena_digest = fill_cpu(storage, image, total, m, file_digest=True)
+        assert file_digest == hashlib.sha256(image.read_bytes()).hexdigest()
+        assert arena_digest == m.arena_digest
+        assert bytes(storage.flat.numpy()) == image.read_bytes()
+        assert fill_cpu(storage, image, total, m)[0] is None  # no file digest asked: none computed
+    finally:
+        storage.close()
