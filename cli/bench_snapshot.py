@@ -78,12 +78,15 @@ def snapshot_bench(
     dtype: Annotated[str, typer.Option()] = "bfloat16",
     threads: Annotated[int, typer.Option()] = 2,
     json_out: Annotated[Path | None, typer.Option("--json")] = None,
+    registry: Annotated[str | None, typer.Option("--registry", help="HOST:PORT of a plain-HTTP OCI registry "
+                                                 "(e.g. a local docker-registry): also time push and pull.")] = None,
     smoke: Annotated[bool, typer.Option("--smoke", help=SMOKE_HELP)] = False,
 ) -> None:
     """Per model: snapshot create (cold store; then a config-only second snapshot) vs `cp` of the arena file to
     the store's disk (+ fsync); restore into an empty daemon (verify + image load) vs `cp` of the image to
-    /dev/shm; restore + server start to first token vs a cold start (preload from the checkpoint) to first token.
-    Page caches of the files read are dropped before each cold measurement."""
+    /dev/shm; restore + server start to first token vs a cold start (preload from the checkpoint) to first token;
+    with ``--registry``, push to a new repository and pull into an empty store. Page caches of the files read are
+    dropped before each cold measurement."""
     if smoke:
         smoke_start()
         models = str(smoke_model())
@@ -94,7 +97,7 @@ def snapshot_bench(
         work = Path(tempfile.mkdtemp(prefix="bench-snapshot-", dir=keepwarm_home()))  # the store's real disk
         rts = [Path(tempfile.mkdtemp(prefix="kwbs-", dir="/tmp")) for _ in range(4)]
         try:
-            rows.append(_bench_model(path, dtype, threads, work, rts))
+            rows.append(_bench_model(path, dtype, threads, work, rts, registry))
         finally:
             shutil.rmtree(work, ignore_errors=True)
             for rt in rts:
@@ -104,9 +107,10 @@ def snapshot_bench(
         json_out.write_text(json.dumps({"machine": machine_line(), "rows": rows}, indent=2) + "\n")
 
 
-def _bench_model(path: Path, dtype: str, threads: int, work: Path, rts: list[Path]) -> dict[str, Any]:
+def _bench_model(path: Path, dtype: str, threads: int, work: Path, rts: list[Path],
+                 registry: str | None = None) -> dict[str, Any]:
     """One model's row: create, restore, then restore-to-first-token against a cold start; each in its own daemon
-    (runtime dirs ``rts[0..3]``), the store under ``work``."""
+    (runtime dirs ``rts[0..3]``), the store under ``work``; then push / pull through ``registry``."""
     from keepwarm.daemon.checkpoint import Checkpoint
     from keepwarm.snapshot.restore import restore
 
@@ -147,7 +151,28 @@ def _bench_model(path: Path, dtype: str, threads: int, work: Path, rts: list[Pat
     typer.echo(f"  cp image -> /dev/shm         {row['cp_image_to_shm_s']:7.2f} s  "
                f"{file_bytes / row['cp_image_to_shm_s'] / 1e6:8.1f} MB/s")
     _bench_first_token(path, dtype, threads, home, base_env, rts[2:], files, blobs, row)
+    if registry:
+        _bench_registry(store, registry, work, blobs, row)
     return row
+
+
+def _bench_registry(store: Store, registry: str, work: Path, blobs: list[Path], row: dict[str, Any]) -> None:
+    """Push the snapshot to a fresh repository (every blob uploaded), then pull it into an empty store."""
+    from keepwarm.snapshot.oci import Reference, Registry, pull, push
+    from keepwarm.snapshot.store import Store
+
+    ref = Reference.parse(f"{registry}/keepwarm-bench/run-{os.getpid()}-{int(time.time())}:v1")
+    drop_page_cache(blobs)
+    with Registry(ref, insecure=True) as reg:
+        p = push(store, "bench", reg)
+    with Registry(ref, insecure=True) as reg:
+        q = pull(Store(work / "pulled"), reg)
+    row.update(push_s=p.seconds, push_bytes=p.uploaded_bytes, push_mbps=p.uploaded_bytes / p.seconds / 1e6,
+               pull_s=q.seconds, pull_bytes=q.downloaded_bytes, pull_mbps=q.downloaded_bytes / q.seconds / 1e6)
+    typer.echo(f"  push to {registry:18s} {p.seconds:7.2f} s  {row['push_mbps']:8.1f} MB/s  "
+               f"({p.uploaded_bytes / 1e6:.1f} MB uploaded)")
+    typer.echo(f"  pull into an empty store     {q.seconds:7.2f} s  {row['pull_mbps']:8.1f} MB/s  "
+               f"({q.downloaded_bytes / 1e6:.1f} MB, every blob verified)")
 
 
 def _bench_create(path: Path, dtype: str, work: Path, home: Path, rt: Path, files: list[Path], row: dict[str, Any]

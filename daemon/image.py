@@ -114,7 +114,8 @@ def fill_cpu(storage: CpuArenaFile, path: Path, size: int, manifest: ArenaManife
     h = hashlib.sha256() if file_digest else None
     try:
         with open(path, "rb", buffering=0) as f, ThreadPoolExecutor(max_workers=1) as pool:
-            os.posix_fadvise(f.fileno(), 0, size, os.POSIX_FADV_SEQUENTIAL)
+            # the whole file asynchronously now: the disk streams while the chunks already read are hashed
+            os.posix_fadvise(f.fileno(), 0, size, os.POSIX_FADV_WILLNEED)
             off = 0
             fed: list[Future] = []
             while off < size:

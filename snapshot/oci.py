@@ -36,7 +36,7 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -166,12 +166,15 @@ class Registry:
 
     # -- requests and auth -----------------------------------------------------------------------------------------
     def _send(self, method: str, url: str, *, stream: bool = False, **kw: Any) -> httpx.Response:
-        """One request; a 401 is answered once (Basic or Bearer) and the request sent again."""
+        """One request; a 401 is answered once (Basic or Bearer) and the request sent again. A callable
+        ``content`` makes the (streamed) body anew for each attempt."""
         for attempt in range(2):
             headers = dict(kw.get("headers") or {})
             if self.authorization:
                 headers["Authorization"] = self.authorization
-            req = self.http.build_request(method, url, **{**kw, "headers": headers})
+            content = kw.get("content")
+            body = {"content": content()} if callable(content) else {}
+            req = self.http.build_request(method, url, **{**kw, **body, "headers": headers})
             try:
                 r = self.http.send(req, stream=stream, follow_redirects=method in ("GET", "HEAD"))
             except httpx.ConnectError as e:
@@ -260,7 +263,7 @@ class Registry:
                  "uploading this blob again from byte 0")
         return self._start_upload(), 0
 
-    def upload(self, digest: str, size: int, read_at: Callable[[int, int], bytes]) -> None:
+    def upload(self, digest: str, size: int, read_at: Callable[[int, int], Iterable[bytes]]) -> None:
         """Chunked, resumable upload of one blob; the registry checks the digest at the end."""
         location = self._start_upload()
         offset, breaks = 0, 0
@@ -268,8 +271,9 @@ class Registry:
             try:
                 while offset < size:
                     n = min(self.chunk_size, size - offset)
-                    r = self._send("PATCH", location, content=read_at(offset, n), headers={
-                        "Content-Type": "application/octet-stream", "Content-Range": f"{offset}-{offset + n - 1}"})
+                    r = self._send("PATCH", location, content=functools.partial(read_at, offset, n), headers={
+                        "Content-Type": "application/octet-stream", "Content-Range": f"{offset}-{offset + n - 1}",
+                        "Content-Length": str(n)})
                     if r.status_code != 202:
                         raise self._fail(f"upload blob {digest} (bytes {offset}-{offset + n - 1})", r)
                     location = urljoin(str(r.request.url), r.headers.get("location", location))
@@ -359,8 +363,15 @@ def oci_manifest(m: dict[str, Any], config: bytes) -> bytes:
     return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
 
 
-def _pread(fd: int, offset: int, n: int) -> bytes:
-    return os.pread(fd, n, offset)
+def _pread(fd: int, offset: int, n: int) -> Iterator[bytes]:
+    """A chunk's bytes streamed in 1 MiB reads (no chunk-sized buffer; each piece sent while in cache)."""
+    end = offset + n
+    while offset < end:
+        piece = os.pread(fd, min(CHUNK, end - offset), offset)
+        if not piece:
+            raise SnapshotError(f"blob file ended at byte {offset} (truncated in the store?)")
+        offset += len(piece)
+        yield piece
 
 
 def push(store: Store, name: str, reg: Registry) -> PushResult:
@@ -376,7 +387,7 @@ def push(store: Store, name: str, reg: Registry) -> PushResult:
                 continue
             reg.say(f"  uploading blob {digest[:12]} ({size} bytes)")
             if path is None:
-                reg.upload(digest, size, lambda off, n: config[off:off + n])
+                reg.upload(digest, size, lambda off, n: [config[off:off + n]])
             else:
                 with open(path, "rb", buffering=0) as f:
                     reg.upload(digest, size, functools.partial(_pread, f.fileno()))

@@ -85,10 +85,25 @@ def test_bench_lora_smoke(bench_env, tmp_path) -> None:
 
 
 def test_bench_snapshot_smoke(bench_env, tmp_path) -> None:
-    data, _ = _bench(bench_env, tmp_path, "snapshot")
+    """With a local docker-registry (when installed: tests/_registry.py), push and pull are timed too."""
+    import shutil
+
+    from _registry import REGISTRY_BIN, registry_env
+
+    env_gen = registry_env(tmp_path / "registry") if shutil.which(REGISTRY_BIN) else None
+    reg = next(env_gen) if env_gen is not None else None
+    try:
+        data, _ = _bench(bench_env, tmp_path, "snapshot", *(["--registry", reg.host] if reg else []))
+    finally:
+        if env_gen is not None:
+            env_gen.close()
     [row] = data["rows"]
     assert row["images_loaded"] == 1 and row["create_config_only_new_bytes"] < row["image_bytes"]
     assert row["restore_to_first_token_s"] > 0 and row["cold_preload_to_first_token_s"] > 0
+    if reg is not None:
+        # push: every blob and the config (the snapshot manifest); pull: every blob, the image included
+        assert row["push_bytes"] > row["pull_bytes"] >= row["image_bytes"] and row["pull_mbps"] > 0
+        assert reg.proxy.requests("PATCH") and reg.proxy.requests("GET", "/blobs/sha256:")
 
 
 def test_gpu_check_smoke_runs_on_the_cpu(tmp_path) -> None:
