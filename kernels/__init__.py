@@ -29,15 +29,18 @@ import torch
 
 from . import cpu_packed, quant, reference
 from .quant import QuantizedWeight
-from .reference import build_cos_sin_cache
+from .reference import MoEWeights, activation, build_cos_sin_cache
 
 __all__ = [
     "BACKENDS",
     "ENV_VAR",
     "KernelBackendError",
+    "MoEWeights",
     "QuantizedWeight",
+    "activation",
     "build_cos_sin_cache",
     "fused_add_rms_norm",
+    "fused_moe",
     "get_impl",
     "linear",
     "lora_expand",
@@ -206,6 +209,20 @@ def linear(x: torch.Tensor, weight: Any, bias: torch.Tensor | None = None) -> to
     return get_impl("linear", x.device)(x, weight, bias)
 
 
+def fused_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, experts: MoEWeights,
+              act: str) -> torch.Tensor:
+    """Routed experts: x [T, H], topk_weights [T, k] in x's dtype, topk_ids [T, k] -> [T, H], the sum over each
+    token's k experts of weight * down(act(gate) * up), added in ascending expert order (transformers' order)."""
+    return get_impl("fused_moe", x.device)(x, topk_weights, topk_ids, experts, act)
+
+
+def _fused_moe_torch(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, experts: MoEWeights,
+                     act: str) -> torch.Tensor:
+    # Each expert's matmuls through `linear`, so CPU weights keep their packed / quantized fast paths.
+    return reference.fused_moe(x, topk_weights, topk_ids, experts, act, linear)
+
+
+register("fused_moe", "torch", _fused_moe_torch)
 for _name in ("lora_shrink", "lora_expand", "linear", "rms_norm", "fused_add_rms_norm", "rotary_embedding",
               "write_kv_cache", "paged_attention"):
     register(_name, "torch", getattr(reference, _name))
@@ -223,11 +240,11 @@ register("linear_none", "torch", cpu_packed.linear_none)
 # `auto` never picks it, and importing triton would add ~0.2 s to every CPU worker's start.
 def _register_triton() -> None:
     try:
-        from . import triton_attention, triton_lora, triton_norm, triton_quant
+        from . import triton_attention, triton_lora, triton_moe, triton_norm, triton_quant
     except Exception as e:  # triton missing, too old or broken: the torch backend serves, as on a CPU-only install
         logger.warning("triton backend unavailable: %s: %s", type(e).__name__, e)
         return
-    for module in (triton_attention, triton_lora, triton_norm, triton_quant):
+    for module in (triton_attention, triton_lora, triton_moe, triton_norm, triton_quant):
         for name, fn in module.IMPLS.items():
             register(name, "triton", fn)
 

@@ -6,6 +6,10 @@ Callers should go through `keepwarm.kernels` (the dispatcher), not import this m
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
@@ -303,3 +307,57 @@ def lora_expand(y: torch.Tensor, buf: torch.Tensor, b_stacked: torch.Tensor, off
     n = b_stacked.shape[0]
     y[:, offset:offset + n] += torch.matmul(buf, b_stacked.t())
     return y
+
+
+# -- mixture of experts ------------------------------------------------------------------------------------------
+def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """transformers' ACT2FN entries the families use (keepwarm.formats.model_config.ACTIVATIONS)."""
+    if name == "gelu_pytorch_tanh":
+        return lambda x: F.gelu(x, approximate="tanh")
+    if name != "silu":
+        raise ValueError(f"unsupported activation {name!r} (supported: silu, gelu_pytorch_tanh)")
+    return F.silu
+
+
+@dataclass(eq=False)
+class MoEWeights:
+    """One MoE layer's experts: expert e is ``down[e](act(gate) * up)`` with ``gate, up = gate_up[e](x).chunk(2)``.
+    Each weight is what ``kernels.linear`` takes (a dense [N, K] tensor or a QuantizedWeight), bias-free; the
+    tuples are the model's own tensors (arena views), never copies. ``prepared`` is for backends that derive
+    something from the weights once (the Triton backend's per-expert pointer tables), keyed by backend."""
+
+    gate_up: tuple[Any, ...]
+    down: tuple[Any, ...]
+    prepared: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_experts(self) -> int:
+        return len(self.gate_up)
+
+
+def fused_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, experts: MoEWeights,
+              act: str, linear: Callable[[torch.Tensor, Any], torch.Tensor]) -> torch.Tensor:
+    """x [T, H], topk_weights [T, k] (x's dtype), topk_ids [T, k] -> sum_j w[t, j] * expert_{ids[t, j]}(x[t]).
+
+    Tokens are grouped by expert (a stable sort of the flat (token, slot) pairs) and each expert that received
+    tokens runs one matmul pair over all of them through `linear` (the dispatcher: oneDNN-packed or quantized
+    weights take their fast CPU paths); outputs are scaled by the routing weight in x's dtype and summed with
+    ``index_add_`` in ascending expert order, the order transformers adds them, so float32 sums are bit-identical.
+    """
+    top_k = topk_ids.shape[1]
+    out = torch.zeros_like(x)
+    flat = topk_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert, tokens ascending
+    counts = torch.bincount(flat, minlength=experts.num_experts).tolist()
+    tokens = order // top_k
+    w = topk_weights.reshape(-1)[order]
+    fn = activation(act)
+    start = 0
+    for e, n in enumerate(counts):
+        if n:
+            idx = tokens[start:start + n]
+            gate, up = linear(x.index_select(0, idx), experts.gate_up[e]).chunk(2, dim=-1)
+            y = linear(fn(gate) * up, experts.down[e]) * w[start:start + n, None]
+            out.index_add_(0, idx, y)
+        start += n
+    return out

@@ -44,10 +44,8 @@ class KVCache:
 
 
 def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
-    """transformers' ACT2FN entries the families use (config.ACTIVATIONS)."""
-    if name == "gelu_pytorch_tanh":
-        return lambda x: nn.functional.gelu(x, approximate="tanh")
-    return nn.functional.silu
+    """transformers' ACT2FN entries the families use (config.ACTIVATIONS), shared with kernels.fused_moe."""
+    return kernels.activation(name)
 
 
 class LlamaAttention(nn.Module):
