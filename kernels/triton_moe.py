@@ -1,3 +1,5 @@
+# mypy: disable-error-code="no-untyped-def"
+# (the @triton.jit kernels: Triton reads parameter annotations as its own, so their launch args stay untyped)
 """Triton fused mixture-of-experts: the routed experts of one layer in two grouped-GEMM launches.
 
 The design is vLLM's fused_moe (sort, pad, one program per block of an expert's tokens), written for keepwarm's
@@ -75,7 +77,7 @@ def _weight_tile(w_ptr, s_ptr, z_ptr, rn, kk, n_ok, k_ok, stride_wn, stride_wk, 
     else:
         raw = tl.load(w_ptr + rows * stride_wn + kk[:, None] * stride_wk, mask=mask, other=0)
         if KIND == 2:
-            if NATIVE_FP8:  # the hardware's e4m3 conversion (sm_89+)
+            if NATIVE_FP8:  # noqa: SIM108 (a static branch on a constexpr). The hardware's e4m3 conversion, sm_89+
                 q = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
             else:  # integer decode: older archs and the interpreter
                 q = tc.fp8_to_f32(raw, 1)
@@ -168,7 +170,7 @@ class _Part:
             raise _Unsupported(f"scheme {scheme}")
         self.kind = _SCHEME_KINDS.get(scheme, KIND_DENSE)
         self.shape = tuple(first.shape)
-        self.group_size = first.meta.group_size or 1 if self.kind == KIND_INT4 else 1
+        self.group_size = (first.meta.group_size or 1) if self.kind == KIND_INT4 else 1
         names = {KIND_DENSE: ("weight", None, None), KIND_INT8: ("qweight", "scales", None),
                  KIND_FP8: ("qweight", "scale", None), KIND_INT4: ("qweight", "scales", "zeros")}[self.kind]
         tensors = [[self._tensor(w, name) if name else self._tensor(w, names[0]) for name in names] for w in weights]

@@ -573,7 +573,8 @@ def test_lora_shrink_and_expand_match_reference(rank: int, dtype: torch.dtype) -
 # --------------------------------------------------------------------------- fused mixture of experts
 def _moe_linear(x: torch.Tensor, w) -> torch.Tensor:
     """The reference's per-expert matmul: dequantize (float32, then x's dtype) and F.linear."""
-    return quant.linear_reference(x, w) if getattr(w, "is_quantized_weight", False) else torch.nn.functional.linear(x, w)
+    quantized = getattr(w, "is_quantized_weight", False)
+    return quant.linear_reference(x, w) if quantized else torch.nn.functional.linear(x, w)
 
 
 def _moe_experts(num_experts: int, hidden: int, inter: int, scheme: str, dtype: torch.dtype,
@@ -672,9 +673,11 @@ def test_fused_moe_takes_the_reference_for_layouts_it_lacks(caplog: pytest.LogCa
 
 
 # --------------------------------------------------------------------------- the whole model on the triton backend
-def test_tiny_model_greedy_same_tokens_on_triton(tiny_llama: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every kernel of a forward (norms, rotary, KV write, paged attention, the int8 matmul) through the
-    interpreted triton backend: greedy tokens equal the torch backend's, prefill chunks and decodes alike."""
+@pytest.mark.parametrize(("model_name", "quantization"), [("llama", "int8"), ("mixtral", "none")])
+def test_tiny_model_greedy_same_tokens_on_triton(tiny_model_factory, model_name: str, quantization: str) -> None:
+    """Every kernel of a forward (norms, rotary, KV write, paged attention, the int8 matmul; Mixtral's routed
+    experts through the fused-MoE kernel) through the interpreted triton backend: greedy tokens equal the torch
+    backend's, prefill chunks and decodes alike."""
     from keepwarm import LLM, SamplingParams
 
     kernels._register_triton()
@@ -683,9 +686,12 @@ def test_tiny_model_greedy_same_tokens_on_triton(tiny_llama: str, monkeypatch: p
     tokens = {}
     for backend in ("torch", "triton"):
         kernels.set_backend(backend)
-        llm = LLM(model=tiny_llama, dtype="float32", max_model_len=128, num_gpu_blocks=32, block_size=16,
-                  daemon=False, device="cpu", quantization="int8", max_num_batched_tokens=24)
+        llm = LLM(model=tiny_model_factory(model_name), dtype="float32", max_model_len=128, num_gpu_blocks=32,
+                  block_size=16, daemon=False, device="cpu", quantization=quantization, max_num_batched_tokens=24)
         tokens[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        if model_name == "mixtral":  # the experts went through the kernel (it caches its pointer tables)
+            moe = llm.llm_engine.loaded.model.model.layers[0].mlp
+            assert ("triton:cpu" in moe.weights().prepared) == (backend == "triton")
         llm.close()
     assert tokens["triton"] == tokens["torch"]
 

@@ -11,8 +11,9 @@ The experts run through ``kernels.fused_moe`` (one dispatch per layer). CPU (the
 expert that received tokens runs one matmul pair over all of its tokens; results are scaled by the routing weight
 and summed into the output with ``index_add_`` in ascending expert order, the order transformers adds them, so
 float32 sums are bit-identical. CUDA (the Triton backend, ``kernels/triton_moe.py``): two grouped-GEMM launches
-over the same expert weights, in place (no stacked copy). Qwen3-MoE layers listed in ``mlp_only_layers`` (or off the ``decoder_sparse_step``) keep a
-dense MLP. (Shared experts, as in Qwen2-MoE, are not part of either family and are not implemented.)
+over the same expert weights, in place (no stacked copy). Qwen3-MoE layers listed in ``mlp_only_layers`` (or
+off the ``decoder_sparse_step``) keep a dense MLP. (Shared experts, as in Qwen2-MoE, are not part of either
+family and are not implemented.)
 """
 
 from __future__ import annotations
@@ -36,8 +37,9 @@ class MoEBlock(nn.Module):
         self.num_experts = config.num_experts
         self.renormalize = config.norm_topk_prob
         self.gate = Linear(config.hidden_size, config.num_experts, bias=False)  # the router
-        self.experts = nn.ModuleList(LlamaMLP(config, config.moe_intermediate_size)
-                                     for _ in range(config.num_experts))
+        mlps = tuple(LlamaMLP(config, config.moe_intermediate_size) for _ in range(config.num_experts))
+        self.experts = nn.ModuleList(mlps)
+        self._mlps = mlps  # the same modules, typed (ModuleList indexing is not)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] in x's dtype, expert ids [T, k])."""
@@ -51,11 +53,11 @@ class MoEBlock(nn.Module):
         """The experts' bound weights for ``kernels.fused_moe``, built once after binding (a backend caches what
         it derives from them there); rebuilt if the first expert was rebound since."""
         cached: kernels.MoEWeights | None = getattr(self, "_weights", None)
-        first = self.experts[0]
+        first = self._mlps[0]
         if cached is None or cached.gate_up[0] is not first.gate_up_proj.weight \
                 or cached.down[0] is not first.down_proj.weight:
-            cached = kernels.MoEWeights(tuple(e.gate_up_proj.weight for e in self.experts),
-                                        tuple(e.down_proj.weight for e in self.experts))
+            cached = kernels.MoEWeights(tuple(e.gate_up_proj.weight for e in self._mlps),
+                                        tuple(e.down_proj.weight for e in self._mlps))
             self._weights = cached
         return cached
 
