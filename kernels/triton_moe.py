@@ -204,18 +204,22 @@ def _prepared(experts: MoEWeights, device: torch.device) -> tuple[_Part, _Part]:
     return experts.prepared[key]
 
 
-def _tiles(pairs: int, fp32: bool) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, warps): 16-row blocks while few pairs per expert (decode), else 64; float32
-    takes Triton's FMA dot (true float32 products), whose operands live in registers: smaller tiles."""
+def _tiles(pairs: int, fp32: bool, kind: int, gated: bool) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, warps): 16-row blocks while few pairs per expert (decode), else 64 with 8 warps;
+    float32 (Triton's FMA dot, true float32 products, operands in registers) 16 x 32 x 32; int4's gate_up with K
+    tiles of 32. Each other choice tried spilled registers on sm_90 somewhere (gate_up keeps two accumulators and
+    a dequantized tile live), which tests/_triton_compile_check.py checks. Not tuned on a GPU yet."""
     if fp32 or tc.INTERPRETED:
-        return (16, 32, 32, 4) if pairs <= 64 or tc.INTERPRETED else (32, 64, 32, 4)
-    return (16, 64, 64, 4) if pairs <= 256 else (64, 64, 64, 4)
+        return (16, 32, 32, 4)
+    bk = 32 if kind == KIND_INT4 and gated else 64
+    return (16, 64, bk, 4) if pairs <= 256 else (64, 64, bk, 8)
 
 
 def _launch(a: torch.Tensor, part: _Part, out: torch.Tensor, rw: torch.Tensor, sorted_ids: torch.Tensor,
             block_expert: torch.Tensor, n: int, k: int, num_pairs: int, a_row_div: int, gated: bool,
-            tiles: tuple[int, int, int, int]) -> None:
-    bm, bn, bk, warps = tiles
+            block_m: int) -> None:
+    _, bn, bk, warps = _tiles(num_pairs, a.dtype == torch.float32, part.kind, gated)
+    bm = block_m  # the alignment's block size: the same for both launches
     dot = tc.dot_dtype(a.dtype)
     (swn, swk), (ssn, ssg), (szn, szg) = part.strides
     grid = (block_expert.numel(), triton.cdiv(n, bn))
@@ -262,12 +266,12 @@ def fused_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tenso
     ids, perm = torch.sort(topk_ids, dim=-1)
     rw = topk_weights.gather(1, perm).reshape(-1)
     pairs = t * top_k
-    tiles = _tiles(pairs, x.dtype == torch.float32)
-    sorted_ids, block_expert = align_block_size(ids, experts.num_experts, tiles[0])
+    block_m = _tiles(pairs, x.dtype == torch.float32, gate_up.kind, True)[0]
+    sorted_ids, block_expert = align_block_size(ids, experts.num_experts, block_m)
     h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
-    _launch(x, gate_up, h, rw, sorted_ids, block_expert, inter, hidden, pairs, top_k, True, tiles)
+    _launch(x, gate_up, h, rw, sorted_ids, block_expert, inter, hidden, pairs, top_k, True, block_m)
     y = torch.empty(pairs, hidden, dtype=x.dtype, device=x.device)
-    _launch(h, down, y, rw, sorted_ids, block_expert, hidden, inter, pairs, 1, False, tiles)
+    _launch(h, down, y, rw, sorted_ids, block_expert, hidden, inter, pairs, 1, False, block_m)
     y = y.view(t, top_k, hidden)
     for j in range(top_k):
         out += y[:, j]
