@@ -104,6 +104,6 @@ def test_gpu_check_smoke_runs_on_the_cpu(tmp_path) -> None:
     errors = {name: p for name, p in res["phases"].items() if "result" not in p}
     assert not errors, errors
     assert set(res["phases"]) == {"bandwidth", "model", "load", "decode", "decode_int4", "decode_fp8", "serve",
-                                  "attention", "matmul"}
+                                  "attention", "matmul", "moe"}
     assert res["pytest"]["returncode"] == 0, res["pytest"]["log_tail"]
     assert proc.returncode == 0, proc.stdout[-3000:]
