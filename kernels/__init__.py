@@ -15,6 +15,11 @@ model code never changes when a backend is added.
 KV cache layout (every backend): one pool per layer and side, ``[num_kv_heads, num_blocks, block_size, head_dim]``.
 Head-major, so that gathering a batch's blocks yields ``[Hk, S, L, D]``, which the attention matmuls use with no
 further copy (on CPU the copies, not the math, dominated decode attention in the block-major layout).
+
+Per-step plans: `plan_attention` turns one step's attention metadata into what the torch write_kv_cache and
+paged_attention read (host lengths, gather tables, masks, write slots), once for all layers; it is derived from the
+metadata alone, so a kernel computes exactly the same with or without it. Backends that read the metadata on the
+device get no plan (plan_attention returns None for them).
 """
 
 from __future__ import annotations
