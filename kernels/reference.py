@@ -226,8 +226,10 @@ class AttentionPlan:
     decode_rows: torch.Tensor  # [Sd] int64: their query rows
     decode_only: bool  # every sequence has one row and row s is sequence s's (the output needs no scatter)
     gathers: dict[int | None, DecodeGather]  # per sliding window (None: full context) the model's layers use
-    write_slots: torch.Tensor | None  # [T'] int64: the KV slots written this step, padding dropped (None: the
-    write_rows: torch.Tensor | None  # plan was made without slot_mapping); [T'] their rows, None: every row
+    # The KV slots written this step, [T'] int64 with padding (slot -1) dropped, and the rows they come from
+    # (None: every row). write_slots is None when the plan was made without a slot_mapping.
+    write_slots: torch.Tensor | None
+    write_rows: torch.Tensor | None
 
 
 def _decode_gather(block_tables: torch.Tensor, seq_lens: torch.Tensor, decodes: list[int], lens: list[int],
