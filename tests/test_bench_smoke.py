@@ -76,6 +76,24 @@ def test_bench_serving_smoke(bench_env, tmp_path) -> None:
     assert all(r["output_tokens"] == 4 * r["concurrency"] for r in data["rows"])
 
 
+def test_bench_profile_smoke(bench_env, tmp_path) -> None:
+    from keepwarm.cli.bench_profile import PHASES
+
+    data, out = _bench(bench_env, tmp_path, "profile")
+    assert [r["batch"] for r in data["rows"]] == [1, 2] and "API per token" in out
+    for r in data["rows"]:
+        phases = r["phases"]
+        assert tuple(phases) == PHASES
+        # Every phase a plain decode step runs was reached by its timer; LoRA is off, so it stays at zero.
+        ran = [p for p in PHASES if p != "forward: LoRA"]
+        assert all(phases[p]["wall"] > 0 for p in ran), phases
+        assert phases["forward: LoRA"]["wall"] == 0
+        # Exclusive phases inside the timed steps cannot add up to more than those steps.
+        assert sum(v["wall"] for v in phases.values()) <= r["step_ms_timed"]["wall"]
+        assert r["step_ms"]["wall"] > 0
+        assert r["api_us_per_token"]["wall"] > 0 and r["api_handoff_ms_per_step"]["wall"] > 0
+
+
 def test_bench_lora_smoke(bench_env, tmp_path) -> None:
     data, _ = _bench(bench_env, tmp_path, "lora")
     got = [(r["variant"], r["adapters"]) for r in data["rows"]]
