@@ -15,6 +15,10 @@ skipped instead of run:
   attention  paged attention in isolation, Llama-8B heads, decode: batch 64 x 4096 context (bfloat16 and fp8
              KV) and batch 1 x 32768 (split-KV on and off): K/V bytes read per second.
   matmul     weight-only quantized matmuls at M=1 (4096 -> 14336): weight bytes read per second.
+  moe        the routed experts of one Mixtral-8x7B layer (8 experts, 4096 -> 14336, top-2, bfloat16; dense and
+             int8 / fp8 / int4) at 1, 16, 64 and 256 tokens: the Triton fused-MoE kernel (graph-timed) against the
+             torch reference (one cuBLAS matmul pair per expert, eager: it syncs with the host), and the bytes of
+             the experts a call touches per second.
 Results and a human summary go to one JSON file (`summary` holds the text). `--smoke` runs every phase small and
 on whatever device there is (the CPU here): it checks the script, its numbers mean nothing.
 """
@@ -418,6 +422,53 @@ def phase_matmul(ctx: dict) -> dict:
     return out
 
 
+def phase_moe(ctx: dict) -> dict:
+    """One Mixtral-8x7B MoE layer's experts (see the module docstring); routing random, top-2 renormalised."""
+    import torch
+
+    from keepwarm import kernels
+    from keepwarm.formats.quant import quantize
+    from keepwarm.kernels import quant, reference
+    from keepwarm.kernels.quant import QuantizedWeight
+
+    device = ctx["device"]
+    smoke = ctx["smoke"]
+    e, h, i = (8, 4096, 14336) if not smoke else (4, 256, 512)
+    dense = [(torch.randn(2 * i, h, device=device) * 0.02, torch.randn(h, i, device=device) * 0.02) for _ in range(e)]
+    out: dict[str, Any] = {"experts": e, "hidden": h, "intermediate": i, "top_k": 2}
+    for scheme in ("none", "int8", "fp8", "int4"):
+        if ctx["budget"].left() < 10:
+            out[scheme] = {"skipped": "time budget"}
+            continue
+
+        def q(w: torch.Tensor, scheme: str = scheme) -> Any:
+            return w.bfloat16() if scheme == "none" else QuantizedWeight.from_parts(
+                *quantize(w, scheme, torch.bfloat16, device.type))
+
+        experts = kernels.MoEWeights(tuple(q(a) for a, _ in dense), tuple(q(b) for _, b in dense))
+        expert_bytes = (experts.gate_up[0].nbytes + experts.down[0].nbytes)
+        linear = torch.nn.functional.linear if scheme == "none" else quant.linear_reference
+        row: dict[str, Any] = {}
+        for t in (1, 16, 64, 256) if not smoke else (1, 16):
+            x = torch.randn(t, h, device=device, dtype=torch.bfloat16)
+            weights, ids = torch.topk(torch.softmax(torch.randn(t, e, device=device), -1), 2, dim=-1)
+            weights = (weights / weights.sum(-1, keepdim=True)).bfloat16()
+            touched = int(ids.unique().numel()) * expert_bytes
+            try:
+                fused = graph_timed(device, [lambda x=x, w=weights, d=ids, ex=experts: kernels.fused_moe(
+                    x, w, d, ex, "silu")], iters=10 if not smoke else 1)
+                ref = _timed(device, lambda x=x, w=weights, d=ids, ex=experts, lin=linear: reference.fused_moe(
+                    x, w, d, ex, "silu", lin), iters=5 if not smoke else 1)
+            except Exception as err:
+                row[f"T{t}"] = {"error": f"{type(err).__name__}: {err}"[:300]}
+                continue
+            row[f"T{t}"] = {"fused_us": fused * 1e6, "reference_us": ref * 1e6, "speedup": ref / fused,
+                            "expert_bytes_per_s": touched / fused,
+                            "backend": kernels.select_backend("fused_moe", device)}
+        out[scheme] = row
+    return out
+
+
 def _stream_request(client, base: str, prompt: str, max_tokens: int) -> dict:
     """One streaming completion: seconds to the first chunk (the first token; its text may be held back while it
     is an incomplete character, so chunks are not tokens), the completion's token count from the usage chunk,
@@ -607,6 +658,15 @@ def summarize(res: dict) -> str:
                                  f"{r['bytes_per_s'] / 1e12:.2f} TB/s of weights")
                 else:
                     lines.append(f"matmul {m} {name}: {r}")
+    if (mo := ok("moe")) is not None:
+        for scheme in ("none", "int8", "fp8", "int4"):
+            for t, r in (mo.get(scheme) or {}).items():
+                if isinstance(r, dict) and "fused_us" in r:
+                    lines.append(f"moe {scheme} {t} ({r['backend']}): {r['fused_us']:.0f} us vs reference "
+                                 f"{r['reference_us']:.0f} us ({r['speedup']:.1f}x), "
+                                 f"{r['expert_bytes_per_s'] / 1e12:.2f} TB/s of touched experts")
+                else:
+                    lines.append(f"moe {scheme} {t}: {r}")
     if (sv := ok("serve")) is not None:
         for name, r in sv.items():
             if "spawn_to_first_token_s" in r:
@@ -668,12 +728,13 @@ def main() -> int:
     signal.signal(signal.SIGALRM, _out_of_time)
     signal.alarm(max(1, int(a.budget + 15)))
     # Rough seconds each phase needs at most (16 GB of weights on an H200-class machine); skipped if less is left.
-    needs = {"bandwidth": 5, "model": 120, "load": 150, "decode": 60, "attention": 20, "matmul": 20,
+    needs = {"bandwidth": 5, "model": 120, "load": 150, "decode": 60, "attention": 20, "matmul": 20, "moe": 30,
              "decode_int4": 60, "decode_fp8": 60, "serve": 45}
     after = {"load": "model", "decode": "load", "decode_int4": "load", "decode_fp8": "load", "serve": "load"}
     try:
         phases = (("bandwidth", phase_bandwidth), ("model", phase_model), ("load", phase_load),
                   ("decode", phase_decode), ("attention", phase_attention), ("matmul", phase_matmul),
+                  ("moe", phase_moe),
                   ("decode_int4", phase_decode_int4), ("decode_fp8", phase_decode_fp8), ("serve", phase_serve))
         only = [p for p in os.environ.get("GPU_CHECK_PHASES", "").split(",") if p]
         for name, fn in phases:

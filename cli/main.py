@@ -17,6 +17,7 @@ app = typer.Typer(help="Keep LLM weights warm in a daemon; serve them from resta
 def _add_subcommands() -> None:
     from keepwarm.cli import (
         bench_lora,  # noqa: F401  (registers `bench lora`)
+        bench_profile,  # noqa: F401  (registers `bench profile`)
         bench_serving,  # noqa: F401  (registers `bench restart` and `bench serving`)
         bench_snapshot,  # noqa: F401  (registers `bench snapshot`)
         bench_structured,  # noqa: F401  (registers `bench structured`)

@@ -15,6 +15,11 @@ model code never changes when a backend is added.
 KV cache layout (every backend): one pool per layer and side, ``[num_kv_heads, num_blocks, block_size, head_dim]``.
 Head-major, so that gathering a batch's blocks yields ``[Hk, S, L, D]``, which the attention matmuls use with no
 further copy (on CPU the copies, not the math, dominated decode attention in the block-major layout).
+
+Per-step plans: `plan_attention` turns one step's attention metadata into what the torch write_kv_cache and
+paged_attention read (host lengths, gather tables, masks, write slots), once for all layers; it is derived from the
+metadata alone, so a kernel computes exactly the same with or without it. Backends that read the metadata on the
+device get no plan (plan_attention returns None for them).
 """
 
 from __future__ import annotations
@@ -29,20 +34,24 @@ import torch
 
 from . import cpu_packed, quant, reference
 from .quant import QuantizedWeight
-from .reference import build_cos_sin_cache
+from .reference import MoEWeights, activation, build_cos_sin_cache
 
 __all__ = [
     "BACKENDS",
     "ENV_VAR",
     "KernelBackendError",
+    "MoEWeights",
     "QuantizedWeight",
+    "activation",
     "build_cos_sin_cache",
     "fused_add_rms_norm",
+    "fused_moe",
     "get_impl",
     "linear",
     "lora_expand",
     "lora_shrink",
     "paged_attention",
+    "plan_attention",
     "register",
     "rms_norm",
     "rotary_embedding",
@@ -152,6 +161,22 @@ def rotary_embedding(
     return get_impl("rotary_embedding", query.device)(positions, query, key, head_dim, cos_sin_cache, is_neox)
 
 
+def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                   slot_mapping: torch.Tensor, block_size: int, windows: tuple[int | None, ...]) -> Any:
+    """One step's attention metadata precomputed for every layer's write_kv_cache and paged_attention (pass it
+    as their ``plan``), or None where those kernels do not run on the torch backend: the Triton kernels read the
+    metadata on the device themselves. ``windows``: the sliding windows the model's layers use (None: full)."""
+    device = block_tables.device
+    if any(select_backend(k, device) != "torch" for k in ("write_kv_cache", "paged_attention")):
+        return None
+    return reference.plan_attention(block_tables, seq_lens, query_start_loc, slot_mapping, block_size, windows)
+
+
+def _plan_kwargs(plan: Any) -> dict[str, Any]:
+    # Only the torch kernels take a plan (plan_attention returns None elsewhere), so other backends never see it.
+    return {} if plan is None else {"plan": plan}
+
+
 def write_kv_cache(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -160,9 +185,11 @@ def write_kv_cache(
     slot_mapping: torch.Tensor,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    plan: Any = None,
 ) -> None:
     """Stores key/value [T, Hk, D] at slot_mapping[T] (block * block_size + offset; -1 skips), in place."""
-    get_impl("write_kv_cache", key.device)(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
+    get_impl("write_kv_cache", key.device)(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale,
+                                            **_plan_kwargs(plan))
 
 
 def paged_attention(
@@ -178,12 +205,14 @@ def paged_attention(
     max_query_len: int | None = None,
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
+    plan: Any = None,
 ) -> torch.Tensor:
     """Causal varlen attention over the paged cache; seq_lens include this step's (already written) tokens.
-    ``sliding_window`` w: a row at position p sees keys p-w+1..p; ``logit_softcap`` c: scores c * tanh(s / c)."""
+    ``sliding_window`` w: a row at position p sees keys p-w+1..p; ``logit_softcap`` c: scores c * tanh(s / c).
+    ``plan``: the step's plan_attention (None: derived from the metadata on each call)."""
     return get_impl("paged_attention", query.device)(
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, k_scale, v_scale,
-        max_query_len, sliding_window=sliding_window, logit_softcap=logit_softcap,
+        max_query_len, sliding_window=sliding_window, logit_softcap=logit_softcap, **_plan_kwargs(plan),
     )
 
 
@@ -206,6 +235,20 @@ def linear(x: torch.Tensor, weight: Any, bias: torch.Tensor | None = None) -> to
     return get_impl("linear", x.device)(x, weight, bias)
 
 
+def fused_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, experts: MoEWeights,
+              act: str) -> torch.Tensor:
+    """Routed experts: x [T, H], topk_weights [T, k] in x's dtype, topk_ids [T, k] -> [T, H], the sum over each
+    token's k experts of weight * down(act(gate) * up), added in ascending expert order (transformers' order)."""
+    return get_impl("fused_moe", x.device)(x, topk_weights, topk_ids, experts, act)
+
+
+def _fused_moe_torch(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, experts: MoEWeights,
+                     act: str) -> torch.Tensor:
+    # Each expert's matmuls through `linear`, so CPU weights keep their packed / quantized fast paths.
+    return reference.fused_moe(x, topk_weights, topk_ids, experts, act, linear)
+
+
+register("fused_moe", "torch", _fused_moe_torch)
 for _name in ("lora_shrink", "lora_expand", "linear", "rms_norm", "fused_add_rms_norm", "rotary_embedding",
               "write_kv_cache", "paged_attention"):
     register(_name, "torch", getattr(reference, _name))
@@ -223,11 +266,11 @@ register("linear_none", "torch", cpu_packed.linear_none)
 # `auto` never picks it, and importing triton would add ~0.2 s to every CPU worker's start.
 def _register_triton() -> None:
     try:
-        from . import triton_attention, triton_lora, triton_norm, triton_quant
+        from . import triton_attention, triton_lora, triton_moe, triton_norm, triton_quant
     except Exception as e:  # triton missing, too old or broken: the torch backend serves, as on a CPU-only install
         logger.warning("triton backend unavailable: %s: %s", type(e).__name__, e)
         return
-    for module in (triton_attention, triton_lora, triton_norm, triton_quant):
+    for module in (triton_attention, triton_lora, triton_moe, triton_norm, triton_quant):
         for name, fn in module.IMPLS.items():
             register(name, "triton", fn)
 

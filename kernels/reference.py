@@ -6,6 +6,10 @@ Callers should go through `keepwarm.kernels` (the dispatcher), not import this m
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
@@ -76,7 +80,14 @@ def rotary_embedding(
     cos, sin = cos_sin.chunk(2, dim=-1)
     if cos.shape[-1] * 2 > head_dim:
         raise ValueError(f"rotary dim {cos.shape[-1] * 2} exceeds head_dim {head_dim}")
-    return _rotate(query, cos, sin, head_dim, is_neox), _rotate(key, cos, sin, head_dim, is_neox)
+    if query.dtype != key.dtype:
+        return _rotate(query, cos, sin, head_dim, is_neox), _rotate(key, cos, sin, head_dim, is_neox)
+    # q and k rotated as one [T, Hq + Hk, head_dim] tensor: the same math per element in half the ops (on CPU a
+    # decode step's rotary is op overhead, not arithmetic). The results are views into that one tensor.
+    T = query.shape[0]
+    q = query.reshape(T, -1, head_dim)
+    both = _rotate(torch.cat((q, key.reshape(T, -1, head_dim)), dim=1), cos, sin, head_dim, is_neox)
+    return both[:, :q.shape[1]].reshape(query.shape), both[:, q.shape[1]:].reshape(key.shape)
 
 
 def _to_cache(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
@@ -94,6 +105,28 @@ def _from_cache(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tens
     return x if x.dtype == dtype else x.to(dtype)
 
 
+def _write_targets(slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The slots to write and the rows they come from (None: every row); padding (slot -1) is dropped."""
+    slots = slot_mapping.long()
+    valid = slots >= 0
+    if bool(valid.all()):
+        return slots, None
+    rows = valid.nonzero()[:, 0]
+    return slots[rows], rows
+
+
+def _store(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
+    """cache [Hk, NB, bs, D] at flat slots [n] <- x [Hk, n, D]. One index_copy_ into a flat view of a contiguous
+    pool (3x faster than two-index assignment on CPU); (block, offset) indexing for a non-contiguous view."""
+    hk, nb, bs, d = cache.shape
+    if not cache.is_contiguous():
+        cache[:, slots // bs, slots % bs] = x
+        return
+    if cache.dtype in FP8_DTYPES:  # index_copy_ has no float8 kernel: the same bytes as uint8
+        cache, x = cache.view(torch.uint8), x.view(torch.uint8)
+    cache.view(hk, nb * bs, d).index_copy_(1, slots, x)
+
+
 def write_kv_cache(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -102,16 +135,18 @@ def write_kv_cache(
     slot_mapping: torch.Tensor,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    plan: AttentionPlan | None = None,
 ) -> None:
-    block_size = key_cache.shape[2]
-    slots = slot_mapping.long()
+    """``plan`` (plan_attention): the step's slots with padding already dropped; else derived from slot_mapping."""
     # Drop padding before indexing: slot -1 would otherwise wrap around to the last slot of the pool.
-    valid = slots >= 0
-    slots, key, value = slots[valid], key[valid], value[valid]
-    # (block, offset) indexing rather than a flat view keeps this correct for non-contiguous cache views.
-    blocks, offsets = slots // block_size, slots % block_size
-    key_cache[:, blocks, offsets] = _to_cache(key, key_cache.dtype, k_scale).transpose(0, 1)
-    value_cache[:, blocks, offsets] = _to_cache(value, value_cache.dtype, v_scale).transpose(0, 1)
+    if plan is not None and plan.write_slots is not None:
+        slots, rows = plan.write_slots, plan.write_rows
+    else:
+        slots, rows = _write_targets(slot_mapping)
+    if rows is not None:
+        key, value = key[rows], value[rows]
+    _store(key_cache, slots, _to_cache(key, key_cache.dtype, k_scale).transpose(0, 1))
+    _store(value_cache, slots, _to_cache(value, value_cache.dtype, v_scale).transpose(0, 1))
 
 
 def _gather_blocks(cache: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
@@ -136,9 +171,10 @@ def _softcap(scores: torch.Tensor, cap: float | None) -> torch.Tensor:
     return scores if cap is None else torch.tanh(scores / cap) * cap
 
 
-def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, scale: float,
+def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masked: torch.Tensor, scale: float,
                       k_scale: float, v_scale: float, softcap: float | None = None) -> torch.Tensor:
-    """One query row per sequence: q [S, Hq, D], k/v [Hk, S, L, D] (gathered), valid [S, L] -> [S, Hq, D].
+    """One query row per sequence: q [S, Hq, D], k/v [Hk, S, L, D] (gathered), masked [S, L] (True: a key the row
+    must not see) -> [S, Hq, D].
 
     Two batched matmuls with (kv head, sequence) as the batch and the query heads of one kv head as rows (GQA
     without repeating K/V); K is used transposed in place, so nothing is copied after the gather. Scores are
@@ -151,7 +187,7 @@ def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: 
     qg = q.reshape(S, Hk, Hq // Hk, D).transpose(0, 1)  # [Hk, S, G, D]
     scores = torch.matmul(qg, _from_cache(k, k_scale, dt).transpose(-1, -2)).float().mul_(scale)  # [Hk, S, G, L]
     scores = _softcap(scores, softcap)
-    scores.masked_fill_(~valid[None, :, None, :], float("-inf"))
+    scores.masked_fill_(masked[None, :, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(dt)
     out = torch.matmul(probs, _from_cache(v, v_scale, dt))  # [Hk, S, G, D]
     return out.transpose(0, 1).reshape(S, Hq, D)
@@ -170,66 +206,40 @@ def _masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     return torch.matmul(probs, v[0, :, None]).reshape(1, Hq, Lq, D)
 
 
-def paged_attention(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    scale: float,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
-    max_query_len: int | None = None,
-    sliding_window: int | None = None,
-    logit_softcap: float | None = None,
-) -> torch.Tensor:
-    """Causal attention of a flattened varlen batch over a paged KV cache.
+@dataclass(frozen=True)
+class DecodeGather:
+    """What the decode rows of one step read under one sliding window: the blocks to gather and the keys to mask."""
 
-    Sequence s owns query rows query_start_loc[s]:query_start_loc[s+1]; seq_lens[s] counts its whole context
-    including those rows (already written), so row i sits at position seq_lens[s] - q_len + i. Position p
-    lives at block_tables[s, p // block_size], offset p % block_size. Decodes (q_len 1) run as one padded
-    batch; prefill chunks loop per sequence. Computes in the query's dtype (SDPA accumulates in float32).
-    `max_query_len` is only a hint for grid-sizing backends: this one reads lengths from the metadata.
-
-    ``sliding_window`` w: a row at position p sees keys p-w+1..p only (transformers' sliding mask); blocks wholly
-    before every row's window are neither gathered nor read, so their table entries may be anything.
-    ``logit_softcap`` c: scores become c * tanh(score / c) before the mask and softmax (Gemma 2).
-
-    Cache slots a sequence has not written (the tail of its last block) are masked out of the softmax, so they
-    may hold any finite value; the engine allocates its pools with zeros, so they never hold NaN.
-    """
-    del max_query_len
-    num_q_heads = query.shape[1]
-    num_kv_heads = key_cache.shape[0]
-    if num_q_heads % num_kv_heads:
-        raise ValueError(f"{num_q_heads} query heads is not a multiple of {num_kv_heads} kv heads")
-    if sliding_window is not None and sliding_window < 1:
-        raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
-    out = torch.zeros_like(query)  # rows not owned by any sequence (padding) stay zero
-    starts = query_start_loc.tolist()
-    lens = seq_lens.tolist()
-    decodes = [s for s in range(len(lens)) if starts[s + 1] - starts[s] == 1]
-    if decodes:
-        _paged_decode(out, query, key_cache, value_cache, block_tables, seq_lens, decodes, starts, lens, scale,
-                      k_scale, v_scale, sliding_window, logit_softcap)
-    for s in range(len(lens)):
-        if starts[s + 1] - starts[s] > 1:
-            _paged_prefill(out, query, key_cache, value_cache, block_tables[s], starts[s], starts[s + 1], lens[s],
-                           scale, k_scale, v_scale, sliding_window, logit_softcap)
-    return out
+    table: torch.Tensor  # [Sd, nb] int64 block ids (columns past a sequence's last block point at block 0)
+    masked: torch.Tensor  # [Sd, nb * block_size] bool: True where a gathered key is outside the row's context
 
 
-def _paged_decode(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                  block_tables: torch.Tensor, seq_lens: torch.Tensor, decodes: list[int], starts: list[int],
-                  lens: list[int], scale: float, k_scale: float, v_scale: float, window: int | None,
-                  softcap: float | None) -> None:
-    """All single-row sequences at once; with a window, each sequence's gather starts at the block holding its
-    first visible key (so the batch reads at most ceil(window / block_size) + 1 blocks per sequence)."""
-    block_size = key_cache.shape[2]
-    device = query.device
+@dataclass(frozen=True)
+class AttentionPlan:
+    """One step's attention metadata in the form the torch kernels read, built once per step by
+    :func:`plan_attention` and shared by every layer (rebuilding it per layer cost ~3% of a CPU decode step).
+
+    It is derived from the step's AttentionMetadata and nothing else, so a kernel given the plan computes exactly
+    what it computes without one."""
+
+    starts: list[int]  # query_start_loc on the host
+    lens: list[int]  # seq_lens on the host
+    decodes: list[int]  # the sequences with one query row
+    decode_rows: torch.Tensor  # [Sd] int64: their query rows
+    decode_only: bool  # every sequence has one row and row s is sequence s's (the output needs no scatter)
+    gathers: dict[int | None, DecodeGather]  # per sliding window (None: full context) the model's layers use
+    # The KV slots written this step, [T'] int64 with padding (slot -1) dropped, and the rows they come from
+    # (None: every row). write_slots is None when the plan was made without a slot_mapping.
+    write_slots: torch.Tensor | None
+    write_rows: torch.Tensor | None
+
+
+def _decode_gather(block_tables: torch.Tensor, seq_lens: torch.Tensor, decodes: list[int], lens: list[int],
+                   block_size: int, window: int | None) -> DecodeGather:
+    """The decode rows' gather under ``window``: each sequence's gather starts at the block holding its first
+    visible key (so a windowed batch reads at most ceil(window / block_size) + 1 blocks per sequence)."""
+    device = block_tables.device
     seqs = torch.tensor(decodes, dtype=torch.long, device=device)
-    rows = torch.tensor([starts[s] for s in decodes], dtype=torch.long, device=device)
     ctx = seq_lens.to(device=device, dtype=torch.long)[seqs]
     if window:
         lo = [max(0, lens[s] - window) for s in decodes]  # each sequence's first visible position
@@ -248,8 +258,84 @@ def _paged_decode(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tenso
         pos_ok = (pos < ctx[:, None]) & (pos >= torch.tensor(lo, device=device)[:, None])  # [Sd, L]
     else:
         pos_ok = torch.arange(num_blocks * block_size, device=device)[None, :] < ctx[:, None]
-    out[rows] = _decode_attention(query[rows], _gather_blocks(key_cache, table), _gather_blocks(value_cache, table),
-                                  pos_ok, scale, k_scale, v_scale, softcap)
+    return DecodeGather(table, ~pos_ok)
+
+
+def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                   slot_mapping: torch.Tensor | None, block_size: int,
+                   windows: tuple[int | None, ...] = (None,)) -> AttentionPlan:
+    """The :class:`AttentionPlan` of one step whose layers use the sliding ``windows`` (None: full context)."""
+    if any(w is not None and w < 1 for w in windows):
+        raise ValueError(f"sliding_window must be >= 1, got {windows}")
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    decodes = [s for s in range(len(lens)) if starts[s + 1] - starts[s] == 1]
+    gathers = {w: _decode_gather(block_tables, seq_lens, decodes, lens, block_size, w) for w in windows} \
+        if decodes else {}
+    slots, rows = _write_targets(slot_mapping) if slot_mapping is not None else (None, None)
+    return AttentionPlan(starts, lens, decodes,
+                         torch.tensor([starts[s] for s in decodes], dtype=torch.long, device=block_tables.device),
+                         len(decodes) == len(lens) and starts == list(range(len(lens) + 1)), gathers, slots, rows)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    max_query_len: int | None = None,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
+    plan: AttentionPlan | None = None,
+) -> torch.Tensor:
+    """Causal attention of a flattened varlen batch over a paged KV cache.
+
+    Sequence s owns query rows query_start_loc[s]:query_start_loc[s+1]; seq_lens[s] counts its whole context
+    including those rows (already written), so row i sits at position seq_lens[s] - q_len + i. Position p
+    lives at block_tables[s, p // block_size], offset p % block_size. Decodes (q_len 1) run as one padded
+    batch; prefill chunks loop per sequence. Computes in the query's dtype (SDPA accumulates in float32).
+    `max_query_len` is only a hint for grid-sizing backends: this one reads lengths from the metadata.
+    ``plan``: the step's :class:`AttentionPlan` (plan_attention), so that 30 layers do not each rebuild it.
+
+    ``sliding_window`` w: a row at position p sees keys p-w+1..p only (transformers' sliding mask); blocks wholly
+    before every row's window are neither gathered nor read, so their table entries may be anything.
+    ``logit_softcap`` c: scores become c * tanh(score / c) before the mask and softmax (Gemma 2).
+
+    Cache slots a sequence has not written (the tail of its last block) are masked out of the softmax, so they
+    may hold any finite value; the engine allocates its pools with zeros, so they never hold NaN.
+    """
+    del max_query_len
+    num_q_heads = query.shape[1]
+    num_kv_heads = key_cache.shape[0]
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"{num_q_heads} query heads is not a multiple of {num_kv_heads} kv heads")
+    if plan is None:
+        plan = plan_attention(block_tables, seq_lens, query_start_loc, None, key_cache.shape[2], (sliding_window,))
+    elif plan.decodes and sliding_window not in plan.gathers:
+        raise ValueError(f"the attention plan has no gather for sliding_window={sliding_window}")
+    decoded = None
+    every_row = plan.decode_only and query.shape[0] == len(plan.decodes)  # no padding rows after the sequences
+    if plan.decodes:
+        g = plan.gathers[sliding_window]
+        q = query if every_row else query[plan.decode_rows]
+        decoded = _decode_attention(q, _gather_blocks(key_cache, g.table), _gather_blocks(value_cache, g.table),
+                                    g.masked, scale, k_scale, v_scale, logit_softcap)
+        if every_row:
+            return decoded
+    out = torch.zeros_like(query)  # rows not owned by any sequence (padding) stay zero
+    if decoded is not None:
+        out[plan.decode_rows] = decoded
+    starts, lens = plan.starts, plan.lens
+    for s in range(len(lens)):
+        if starts[s + 1] - starts[s] > 1:
+            _paged_prefill(out, query, key_cache, value_cache, block_tables[s], starts[s], starts[s + 1], lens[s],
+                           scale, k_scale, v_scale, sliding_window, logit_softcap)
+    return out
 
 
 def _paged_prefill(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -303,3 +389,57 @@ def lora_expand(y: torch.Tensor, buf: torch.Tensor, b_stacked: torch.Tensor, off
     n = b_stacked.shape[0]
     y[:, offset:offset + n] += torch.matmul(buf, b_stacked.t())
     return y
+
+
+# -- mixture of experts ------------------------------------------------------------------------------------------
+def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """transformers' ACT2FN entries the families use (keepwarm.formats.model_config.ACTIVATIONS)."""
+    if name == "gelu_pytorch_tanh":
+        return lambda x: F.gelu(x, approximate="tanh")
+    if name != "silu":
+        raise ValueError(f"unsupported activation {name!r} (supported: silu, gelu_pytorch_tanh)")
+    return F.silu
+
+
+@dataclass(eq=False)
+class MoEWeights:
+    """One MoE layer's experts: expert e is ``down[e](act(gate) * up)`` with ``gate, up = gate_up[e](x).chunk(2)``.
+    Each weight is what ``kernels.linear`` takes (a dense [N, K] tensor or a QuantizedWeight), bias-free; the
+    tuples are the model's own tensors (arena views), never copies. ``prepared`` is for backends that derive
+    something from the weights once (the Triton backend's per-expert pointer tables), keyed by backend."""
+
+    gate_up: tuple[Any, ...]
+    down: tuple[Any, ...]
+    prepared: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_experts(self) -> int:
+        return len(self.gate_up)
+
+
+def fused_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, experts: MoEWeights,
+              act: str, linear: Callable[[torch.Tensor, Any], torch.Tensor]) -> torch.Tensor:
+    """x [T, H], topk_weights [T, k] (x's dtype), topk_ids [T, k] -> sum_j w[t, j] * expert_{ids[t, j]}(x[t]).
+
+    Tokens are grouped by expert (a stable sort of the flat (token, slot) pairs) and each expert that received
+    tokens runs one matmul pair over all of them through `linear` (the dispatcher: oneDNN-packed or quantized
+    weights take their fast CPU paths); outputs are scaled by the routing weight in x's dtype and summed with
+    ``index_add_`` in ascending expert order, the order transformers adds them, so float32 sums are bit-identical.
+    """
+    top_k = topk_ids.shape[1]
+    out = torch.zeros_like(x)
+    flat = topk_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert, tokens ascending
+    counts = torch.bincount(flat, minlength=experts.num_experts).tolist()
+    tokens = order // top_k
+    w = topk_weights.reshape(-1)[order]
+    fn = activation(act)
+    start = 0
+    for e, n in enumerate(counts):
+        if n:
+            idx = tokens[start:start + n]
+            gate, up = linear(x.index_select(0, idx), experts.gate_up[e]).chunk(2, dim=-1)
+            y = linear(fn(gate) * up, experts.down[e]) * w[start:start + n, None]
+            out.index_add_(0, idx, y)
+        start += n
+    return out

@@ -57,6 +57,7 @@ def _compile_all(quick: bool) -> list[tuple[str, object, dict]]:
     from keepwarm.formats.quant import quantize
     from keepwarm.kernels import triton_attention as ta
     from keepwarm.kernels import triton_lora as tlora
+    from keepwarm.kernels import triton_moe as tmoe
     from keepwarm.kernels import triton_norm as tn
     from keepwarm.kernels import triton_quant as tq
     from keepwarm.kernels.quant import QuantizedWeight
@@ -125,6 +126,20 @@ def _compile_all(quick: bool) -> list[tuple[str, object, dict]]:
         buf = tlora.lora_shrink(torch.empty(40, 4096, dtype=dtype), torch.empty(3 * 4 * 16, 4096, dtype=dtype),
                                 torch.zeros(40, dtype=torch.int64), 16, 4)
         tlora.lora_expand(torch.empty(40, 6144, dtype=dtype), buf[:, :64], torch.empty(4096, 64, dtype=dtype), 0)
+    # Fused MoE at Mixtral-8x7B's expert shapes over 8 experts, top-2: gate_up (two accumulators) and down launches.
+    moe = ([("none", bf16, 1), ("int8", bf16, 300), ("int4", fp16, 1), ("none", fp32, 300), ("fp8", fp16, 16)]
+           if quick else [(s, d, t) for s in ("none", "int8", "fp8", "int4") for d in dtypes for t in (1, 16, 300)])
+    for scheme, dtype, tokens in moe:
+        def weight(n: int, k: int, scheme: str = scheme, dtype: torch.dtype = dtype):
+            if scheme == "none":
+                return torch.empty(n, k, dtype=dtype)
+            return QuantizedWeight.from_parts(*quantize(torch.randn(n, k), scheme, dtype, "cuda"))
+
+        gate_up, down = weight(2 * 14336, 4096), weight(4096, 14336)
+        experts = tmoe.MoEWeights((gate_up,) * 8, (down,) * 8)  # one expert's tensors 8 times: compiling only
+        ids = torch.arange(2 * tokens).reshape(tokens, 2) % 8
+        tmoe.fused_moe(torch.empty(tokens, 4096, dtype=dtype), torch.empty(tokens, 2, dtype=dtype), ids, experts,
+                       "silu")
     JITFunction.run = original
     return compiled
 

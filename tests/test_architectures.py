@@ -1,6 +1,6 @@
-"""Issue 13's families beyond the in-process greedy test of test_engine: through the daemon's arena, MoE with int8
-experts against the dequantized model under transformers, LoRA on Qwen3 and Gemma 3 against PEFT, and the lines
-keepwarm refuses with (unsupported architectures, LoRA on MoE, text without a tokenizer)."""
+"""Issue 13's families beyond the in-process greedy test of test_engine: through the daemon's arena, MoE with int8,
+int4 and fp8 experts against the dequantized model under transformers, LoRA on Qwen3 and Gemma 3 against PEFT,
+and the lines keepwarm refuses with (unsupported architectures, LoRA on MoE, text without a tokenizer)."""
 
 from __future__ import annotations
 
@@ -65,32 +65,51 @@ def test_greedy_from_the_daemon_matches_transformers(tiny_model_factory, daemon_
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(load_hf(model))
 
 
-def _dequantized_int8(w: torch.Tensor) -> torch.Tensor:
-    from keepwarm.formats.quant import quantize
-    from keepwarm.kernels.quant import QuantizedWeight
+def dequantized_moe_hf(model_dir: str, llm: LLM, device: str = "cpu"):
+    """transformers' model with every projection the engine quantized (attention, each expert's gate_up / down,
+    Qwen3-MoE's dense MLP) replaced by this suite's own dequantization of the engine's parts
+    (test_quant_reference.dequantize, written from the formats' definitions, not keepwarm's dequantize)."""
+    from test_quant_reference import dequantize
 
-    meta, parts = quantize(w, "int8", torch.float32)
-    return QuantizedWeight(meta, parts).dequantize(torch.float32)
-
-
-@pytest.mark.parametrize("model_name", ["mixtral", "qwen3_moe"])
-def test_int8_experts_match_the_dequantized_model(tiny_model_factory, model_name: str) -> None:
-    """Every linear (attention and each expert) int8 per output channel; the router and embeddings dense: the
-    same greedy tokens as transformers running the dequantized weights."""
-    model = tiny_model_factory(model_name)
-    llm = LLM(model=model, dtype="float32", quantization="int8", daemon=False, max_model_len=256)
-    moe = next(layer.mlp for layer in llm.llm_engine.loaded.model.model.layers if hasattr(layer.mlp, "experts"))
-    assert moe.experts[0].gate_up_proj.weight.meta.scheme == "int8"
-    assert not getattr(moe.gate.weight, "is_quantized_weight", False)
-    outs = llm.generate(PROMPTS, GREEDY)
-    hf = load_hf(model)
+    hf = load_hf(model_dir).to(device)
+    cfg = hf.config
+    q_rows, kv_rows = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if name.endswith("_proj.weight") or ".experts." in name:
-                flat = p.reshape(-1, p.shape[-1]) if p.dim() == 2 else p
-                deq = torch.stack([_dequantized_int8(e) for e in flat]) if p.dim() == 3 else _dequantized_int8(flat)
-                p.copy_(deq.reshape(p.shape))
-    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(hf)
+        for ours, theirs in zip(llm.llm_engine.loaded.model.model.layers, hf.model.layers, strict=True):
+            attn, mlp = theirs.self_attn, theirs.mlp
+            pairs = [(ours.self_attn.qkv_proj.weight, [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight],
+                      [q_rows, kv_rows, kv_rows]), (ours.self_attn.o_proj.weight, [attn.o_proj.weight], None)]
+            if hasattr(ours.mlp, "experts"):  # transformers stacks the experts: [E, 2I, H] and [E, H, I]
+                assert not getattr(ours.mlp.gate.weight, "is_quantized_weight", False)  # the router stays dense
+                for e, expert in enumerate(ours.mlp.experts):
+                    pairs += [(expert.gate_up_proj.weight, [mlp.experts.gate_up_proj[e]], None),
+                              (expert.down_proj.weight, [mlp.experts.down_proj[e]], None)]
+            else:
+                pairs += [(ours.mlp.gate_up_proj.weight, [mlp.gate_proj.weight, mlp.up_proj.weight],
+                           [mlp.gate_proj.weight.shape[0]] * 2),
+                          (ours.mlp.down_proj.weight, [mlp.down_proj.weight], None)]
+            for qw, targets, rows in pairs:
+                assert getattr(qw, "is_quantized_weight", False), f"{targets[0].shape} weight is not quantized"
+                dense = dequantize(qw.meta, qw.parts)
+                for target, piece in zip(targets, dense.split(rows) if rows else [dense], strict=True):
+                    assert target.shape == piece.shape and not torch.equal(target, piece.to(device))
+                    target.copy_(piece.to(device))
+    return hf
+
+
+# Each family with int8, and each of int4 / fp8 on one family (the expert path is the same code for both).
+@pytest.mark.parametrize(("model_name", "scheme"), [("mixtral", "int8"), ("qwen3_moe", "int8"), ("mixtral", "int4"),
+                                                    ("qwen3_moe", "fp8")])
+def test_quantized_experts_match_the_dequantized_model(tiny_model_factory, model_name: str, scheme: str) -> None:
+    """Every linear (attention, each expert, the dense MLP) quantized: int8 per output channel, int4 in groups,
+    fp8 e4m3 with one scale; the router and embeddings dense. The same greedy tokens as transformers (float32)
+    running the weights this test dequantizes from the engine's own parts."""
+    model = tiny_model_factory(model_name)
+    llm = LLM(model=model, dtype="float32", quantization=scheme, daemon=False, max_model_len=256)
+    moe = next(layer.mlp for layer in llm.llm_engine.loaded.model.model.layers if hasattr(layer.mlp, "experts"))
+    assert moe.experts[0].gate_up_proj.weight.meta.scheme == scheme
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(dequantized_moe_hf(model, llm))
 
 
 SEVEN = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

@@ -76,6 +76,24 @@ def test_bench_serving_smoke(bench_env, tmp_path) -> None:
     assert all(r["output_tokens"] == 4 * r["concurrency"] for r in data["rows"])
 
 
+def test_bench_profile_smoke(bench_env, tmp_path) -> None:
+    from keepwarm.cli.bench_profile import PHASES
+
+    data, out = _bench(bench_env, tmp_path, "profile")
+    assert [r["batch"] for r in data["rows"]] == [1, 2] and "API per token" in out
+    for r in data["rows"]:
+        phases = r["phases"]
+        assert tuple(phases) == PHASES
+        # Every phase a plain decode step runs was reached by its timer; LoRA is off, so it stays at zero.
+        ran = [p for p in PHASES if p != "forward: LoRA"]
+        assert all(phases[p]["wall"] > 0 for p in ran), phases
+        assert phases["forward: LoRA"]["wall"] == 0
+        # Exclusive phases inside the timed steps cannot add up to more than those steps.
+        assert sum(v["wall"] for v in phases.values()) <= r["step_ms_timed"]["wall"]
+        assert r["step_ms"]["wall"] > 0
+        assert r["api_us_per_token"]["wall"] > 0 and r["api_handoff_ms_per_step"]["wall"] > 0
+
+
 def test_bench_lora_smoke(bench_env, tmp_path) -> None:
     data, _ = _bench(bench_env, tmp_path, "lora")
     got = [(r["variant"], r["adapters"]) for r in data["rows"]]
@@ -119,6 +137,6 @@ def test_gpu_check_smoke_runs_on_the_cpu(tmp_path) -> None:
     errors = {name: p for name, p in res["phases"].items() if "result" not in p}
     assert not errors, errors
     assert set(res["phases"]) == {"bandwidth", "model", "load", "decode", "decode_int4", "decode_fp8", "serve",
-                                  "attention", "matmul"}
+                                  "attention", "matmul", "moe"}
     assert res["pytest"]["returncode"] == 0, res["pytest"]["log_tail"]
     assert proc.returncode == 0, proc.stdout[-3000:]

@@ -1,12 +1,14 @@
 """On a GPU, the model level against transformers on the same GPU (not keepwarm against keepwarm), and the serve
 settings that only act on a CUDA device. Marked `gpu` (skipped without CUDA; `make gpu-check` runs them); the CPU
-twins are tests/test_engine.py, tests/test_quant_reference.py and tests/test_serve_flags.py.
+twins are tests/test_engine.py, tests/test_quant_reference.py, tests/test_architectures.py (quantized experts) and
+tests/test_serve_flags.py. The MoE models run their experts through the Triton fused-MoE kernel here.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+from test_architectures import dequantized_moe_hf
 from test_quant_reference import PROMPTS, dequantized_hf_model, fp8_round, hf_greedy
 
 from keepwarm import LLM, SamplingParams
@@ -24,7 +26,7 @@ def _hf(model_dir: str):
     return hf
 
 
-@pytest.mark.parametrize("model_name", ["llama", "llama3_tied", "mistral", "qwen2"])
+@pytest.mark.parametrize("model_name", ["llama", "llama3_tied", "mistral", "qwen2", "mixtral", "qwen3_moe"])
 @pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "graphs"])
 def test_gpu_greedy_matches_transformers_on_gpu(tiny_model_factory, model_name: str, enforce_eager: bool) -> None:
     model_dir = tiny_model_factory(model_name)
@@ -40,6 +42,18 @@ def test_gpu_quantized_matches_transformers_on_own_dequantization(tiny_llama, sc
               quantization=scheme)
     got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
     hf = dequantized_hf_model(tiny_llama, llm, device="cuda")
+    assert got == hf_greedy(hf, PROMPTS)
+
+
+@pytest.mark.parametrize("scheme", ["int8", "fp8", "int4"])
+def test_gpu_quantized_experts_match_transformers_on_own_dequantization(tiny_model_factory, scheme: str) -> None:
+    """The fused-MoE kernel on int8 / fp8 / int4 experts (the CUDA arena's canonical layouts)."""
+    model_dir = tiny_model_factory("mixtral")
+    llm = LLM(model=model_dir, dtype="float32", device="cuda", daemon=False, max_model_len=256,
+              quantization=scheme)
+    got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    hf = dequantized_moe_hf(model_dir, llm, device="cuda")
+    hf.generation_config.eos_token_id = None
     assert got == hf_greedy(hf, PROMPTS)
 
 

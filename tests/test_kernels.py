@@ -220,6 +220,35 @@ def test_paged_attention_decode_only_and_prefill_only() -> None:
                                    atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("pad", [0, 3])
+@pytest.mark.parametrize("specs", [MIXED, [(1, 5), (1, 1), (1, 48), (1, 31)]], ids=["mixed", "decode-only"])
+def test_step_plan_changes_no_bit(specs: list[tuple[int, int]], pad: int) -> None:
+    """kernels.plan_attention, built once per step and passed to every layer, gives exactly what each call
+    derives alone: the same KV writes and the same attention, for each window the plan covers, with and without
+    padding rows after the last sequence (slot -1, a zero output row)."""
+    b = _make_batch(specs, 8, 2, 32, 8, seed=11)
+    g = torch.Generator().manual_seed(12)
+    query = torch.cat([b.query, torch.randn(pad, 8, 32, generator=g)])
+    new_kv = torch.randn(2, query.shape[0], 2, 32, generator=g)
+    slots = [int(b.block_tables[s, p // 8]) * 8 + p % 8 for s, (q_len, seq_len) in enumerate(specs)
+             for p in range(seq_len - q_len, seq_len)]
+    slot_mapping = torch.tensor(slots + [-1] * pad)
+    windows = (None, 7, 33)
+    plan = kernels.plan_attention(b.block_tables, b.seq_lens, b.query_start_loc, slot_mapping, 8, windows)
+    assert plan is not None and plan.decode_only == (len(specs) == 4)
+    planned = (b.key_cache.clone(), b.value_cache.clone())
+    kernels.write_kv_cache(new_kv[0], new_kv[1], b.key_cache, b.value_cache, slot_mapping)
+    kernels.write_kv_cache(new_kv[0], new_kv[1], *planned, slot_mapping, plan=plan)
+    assert torch.equal(planned[0], b.key_cache) and torch.equal(planned[1], b.value_cache)
+    for window in windows:
+        args = (query, b.key_cache, b.value_cache, b.block_tables, b.seq_lens, b.query_start_loc, 0.2)
+        alone = kernels.paged_attention(*args, sliding_window=window)
+        assert torch.equal(kernels.paged_attention(*args, sliding_window=window, plan=plan), alone)
+        assert not alone[query.shape[0] - pad:].any()
+    with pytest.raises(ValueError, match="no gather for sliding_window=5"):
+        kernels.paged_attention(*args, sliding_window=5, plan=plan)
+
+
 def test_paged_attention_large_block_pool() -> None:
     # 70k blocks with ids > 2**16; tiny otherwise (Hk=1, D=32: ~36M elements per cache).
     specs = [(1, 40), (4, 50), (1, 17), (3, 3)]

@@ -55,6 +55,7 @@ from keepwarm.kernels import quant, reference  # noqa: E402
 from keepwarm.kernels import triton_attention as ta  # noqa: E402
 from keepwarm.kernels import triton_common as tc  # noqa: E402
 from keepwarm.kernels import triton_lora as tlora  # noqa: E402
+from keepwarm.kernels import triton_moe as tmoe  # noqa: E402
 from keepwarm.kernels import triton_norm as tn  # noqa: E402
 from keepwarm.kernels import triton_quant as tq  # noqa: E402
 from keepwarm.kernels.quant import QuantizedWeight  # noqa: E402
@@ -96,10 +97,10 @@ def test_interpreter_suite_in_subprocess() -> None:
 
 def test_kernels_are_interpreted_and_registered() -> None:
     assert tc.INTERPRETED
-    impls = {**ta.IMPLS, **tn.IMPLS, **tq.IMPLS, **tlora.IMPLS}
+    impls = {**ta.IMPLS, **tn.IMPLS, **tq.IMPLS, **tlora.IMPLS, **tmoe.IMPLS}
     assert set(impls) == {"paged_attention", "write_kv_cache", "rms_norm", "fused_add_rms_norm",
                           "rotary_embedding", "linear", "linear_int8", "linear_int4", "linear_fp8", "lora_shrink",
-                          "lora_expand"}
+                          "lora_expand", "fused_moe"}
     kernels._register_triton()  # what keepwarm.kernels does at import under TRITON_INTERPRET=1 or with CUDA
     for name, fn in impls.items():
         assert kernels._IMPLS[name]["triton"] is fn
@@ -569,10 +570,114 @@ def test_lora_shrink_and_expand_match_reference(rank: int, dtype: torch.dtype) -
         assert float((out.float() - expected.float()).abs().max()) <= max(tol, 2 * ULP[dtype] * 8)
 
 
+# --------------------------------------------------------------------------- fused mixture of experts
+def _moe_linear(x: torch.Tensor, w) -> torch.Tensor:
+    """The reference's per-expert matmul: dequantize (float32, then x's dtype) and F.linear."""
+    quantized = getattr(w, "is_quantized_weight", False)
+    return quant.linear_reference(x, w) if quantized else torch.nn.functional.linear(x, w)
+
+
+def _moe_experts(num_experts: int, hidden: int, inter: int, scheme: str, dtype: torch.dtype,
+                 g: torch.Generator) -> kernels.MoEWeights:
+    gate_up, down = [], []
+    for _ in range(num_experts):
+        for shape, out in (((2 * inter, hidden), gate_up), ((hidden, inter), down)):
+            w = torch.randn(*shape, generator=g) * 0.1
+            # "cuda": int4's canonical layout, the one the CUDA arena holds; int4 groups of 32.
+            out.append(w.to(dtype) if scheme == "none"
+                       else QuantizedWeight.from_parts(*quantize(w, scheme, dtype, "cuda", group_size=32)))
+    return kernels.MoEWeights(tuple(gate_up), tuple(down))
+
+
+def _moe_routing(tokens: int, num_experts: int, top_k: int, renormalize: bool, idle: list[int], dtype: torch.dtype,
+                 g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax top-k routing as the model does it; experts in `idle` never chosen (they receive zero tokens)."""
+    logits = torch.randn(tokens, num_experts, generator=g)
+    logits[:, idle] = float("-inf")
+    weights, ids = torch.topk(torch.softmax(logits, dim=-1), top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(dtype), ids
+
+
+def test_moe_align_block_size_groups_pairs_by_expert() -> None:
+    ids = torch.tensor([[3, 0], [0, 3], [3, 1], [0, 3], [3, 0]])  # experts 2 and 4 get no token
+    sorted_ids, block_expert = tmoe.align_block_size(ids, num_experts=5, block_m=4)
+    pairs = ids.numel()
+    # Expert 0 has 4 pairs (one block), 1 has 1 (one padded block), 3 has 5 (two); the grid is sized for the
+    # worst case, 10 pairs + 5 experts' padding of up to 3 each -> 7 blocks, the unused ones -1.
+    assert block_expert.tolist() == [0, 1, 3, 3, -1, -1, -1]
+    blocks = sorted_ids.view(-1, 4)
+    flat = ids.reshape(-1)
+    for b, e in enumerate(block_expert.tolist()):
+        real = blocks[b][blocks[b] < pairs]
+        if e < 0:
+            assert real.numel() == 0
+        else:
+            assert (flat[real] == e).all() and torch.equal(real, real.sort().values)  # pair ids ascending
+    valid = sorted_ids[sorted_ids < pairs]
+    assert sorted(valid.tolist()) == list(range(pairs))  # every pair exactly once
+    assert int((sorted_ids == pairs).sum()) == 7 * 4 - pairs
+
+
+MOE_TOL = {torch.float32: 1e-5, torch.float16: 2.0**-9, torch.bfloat16: 2.0**-7}
+
+
+@pytest.mark.parametrize(("scheme", "dtype", "top_k", "renormalize"), [
+    ("none", torch.float32, 1, False), ("none", torch.float32, 3, True), ("none", torch.bfloat16, 2, False),
+    ("none", torch.float16, 2, True), ("int8", torch.float32, 2, True), ("int8", torch.bfloat16, 1, False),
+    ("fp8", torch.float32, 2, False), ("fp8", torch.float16, 2, True), ("int4", torch.float32, 2, True),
+    ("int4", torch.bfloat16, 2, False),
+])
+def test_fused_moe_matches_reference(scheme: str, dtype: torch.dtype, top_k: int, renormalize: bool) -> None:
+    """Random routing with two experts that receive no tokens; N and K not multiples of the tiles. The products
+    equal the reference's (dequantized weights rounded to x's dtype alike), so only summation order differs."""
+    g = torch.Generator().manual_seed(5 + top_k)
+    experts = _moe_experts(6, 64, 96, scheme, dtype, g)
+    for tokens in (1, 11):  # a decode step, and a chunk over several blocks
+        x = torch.randn(tokens, 64, generator=g).to(dtype)
+        weights, ids = _moe_routing(tokens, 6, top_k, renormalize, [1, 4], dtype, g)
+        y = tmoe.fused_moe(x, weights, ids, experts, "silu")
+        ref = reference.fused_moe(x, weights, ids, experts, "silu", _moe_linear)
+        assert y.shape == ref.shape and y.dtype == dtype
+        err = float((y.float() - ref.float()).abs().max())
+        assert err <= MOE_TOL[dtype] * float(ref.abs().max()), f"{tokens} tokens: max error {err:.3g}"
+
+
+def test_fused_moe_edge_cases_and_dispatch() -> None:
+    g = torch.Generator().manual_seed(6)
+    experts = _moe_experts(4, 32, 32, "none", torch.float32, g)
+    empty = tmoe.fused_moe(torch.zeros(0, 32), torch.zeros(0, 2), torch.zeros(0, 2, dtype=torch.long), experts, "silu")
+    assert empty.shape == (0, 32)
+    # One expert takes every token (the others none), and the dispatcher reaches the kernel when triton is forced.
+    x = torch.randn(5, 32, generator=g)
+    weights, ids = torch.ones(5, 1), torch.full((5, 1), 2)
+    kernels.set_backend("triton")
+    y = kernels.fused_moe(x, weights, ids, experts, "silu")
+    assert "triton:cpu" in experts.prepared  # the pointer tables, built once for this layer
+    kernels.set_backend("torch")
+    ref = kernels.fused_moe(x, weights, ids, experts, "silu")
+    assert float((y - ref).abs().max()) <= 1e-5 * float(ref.abs().max())
+
+
+def test_fused_moe_takes_the_reference_for_layouts_it_lacks(caplog: pytest.LogCaptureFixture) -> None:
+    """An activation other than silu, or int4 in the CPU pack: the reference runs, and the log says so."""
+    g = torch.Generator().manual_seed(7)
+    experts = _moe_experts(3, 32, 32, "none", torch.float32, g)
+    x = torch.randn(4, 32, generator=g)
+    weights, ids = _moe_routing(4, 3, 2, True, [], torch.float32, g)
+    with caplog.at_level("WARNING", logger="keepwarm.kernels"):
+        y = tmoe.fused_moe(x, weights, ids, experts, "gelu_pytorch_tanh")
+    assert "does not take activation gelu_pytorch_tanh" in caplog.text
+    assert torch.equal(y, reference.fused_moe(x, weights, ids, experts, "gelu_pytorch_tanh", kernels.linear))
+
+
 # --------------------------------------------------------------------------- the whole model on the triton backend
-def test_tiny_model_greedy_same_tokens_on_triton(tiny_llama: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every kernel of a forward (norms, rotary, KV write, paged attention, the int8 matmul) through the
-    interpreted triton backend: greedy tokens equal the torch backend's, prefill chunks and decodes alike."""
+@pytest.mark.parametrize(("model_name", "quantization"), [("llama", "int8"), ("mixtral", "none")])
+def test_tiny_model_greedy_same_tokens_on_triton(tiny_model_factory, model_name: str, quantization: str) -> None:
+    """Every kernel of a forward (norms, rotary, KV write, paged attention, the int8 matmul; Mixtral's routed
+    experts through the fused-MoE kernel) through the interpreted triton backend: greedy tokens equal the torch
+    backend's, prefill chunks and decodes alike."""
     from keepwarm import LLM, SamplingParams
 
     kernels._register_triton()
@@ -581,9 +686,12 @@ def test_tiny_model_greedy_same_tokens_on_triton(tiny_llama: str, monkeypatch: p
     tokens = {}
     for backend in ("torch", "triton"):
         kernels.set_backend(backend)
-        llm = LLM(model=tiny_llama, dtype="float32", max_model_len=128, num_gpu_blocks=32, block_size=16,
-                  daemon=False, device="cpu", quantization="int8", max_num_batched_tokens=24)
+        llm = LLM(model=tiny_model_factory(model_name), dtype="float32", max_model_len=128, num_gpu_blocks=32,
+                  block_size=16, daemon=False, device="cpu", quantization=quantization, max_num_batched_tokens=24)
         tokens[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        if model_name == "mixtral":  # the experts went through the kernel (it caches its pointer tables)
+            moe = llm.llm_engine.loaded.model.model.layers[0].mlp
+            assert ("triton:cpu" in moe.weights().prepared) == (backend == "triton")
         llm.close()
     assert tokens["triton"] == tokens["torch"]
 

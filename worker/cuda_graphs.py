@@ -18,8 +18,10 @@ Graphs are captured lazily, the first time a batch of a new padded size arrives 
 recorded forward, tens of milliseconds, once per size), into one memory pool shared by all sizes. Batches larger
 than the largest size, batches with a prefill chunk, and batches with LoRA adapters active (their slot index
 tensor is not a static buffer) run eagerly. The kernels must not sync with the host: the triton attention and
-KV-write kernels qualify, the torch reference ones (`.tolist()`, boolean indexing) do not, so graphs are used
-only where those two dispatch to triton. A capture that fails anyway disables graphs for the runner, logged.
+KV-write kernels qualify (and the fused-MoE kernel: its routing alignment is torch ops without a sync), the torch
+reference ones (`.tolist()`, boolean indexing) do not, so graphs are used only where those dispatch to triton. A
+capture that fails anyway (say an MoE layout the Triton kernel hands to the reference, logged) disables graphs for
+the runner, logged.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ log = logging.getLogger("keepwarm.worker")
 # launch-bound) padded rows. Larger batches are compute-heavier and lose little by running eagerly.
 DEFAULT_BATCH_SIZES: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # Kernels that must run host-sync free inside a graph; the torch reference versions of these are not.
-_GRAPH_SAFE_KERNELS = ("paged_attention", "write_kv_cache")
+_GRAPH_SAFE_KERNELS = ("paged_attention", "write_kv_cache", "fused_moe")
 
 
 def graphs_supported(device: torch.device) -> str | None:

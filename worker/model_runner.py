@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from keepwarm import kernels
 from keepwarm.formats.model_config import ModelConfig
 from keepwarm.worker.models.llama import AttentionMetadata, KVCache, LlamaForCausalLM
 from keepwarm.worker.scheduler import ScheduledBatch
@@ -63,6 +64,9 @@ class ModelRunner:
         self.block_size = block_size
         self.block_ids_of = block_ids_of
         self.device = device
+        # The sliding windows the layers use (None: full context): one attention plan per window and step.
+        cfg = model.config
+        self.windows = tuple(dict.fromkeys(cfg.window_of(i) for i in range(cfg.num_hidden_layers)))
         self.cuda_graphs = self._make_cuda_graphs(enforce_eager)
 
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
@@ -97,6 +101,8 @@ class ModelRunner:
             query_start_loc=qsl.to(torch.int32).to(dev),
             max_query_len=int(q_lens.max()),
         )
+        attn.plan = kernels.plan_attention(attn.block_tables, attn.seq_lens, attn.query_start_loc, attn.slot_mapping,
+                                           self.block_size, self.windows)
         # The model reads positions only for rotary: KV slots come from the true positions above.
         return torch.tensor(ids, dtype=torch.int64, device=dev), rope_positions.to(dev), attn
 

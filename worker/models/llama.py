@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -31,6 +32,9 @@ class AttentionMetadata:
     seq_lens: torch.Tensor  # [S] int32, context length including this step's tokens
     query_start_loc: torch.Tensor  # [S+1] int32
     max_query_len: int
+    # The above precomputed once per step for every layer's KV write and attention (kernels.plan_attention);
+    # None where the kernels read the metadata themselves (Triton) or no plan was made.
+    plan: Any = None
 
 
 @dataclass
@@ -44,10 +48,8 @@ class KVCache:
 
 
 def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
-    """transformers' ACT2FN entries the families use (config.ACTIVATIONS)."""
-    if name == "gelu_pytorch_tanh":
-        return lambda x: nn.functional.gelu(x, approximate="tanh")
-    return nn.functional.silu
+    """transformers' ACT2FN entries the families use (config.ACTIVATIONS), shared with kernels.fused_moe."""
+    return kernels.activation(name)
 
 
 class LlamaAttention(nn.Module):
@@ -80,11 +82,12 @@ class LlamaAttention(nn.Module):
         k = k.reshape(T, self.num_kv_heads, self.head_dim)
         v = v.reshape(T, self.num_kv_heads, self.head_dim)
         i = self.layer_idx
-        kernels.write_kv_cache(k, v, kv.key[i], kv.value[i], attn.slot_mapping, kv.k_scales[i], kv.v_scales[i])
+        kernels.write_kv_cache(k, v, kv.key[i], kv.value[i], attn.slot_mapping, kv.k_scales[i], kv.v_scales[i],
+                               plan=attn.plan)
         o = kernels.paged_attention(q, kv.key[i], kv.value[i], attn.block_tables, attn.seq_lens,
                                     attn.query_start_loc, self.scale, kv.k_scales[i], kv.v_scales[i],
                                     max_query_len=attn.max_query_len, sliding_window=self.window,
-                                    logit_softcap=self.softcap)
+                                    logit_softcap=self.softcap, plan=attn.plan)
         return self.o_proj(o.reshape(T, self.q_size))
 
 

@@ -6,11 +6,14 @@ rounded back to the activation dtype. Each expert is a plain gate/up + down MLP 
 :class:`Linear` slots (``mlp.experts.E.gate_up_proj`` / ``down_proj``), so the daemon's arena, quantization
 (int8 / int4 / fp8) and the CPU's oneDNN packing apply to experts exactly as to dense layers.
 
-CPU execution: tokens are grouped by expert (a sort of the flat (token, slot) assignments), and each expert that
-received tokens runs one matmul pair over all of its tokens; results are scaled by the routing weight and summed
-into the output with ``index_add_`` in ascending expert order, the order transformers adds them, so float32 sums
-are bit-identical. Qwen3-MoE layers listed in ``mlp_only_layers`` (or off the ``decoder_sparse_step``) keep a
-dense MLP. (Shared experts, as in Qwen2-MoE, are not part of either family and are not implemented.)
+The experts run through ``kernels.fused_moe`` (one dispatch per layer). CPU (the torch backend,
+``kernels/reference.py``): tokens are grouped by expert (a sort of the flat (token, slot) assignments), and each
+expert that received tokens runs one matmul pair over all of its tokens; results are scaled by the routing weight
+and summed into the output with ``index_add_`` in ascending expert order, the order transformers adds them, so
+float32 sums are bit-identical. CUDA (the Triton backend, ``kernels/triton_moe.py``): two grouped-GEMM launches
+over the same expert weights, in place (no stacked copy). Qwen3-MoE layers listed in ``mlp_only_layers`` (or
+off the ``decoder_sparse_step``) keep a dense MLP. (Shared experts, as in Qwen2-MoE, are not part of either
+family and are not implemented.)
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from keepwarm.formats.model_config import ModelConfig
+from keepwarm import kernels
+from keepwarm.formats.model_config import ModelConfig, ModelConfigError
 from keepwarm.worker.models.layers import Linear
 from keepwarm.worker.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 
@@ -26,12 +30,16 @@ from keepwarm.worker.models.llama import LlamaDecoderLayer, LlamaForCausalLM, Ll
 class MoEBlock(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
+        if config.mlp_bias:  # neither family has expert biases; the fused kernels take none
+            raise ModelConfigError("mlp_bias = true is not supported for mixture-of-experts layers")
+        self.act = config.hidden_act
         self.top_k = config.num_experts_per_tok
         self.num_experts = config.num_experts
         self.renormalize = config.norm_topk_prob
         self.gate = Linear(config.hidden_size, config.num_experts, bias=False)  # the router
-        self.experts = nn.ModuleList(LlamaMLP(config, config.moe_intermediate_size)
-                                     for _ in range(config.num_experts))
+        mlps = tuple(LlamaMLP(config, config.moe_intermediate_size) for _ in range(config.num_experts))
+        self.experts = nn.ModuleList(mlps)
+        self._mlps = mlps  # the same modules, typed (ModuleList indexing is not)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] in x's dtype, expert ids [T, k])."""
@@ -41,22 +49,21 @@ class MoEBlock(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights.to(x.dtype), ids
 
+    def weights(self) -> kernels.MoEWeights:
+        """The experts' bound weights for ``kernels.fused_moe``, built once after binding (a backend caches what
+        it derives from them there); rebuilt if the first expert was rebound since."""
+        cached: kernels.MoEWeights | None = getattr(self, "_weights", None)
+        first = self._mlps[0]
+        if cached is None or cached.gate_up[0] is not first.gate_up_proj.weight \
+                or cached.down[0] is not first.down_proj.weight:
+            cached = kernels.MoEWeights(tuple(e.gate_up_proj.weight for e in self._mlps),
+                                        tuple(e.down_proj.weight for e in self._mlps))
+            self._weights = cached
+        return cached
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)
-        out = torch.zeros_like(x)
-        flat = ids.reshape(-1)
-        order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert, tokens ascending
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        tokens = order // self.top_k
-        w = weights.reshape(-1)[order]
-        start = 0
-        for e, n in enumerate(counts):
-            if n:
-                idx = tokens[start:start + n]
-                y = self.experts[e](x.index_select(0, idx)) * w[start:start + n, None]
-                out.index_add_(0, idx, y)
-            start += n
-        return out
+        return kernels.fused_moe(x, weights, ids, self.weights(), self.act)
 
 
 class MoEDecoderLayer(LlamaDecoderLayer):
