@@ -50,7 +50,8 @@ def build_app(state: ServerState) -> FastAPI:
 
     app = FastAPI(title="keepwarm", version=__version__, lifespan=lifespan)
     app.state.keepwarm = state
-    state.metrics = ServerMetrics(lambda: state.async_engine.snapshot, state.model_name, state.weights_info)
+    state.metrics = ServerMetrics(lambda: state.async_engine.snapshot, state.model_name, state.weights_info,
+                                  state.restart_history)
     _add_auth(app, state.config.api_key)
     _add_error_handlers(app)
     for resource in (admin, models, adapters, completions, chat, responses, tokenize):
