@@ -155,6 +155,9 @@ def register(app: typer.Typer) -> None:
         if not reply.ok:
             fail(f"restart failed: {reply.message}")
             return
+        if prepare:
+            typer.echo(f"prepared for port {port}: {reply.message}")
+            return
         if reply.mode == "cold":
             typer.echo(f"keepwarm: warning: {reply.message.split('; cold start: ', 1)[-1]}: this restart was a "
                        "cold start", err=True)

@@ -217,6 +217,21 @@ def test_a_restart_after_the_zygote_was_killed_is_a_cold_start_and_says_so(super
     assert r.returncode == 0 and "(zygote)" in r.stdout, r.stdout + r.stderr
 
 
+def test_an_upgrade_forks_from_a_zygote_of_the_other_python_prepared_ahead(supervised) -> None:
+    """`restart --prepare --python P` starts P's zygote in the background; `restart --python P` then forks from it
+    (warm), and it serves the restarts after. P here is the venv's other name for its interpreter: another
+    environment works the same way when its keepwarm speaks the same ipc version."""
+    current = _health(supervised)["restarts"]["python"]
+    other = str(Path(current).with_name("python3" if Path(current).name != "python3" else "python"))
+    assert Path(other).exists() and other != current
+    r = _restart(supervised, "--prepare", "--python", other)
+    assert r.returncode == 0 and f"zygote from {other} ready" in r.stdout, r.stdout + r.stderr
+    r = _restart(supervised, "--python", other)
+    assert r.returncode == 0 and "(zygote)" in r.stdout, r.stdout + r.stderr
+    restarts = _health(supervised)["restarts"]
+    assert restarts["python"] == other and restarts["last"]["mode"] == "zygote"
+
+
 def _probe(server) -> object:
     from keepwarm.worker.api import ipc
 
