@@ -35,6 +35,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+# The shared timing helper beside this script (gpu_check.sh runs scripts with PYTHONSAFEPATH=1).
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kw_timing import graph_timed  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 GiB = 1 << 30
 
@@ -94,36 +98,6 @@ def _timed(device, fn: Callable[[], Any], iters: int, warmup: int = 2) -> float:
     for _ in range(iters):
         fn()
     return (time.perf_counter() - t0) / iters
-
-
-def _graph_timed(device, fns: list[Callable[[], Any]], iters: int = 20) -> float:
-    """Median seconds per call over 3 replays of one CUDA graph of `iters` calls cycling through `fns` (one per
-    input copy, so that weights larger together than the L2 come from HBM). A decode step replays graphs too;
-    timing an eager loop would time Python's launch overhead (~30 us) rather than a ~10 us kernel. Off a GPU: a
-    plain loop."""
-    import statistics
-
-    import torch
-
-    for f in fns:
-        f()
-    if device.type != "cuda":
-        return _timed(device, lambda: [f() for f in fns], iters=1, warmup=0) / len(fns)
-    torch.cuda.synchronize(device)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(iters):
-            fns[i % len(fns)]()
-    graph.replay()
-    rounds = []
-    for _ in range(3):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        rounds.append(a.elapsed_time(b) / 1e3 / iters)
-    return statistics.median(rounds)
 
 
 def _sync(device) -> None:
@@ -322,7 +296,7 @@ def _decode_breakdown(ctx: dict, engine, steps: int) -> dict:
         out["forward_graph_gpu_ms"] = a.elapsed_time(b) / 20
     model = engine.runner.model
     hidden = torch.randn(1, engine.model_config.hidden_size, device=device, dtype=torch.bfloat16)
-    out["logits_gpu_ms"] = _graph_timed(device, [lambda: model.compute_logits(hidden)], iters=10) * 1e3
+    out["logits_gpu_ms"] = graph_timed(device, [lambda: model.compute_logits(hidden)], iters=10) * 1e3
     try:
         from torch.profiler import ProfilerActivity, profile
 
@@ -377,7 +351,7 @@ def phase_attention(ctx: dict) -> dict:
         qsl = torch.arange(batch + 1, dtype=torch.int32, device=device)
         q = torch.randn(batch, hq, d, device=device, dtype=torch.bfloat16)
         fn = _attention_fn(device, (q, k_cache, v_cache, tables, seq_lens, qsl, 0.088, 1.0, 1.0, 1), splits)
-        secs = _graph_timed(device, [fn], iters=20 if not smoke else 2)
+        secs = graph_timed(device, [fn], iters=20 if not smoke else 2)
         kv_bytes = 2 * batch * ctx_len * hk * d * k_cache.element_size()
         out[name] = {"us": secs * 1e6, "kv_bytes": kv_bytes, "bytes_per_s": kv_bytes / secs,
                      "fraction_of_copy_bw": kv_bytes / secs / ctx["copy_bw"], "splits": splits or "auto"}
@@ -424,7 +398,7 @@ def phase_matmul(ctx: dict) -> dict:
             if mode:
                 os.environ[fp8_env] = mode
             try:
-                secs = _graph_timed(device, [lambda w=w, x=x: kernels.linear(x, w) for w in ws_],
+                secs = graph_timed(device, [lambda w=w, x=x: kernels.linear(x, w) for w in ws_],
                                     iters=20 if not smoke else 1)
             except Exception as e:
                 row[name] = {"error": f"{type(e).__name__}: {e}"[:300]}

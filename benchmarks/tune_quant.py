@@ -23,10 +23,13 @@ import json
 import math
 import multiprocessing as mp
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
+
+# The shared timing helper beside this script (gpu_check.sh runs scripts with PYTHONSAFEPATH=1).
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kw_timing import graph_timed  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (14336, 4096)]
@@ -74,39 +77,9 @@ def _weights(kind: str, n: int, k: int, device, copies: int):
     return ws
 
 
-def _time(device, fns: list, iters: int = 12) -> float:
-    """Median over 3 replays of the mean microseconds per call, cycling through `fns` (one per weight copy).
-
-    On a GPU the calls are captured in one CUDA graph and the replays timed with events: a decode step replays
-    graphs too, and an eager loop would time Python's launch overhead (~30 us) instead of a ~10 us kernel."""
-    import torch
-
-    for f in fns:
-        f()
-    if device.type != "cuda":
-        rounds = []
-        for _ in range(3):
-            t0 = time.perf_counter()
-            for i in range(iters):
-                fns[i % len(fns)]()
-            rounds.append((time.perf_counter() - t0) * 1e6 / iters)
-        return statistics.median(rounds)
-    torch.cuda.synchronize(device)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(iters):
-            fns[i % len(fns)]()
-    graph.replay()
-    rounds = []
-    for _ in range(3):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        rounds.append(a.elapsed_time(b) * 1e3 / iters)
-    del graph
-    return statistics.median(rounds)
+def _us(device, fns: list, iters: int = 12) -> float:
+    """Microseconds per call (benchmarks/timing.py: one CUDA graph, median of 3 replays)."""
+    return graph_timed(device, fns, iters) * 1e6
 
 
 def _compile_worker(args: tuple[list, bool]) -> int:
@@ -172,12 +145,12 @@ def sweep(a: argparse.Namespace) -> dict:
                     break
                 x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
                 dense_fns = [lambda d=d, x=x: torch.nn.functional.linear(x, d) for d in dense]
-                row: dict = {"bf16_us": _time(device, dense_fns)}
+                row: dict = {"bf16_us": _us(device, dense_fns)}
                 best = None
                 for c in candidates(kind, m)[:2] if a.smoke else candidates(kind, m):
                     t = tq.Tile(*c)
                     try:
-                        us = _time(device, [lambda w=w, t=t, x=x, kid=kid: tq.launch(x, w, None, kid, t) for w in ws])
+                        us = _us(device, [lambda w=w, t=t, x=x, kid=kid: tq.launch(x, w, None, kid, t) for w in ws])
                     except Exception as e:  # a tile that does not compile or run is skipped, and counted
                         row.setdefault("failed", []).append(f"{c}: {type(e).__name__}")
                         continue
@@ -188,7 +161,7 @@ def sweep(a: argparse.Namespace) -> dict:
                     continue
                 row["best_us"], row["best"] = round(best[0], 2), list(best[1])
                 if kind == "fp8" and device.type == "cuda":
-                    row["scaled_mm_us"] = _time(device, [lambda w=w, x=x: tq.fp8_scaled_mm(x, w) for w in ws])
+                    row["scaled_mm_us"] = _us(device, [lambda w=w, x=x: tq.fp8_scaled_mm(x, w) for w in ws])
                     fp8_rows[m] = fp8_rows.get(m, True) and row["scaled_mm_us"] < row["best_us"]
                 timings.setdefault(kind, {}).setdefault(str(m), {})[f"{n}x{k}"] = row
                 tiles.setdefault(kind, {}).setdefault(str(tq.m_bucket(m)), {})[f"{n}x{k}"] = list(best[1])

@@ -1,7 +1,8 @@
 """keepwarm.kernels: one dispatch point per kernel.
 
-The backend comes from env var KEEPWARM_KERNELS, looked up on every dispatch (one dict lookup; each value is parsed
-and checked once) so that tests and tools can flip it between calls:
+The backend comes from env var KEEPWARM_KERNELS, read and checked once (at the first dispatch), and from then on
+only `set_backend` changes it: a process picks its kernels at start (workers inherit the variable), and code that
+must switch in-process (tests, benchmarks) says so with `set_backend`, never by editing os.environ:
   auto   (default) triton when the input is on CUDA, triton is importable and the kernel has a triton impl;
          torch otherwise.
   torch  always the plain-torch reference (`kernels/reference.py`).
@@ -46,6 +47,7 @@ __all__ = [
     "rms_norm",
     "rotary_embedding",
     "select_backend",
+    "set_backend",
     "write_kv_cache",
 ]
 
@@ -59,8 +61,8 @@ _TRITON_IMPORTABLE = importlib.util.find_spec("triton") is not None
 
 # kernel name -> backend -> implementation.
 _IMPLS: dict[str, dict[str, Callable[..., Any]]] = {}
-# KEEPWARM_KERNELS value (None: unset) -> the checked mode.
-_PARSED_MODES: dict[str | None, str] = {}
+# The checked mode; None until the first dispatch reads KEEPWARM_KERNELS (or `set_backend` sets it).
+_mode_now: str | None = None
 # (kernel, backend) pairs already logged, so each choice is logged once rather than per call.
 _LOGGED: set[tuple[str, str]] = set()
 
@@ -77,15 +79,28 @@ def register(name: str, backend: str, fn: Callable[..., Any]) -> Callable[..., A
     return fn
 
 
-def _mode() -> str:
-    raw = os.environ.get(ENV_VAR)
-    mode = _PARSED_MODES.get(raw)
-    if mode is None:
-        mode = (raw or "auto").strip().lower() or "auto"
-        if mode not in _MODES:
-            raise ValueError(f"{ENV_VAR}={mode!r} is not one of {_MODES}")
-        _PARSED_MODES[raw] = mode
+def _checked(raw: str | None, source: str) -> str:
+    mode = (raw or "auto").strip().lower() or "auto"
+    if mode not in _MODES:
+        raise ValueError(f"{source}={mode!r} is not one of {_MODES}")
     return mode
+
+
+def _mode() -> str:
+    global _mode_now
+    if _mode_now is None:
+        _mode_now = _checked(os.environ.get(ENV_VAR), ENV_VAR)
+    return _mode_now
+
+
+def set_backend(mode: str | None) -> str | None:
+    """Select the kernel mode ('auto', 'torch' or 'triton') for this process; None re-reads KEEPWARM_KERNELS at
+    the next dispatch. Returns the previous setting (None if the environment had not been read yet), so callers
+    can restore it."""
+    global _mode_now
+    previous = _mode_now
+    _mode_now = None if mode is None else _checked(mode, "kernel backend")
+    return previous
 
 
 def select_backend(name: str, device: torch.device) -> str:

@@ -63,22 +63,72 @@ _MAX_SPLITS = 64
 
 
 @triton.jit
+def _prefill_tile(tile, num_seqs, query_start_loc_ptr, BLOCK_Q: tl.constexpr):
+    """(sequence, query tile within it) of program `tile`: the last sequence whose first tile index
+    (query_start_loc[s] // BLOCK_Q + s) is <= tile; sequence -1 for a padding tile past every sequence."""
+    # lo/hi start as tensors: Triton refuses a loop-carried variable that starts as a constexpr (num_seqs == 1 is
+    # specialized).
+    lo = tl.full([], 0, tl.int32)
+    hi = tl.full([], 0, tl.int32) + num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid <= tile:
+            lo = mid + 1
+        else:
+            hi = mid
+    seq = lo - 1
+    return seq, tile - (tl.load(query_start_loc_ptr + tl.maximum(seq, 0)) // BLOCK_Q + seq)
+
+
+@triton.jit
+def _dot_query(q, qk_scale, F16_KV: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """q in the MMA's dtype, and the softmax scale that goes with it."""
+    if F16_KV:
+        # float8 K/V go to the MMA as float16 (DOT_DTYPE): exact, and one conversion instruction per two values
+        # (float8 -> bfloat16 takes a detour through float32). q goes to float16 as well, scaled by a power of
+        # two so that it cannot overflow (exact; undone in the softmax scale).
+        qf = q.to(tl.float32)
+        qmax = tl.max(tl.max(tl.abs(qf), 1), 0)
+        shift = tl.maximum(((qmax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 141, 0)  # qmax < 2**15 after
+        q = (qf * ((127 - shift) << 23).to(tl.float32, bitcast=True)).to(DOT_DTYPE)
+        qk_scale = qk_scale * ((127 + shift) << 23).to(tl.float32, bitcast=True)
+    else:
+        q = q.to(DOT_DTYPE)
+    return q, qk_scale
+
+
+@triton.jit
+def _softcap_log2(s, softcap):
+    """softcap * tanh(x / softcap) of base-2 scores (qk_scale carries log2(e)): capped in natural log, back to base
+    2."""
+    x = s * (1.0 / 1.4426950408889634) / softcap
+    return softcap * (1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)) * 1.4426950408889634
+
+
+@triton.jit
+def _kv_tile(ptrs, mask, FP8_KIND: tl.constexpr, NATIVE_FP8: tl.constexpr, KV_CAST: tl.constexpr,
+             Q_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """One K or V tile in the MMA's dtype: float8 as its unscaled codes (the scale is applied by the caller), a
+    cache of another float dtype rounded to q's dtype first (as the reference does)."""
+    x = tl.load(ptrs, mask=mask, other=0.0)
+    if FP8_KIND != 0:
+        x = _fp8_codes(x, FP8_KIND, NATIVE_FP8, DOT_DTYPE)
+    elif KV_CAST:
+        x = tc.round_as(x.to(tl.float32), Q_DTYPE)
+    return x.to(DOT_DTYPE)
+
+
+@triton.jit
 def _paged_attention_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
-    block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-    num_seqs, num_splits, qk_scale, k_scale, v_scale, window, softcap,
-    stride_qt, stride_qh, stride_qd,
-    stride_kh, stride_kb, stride_ks, stride_kd,
-    stride_vh, stride_vb, stride_vs, stride_vd,
-    stride_bt_s, stride_bt_b,
-    stride_ot, stride_oh, stride_od,
-    stride_ps, stride_pt, stride_ph, stride_pd,
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_ml_ptr, block_tables_ptr, seq_lens_ptr,
+    query_start_loc_ptr, num_seqs, num_splits, qk_scale, k_scale, v_scale, window, softcap,
+    stride_qt, stride_qh, stride_qd, stride_kh, stride_kb, stride_ks, stride_kd, stride_vh, stride_vb, stride_vs,
+    stride_vd, stride_bt_s, stride_bt_b, stride_ot, stride_oh, stride_od, stride_ps, stride_pt, stride_ph, stride_pd,
     stride_ms, stride_mt, stride_mh,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-    DECODE: tl.constexpr, SPLIT: tl.constexpr, FP8_KIND: tl.constexpr, KV_CAST: tl.constexpr,
-    Q_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, NATIVE_FP8: tl.constexpr,
-    F16_KV: tl.constexpr, SOFTCAP: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, DECODE: tl.constexpr, SPLIT: tl.constexpr,
+    FP8_KIND: tl.constexpr, KV_CAST: tl.constexpr, Q_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    PRECISION: tl.constexpr, NATIVE_FP8: tl.constexpr, F16_KV: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     ROWS: tl.constexpr = BLOCK_Q * GROUP_PAD
     tile = tl.program_id(0)
@@ -88,18 +138,7 @@ def _paged_attention_kernel(
         seq = tile
         q_tile = 0
     else:
-        # The last sequence whose first tile index (query_start_loc[s] // BLOCK_Q + s) is <= tile. lo/hi start as
-        # tensors: Triton refuses a loop-carried variable that starts as a constexpr (num_seqs == 1 is specialized).
-        lo = tl.full([], 0, tl.int32)
-        hi = tl.full([], 0, tl.int32) + num_seqs
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid <= tile:
-                lo = mid + 1
-            else:
-                hi = mid
-        seq = lo - 1
-        q_tile = tile - (tl.load(query_start_loc_ptr + tl.maximum(seq, 0)) // BLOCK_Q + seq)
+        seq, q_tile = _prefill_tile(tile, num_seqs, query_start_loc_ptr, BLOCK_Q)
     q_start = tl.load(query_start_loc_ptr + tl.maximum(seq, 0))
     q_len = tl.load(query_start_loc_ptr + tl.maximum(seq, 0) + 1) - q_start
     first = q_tile * BLOCK_Q
@@ -116,17 +155,7 @@ def _paged_attention_kernel(
         row = q_start + tok
         q = tl.load(q_ptr + row[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :] * stride_qd,
                     mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-        if F16_KV:
-            # float8 K/V go to the MMA as float16 (DOT_DTYPE): exact, and one conversion instruction per two values
-            # (float8 -> bfloat16 takes a detour through float32). q goes to float16 as well, scaled by a power of
-            # two so that it cannot overflow (exact; undone in the softmax scale).
-            qf = q.to(tl.float32)
-            qmax = tl.max(tl.max(tl.abs(qf), 1), 0)
-            shift = tl.maximum(((qmax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 141, 0)  # qmax < 2**15 after
-            q = (qf * ((127 - shift) << 23).to(tl.float32, bitcast=True)).to(DOT_DTYPE)
-            qk_scale = qk_scale * ((127 + shift) << 23).to(tl.float32, bitcast=True)
-        else:
-            q = q.to(DOT_DTYPE)
+        q, qk_scale = _dot_query(q, qk_scale, F16_KV, DOT_DTYPE)
 
         kv_end = ctx_len - q_len + tl.minimum(first + BLOCK_Q, q_len)  # the tile's last row sees < kv_end
         if SPLIT:
@@ -152,16 +181,12 @@ def _paged_attention_kernel(
             block = tl.load(table + (pos // BLOCK_SIZE) * stride_bt_b, mask=pos_ok, other=0).to(tl.int64)
             off = pos % BLOCK_SIZE
             kv_mask = pos_ok[:, None] & d_ok[None, :]
-            k = tl.load(k_base + block[:, None] * stride_kb + off[:, None] * stride_ks + d[None, :] * stride_kd,
-                        mask=kv_mask, other=0.0)
-            if FP8_KIND != 0:  # the raw codes, exact in q's dtype; k_scale is folded into qk_scale
-                k = _fp8_codes(k, FP8_KIND, NATIVE_FP8, DOT_DTYPE)
-            elif KV_CAST:
-                k = tc.round_as(k.to(tl.float32), Q_DTYPE)
-            s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=PRECISION) * qk_scale  # [ROWS, BLOCK_N]
-            if SOFTCAP:  # qk_scale carries log2(e): cap the natural-log score, then back to base 2
-                x = s * (1.0 / 1.4426950408889634) / softcap
-                s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)) * 1.4426950408889634  # softcap * tanh(x)
+            # fp8: the raw codes, exact in q's dtype; k_scale is folded into qk_scale.
+            k = _kv_tile(k_base + block[:, None] * stride_kb + off[:, None] * stride_ks + d[None, :] * stride_kd,
+                         kv_mask, FP8_KIND, NATIVE_FP8, KV_CAST, Q_DTYPE, DOT_DTYPE)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [ROWS, BLOCK_N]
+            if SOFTCAP:
+                s = _softcap_log2(s, softcap)
             seen = (pos[None, :] <= q_pos[:, None]) & pos_ok[None, :]
             if window > 0:
                 seen = seen & (pos[None, :] > q_pos[:, None] - window)
@@ -170,18 +195,15 @@ def _paged_attention_kernel(
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_base + block[:, None] * stride_vb + off[:, None] * stride_vs + d[None, :] * stride_vd,
-                        mask=kv_mask, other=0.0)
-            if FP8_KIND != 0:  # v_scale is applied to the accumulator once, after the loop
-                v = _fp8_codes(v, FP8_KIND, NATIVE_FP8, DOT_DTYPE)
-            elif KV_CAST:
-                v = tc.round_as(v.to(tl.float32), Q_DTYPE)
+            # fp8: v_scale is applied to the accumulator once, after the loop.
+            v = _kv_tile(v_base + block[:, None] * stride_vb + off[:, None] * stride_vs + d[None, :] * stride_vd,
+                         kv_mask, FP8_KIND, NATIVE_FP8, KV_CAST, Q_DTYPE, DOT_DTYPE)
             # Probabilities rounded to the model dtype before P @ V, as the reference does.
             if F16_KV:  # noqa: SIM108 (a static branch on a constexpr, kept as a plain if for Triton)
                 p = p.to(DOT_DTYPE)  # float16 holds probabilities more precisely than bfloat16
             else:
                 p = tc.round_as(p, Q_DTYPE).to(DOT_DTYPE)
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(DOT_DTYPE), input_precision=PRECISION)
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
             m_i = m_new
 
         if FP8_KIND != 0:

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -35,14 +36,17 @@ MM_TOL = {torch.float32: 1e-6, torch.float16: 2.0**-9, torch.bfloat16: 2.0**-7}
 
 
 @pytest.fixture(autouse=True)
-def _default_backend(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(kernels.ENV_VAR, raising=False)
+def _default_backend() -> Iterator[None]:
+    # A KEEPWARM_KERNELS left in the environment (or a test's set_backend) must not change what others exercise.
+    previous = kernels.set_backend("auto")
+    yield
+    kernels.set_backend(previous)
 
 
 # --------------------------------------------------------------------------- graph bookkeeping (no GPU needed)
 def test_graphs_need_cuda_and_host_sync_free_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     assert graphs_supported(torch.device("cpu")) == "device cpu is not CUDA"
-    monkeypatch.setenv(kernels.ENV_VAR, "torch")
+    kernels.set_backend("torch")
     reason = graphs_supported(CUDA)
     assert reason is not None and "torch backend" in reason
 
@@ -258,7 +262,7 @@ def test_triton_backend_greedy_equals_torch_backend(tiny_llama: str, quantizatio
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     tokens = {}
     for backend in ("torch", "auto"):  # auto on CUDA: the triton kernels, and CUDA graphs for decodes
-        monkeypatch.setenv(kernels.ENV_VAR, backend)
+        kernels.set_backend(backend)
         llm = LLM(model=tiny_llama, dtype="float32", max_model_len=256, num_gpu_blocks=64, daemon=False,
                   device="cuda", quantization=quantization)
         tokens[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]

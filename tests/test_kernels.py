@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
@@ -21,9 +22,11 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 @pytest.fixture(autouse=True)
-def _default_backend(monkeypatch: pytest.MonkeyPatch) -> None:
-    # A KEEPWARM_KERNELS left in the environment must not change what these tests exercise.
-    monkeypatch.delenv(kernels.ENV_VAR, raising=False)
+def _default_backend() -> Iterator[None]:
+    # A KEEPWARM_KERNELS left in the environment (or a test's set_backend) must not change what others exercise.
+    previous = kernels.set_backend("auto")
+    yield
+    kernels.set_backend(previous)
 
 
 # --------------------------------------------------------------------------- paged attention
@@ -424,7 +427,7 @@ def registry(monkeypatch: pytest.MonkeyPatch) -> dict[str, dict[str, object]]:
 
 
 def test_torch_backend_selects_reference(registry: dict, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(kernels.ENV_VAR, "torch")
+    kernels.set_backend("torch")
     for name in ("rms_norm", "fused_add_rms_norm", "rotary_embedding", "write_kv_cache", "paged_attention"):
         assert kernels.get_impl(name, torch.device("cpu")) is getattr(reference, name)
         # Forced torch wins even for CUDA inputs with a triton impl present.
@@ -434,7 +437,7 @@ def test_torch_backend_selects_reference(registry: dict, monkeypatch: pytest.Mon
 
 def test_forced_triton_without_impl_raises(registry: dict, monkeypatch: pytest.MonkeyPatch) -> None:
     registry["rms_norm"].pop("triton", None)
-    monkeypatch.setenv(kernels.ENV_VAR, "triton")
+    kernels.set_backend("triton")
     with pytest.raises(kernels.KernelBackendError, match="'rms_norm' has no triton implementation"):
         kernels.rms_norm(torch.ones(2, 4), torch.ones(4), 1e-6)
 
@@ -455,7 +458,7 @@ def test_registered_backend_is_picked_up(registry: dict, monkeypatch: pytest.Mon
     assert kernels.select_backend("rms_norm", torch.device("cuda")) == "triton"
     monkeypatch.setattr(kernels, "_TRITON_IMPORTABLE", False)
     assert kernels.select_backend("rms_norm", torch.device("cuda")) == "torch"
-    monkeypatch.setenv(kernels.ENV_VAR, "triton")
+    kernels.set_backend("triton")
     assert torch.equal(kernels.rms_norm(x, torch.ones(4), 1e-3), torch.zeros_like(x))
     assert calls == [1e-3]
 
@@ -463,9 +466,24 @@ def test_registered_backend_is_picked_up(registry: dict, monkeypatch: pytest.Mon
 def test_dispatch_rejects_bad_env_and_backend(registry: dict, monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError, match="unknown kernel backend"):
         kernels.register("rms_norm", "cuda", reference.rms_norm)
+    with pytest.raises(ValueError, match="kernel backend='fast'"):
+        kernels.set_backend("fast")
     monkeypatch.setenv(kernels.ENV_VAR, "fast")
-    with pytest.raises(ValueError, match="KEEPWARM_KERNELS"):
+    kernels.set_backend(None)  # re-read the environment at the next dispatch
+    with pytest.raises(ValueError, match="KEEPWARM_KERNELS='fast'"):
         kernels.rms_norm(torch.ones(2, 4), torch.ones(4), 1e-6)
+
+
+def test_backend_read_from_env_once(registry: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The environment is read at the first dispatch; changing it later has no effect until set_backend(None)."""
+    monkeypatch.setenv(kernels.ENV_VAR, "torch")
+    kernels.set_backend(None)
+    kernels.register("rms_norm", "triton", lambda *a: None)
+    assert kernels.select_backend("rms_norm", torch.device("cpu")) == "torch"
+    monkeypatch.setenv(kernels.ENV_VAR, "triton")
+    assert kernels.select_backend("rms_norm", torch.device("cpu")) == "torch"
+    assert kernels.set_backend("triton") == "torch"
+    assert kernels.select_backend("rms_norm", torch.device("cpu")) == "triton"
 
 
 def test_backend_choice_logged_once(registry: dict, caplog: pytest.LogCaptureFixture) -> None:

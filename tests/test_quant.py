@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import warnings
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -40,8 +41,11 @@ SHAPES = [(64, 256), (48, 192), (80, 96)]
 
 
 @pytest.fixture(autouse=True)
-def _default_backend(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(kernels.ENV_VAR, raising=False)
+def _default_backend() -> Iterator[None]:
+    # A KEEPWARM_KERNELS left in the environment (or a test's set_backend) must not change what others exercise.
+    previous = kernels.set_backend("auto")
+    yield
+    kernels.set_backend(previous)
 
 
 def _weight(n: int, k: int, seed: int = 0) -> torch.Tensor:

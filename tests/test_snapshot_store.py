@@ -70,3 +70,41 @@ def test_gc_drops_unnamed_blobs_stale_index_entries_and_staging(store: Store) ->
     assert (removed, freed) == (1, len(b"orphan"))
     assert not store.has_blob(orphan.digest)
     assert list(store.index_dir.iterdir()) == [] and list(store.tmp_dir.iterdir()) == []
+
+
+@pytest.mark.parametrize("limit", [None, 5 * 4096 + 123])
+def test_chunks_written_intact_by_a_slow_writer(tmp_path, monkeypatch: pytest.MonkeyPatch, limit) -> None:
+    """file_chunks reads ahead into its second buffer while pipe_hashing's thread still writes the first: with a
+    writer slower than the reader, one shared buffer (or no wait for the previous write) corrupts the copy."""
+    import time
+
+    from keepwarm.snapshot import store as store_mod
+
+    monkeypatch.setattr(store_mod, "CHUNK", 4096)  # many chunks from a small file
+    data = os.urandom(5 * 4096 + 123 + (777 if limit is None else 4096))
+    src = tmp_path / "src"
+    src.write_bytes(data)
+    real_write = store_mod._write_all
+
+    def slow_write(fd: int, mv: memoryview) -> None:
+        time.sleep(0.02)  # the reader refills the other buffer meanwhile
+        real_write(fd, mv)
+
+    monkeypatch.setattr(store_mod, "_write_all", slow_write)
+    fd = os.open(tmp_path / "dst", os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        with open(src, "rb", buffering=0) as f:
+            digest, size = store_mod.pipe_hashing(store_mod.file_chunks(f, limit), fd)
+    finally:
+        os.close(fd)
+    want = data if limit is None else data[:limit]
+    assert (digest, size) == (hashlib.sha256(want).hexdigest(), len(want))
+    assert (tmp_path / "dst").read_bytes() == want
+
+
+def test_file_chunks_refuses_short_data(tmp_path) -> None:
+    from keepwarm.snapshot.store import file_chunks
+
+    (tmp_path / "src").write_bytes(b"abc")
+    with open(tmp_path / "src", "rb", buffering=0) as f, pytest.raises(SnapshotError, match="2 bytes missing"):
+        list(file_chunks(f, 5))

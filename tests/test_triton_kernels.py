@@ -29,6 +29,7 @@ import os
 import subprocess
 import sys
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -64,8 +65,11 @@ SUITE = "test_interpreter_suite_in_subprocess"
 
 
 @pytest.fixture(autouse=True)
-def _default_backend(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(kernels.ENV_VAR, raising=False)
+def _default_backend() -> Iterator[None]:
+    # A KEEPWARM_KERNELS left in the environment (or a test's set_backend) must not change what others exercise.
+    previous = kernels.set_backend("auto")
+    yield
+    kernels.set_backend(previous)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -101,11 +105,8 @@ def test_kernels_are_interpreted_and_registered() -> None:
         assert kernels._IMPLS[name]["triton"] is fn
     # auto keeps CPU tensors on torch; forcing triton picks these kernels.
     assert kernels.select_backend("paged_attention", torch.device("cpu")) == "torch"
-    os.environ[kernels.ENV_VAR] = "triton"
-    try:
-        assert kernels.get_impl("paged_attention", torch.device("cpu")) is ta.paged_attention
-    finally:
-        del os.environ[kernels.ENV_VAR]
+    kernels.set_backend("triton")
+    assert kernels.get_impl("paged_attention", torch.device("cpu")) is ta.paged_attention
 
 
 # --------------------------------------------------------------------------- dtype helpers
@@ -579,7 +580,7 @@ def test_tiny_model_greedy_same_tokens_on_triton(tiny_llama: str, monkeypatch: p
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     tokens = {}
     for backend in ("torch", "triton"):
-        monkeypatch.setenv(kernels.ENV_VAR, backend)
+        kernels.set_backend(backend)
         llm = LLM(model=tiny_llama, dtype="float32", max_model_len=128, num_gpu_blocks=32, block_size=16,
                   daemon=False, device="cpu", quantization="int8", max_num_batched_tokens=24)
         tokens[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]

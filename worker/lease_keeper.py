@@ -18,27 +18,17 @@ Rules:
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 import threading
 from pathlib import Path
 
 from keepwarm.daemon.client import DaemonClient, DaemonError
+from keepwarm.daemon.leases import pid_alive
 
 
 def _say(line: str) -> None:
     with contextlib.suppress(BrokenPipeError, ValueError):  # the worker stopped reading: it is gone or going
         print(" ".join(line.split()), flush=True)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def run(runtime_dir: str, lease: str, pid: int, ttl: float, model: str, quantization: str, dtype: str,
@@ -59,7 +49,7 @@ def run(runtime_dir: str, lease: str, pid: int, ttl: float, model: str, quantiza
     client = DaemonClient(Path(runtime_dir) if runtime_dir else None, timeout=max(1.0, interval))
     try:
         while not stop.wait(interval):
-            if not _pid_alive(pid):
+            if not pid_alive(pid):  # a zombie worker counts as gone, as in the daemon
                 return 0
             try:
                 client.heartbeat(lease)
