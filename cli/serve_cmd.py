@@ -128,7 +128,10 @@ def register(app: typer.Typer) -> None:
 
     serve.__signature__ = serve_signature()  # type: ignore[attr-defined]  # what typer reads
     app.command(context_settings={"help_option_names": ["-h", "--help"]})(serve)
+    _register_restart(app)
 
+
+def _register_restart(app: typer.Typer) -> None:
     def restart(model: str | None = None, config: str | None = None, python: str | None = None,
                 prepare: bool = False, timeout: float = 300.0, **options: Any) -> None:
         """Restart a `serve --zygote` server with no downtime: a new worker (these flags merged over the running

@@ -146,19 +146,9 @@ def serve(config: ServerConfig, process_start: float | None = None, listener: so
     fatal_hook.append(lambda e: _exit_on_fatal(state, server, e))
     if async_engine.errored is not None:
         _exit_on_fatal(state, server, async_engine.errored)
-    info = state.weights_info()
     where = (f"the supervisor's socket ({listener.getsockname()})" if listener else
-             f"systemd socket fd 3 ({inherited.getsockname()})" if inherited else f"http://{config.host}:{config.port}")
-    source = (f"weights from the daemon, attached in {info['attach_seconds'] * 1e3:.0f} ms" if info["source"] ==
-              "daemon" else f"weights from disk in {info['attach_seconds']:.2f}s "
-                            f"({info['fallback_reason'] or 'daemon disabled'})")
-    started = (time.perf_counter() - t0) if process_start is None else (time.time() - process_start)
-    print(f"keepwarm {__version__} serving {names[0]} on {where}; {source}; ready {started:.2f}s after start",
-          flush=True)
-    if not inherited:
-        print(f"  try: curl http://{config.host}:{config.port}/v1/completions -H 'Content-Type: application/json' "
-              f"-d '{{\"model\": \"{names[0]}\", \"prompt\": \"The capital of France is\", \"max_tokens\": 16}}'",
-              flush=True)
+             f"systemd socket fd 3 ({inherited.getsockname()})" if inherited else None)
+    _announce(state, where, (time.perf_counter() - t0) if process_start is None else (time.time() - process_start))
     # uvicorn re-raises the signal it caught once it has shut down, under the handler that was installed
     # before it; make that one a no-op so a drained SIGTERM ends in exit status 0, not death by signal.
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -173,6 +163,20 @@ def serve(config: ServerConfig, process_start: float | None = None, listener: so
               f"{FATAL_EXIT_CODE} so the supervisor restarts the server", file=sys.stderr, flush=True)
         return FATAL_EXIT_CODE
     return 0
+
+
+def _announce(state: ServerState, where: str | None, started: float) -> None:
+    """The "serving" line (and, on a socket of its own, a curl to try)."""
+    config, name, info = state.config, state.served_names[0], state.weights_info()
+    source = (f"weights from the daemon, attached in {info['attach_seconds'] * 1e3:.0f} ms" if info["source"] ==
+              "daemon" else f"weights from disk in {info['attach_seconds']:.2f}s "
+                            f"({info['fallback_reason'] or 'daemon disabled'})")
+    print(f"keepwarm {__version__} serving {name} on {where or f'http://{config.host}:{config.port}'}; {source}; "
+          f"ready {started:.2f}s after start", flush=True)
+    if where is None:
+        print(f"  try: curl http://{config.host}:{config.port}/v1/completions -H 'Content-Type: application/json' "
+              f"-d '{{\"model\": \"{name}\", \"prompt\": \"The capital of France is\", \"max_tokens\": 16}}'",
+              flush=True)
 
 
 def _ready(state: ServerState, link: WorkerLink) -> Any:
