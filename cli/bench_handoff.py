@@ -7,7 +7,8 @@ For each restart (`keepwarm restart`'s request on the control socket):
 - the longest gap any load client saw: clients stream greedy completions back to back through the whole run; the
   gap is the longest time between two tokens a client received (across request boundaries, so a refused, reset or
   queued request shows), beside the same measure over STEADY_S seconds of the same load without restarts.
-Nothing is asserted; failed or cut-short load requests are counted in the row.
+Nothing is asserted; failed or cut-short load requests are counted in the row. The server runs with
+``--shutdown-timeout 600``, so an old worker's drain is not cut short on a slow machine.
 """
 
 from __future__ import annotations

@@ -187,8 +187,8 @@ def restart(
                 warm.append(secs)
             counters = client.status()["counters"]
             port = _free_port()
-            zygote = zygote_rows(_keepwarm_cmd(model, port, dtype, threads, "--zygote"), env, port, rt, prompt_ids,
-                                 repeats, _start_to_first_token, _kill)
+            cmd = _keepwarm_cmd(model, port, dtype, threads, "--zygote", "--shutdown-timeout", "600")
+            zygote = zygote_rows(cmd, env, port, rt, prompt_ids, repeats, _start_to_first_token, _kill)
         finally:
             client.shutdown()
             client.close()
