@@ -42,7 +42,7 @@ def supervised(tiny_llama, tmp_path_factory):
         client.preload(tiny_llama, "none", "float32")
         env = {"KEEPWARM_RUNTIME_DIR": str(rt)}
         server = ServeProcess(tiny_llama, "--zygote", "--config", toml, "--dtype", "float32", "--max-model-len",
-                              "256", "--threads", "1", "--served-model-name", "tiny", "--shutdown-timeout", "20",
+                              "256", "--threads", "1", "--served-model-name", "tiny", "--shutdown-timeout", "120",
                               env=env, timeout=180)
         server.env = {**os.environ, **env}
         server.toml = toml
