@@ -21,7 +21,7 @@ import httpx
 import openai
 import pytest
 import torch
-from _serve import ServeProcess, metric, parse_metrics
+from _serve import ServeProcess, free_port, metric, parse_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -41,11 +41,14 @@ def supervised(tiny_llama, tmp_path_factory):
     try:
         client.preload(tiny_llama, "none", "float32")
         env = {"KEEPWARM_RUNTIME_DIR": str(rt)}
-        server = ServeProcess(tiny_llama, "--zygote", "--config", toml, "--dtype", "float32", "--max-model-len",
+        grpc_port = free_port()
+        server = ServeProcess(tiny_llama, "--zygote", "--grpc", "--grpc-port", str(grpc_port), "--config", toml,
+                              "--dtype", "float32", "--max-model-len",
                               "256", "--threads", "1", "--served-model-name", "tiny", "--shutdown-timeout", "120",
                               env=env, timeout=180)
         server.env = {**os.environ, **env}
         server.toml = toml
+        server.grpc_port = grpc_port
         yield server
     finally:
         if server is not None:
@@ -178,6 +181,15 @@ def test_restarts_under_load(supervised) -> None:
     assert metric(samples, "keepwarm:restarts_total", mode="zygote") == 5
     assert metric(samples, "keepwarm:restart_duration_seconds_count") == 5
     assert "SIGHUP: handoff in" in supervised.output()
+    # gRPC (--grpc) moved to the new worker too: the port is shared across the handoff, the old one stopped
+    import grpc
+
+    from keepwarm.worker.api.grpc_gen import keepwarm_pb2 as pb
+    from keepwarm.worker.api.grpc_gen import keepwarm_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(f"127.0.0.1:{supervised.grpc_port}") as channel:
+        health = pb_grpc.KeepwarmStub(channel).Health(pb.HealthRequest(), timeout=30)
+    assert health.status == pb.HealthResponse.SERVING
 
 
 def test_a_restart_that_fails_its_warm_up_leaves_the_old_worker_serving(supervised) -> None:

@@ -134,12 +134,23 @@ def serve(config: ServerConfig, process_start: float | None = None, listener: so
                 link.say(_ready(state, link))
 
         def hand_over(self) -> None:
-            """Drain for a handoff: stop accepting now (the new worker accepts on the same socket), let what is
-            in flight and what already arrived finish, exit. /health stays 200 meanwhile: this worker is fine."""
+            """Drain for a handoff: stop accepting now (the new worker accepts on the same socket); requests in
+            flight, and any that arrive over connections already open, are answered with ``Connection: close``;
+            exit once every connection has closed (idle ones at the keep-alive timeout) or after
+            ``shutdown_timeout``. /health stays 200 meanwhile: this worker is fine."""
             for srv in self.servers:
                 srv.close()
+            state.handing_over = True
+            if grpc_server is not None:  # in-flight RPCs get the drain's time; new ones go to the new worker
+                threading.Thread(target=grpc_server.stop, args=(config.shutdown_timeout,), daemon=True).start()
             if link is not None:
                 link.say(_draining())
+            self.handover_task = asyncio.get_running_loop().create_task(self._exit_when_closed())
+
+        async def _exit_when_closed(self) -> None:
+            deadline = time.monotonic() + config.shutdown_timeout
+            while self.server_state.connections and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
             self.should_exit = True
 
     server = _Server(uv_config)

@@ -31,6 +31,7 @@ class ServerState:
     metrics: ServerMetrics | None = None
     fatal: BaseException | None = None  # the engine died: the process is exiting non-zero (70)
     link: Any = None  # keepwarm.worker.api.zygote.WorkerLink under the supervisor (`serve --zygote`), else None
+    handing_over: bool = False  # a new worker took the socket: responses close their connection (app.py)
     admission: Admission = field(init=False)
 
     def __post_init__(self) -> None:
