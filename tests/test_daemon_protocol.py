@@ -143,3 +143,31 @@ def test_parsed_arguments_are_frozen(verb: str) -> None:
     parsed = p.parse_args(verb, args)
     with pytest.raises(dataclasses.FrozenInstanceError):
         parsed.extra = 1
+
+
+def test_decode_reply_checks_every_field() -> None:
+    full = {"lease_id": "l1", "lease_ttl": 5, "manifest": "{}", "arena": {"kind": "cpu"}, "origin": "preload"}
+    r = p.decode_reply(p.AttachReply, {"v": 1, "id": "x", "ok": True, **full})  # envelope keys are not fields
+    assert r == p.AttachReply("l1", 5, "{}", {"kind": "cpu"}, "preload") and r.cached is False
+    assert r["lease_id"] == "l1" and r.get("nope", 3) == 3 and r.to_dict() == {**full, "cached": False}
+    assert p.decode_reply(p.AttachReply, {**full, "cached": True}).cached is True
+    for name in full:
+        with pytest.raises(p.ProtocolError, match=f"AttachReply: missing field '{name}'") as e:
+            p.decode_reply(p.AttachReply, {k: v for k, v in full.items() if k != name})
+        assert e.value.code == "bad_reply"
+    with pytest.raises(p.ProtocolError, match="field 'lease_ttl' must be <class 'float'>, got str"):
+        p.decode_reply(p.AttachReply, {**full, "lease_ttl": "5"})
+    with pytest.raises(p.ProtocolError, match="field 'cached' must be <class 'bool'>, got int"):
+        p.decode_reply(p.AttachReply, {**full, "cached": 1})
+
+
+def test_replies_are_frozen() -> None:
+    import dataclasses
+
+    replies = p.Reply.__subclasses__()
+    assert len(replies) >= 3
+    for cls in replies:
+        assert cls.__dataclass_params__.frozen, cls  # type: ignore[attr-defined]
+    r = p.AttachReply("l", 1.0, "{}", {}, "preload")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        r.cached = True  # type: ignore[misc]

@@ -245,3 +245,40 @@ def test_min_tokens_bans_stop_token_id_zero_too() -> None:
     assert early.token_ids == [1]  # banned: the next best (lowest id on the tie)
     late = Sampler().sample(logits, [seq(output=[5, 6], temperature=0.0, min_tokens=2, stop_token_ids=[0])])
     assert late.token_ids == [0]
+
+
+def test_logprobs_one_keeps_the_top_one() -> None:
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0]])
+    lp = Sampler().sample(logits, [seq(temperature=0.0, logprobs=1)]).logprobs[0]
+    assert lp is not None and lp.token_id == 1 and [t for t, _ in lp.top] == [1]
+
+
+def test_penalties_over_ragged_rows() -> None:
+    """Rows of different output and prompt lengths are padded to one tensor; the pad never counts."""
+    logits = torch.zeros(2, 6)
+    seqs = [seq(prompt=[5], output=[1, 1], frequency_penalty=1.0),
+            seq(prompt=[0, 1, 2, 3, 4], output=[2, 2, 2, 3, 3], frequency_penalty=1.0, repetition_penalty=2.0)]
+    got = apply_penalties(logits, seqs)
+    torch.testing.assert_close(got[0], torch.tensor([0.0, -2.0, 0.0, 0.0, 0.0, 0.0]))
+    torch.testing.assert_close(got[1], torch.tensor([0.0, 0.0, -3.0, -2.0, 0.0, 0.0]))
+
+
+class _OnlyToken:
+    """A stand-in grammar that allows one token (the sampler only asks for the bitmask)."""
+
+    def __init__(self, token: int) -> None:
+        self.token = token
+
+    def fill_bitmask(self, row: torch.Tensor) -> None:
+        row.zero_()
+        row[self.token // 32] = 1 << (self.token % 32)
+
+
+@pytest.mark.parametrize("token", [3, 37, 49])
+def test_grammar_rows_keep_only_allowed_tokens(token: int) -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(2, 50)
+    constrained, free = seq(temperature=0.0), seq(temperature=0.0)
+    constrained.grammar = _OnlyToken(token)  # type: ignore[assignment]
+    out = Sampler().sample(logits, [constrained, free])
+    assert out.token_ids == [token, int(logits[1].argmax())]

@@ -179,3 +179,16 @@ def test_a_partial_prefix_hit_computes_exactly_the_rest() -> None:
     s.add(other)  # shares one block (4 tokens) with first, then differs
     batch = s.schedule()
     assert other.num_cached_prompt_tokens == 4 and batch.num_new_tokens == [6]
+
+
+def test_prompt_logprobs_skip_the_prefix_cache() -> None:
+    """A request asking for prompt logprobs computes its whole prompt even when its prefix is cached (the cached
+    tokens' logprobs were never kept)."""
+    s = make()
+    first = seq("first", 9)
+    s.add(first)
+    step(s)
+    s.finish(first, SequenceStatus.FINISHED_STOPPED)
+    again = Sequence("again", list(range(1, 10)), SamplingParams(temperature=0, max_tokens=100, prompt_logprobs=1))
+    s.add(again)
+    assert step(s).num_new_tokens == [9] and again.num_cached_prompt_tokens == 0

@@ -108,3 +108,20 @@ def test_file_chunks_refuses_short_data(tmp_path) -> None:
     (tmp_path / "src").write_bytes(b"abc")
     with open(tmp_path / "src", "rb", buffering=0) as f, pytest.raises(SnapshotError, match="2 bytes missing"):
         list(file_chunks(f, 5))
+
+
+def test_default_root_dirs_modes_and_empty_sizes(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KEEPWARM_HOME", str(tmp_path / "home"))
+    store = Store()
+    assert store.root == tmp_path / "home" / "store"
+    assert store.stored_bytes() == 0  # nothing made yet: zero, not an error
+    store.ensure()
+    for d in (store.root, store.blobs_dir, store.snapshots_dir, store.index_dir, store.tmp_dir):
+        assert oct(d.stat().st_mode & 0o777) == "0o700", d
+
+
+def test_gc_refuses_while_a_create_holds_the_store(store: Store) -> None:
+    """gc removes blobs, so it takes the store exclusively: a create/restore/import (shared) holding it stops it."""
+    with store.lock(), pytest.raises(SnapshotError, match="is in use"):
+        store.gc()
+    assert store.gc() == (0, 0)  # free again

@@ -14,6 +14,7 @@ the last run and how each survivor was judged.
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import random
 import shlex
@@ -62,10 +63,42 @@ def test_command(src: Path, pkg_root: Path, tests: list[str]) -> str:
             f"-p no:cacheprovider --rootdir {src} -c {src / 'pyproject.toml'} {args}")
 
 
-def sample(db: Path, n: int, seed: int) -> int:
-    """Keep n of the session's mutants (seeded); returns how many there were."""
+def annotation_spans(path: Path) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    """(start, end) (line, column) of every annotation in a module under ``from __future__ import annotations``:
+    never evaluated, so a mutant inside one is equivalent by construction (none when the import is missing)."""
+    tree = ast.parse(path.read_text())
+    if not any(isinstance(n, ast.ImportFrom) and n.module == "__future__" and any(a.name == "annotations"
+               for a in n.names) for n in tree.body):
+        return []
+    anns: list[ast.expr | None] = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            a = node.args
+            anns.append(node.returns)
+            anns += [x.annotation for x in (*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg) if x]
+        elif isinstance(node, ast.AnnAssign):
+            anns.append(node.annotation)
+    return [((x.lineno, x.col_offset), (x.end_lineno or x.lineno, x.end_col_offset or 0)) for x in anns if x]
+
+
+def drop_annotation_mutants(db: Path, module: Path) -> int:
+    """Remove the session's mutants that lie inside an annotation (see annotation_spans); returns how many."""
+    spans = annotation_spans(module)
     con = sqlite3.connect(db)
-    ids = [r[0] for r in con.execute("SELECT job_id FROM work_items ORDER BY job_id")]
+    rows = con.execute("SELECT job_id, start_pos_row, start_pos_col FROM mutation_specs").fetchall()
+    drop = [(j,) for j, row, col in rows if any(lo <= (row, col) < hi for lo, hi in spans)]
+    con.executemany("DELETE FROM mutation_specs WHERE job_id = ?", drop)
+    con.executemany("DELETE FROM work_items WHERE job_id = ?", drop)
+    con.commit()
+    con.close()
+    return len(drop)
+
+
+def sample(db: Path, n: int, seed: int) -> int:
+    """Keep n of the session's mutants (seeded, in a stable order: job ids are random uuids); returns how many
+    there were."""
+    con = sqlite3.connect(db)
+    ids = [r[0] for r in con.execute("SELECT job_id FROM mutation_specs ORDER BY operator_name, occurrence")]
     keep = set(random.Random(seed).sample(ids, n)) if n < len(ids) else set(ids)
     drop = [(i,) for i in ids if i not in keep]
     con.executemany("DELETE FROM mutation_specs WHERE job_id = ?", drop)
@@ -106,6 +139,8 @@ def run_module(name: str, src: Path, pkg_root: Path, out: Path, n: int | None, s
         print(f"{name}: re-testing {reopen_survivors(db, src, path)} surviving mutants", flush=True)
     else:
         subprocess.run([VENV_CR / "cosmic-ray", "init", cfg, db], check=True, cwd=src)
+        dropped = drop_annotation_mutants(db, src / path)
+        print(f"{name}: {dropped} mutants inside annotations left out (never evaluated: equivalent)", flush=True)
         total = sample(db, n, seed) if n else None
     subprocess.run([VENV_CR / "cosmic-ray", "exec", cfg, db], check=True, cwd=src)
     report = subprocess.run([VENV_CR / "cr-report", db, "--surviving-only", "--show-diff"], capture_output=True,
