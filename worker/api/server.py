@@ -118,6 +118,35 @@ def serve(config: ServerConfig, process_start: float | None = None, listener: so
         uv_options["backlog"] = listen_backlog()
     uv_config = uvicorn.Config(app, **uv_options)
 
+    server = _uvicorn_server(uv_config, state, link, grpc_server)
+    fatal_hook.append(lambda e: _exit_on_fatal(state, server, e))
+    if async_engine.errored is not None:
+        _exit_on_fatal(state, server, async_engine.errored)
+    where = (f"the supervisor's socket ({listener.getsockname()})" if listener else
+             f"systemd socket fd 3 ({inherited.getsockname()})" if inherited else None)
+    _announce(state, where, (time.perf_counter() - t0) if process_start is None else (time.time() - process_start))
+    # uvicorn re-raises the signal it caught once it has shut down, under the handler that was installed
+    # before it; make that one a no-op so a drained SIGTERM ends in exit status 0, not death by signal.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    try:
+        server.run(sockets=[inherited] if inherited else None)
+    finally:
+        if grpc_server is not None:
+            grpc_server.stop(grace=1.0)
+    if state.fatal is not None:
+        print(f"keepwarm: the engine failed ({type(state.fatal).__name__}: {state.fatal}); exiting with status "
+              f"{FATAL_EXIT_CODE} so the supervisor restarts the server", file=sys.stderr, flush=True)
+        return FATAL_EXIT_CODE
+    return 0
+
+
+def _uvicorn_server(uv_config: Any, state: ServerState, link: WorkerLink | None, grpc_server: Any) -> Any:
+    """uvicorn's server with keepwarm's drain on SIGTERM/SIGINT and, under the supervisor, Ready and the handoff."""
+    import uvicorn
+
+    config = state.config
+
     class _Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: Any) -> None:
             if not state.draining:
@@ -153,27 +182,7 @@ def serve(config: ServerConfig, process_start: float | None = None, listener: so
                 await asyncio.sleep(0.05)
             self.should_exit = True
 
-    server = _Server(uv_config)
-    fatal_hook.append(lambda e: _exit_on_fatal(state, server, e))
-    if async_engine.errored is not None:
-        _exit_on_fatal(state, server, async_engine.errored)
-    where = (f"the supervisor's socket ({listener.getsockname()})" if listener else
-             f"systemd socket fd 3 ({inherited.getsockname()})" if inherited else None)
-    _announce(state, where, (time.perf_counter() - t0) if process_start is None else (time.time() - process_start))
-    # uvicorn re-raises the signal it caught once it has shut down, under the handler that was installed
-    # before it; make that one a no-op so a drained SIGTERM ends in exit status 0, not death by signal.
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: None)
-    try:
-        server.run(sockets=[inherited] if inherited else None)
-    finally:
-        if grpc_server is not None:
-            grpc_server.stop(grace=1.0)
-    if state.fatal is not None:
-        print(f"keepwarm: the engine failed ({type(state.fatal).__name__}: {state.fatal}); exiting with status "
-              f"{FATAL_EXIT_CODE} so the supervisor restarts the server", file=sys.stderr, flush=True)
-        return FATAL_EXIT_CODE
-    return 0
+    return _Server(uv_config)
 
 
 def _announce(state: ServerState, where: str | None, started: float) -> None:
