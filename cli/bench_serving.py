@@ -28,6 +28,7 @@ from keepwarm.cli.bench import (
     smoke_start,
     vllm_env,
 )
+from keepwarm.cli.bench_handoff import describe, zygote_rows
 
 
 def _free_port() -> int:
@@ -141,7 +142,8 @@ def restart(
     smoke: Annotated[bool, typer.Option("--smoke", help=SMOKE_HELP)] = False,
 ) -> None:
     """Restart-to-first-token: process start to the first streamed token, for a warm restart (attach to the daemon),
-    a cold start (--no-daemon, page cache dropped), the import floor, and vLLM's api_server."""
+    a cold start (--no-daemon, page cache dropped), the import floor, and vLLM's api_server; and `serve --zygote`
+    restarted under load (restart to first token, handoff, the longest gap a client saw: cli/bench_handoff.py)."""
     if smoke:
         smoke_start(vllm_python)
         models, repeats, vllm_python = str(smoke_model()), 1, None
@@ -184,12 +186,17 @@ def restart(
                 _kill(proc)  # kill -9: the crash case; the daemon keeps the weights
                 warm.append(secs)
             counters = client.status()["counters"]
+            port = _free_port()
+            cmd = _keepwarm_cmd(model, port, dtype, threads, "--zygote", "--shutdown-timeout", "600")
+            zygote = zygote_rows(cmd, env, port, rt, prompt_ids, repeats, _start_to_first_token, _kill)
         finally:
             client.shutdown()
             client.close()
         row.update(warm_restart_s=warm, daemon_preloads=counters["preloads"], daemon_attaches=counters["attaches"])
         typer.echo(f"  warm restart (attach):            {statistics.median(warm):.2f}s  {warm}  "
                    f"(daemon preloads {counters['preloads']}, attaches {counters['attaches']})")
+        row.update(zygote)
+        typer.echo(describe(zygote))
 
         if vllm_python:
             venv_env = vllm_env(vllm_python)

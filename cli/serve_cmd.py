@@ -104,16 +104,15 @@ def register(app: typer.Typer) -> None:
         start = time.time()
         from keepwarm.cli.main import fail
 
-        flags = {"model": model, **options}
-        if flags.get("served_model_name") == []:
-            flags["served_model_name"] = None
-        if flags.get("lora_modules") == []:
-            flags["lora_modules"] = None
+        flags = _given_flags(model, options)
         try:
             file_values = load_toml(config) if config else {}
             cfg = build_config(file_values, flags)
         except ConfigError as e:
             fail(str(e), code=2)
+            return
+        if cfg.zygote:
+            _supervise(config, flags)
             return
         from keepwarm.daemon.client import DaemonError
         from keepwarm.formats.model_config import ModelConfigError
@@ -129,3 +128,77 @@ def register(app: typer.Typer) -> None:
 
     serve.__signature__ = serve_signature()  # type: ignore[attr-defined]  # what typer reads
     app.command(context_settings={"help_option_names": ["-h", "--help"]})(serve)
+    _register_restart(app)
+
+
+def _register_restart(app: typer.Typer) -> None:
+    def restart(model: str | None = None, config: str | None = None, python: str | None = None,
+                prepare: bool = False, timeout: float = 300.0, **options: Any) -> None:
+        """Restart a `serve --zygote` server with no downtime: a new worker (these flags merged over the running
+        ones) starts beside the old one, takes the listening socket once warm, and the old one drains."""
+        from keepwarm.cli.main import fail
+        from keepwarm.worker.api import ipc
+
+        flags = {k: v for k, v in _given_flags(model, options).items() if v is not None}
+        port = flags.get("port", ServerConfig.port)
+        if config:
+            try:
+                load_toml(config)
+            except ConfigError as e:
+                fail(str(e), code=2)
+                return
+        request = ipc.RestartRequest(flags=flags, config_file=str(Path(config).absolute()) if config else None,
+                                     python=python, prepare=prepare, timeout=timeout)
+        t0 = time.monotonic()
+        try:
+            reply = ipc.request_restart(port, request)
+        except (ConnectionError, OSError) as e:
+            fail(str(e))
+            return
+        if not reply.ok:
+            fail(f"restart failed: {reply.message}")
+            return
+        if prepare:
+            typer.echo(f"prepared for port {port}: {reply.message}")
+            return
+        if reply.mode == "cold":
+            typer.echo(f"keepwarm: warning: {reply.message.split('; cold start: ', 1)[-1]}: this restart was a "
+                       "cold start", err=True)
+        typer.echo(f"restarted port {port}: {reply.message} (command: {time.monotonic() - t0:.3f}s)")
+
+    extra = [
+        inspect.Parameter("python", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Annotated[
+            str | None, typer.Option("--python", help="Fork the new worker from this Python's keepwarm (an "
+                                                      "upgrade); its zygote starts now unless --prepare'd.")]),
+        inspect.Parameter("prepare", inspect.Parameter.KEYWORD_ONLY, default=False, annotation=Annotated[
+            bool, typer.Option("--prepare", help="Only start --python's zygote in the background.")]),
+        inspect.Parameter("timeout", inspect.Parameter.KEYWORD_ONLY, default=300.0, annotation=Annotated[
+            float, typer.Option("--timeout", help="Seconds the new worker has to become ready.")]),
+    ]
+    sig = serve_signature()
+    restart.__signature__ = sig.replace(parameters=[*sig.parameters.values(), *extra])  # type: ignore[attr-defined]
+    app.command(context_settings={"help_option_names": ["-h", "--help"]})(restart)
+
+
+def _given_flags(model: str | None, options: dict[str, Any]) -> dict[str, Any]:
+    flags = {"model": model, **options}
+    for key in ("served_model_name", "lora_modules"):
+        if flags.get(key) == []:
+            flags[key] = None
+    return flags
+
+
+def _supervise(config_file: str | None, flags: dict[str, Any]) -> None:
+    """`serve --zygote`: the supervisor (keepwarm.worker.api.supervisor) until SIGTERM; its worker's status."""
+    import logging
+
+    from keepwarm.cli.main import fail
+    from keepwarm.worker.api.supervisor import Supervisor
+
+    try:
+        sup = Supervisor(config_file, flags, logging.getLevelName(logging.getLogger().getEffectiveLevel()))
+        code = sup.run()
+    except (ConfigError, OSError) as e:
+        fail(str(e))
+        return
+    raise typer.Exit(code)

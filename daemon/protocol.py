@@ -243,19 +243,27 @@ class AdapterReply(Reply):
 
 
 R = TypeVar("R", bound=Reply)
+T = TypeVar("T")
 
 
 def decode_reply(cls: type[R], msg: dict[str, Any]) -> R:
     """The typed reply in ``msg`` (an ``ok`` reply); ProtocolError ``bad_reply`` naming the field if it is not."""
+    return decode_fields(cls, msg)
+
+
+def decode_fields(cls: type[T], msg: dict[str, Any], code: str = "bad_reply") -> T:
+    """The frozen dataclass ``cls`` from the map ``msg``: every field present (or defaulted) and of its declared
+    type, extra keys ignored (a newer peer may add some); ProtocolError ``code`` naming the field otherwise. Also
+    used by the server's supervisor messages (keepwarm.worker.api.ipc)."""
     hints = typing.get_type_hints(cls)
     values = {}
     for f in dataclasses.fields(cls):  # type: ignore[arg-type]
         if f.name not in msg:
-            if f.default is dataclasses.MISSING:
-                raise ProtocolError("bad_reply", f"{cls.__name__}: missing field {f.name!r}")
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise ProtocolError(code, f"{cls.__name__}: missing field {f.name!r}")
             continue
         if not _type_ok(msg[f.name], hints[f.name]):
-            raise ProtocolError("bad_reply", f"{cls.__name__}: field {f.name!r} must be {hints[f.name]}, "
-                                             f"got {type(msg[f.name]).__name__}")
+            raise ProtocolError(code, f"{cls.__name__}: field {f.name!r} must be {hints[f.name]}, "
+                                      f"got {type(msg[f.name]).__name__}")
         values[f.name] = msg[f.name]
     return cls(**values)

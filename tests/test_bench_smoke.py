@@ -67,6 +67,12 @@ def test_bench_restart_smoke(bench_env, tmp_path) -> None:
     assert len(row["cold_start_s"]) == 1 and len(row["warm_restart_s"]) == 1
     assert row["daemon_preloads"] == 1 and row["daemon_attaches"] == 1
     assert not any(k.startswith("vllm_") for k in row)
+    # the zygote rows: one restart of `serve --zygote` under load, no load request failed
+    assert len(row["zygote_restart_to_first_token_s"]) == 1 and len(row["handoff_s"]) == 1
+    assert len(row["handoff_under_load_s"]) == 1
+    assert 0 < row["handoff_s"][0] < row["zygote_restart_to_first_token_s"][0]
+    assert row["load_requests"] > 0 and row["load_failed"] == 0
+    assert row["max_gap_under_restarts_s"] > 0 and row["max_gap_steady_s"] > 0
 
 
 def test_bench_serving_smoke(bench_env, tmp_path) -> None:

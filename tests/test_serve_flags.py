@@ -69,6 +69,7 @@ EFFECT_TESTS = {
     "trust_request_chat_template": "test_hostile::test_item5_a_request_chat_template_needs_the_trust_flag",
     "enable_auto_tool_choice": "test_tool_calls::test_tool_choice_rules",
     "tool_call_parser": "test_tool_calls::test_tool_choice_rules",
+    "zygote": "test_restart::test_restarts_under_load",
     # Effective only on a CUDA device (on a CPU the engine has no graphs and no device memory to size by).
     "enforce_eager": "test_gpu_reference::test_gpu_flags_reach_the_engine",
     "gpu_memory_utilization": "test_gpu_reference::test_gpu_flags_reach_the_engine",

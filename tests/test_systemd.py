@@ -81,7 +81,8 @@ def test_unit_settings() -> None:
         assert re.search(rf"^{re.escape(line)}$", daemon, re.M), line
     for line in ("After=keepwarm-daemon.service", "BindsTo=keepwarm-daemon.service", "Requires=keepwarm.socket",
                  "After=keepwarm.socket", "Restart=always", "Environment=KEEPWARM_RUNTIME_DIR=%t/keepwarm",
-                 "ExecStart=/usr/bin/env keepwarm serve --config /etc/keepwarm/server.toml", "KillSignal=SIGTERM"):
+                 "ExecStart=/usr/bin/env keepwarm serve --zygote --config /etc/keepwarm/server.toml",
+                 "ExecReload=/bin/kill -HUP $MAINPID", "KillMode=mixed", "KillSignal=SIGTERM"):
         assert re.search(rf"^{re.escape(line)}$", server, re.M), line
     for line in ("ListenStream=127.0.0.1:8000", "Service=keepwarm-server.service"):
         assert re.search(rf"^{re.escape(line)}$", sock, re.M), line

@@ -23,7 +23,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from keepwarm.formats.version import __version__
 from keepwarm.worker.api import openapi
@@ -50,7 +50,8 @@ def build_app(state: ServerState) -> FastAPI:
 
     app = FastAPI(title="keepwarm", version=__version__, lifespan=lifespan)
     app.state.keepwarm = state
-    state.metrics = ServerMetrics(lambda: state.async_engine.snapshot, state.model_name, state.weights_info)
+    state.metrics = ServerMetrics(lambda: state.async_engine.snapshot, state.model_name, state.weights_info,
+                                  state.restart_history)
     _add_auth(app, state.config.api_key)
     _add_error_handlers(app)
     for resource in (admin, models, adapters, completions, chat, responses, tokenize):
@@ -59,6 +60,8 @@ def build_app(state: ServerState) -> FastAPI:
     app.add_middleware(AdmissionLimit, admission=state.admission, paths=GENERATION_PATHS)
     app.add_middleware(ConnectionLimits, max_body_bytes=int(state.config.max_request_body_mb * (1 << 20)),
                        timeout=state.config.client_timeout)
+    if state.link is not None:
+        app.add_middleware(CloseWhenHandingOver, state=state)
     openapi.install(app)
     return app
 
@@ -84,6 +87,29 @@ class ApiKeyMiddleware:
             await response(scope, receive, send)
             return
         await self.app(scope, receive, send)
+
+
+class CloseWhenHandingOver:
+    """Under the supervisor, once this worker hands over (``state.handing_over``), every response says
+    ``Connection: close``: a client that reuses a kept-alive connection to this worker gets its answer here and then
+    connects afresh, to the new worker. Closing idle connections ourselves instead would race with a client sending
+    on one at that moment (the request would be lost: the failure this avoids)."""
+
+    def __init__(self, app: ASGIApp, state: ServerState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_closing(message: Message) -> None:
+            if message["type"] == "http.response.start" and self.state.handing_over:
+                message = {**message, "headers": [*message.get("headers", []), (b"connection", b"close")]}
+            await send(message)
+
+        await self.app(scope, receive, send_closing)
 
 
 def _add_auth(app: FastAPI, api_key: str | None) -> None:

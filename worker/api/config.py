@@ -90,6 +90,9 @@ class ServerConfig:
     grpc_port: int = 50051
     shutdown_timeout: float = setting(30.0, Flag("Seconds to drain on SIGTERM."))
     threads: int | None = setting(None, Flag("torch threads."))  # default: torch's choice
+    # a supervisor that owns the listening socket and forks workers from a pre-imported zygote (keepwarm restart)
+    zygote: bool = setting(False, Flag("Serve from a supervisor: workers forked from a pre-imported zygote, "
+                                       "restarted with no downtime by `keepwarm restart` or SIGHUP."))
     uvicorn_log_level: str = "warning"
     # limits (docs/reliability.md)
     trust_request_chat_template: bool = setting(False, Flag(

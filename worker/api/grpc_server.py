@@ -241,8 +241,11 @@ class GrpcServer:
 
     async def _start(self, state: ServerState, host: str, port: int, ready: concurrent.futures.Future) -> None:
         # No SO_REUSEPORT: a port another process serves must fail to bind here rather than be shared silently.
+        # Except under the supervisor (`serve --zygote`): its old and new worker share the port across a handoff
+        # (restarts are serialised, so no more than those two), and the old one stops its gRPC server on Drain.
         interceptors = [ApiKeyInterceptor(state.config.api_key)] if state.config.api_key else []
-        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)], interceptors=interceptors)
+        reuse = 1 if state.link is not None else 0
+        server = grpc.aio.server(options=[("grpc.so_reuseport", reuse)], interceptors=interceptors)
         pb_grpc.add_KeepwarmServicer_to_server(KeepwarmServicer(state), server)
         try:
             bound = server.add_insecure_port(f"{_host(host)}:{port}")

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from keepwarm.worker.async_engine import EngineSnapshot
@@ -20,6 +20,7 @@ _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.7
                  20.0, 40.0, 80.0)
 _TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                  40.0, 80.0)
+RESTART_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0)
 _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                 480.0, 960.0)
 
@@ -75,11 +76,36 @@ class _SnapshotCollector(Collector):
         yield gauge("keepwarm:engine_steps", "Engine steps run.", s.steps)
 
 
+class _RestartCollector(Collector):
+    """The supervisor's restart history (``keepwarm serve --zygote``; zeros without a supervisor): it outlives
+    every worker, so each new worker is handed the history and shows it."""
+
+    def __init__(self, history: Callable[[], dict | None]) -> None:
+        self._history = history
+
+    def collect(self) -> Iterator:
+        h = self._history() or {}
+        total = CounterMetricFamily("keepwarm:restarts", "Restarts handed over to a new worker, by how it started "
+                                    "(zygote: forked warm; cold: a zygote had to be started first).",
+                                    labels=["mode"])
+        for mode in ("zygote", "cold"):
+            total.add_metric([mode], h.get("total", {}).get(mode, 0))
+        yield total
+        yield CounterMetricFamily("keepwarm:restarts_failed", "Restarts whose new worker failed; the old one kept "
+                                  "serving.", value=h.get("failed", 0))
+        durations = h.get("durations", [])
+        buckets = [(str(b), sum(d <= b for d in durations)) for b in RESTART_BUCKETS]
+        yield HistogramMetricFamily("keepwarm:restart_duration_seconds", "Restart request to the new worker "
+                                    "accepting on the listening socket.",
+                                    buckets=[*buckets, ("+Inf", len(durations))], sum_value=sum(durations))
+
+
 class ServerMetrics:
     def __init__(self, snapshot: Callable[[], EngineSnapshot], model_name: str,
-                 info: Callable[[], dict[str, object]]) -> None:
+                 info: Callable[[], dict[str, object]], restarts: Callable[[], dict | None] = lambda: None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(_SnapshotCollector(snapshot, model_name, info))
+        self.registry.register(_RestartCollector(restarts))
         labels = ["model_name", "engine"]
         self._labels = (model_name, "0")
         self.ttft = Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",

@@ -7,6 +7,7 @@ exit with status 70 when the engine cannot go on (so the supervisor restarts the
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import signal
@@ -15,19 +16,23 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from keepwarm.formats.version import __version__
 from keepwarm.worker.api.app import build_app
 from keepwarm.worker.api.config import ServerConfig
+from keepwarm.worker.api.listen import listen_backlog, systemd_socket
 from keepwarm.worker.api.state import ServerState
 from keepwarm.worker.async_engine import AsyncEngine
 from keepwarm.worker.default_model import DEFAULT_MODEL_NAME, default_model
 from keepwarm.worker.engine import EngineConfig, LLMEngine
 from keepwarm.worker.lora import parse_lora_modules
 from keepwarm.worker.lora_loader import load_adapter
+
+if TYPE_CHECKING:
+    from keepwarm.worker.api.zygote import WorkerLink
 
 __all__ = ["ServerState", "build_app", "create_engine", "serve"]
 
@@ -37,40 +42,9 @@ SWITCH_INTERVAL_S = 0.0005
 
 
 # -- running it ------------------------------------------------------------------------------------------------------
-def systemd_socket() -> socket.socket | None:
-    """The listening socket systemd passes (socket activation: LISTEN_PID is us, LISTEN_FDS >= 1, fd 3)."""
-    if os.environ.get("LISTEN_PID") != str(os.getpid()):
-        return None
-    try:
-        n = int(os.environ.get("LISTEN_FDS", "0"))
-    except ValueError:
-        return None
-    if n < 1:
-        return None
-    for var in ("LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES"):
-        os.environ.pop(var, None)  # not inherited by children
-    sock = socket.socket(fileno=3)
-    sock.set_inheritable(False)  # e.g. a daemon the engine starts must not hold the listening socket
-    sock.setblocking(False)
-    return sock
-
-
-def _listen_backlog() -> int:
-    """The backlog to re-``listen()`` an inherited socket with: the kernel's maximum (``net.core.somaxconn``).
-
-    asyncio calls ``listen()`` again on a socket it is given, which replaces the queue length systemd set
-    (``Backlog=``); asking for the maximum never shrinks it, so connections that arrive while the server restarts
-    keep waiting in the kernel's queue.
-    """
-    try:
-        with open("/proc/sys/net/core/somaxconn") as f:
-            return int(f.read())
-    except (OSError, ValueError):
-        return socket.SOMAXCONN
-
-
-def create_engine(config: ServerConfig) -> LLMEngine:
-    """The engine ``config`` describes, with the ``--lora-modules`` adapters registered (runs in the engine thread)."""
+def create_engine(config: ServerConfig, warm: bool = False) -> LLMEngine:
+    """The engine ``config`` describes, with the ``--lora-modules`` adapters registered (runs in the engine thread);
+    ``warm``: run one short greedy request first (see ``warm_up``)."""
     model = config.model
     if model is None:
         model = str(default_model())
@@ -80,11 +54,30 @@ def create_engine(config: ServerConfig) -> LLMEngine:
     if config.enable_lora:
         for name, path in parse_lora_modules(config.lora_modules):
             engine.add_lora(load_adapter(engine, name, path))
+    if warm:
+        warm_up(engine)
     return engine
 
 
-def serve(config: ServerConfig, process_start: float | None = None) -> int:
-    """Load or attach, then serve until SIGTERM/SIGINT; drains in-flight requests for ``shutdown_timeout``."""
+def warm_up(engine: LLMEngine) -> None:
+    """A prefill and a decode step through the whole engine (kernels' first-call setup, oneDNN primitives, CUDA
+    lazy init), so a worker handed the listening socket answers its first request at full speed. The prompt is
+    shorter than a KV block: nothing enters the prefix cache. It counts in the engine's statistics (one request)."""
+    from keepwarm.worker.sampling_params import SamplingParams
+
+    engine.add_request("keepwarm-warm-up", [1, 2, 3], SamplingParams(max_tokens=2, temperature=0.0,
+                                                                      ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def serve(config: ServerConfig, process_start: float | None = None, listener: socket.socket | None = None,
+          link: WorkerLink | None = None) -> int:
+    """Load or attach, then serve until SIGTERM/SIGINT; drains in-flight requests for ``shutdown_timeout``.
+
+    Under the supervisor (``keepwarm serve --zygote``) a forked worker gets the supervisor's ``listener`` and its
+    ``link``: it warms one step before serving, says Ready once it accepts, and on Drain (a handoff) closes its
+    listeners at once and finishes what is in flight, without refusing requests that already arrived."""
     import uvicorn
 
     from keepwarm.worker.api.tool_calls import PARSERS
@@ -100,17 +93,17 @@ def serve(config: ServerConfig, process_start: float | None = None) -> int:
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     t0 = time.perf_counter()
     # Take systemd's socket (and drop LISTEN_*) before anything can start a child process.
-    inherited = systemd_socket()
+    inherited = listener or systemd_socket()
     fatal_hook: list[Callable[[BaseException], None]] = []  # set once the server exists
 
     def on_fatal(error: BaseException) -> None:
         for hook in fatal_hook:
             hook(error)
 
-    async_engine = AsyncEngine(lambda: create_engine(config), on_fatal=on_fatal)
+    async_engine = AsyncEngine(lambda: create_engine(config, warm=link is not None), on_fatal=on_fatal)
     names = config.served_model_name or [config.model or DEFAULT_MODEL_NAME]
     assert async_engine.engine is not None  # built before AsyncEngine() returns (or it raised)
-    state = ServerState(config, async_engine.engine, async_engine, names)
+    state = ServerState(config, async_engine.engine, async_engine, names, link=link)
     app = build_app(state)
     grpc_server = None
     if config.grpc:
@@ -122,34 +115,16 @@ def serve(config: ServerConfig, process_start: float | None = None) -> int:
                                   # an idle keep-alive connection is closed after this (uvicorn's default: 5 s)
                                   "timeout_keep_alive": 5}
     if inherited:
-        uv_options["backlog"] = _listen_backlog()
+        uv_options["backlog"] = listen_backlog()
     uv_config = uvicorn.Config(app, **uv_options)
 
-    class _Server(uvicorn.Server):
-        def handle_exit(self, sig: int, frame: Any) -> None:
-            if not state.draining:
-                log.info("signal %d: draining (up to %.0fs)", sig, config.shutdown_timeout)
-            state.draining = True
-            state.async_engine.stop_accepting()
-            super().handle_exit(sig, frame)
-
-    server = _Server(uv_config)
+    server = _uvicorn_server(uv_config, state, link, grpc_server)
     fatal_hook.append(lambda e: _exit_on_fatal(state, server, e))
     if async_engine.errored is not None:
         _exit_on_fatal(state, server, async_engine.errored)
-    info = state.weights_info()
-    where = f"systemd socket fd 3 ({inherited.getsockname()})" if inherited else \
-        f"http://{config.host}:{config.port}"
-    source = (f"weights from the daemon, attached in {info['attach_seconds'] * 1e3:.0f} ms" if info["source"] ==
-              "daemon" else f"weights from disk in {info['attach_seconds']:.2f}s "
-                            f"({info['fallback_reason'] or 'daemon disabled'})")
-    started = (time.perf_counter() - t0) if process_start is None else (time.time() - process_start)
-    print(f"keepwarm {__version__} serving {names[0]} on {where}; {source}; ready {started:.2f}s after start",
-          flush=True)
-    if not inherited:
-        print(f"  try: curl http://{config.host}:{config.port}/v1/completions -H 'Content-Type: application/json' "
-              f"-d '{{\"model\": \"{names[0]}\", \"prompt\": \"The capital of France is\", \"max_tokens\": 16}}'",
-              flush=True)
+    where = (f"the supervisor's socket ({listener.getsockname()})" if listener else
+             f"systemd socket fd 3 ({inherited.getsockname()})" if inherited else None)
+    _announce(state, where, (time.perf_counter() - t0) if process_start is None else (time.time() - process_start))
     # uvicorn re-raises the signal it caught once it has shut down, under the handler that was installed
     # before it; make that one a no-op so a drained SIGTERM ends in exit status 0, not death by signal.
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -164,6 +139,77 @@ def serve(config: ServerConfig, process_start: float | None = None) -> int:
               f"{FATAL_EXIT_CODE} so the supervisor restarts the server", file=sys.stderr, flush=True)
         return FATAL_EXIT_CODE
     return 0
+
+
+def _uvicorn_server(uv_config: Any, state: ServerState, link: WorkerLink | None, grpc_server: Any) -> Any:
+    """uvicorn's server with keepwarm's drain on SIGTERM/SIGINT and, under the supervisor, Ready and the handoff."""
+    import uvicorn
+
+    config = state.config
+
+    class _Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if not state.draining:
+                log.info("signal %d: draining (up to %.0fs)", sig, config.shutdown_timeout)
+            state.draining = True
+            state.async_engine.stop_accepting()
+            super().handle_exit(sig, frame)
+
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().startup(sockets=sockets)
+            if link is not None and self.started:
+                loop = asyncio.get_running_loop()
+                link.listen(on_drain=lambda: (loop.call_soon_threadsafe(self.hand_over), None)[1])
+                link.say(_ready(state, link))
+
+        def hand_over(self) -> None:
+            """Drain for a handoff: stop accepting now (the new worker accepts on the same socket); requests in
+            flight, and any that arrive over connections already open, are answered with ``Connection: close``;
+            exit once every connection has closed (idle ones at the keep-alive timeout) or after
+            ``shutdown_timeout``. /health stays 200 meanwhile: this worker is fine."""
+            for srv in self.servers:
+                srv.close()
+            state.handing_over = True
+            if grpc_server is not None:  # in-flight RPCs get the drain's time; new ones go to the new worker
+                threading.Thread(target=grpc_server.stop, args=(config.shutdown_timeout,), daemon=True).start()
+            if link is not None:
+                link.say(_draining())
+            self.handover_task = asyncio.get_running_loop().create_task(self._exit_when_closed())
+
+        async def _exit_when_closed(self) -> None:
+            deadline = time.monotonic() + config.shutdown_timeout
+            while self.server_state.connections and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            self.should_exit = True
+
+    return _Server(uv_config)
+
+
+def _announce(state: ServerState, where: str | None, started: float) -> None:
+    """The "serving" line (and, on a socket of its own, a curl to try)."""
+    config, name, info = state.config, state.served_names[0], state.weights_info()
+    source = (f"weights from the daemon, attached in {info['attach_seconds'] * 1e3:.0f} ms" if info["source"] ==
+              "daemon" else f"weights from disk in {info['attach_seconds']:.2f}s "
+                            f"({info['fallback_reason'] or 'daemon disabled'})")
+    print(f"keepwarm {__version__} serving {name} on {where or f'http://{config.host}:{config.port}'}; {source}; "
+          f"ready {started:.2f}s after start", flush=True)
+    if where is None:
+        print(f"  try: curl http://{config.host}:{config.port}/v1/completions -H 'Content-Type: application/json' "
+              f"-d '{{\"model\": \"{name}\", \"prompt\": \"The capital of France is\", \"max_tokens\": 16}}'",
+              flush=True)
+
+
+def _ready(state: ServerState, link: WorkerLink) -> Any:
+    from keepwarm.worker.api import ipc
+
+    return ipc.Ready(pid=os.getpid(), ready_s=time.time() - link.fork_time,
+                     weights_source=str(state.weights_info()["source"]), cuda_initialized=torch.cuda.is_initialized())
+
+
+def _draining() -> Any:
+    from keepwarm.worker.api import ipc
+
+    return ipc.Draining(pid=os.getpid())
 
 
 FATAL_EXIT_CODE = 70  # EX_SOFTWARE: the engine died; systemd's Restart=on-failure brings a fresh worker up warm

@@ -30,6 +30,8 @@ class ServerState:
     draining: bool = False
     metrics: ServerMetrics | None = None
     fatal: BaseException | None = None  # the engine died: the process is exiting non-zero (70)
+    link: Any = None  # keepwarm.worker.api.zygote.WorkerLink under the supervisor (`serve --zygote`), else None
+    handing_over: bool = False  # a new worker took the socket: responses close their connection (app.py)
     admission: Admission = field(init=False)
 
     def __post_init__(self) -> None:
@@ -47,6 +49,10 @@ class ServerState:
     @property
     def model_name(self) -> str:
         return self.served_names[0]
+
+    def restart_history(self) -> dict[str, Any] | None:
+        """The supervisor's restart history (None when this server has no supervisor)."""
+        return None if self.link is None else self.link.restarts
 
     def weights_info(self) -> dict[str, Any]:
         loaded = self.engine.loaded

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -34,6 +35,8 @@ def router(state: ServerState) -> APIRouter:
                            "seconds_since_step": round(max(0.0, time.monotonic() - engine.snapshot.last_step_time),
                                                        3)},
                 "weights": info, "model": state.model_name, "version": __version__}
+        if state.link is not None:  # `serve --zygote`: the supervisor's restarts (a cold fallback says so here)
+            body["restarts"] = {**(state.restart_history() or {}), "worker_pid": os.getpid()}
         return JSONResponse(body, status_code=200 if ok else 503)
 
     @api.api_route("/ping", methods=["GET", "POST"])

@@ -1,0 +1,148 @@
+"""`keepwarm bench restart`'s zygote rows: `serve --zygote` restarted under load, measured from outside.
+
+Restarts (`keepwarm restart`'s request on the control socket), first idle, as the warm restart row is measured:
+- handoff: the request to the new worker accepting (what the supervisor reports, and /metrics records);
+- restart to first token: the request to the first streamed token of a completion sent once the restart answered
+  (by then only the new worker accepts), so it is the figure comparable to the cold and warm rows;
+then as many under load: LOAD_CLIENTS clients stream greedy completions back to back; the handoff under load and
+the longest gap any client saw, i.e. the longest time between two tokens a client received (across request
+boundaries, so a refused, reset or queued request shows), beside the same measure over STEADY_S seconds of the
+same load without restarts. On a machine with few cores, old and new worker share them during a handoff.
+Nothing is asserted; failed or cut-short load requests are counted in the row. The server runs with
+``--shutdown-timeout 600``, so an old worker's drain is not cut short on a slow machine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+LOAD_CLIENTS = 2
+LOAD_TOKENS = 24
+STEADY_S = 3.0  # the stretch without restarts the gap is compared with
+
+
+async def _stream(client: Any, base: str, prompt_ids: list[int], max_tokens: int) -> tuple[list[float], bool]:
+    """One streaming completion: the arrival time of each token chunk, and whether it ran to its length."""
+    body = {"model": "bench", "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    times: list[float] = []
+    finish = None
+    async with client.stream("POST", base + "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            return times, False
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                choice = json.loads(line[6:])["choices"]
+                if choice:
+                    times.append(time.monotonic())
+                    finish = choice[0]["finish_reason"] or finish
+    return times, finish == "length"
+
+
+class _Load:
+    """Clients streaming back to back until stopped; per client the arrival times of every token."""
+
+    def __init__(self, base: str, prompt_ids: list[int]) -> None:
+        self.base, self.prompt_ids = base, prompt_ids
+        self.stop = asyncio.Event()
+        self.arrivals: list[list[float]] = [[] for _ in range(LOAD_CLIENTS)]
+        self.failed = 0
+        self.requests = 0
+
+    async def run(self) -> None:
+        import httpx
+
+        async with httpx.AsyncClient(timeout=httpx.Timeout(120, connect=10)) as client:
+            await asyncio.gather(*(self._client(client, i) for i in range(LOAD_CLIENTS)))
+
+    async def _client(self, client: Any, i: int) -> None:
+        import httpx
+
+        while not self.stop.is_set():
+            try:
+                times, complete = await _stream(client, self.base, self.prompt_ids, LOAD_TOKENS)
+            except httpx.HTTPError:
+                times, complete = [], False
+            self.arrivals[i].extend(times)
+            self.requests += 1
+            self.failed += not complete
+
+    def max_gap(self, start: float, end: float) -> float:
+        """The longest stretch of [start, end] in which some client received no token (a window without any
+        token counts whole)."""
+        gaps = [0.0]
+        for times in self.arrivals:
+            points = [start, *(t for t in times if start < t < end), end]
+            gaps += [b - a for a, b in zip(points, points[1:], strict=False)]
+        return max(gaps)
+
+
+async def _restart(port: int, rt: Path) -> Any:
+    from keepwarm.worker.api import ipc
+
+    reply = await asyncio.to_thread(ipc.request_restart, port, ipc.RestartRequest(), rt)
+    if not reply.ok:
+        raise RuntimeError(f"restart failed: {reply.message}")
+    return reply
+
+
+async def _handoffs(base: str, port: int, rt: Path, prompt_ids: list[int], repeats: int) -> dict:
+    import httpx
+
+    # 1. idle (as the warm restart row): the restart request to the first token of a request sent after it
+    handoff, to_first_token = [], []
+    async with httpx.AsyncClient(timeout=httpx.Timeout(120, connect=10)) as probe:
+        for _ in range(repeats):
+            t0 = time.monotonic()
+            reply = await _restart(port, rt)
+            times, _ = await _stream(probe, base, prompt_ids, 4)
+            to_first_token.append(times[0] - t0)
+            handoff.append(reply.handoff_s)
+    # 2. under load: the longest a client waited for a token, beside the same load without restarts
+    load = _Load(base, prompt_ids)
+    runner = asyncio.create_task(load.run())
+    await asyncio.sleep(1.0)  # the load settles
+    t_steady = time.monotonic()
+    await asyncio.sleep(STEADY_S)
+    t_restarts = time.monotonic()
+    loaded = []
+    for _ in range(repeats):
+        loaded.append((await _restart(port, rt)).handoff_s)
+        await asyncio.sleep(0.5)
+    t_end = time.monotonic()
+    load.stop.set()
+    await runner
+    return {"zygote_restart_to_first_token_s": to_first_token, "handoff_s": handoff, "handoff_under_load_s": loaded,
+            "max_gap_under_restarts_s": load.max_gap(t_restarts, t_end),
+            "max_gap_steady_s": load.max_gap(t_steady, t_restarts),
+            "load_requests": load.requests, "load_failed": load.failed}
+
+
+def zygote_rows(cmd: list[str], env: dict[str, str], port: int, rt: Path, prompt_ids: list[int], repeats: int,
+                start: Any, kill: Any) -> dict:
+    """Start `serve --zygote` (``cmd``), restart it ``repeats`` times under load; the row's figures."""
+    import logging
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per load request otherwise
+    first_start_s, proc = start(cmd, env, port, "bench", prompt_ids)
+    try:
+        row = asyncio.run(_handoffs(f"http://127.0.0.1:{port}", port, rt, prompt_ids, repeats))
+    finally:
+        kill(proc, 15)
+    row["zygote_first_start_s"] = first_start_s
+    return row
+
+
+def describe(row: dict) -> str:
+    return (f"  zygote restart to first token:    {statistics.median(row['zygote_restart_to_first_token_s']):.2f}s  "
+            f"{[round(x, 3) for x in row['zygote_restart_to_first_token_s']]} (handoff "
+            f"{statistics.median(row['handoff_s']):.3f}s)\n"
+            f"  under load ({LOAD_CLIENTS} streaming clients): handoff "
+            f"{statistics.median(row['handoff_under_load_s']):.2f}s, longest gap a client saw "
+            f"{row['max_gap_under_restarts_s']:.3f}s ({row['max_gap_steady_s']:.3f}s without restarts); "
+            f"{row['load_requests']} requests, {row['load_failed']} failed")

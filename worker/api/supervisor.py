@@ -1,0 +1,445 @@
+"""`keepwarm serve --zygote`: a supervisor that owns the listening socket and a zygote, and restarts the worker
+with no downtime (`keepwarm restart`, SIGHUP, systemd's ExecReload).
+
+Processes: the supervisor (this module; it never imports torch: it starts in ~0.2 s and stays small), its zygote
+(``keepwarm.worker.api.zygote``: the imports done, nothing built) and the worker the zygote forked. The supervisor
+owns the zygote, not the daemon: the zygote carries the API stack and one server's Python environment, its life
+is the server's, and only the supervisor holds what a worker needs besides weights (the listening socket, the
+config, the restart history); the daemon serves several servers and knows none of that.
+
+A restart (``restart``):
+1. the new config: the last one with the given flags merged over it (or a new server.toml); ``host``/``port``
+   cannot change (the listening socket is handed over, not re-bound);
+2. previous old workers finish draining first, so at most one old and one new worker hold a KV pool at once:
+   the weights are the daemon's arena, mapped by both, and a handoff costs one extra KV pool, never more;
+3. the zygote forks the new worker with the listening socket and a status socket (SCM_RIGHTS); the child
+   attaches, warms one step, starts accepting on the *same* listening socket and says Ready. A zygote that is
+   gone is replaced first: a cold start (the import floor), logged, answered and shown in /health and /metrics;
+4. the old worker is told to Drain: it closes its copy of the listener at once (the kernel's accept queue is
+   shared, so nothing queued is lost: the reason for passing one socket rather than ``SO_REUSEPORT``, whose
+   per-socket queues drop what is queued on the socket that closes) and finishes its in-flight requests;
+5. a new worker that fails (Failed, exits, or is not ready within the timeout) is killed; the old one never
+   stopped serving, and the restart answers why.
+The supervisor exits with its worker's status when the worker exits on its own (70: the engine failed), and
+drains everything on SIGTERM/SIGINT.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from keepwarm.daemon.protocol import ProtocolError
+from keepwarm.formats import paths
+from keepwarm.worker.api import ipc
+from keepwarm.worker.api.config import ConfigError, ServerConfig, build_config, load_toml
+from keepwarm.worker.api.listen import bind_listener, systemd_socket
+
+log = logging.getLogger("keepwarm.supervisor")
+
+ZYGOTE_START_TIMEOUT_S = 300.0
+FORK_TIMEOUT_S = 30.0
+DRAIN_NOTICE_TIMEOUT_S = 5.0
+
+
+class RestartFailed(Exception):
+    """A restart that did not happen; the old worker keeps serving. One line for the command to print."""
+
+
+@dataclass
+class Zygote:
+    proc: subprocess.Popen
+    sock: socket.socket
+    hello: ipc.Hello
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.close()
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@dataclass
+class Worker:
+    pid: int
+    sock: socket.socket
+    config: ServerConfig
+    code: int | None = None  # its exit status once known (Exit, or 1 for a silent death)
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
+
+    def wait(self, deadline: float) -> int | None:
+        """Its exit status once it ends (it is draining), or None at ``deadline`` (monotonic)."""
+        while self.code is None and time.monotonic() < deadline:
+            try:
+                self.code = ipc.expect(self.sock, ipc.Exit, timeout=max(0.0, deadline - time.monotonic())).code
+            except (EOFError, OSError):
+                self.code = 1  # gone without an Exit (or its socket already closed on its end)
+            except (TimeoutError, ProtocolError):
+                continue
+        return self.code
+
+
+def start_zygote(python: str, log_level: str) -> Zygote:
+    """A zygote from ``python`` (this one, or another venv's for an upgrade); returns once its imports are done."""
+    ours, theirs = ipc.pair()
+    env = {**os.environ, "PYTORCH_NVML_BASED_CUDA_CHECK": "1"}  # torch.cuda.is_available() without cuInit
+    t0 = time.time()
+    proc = subprocess.Popen([python, "-m", "keepwarm.worker.api.zygote", str(theirs.fileno()), log_level, repr(t0)],
+                            pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL)
+    theirs.close()
+    try:
+        hello = ipc.expect(ours, ipc.Hello, timeout=ZYGOTE_START_TIMEOUT_S)
+    except (EOFError, TimeoutError, ProtocolError) as e:
+        proc.kill()
+        proc.wait()
+        ours.close()
+        raise RestartFailed(f"the zygote from {python} did not start ({e}; exit status {proc.returncode})") \
+            from None
+    log.info("zygote %d from %s (keepwarm %s): imports in %.2fs", hello.pid, hello.python, hello.version,
+             hello.import_s)
+    return Zygote(proc, ours, hello)
+
+
+@dataclass
+class History:
+    """What /health and /metrics show (handed to every new worker)."""
+
+    total: dict[str, int] = field(default_factory=lambda: {"zygote": 0, "cold": 0})
+    failed: int = 0
+    durations: list[float] = field(default_factory=list)
+    last: dict[str, Any] | None = None
+
+    def to_dict(self, supervisor: Supervisor) -> dict[str, Any]:
+        z = supervisor.zygote
+        return {"supervisor_pid": os.getpid(), "zygote_pid": z.hello.pid if z and z.alive else None,
+                "python": z.hello.python if z else None, "total": dict(self.total), "failed": self.failed,
+                "durations": list(self.durations[-1000:]), "last": self.last}
+
+
+class Supervisor:
+    def __init__(self, config_file: str | None, flags: dict[str, Any], log_level: str = "INFO") -> None:
+        self.config_file = config_file
+        self.flags = {k: v for k, v in flags.items() if v is not None}
+        self.log_level = log_level
+        self.config = self._build(config_file, self.flags)
+        self.zygote: Zygote | None = None
+        self.prepared: dict[str, Zygote] = {}  # zygotes started ahead of an upgrade, by python
+        self.worker: Worker | None = None
+        self.old: list[Worker] = []  # draining
+        self.history = History()
+        self.listener: socket.socket | None = None
+        self.control: socket.socket | None = None
+        self.control_path: Path | None = None
+        self._signals: list[int] = []  # signal numbers, in arrival order
+
+    @staticmethod
+    def _build(config_file: str | None, flags: dict[str, Any]) -> ServerConfig:
+        return build_config(load_toml(config_file) if config_file else {}, flags)
+
+    # -- start and run -----------------------------------------------------------------------------------------
+    def run(self) -> int:
+        self.listener = systemd_socket() or bind_listener(self.config.host, self.config.port)
+        port = self.listener.getsockname()[1]
+        self.control = self._bind_control(port)
+        self.zygote = start_zygote(sys.executable, self.log_level)
+        try:
+            self.worker = self._spawn(self.zygote, self.config, timeout=600.0)
+        except RestartFailed as e:
+            self._close()
+            raise ConfigError(str(e)) from None
+        return self._loop()
+
+    def _bind_control(self, port: int) -> socket.socket:
+        path = ipc.control_path(port)
+        paths.ensure_private_dir(path.parent)
+        with contextlib.suppress(FileNotFoundError), socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as probe:
+            try:
+                probe.connect(str(path))
+                raise ConfigError(f"a supervised server already answers on {path}")
+            except ConnectionRefusedError:
+                path.unlink()  # stale: its supervisor is gone
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        sock.bind(str(path))
+        os.chmod(path, 0o600)
+        sock.listen(8)
+        self.control_path = path
+        return sock
+
+    def _spawn(self, zygote: Zygote, config: ServerConfig, timeout: float) -> Worker:
+        """Fork a worker from ``zygote`` and wait until it says Ready; RestartFailed (it is killed) otherwise."""
+        assert self.listener is not None
+        ours, theirs = ipc.pair()
+        try:
+            ipc.send(zygote.sock, ipc.Fork(config=config.to_dict(), restarts=self.history.to_dict(self),
+                                           log_level=self.log_level), fds=(self.listener.fileno(), theirs.fileno()))
+            forked = ipc.expect(zygote.sock, ipc.Forked, timeout=FORK_TIMEOUT_S)
+        except (OSError, EOFError, TimeoutError, ProtocolError) as e:
+            ours.close()
+            raise RestartFailed(f"the zygote (pid {zygote.hello.pid}) did not fork: {e}") from None
+        finally:
+            theirs.close()
+        worker = Worker(forked.pid, ours, config)
+        deadline = time.monotonic() + timeout
+        try:
+            msg, fds = ipc.recv(ours, timeout=timeout)
+            for fd in fds:
+                os.close(fd)
+            why = msg.error if isinstance(msg, ipc.Failed) else "" if isinstance(msg, ipc.Ready) else \
+                f"it sent {type(msg).__name__}"
+        except (EOFError, TimeoutError, ProtocolError) as e:
+            why = "it exited" if isinstance(e, EOFError) else \
+                f"not ready after {timeout:.0f}s" if time.monotonic() >= deadline else str(e)
+        if why:
+            worker.kill()
+            ours.close()
+            raise RestartFailed(f"the new worker (pid {forked.pid}) failed its warm-up: {why}")
+        log.info("worker %d ready %.3fs after its fork (weights from %s)", msg.pid, msg.ready_s, msg.weights_source)
+        return worker
+
+    def _loop(self) -> int:
+        rfd, wfd = os.pipe()
+        os.set_blocking(wfd, False)
+        signal.set_wakeup_fd(wfd)
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, lambda s, _f: self._signals.append(int(s)))
+        assert self.control is not None
+        try:
+            while True:
+                watched = {w.sock: w for w in [self.worker, *self.old] if w is not None}
+                waits: list[Any] = [rfd, self.control, *watched]
+                ready, _, _ = select.select(waits, [], [], 1.0)
+                for obj in ready:
+                    if obj == rfd:
+                        os.read(rfd, 512)
+                    elif obj is self.control:
+                        self._answer_control()
+                    elif obj in watched and obj.fileno() >= 0 and self._worker_message(watched[obj]):
+                        obj.close()
+                while self._signals:
+                    got = self._signals.pop(0)
+                    if got == signal.SIGHUP:
+                        self._reload()
+                    else:
+                        log.info("signal %d: draining the worker and stopping", got)
+                        return self._stop()
+                if self.worker is not None and self.worker.code is not None:
+                    code = self.worker.code
+                    log.warning("the worker (pid %d) exited with status %d; stopping", self.worker.pid, code)
+                    self._stop()
+                    return code
+        finally:
+            signal.set_wakeup_fd(-1)
+            os.close(rfd)
+            os.close(wfd)
+            self._close()
+
+    def _worker_message(self, worker: Worker) -> bool:
+        """Handle one message from a worker; True once it has ended (EOF)."""
+        try:
+            msg, fds = ipc.recv(worker.sock)
+        except (EOFError, OSError):
+            if worker.code is None:
+                worker.code = 1
+                log.warning("worker %d ended without a word", worker.pid)
+            if worker in self.old:
+                self.old.remove(worker)
+            return True
+        except ProtocolError as e:
+            log.warning("worker %d: %s", worker.pid, e)
+            return False
+        for fd in fds:
+            os.close(fd)
+        if isinstance(msg, ipc.Exit):
+            worker.code = msg.code
+        elif isinstance(msg, ipc.Failed):
+            worker.code = 1
+            log.error("worker %d: %s", worker.pid, msg.error)
+        return False
+
+    def _stop(self) -> int:
+        """SIGTERM the workers (they drain) and wait for them; stop the zygotes. The current worker's status."""
+        workers = [w for w in [self.worker, *self.old] if w is not None]
+        for w in workers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(w.pid, signal.SIGTERM)
+        deadline = time.monotonic() + max(w.config.shutdown_timeout for w in workers) + 15 if workers else 0
+        for w in workers:
+            if w.wait(deadline) is None:
+                w.kill()
+        return (self.worker.code or 0) if self.worker is not None else 0
+
+    def _close(self) -> None:
+        for z in [self.zygote, *self.prepared.values()]:
+            if z is not None:
+                z.stop()
+        if self.control is not None:
+            self.control.close()
+        if self.control_path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                self.control_path.unlink()
+
+    # -- restarts ----------------------------------------------------------------------------------------------
+    def _answer_control(self) -> None:
+        assert self.control is not None
+        conn, _ = self.control.accept()
+        with conn:
+            if ipc.peer_uid(conn) != os.getuid():
+                log.warning("control socket: refused a peer of another uid")
+                return
+            try:
+                req = ipc.expect(conn, ipc.RestartRequest | ipc.Probe, timeout=5.0)
+            except (EOFError, TimeoutError, ProtocolError) as e:
+                with contextlib.suppress(OSError):
+                    ipc.send(conn, ipc.RestartReply(ok=False, message=f"bad request: {e}"))
+                return
+            reply = self._probe() if isinstance(req, ipc.Probe) else self._restart_request(req)
+            with contextlib.suppress(OSError):
+                ipc.send(conn, reply)
+
+    def _probe(self) -> Any:
+        """The zygote's own account of what it holds (ProbeReply), or a RestartReply saying why not."""
+        z = self.zygote
+        if z is None or not z.alive:
+            return ipc.RestartReply(ok=False, message="no zygote runs")
+        try:
+            ipc.send(z.sock, ipc.Probe())
+            return ipc.expect(z.sock, ipc.ProbeReply, timeout=FORK_TIMEOUT_S)
+        except (OSError, EOFError, TimeoutError, ProtocolError) as e:
+            return ipc.RestartReply(ok=False, message=f"the zygote did not answer: {e}")
+
+    def _restart_request(self, req: ipc.RestartRequest) -> ipc.RestartReply:
+        python = req.python or (self.zygote.hello.python if self.zygote else sys.executable)
+        if req.prepare:
+            try:
+                self._prepare(python)
+            except RestartFailed as e:
+                return ipc.RestartReply(ok=False, message=str(e))
+            return ipc.RestartReply(ok=True, message=f"zygote from {python} ready (pid "
+                                                     f"{self.prepared[python].hello.pid})")
+        config_file = self.config_file if req.config_file is None else (req.config_file or None)
+        flags = {**self.flags, **{k: v for k, v in req.flags.items() if v is not None}}
+        try:
+            config = self._build(config_file, flags)
+        except ConfigError as e:
+            return ipc.RestartReply(ok=False, message=f"bad config: {e}")
+        return self.restart(config, python, req.timeout, on_success=lambda: self._adopt(config_file, flags))
+
+    def _adopt(self, config_file: str | None, flags: dict[str, Any]) -> None:
+        self.config_file, self.flags = config_file, flags
+
+    def _reload(self) -> None:
+        """SIGHUP (systemd's ExecReload): the same flags, the config file read again."""
+        try:
+            config = self._build(self.config_file, self.flags)
+        except ConfigError as e:
+            log.error("SIGHUP: not restarted: bad config: %s", e)
+            return
+        reply = self.restart(config, self.zygote.hello.python if self.zygote else sys.executable, 300.0)
+        (log.info if reply.ok else log.error)("SIGHUP: %s", reply.message)
+
+    def _prepare(self, python: str) -> Zygote:
+        z = self.prepared.get(python)
+        if z is None or not z.alive:
+            z = self.prepared[python] = start_zygote(python, self.log_level)
+        return z
+
+    def restart(self, config: ServerConfig, python: str, timeout: float,
+                on_success: Any = None) -> ipc.RestartReply:
+        assert self.worker is not None
+        t0 = time.monotonic()
+        if (config.host, config.port) != (self.config.host, self.config.port):
+            return ipc.RestartReply(ok=False, message=f"host/port cannot change in a restart (the listening socket "
+                                                      f"{self.config.host}:{self.config.port} is handed over); "
+                                                      "stop the server and serve again")
+        self._wait_old_drained()
+        old = self.worker
+        try:
+            zygote, mode, reason = self._zygote_for(python)
+            new = self._spawn(zygote, config, timeout)
+        except RestartFailed as e:
+            self.history.failed += 1
+            log.error("restart failed: %s; the old worker (pid %d) keeps serving", e, old.pid)
+            self._send_history()
+            return ipc.RestartReply(ok=False, message=f"{e}; the old worker (pid {old.pid}) keeps serving",
+                                    old_pid=old.pid)
+        ready_s = time.monotonic() - t0
+        ipc.send(old.sock, ipc.Drain())
+        try:
+            ipc.expect(old.sock, ipc.Draining, timeout=DRAIN_NOTICE_TIMEOUT_S)
+        except (EOFError, TimeoutError, ProtocolError, OSError) as e:
+            log.warning("old worker %d did not confirm its drain (%s); SIGTERM", old.pid, e)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(old.pid, signal.SIGTERM)
+        self.worker, self.config = new, config
+        self.old.append(old)
+        if on_success is not None:
+            on_success()
+        self.history.total[mode] += 1
+        self.history.durations.append(ready_s)
+        self.history.last = {"mode": mode, "seconds": ready_s, "reason": reason, "at": time.time(),
+                             "old_pid": old.pid, "new_pid": new.pid}
+        self._send_history()
+        note = f"; cold start: {reason}" if mode == "cold" else ""
+        log.info("restarted: worker %d -> %d in %.3fs (%s)%s", old.pid, new.pid, ready_s, mode, note)
+        return ipc.RestartReply(ok=True, message=f"handoff in {ready_s:.3f}s: worker {old.pid} -> {new.pid} "
+                                                 f"({mode}){note}", mode=mode, handoff_s=ready_s,
+                                old_pid=old.pid, new_pid=new.pid)
+
+    def _zygote_for(self, python: str) -> tuple[Zygote, str, str]:
+        """The zygote to fork from, and whether the restart is warm ("zygote") or had to start one ("cold")."""
+        z = self.zygote
+        if z is not None and z.alive and z.hello.python == python:
+            return z, "zygote", ""
+        prepared = self.prepared.pop(python, None)
+        if prepared is not None and prepared.alive:
+            self._replace_zygote(prepared)
+            return prepared, "zygote", ""
+        if z is not None and z.hello.python == python:
+            reason = f"the zygote (pid {z.hello.pid}) was gone (exit status {z.proc.poll()})"
+        else:
+            reason = f"no zygote from {python} was prepared (`keepwarm restart --prepare --python {python}`)"
+        log.warning("%s: starting one (cold start)", reason)
+        new = start_zygote(python, self.log_level)
+        self._replace_zygote(new)
+        return new, "cold", reason
+
+    def _replace_zygote(self, z: Zygote) -> None:
+        if self.zygote is not None and self.zygote is not z:
+            self.zygote.stop()
+        self.zygote = z
+
+    def _wait_old_drained(self) -> None:
+        for w in list(self.old):
+            if w.wait(time.monotonic() + w.config.shutdown_timeout + 15) is None:
+                log.warning("old worker %d still draining after its shutdown timeout: killed", w.pid)
+                w.kill()
+            self.old.remove(w)
+            with contextlib.suppress(OSError):
+                w.sock.close()
+
+    def _send_history(self) -> None:
+        if self.worker is not None:
+            with contextlib.suppress(OSError):
+                ipc.send(self.worker.sock, ipc.Restarts(self.history.to_dict(self)))

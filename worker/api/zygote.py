@@ -1,0 +1,206 @@
+"""The zygote: a process that has imported torch, the API stack and keepwarm's worker, and forks a worker on demand.
+
+Started by the server supervisor (``keepwarm.worker.api.supervisor``), which owns it: it is the one process that
+knows the server's listening socket, config and restarts, and its lifetime is the server's (the daemon outlives
+servers and serves several; a zygote with the API stack in it has no business there). The supervisor talks to it
+over a private socketpair with typed JSON messages (``keepwarm.worker.api.ipc``: ``Fork`` with the listening and
+status sockets as SCM_RIGHTS fds -> ``Forked``; ``Probe`` -> ``ProbeReply``).
+
+    python -m keepwarm.worker.api.zygote FD LOG_LEVEL SPAWN_TIME
+
+Fork-safety rules (what the zygote must never do before ``fork``):
+- touch a GPU: ``PYTORCH_NVML_BASED_CUDA_CHECK=1`` (set by the supervisor) keeps ``torch.cuda.is_available()`` off
+  the driver; the child initialises CUDA itself;
+- run a torch op (OpenMP's thread team would not survive the fork) or start any thread: the zygote stays one
+  thread; the child sets its torch threads;
+- create an asyncio event loop (the child's uvicorn makes its own), or build a model or an engine;
+- unpickle anything: configs arrive as ``ServerConfig.to_dict()`` maps and are checked like a server.toml.
+The child resets the signals the zygote changed, attaches to the daemon's weights, builds its engine and warms
+one step (``create_engine(..., warm=True)``) before it says ``Ready``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+log = logging.getLogger("keepwarm.zygote")
+
+# What a worker imports on its way to its first token (measured: the child of a zygote that imports these loads no
+# further module of any size). Everything here is imported only: no module runs a torch op at import.
+PREIMPORT = (
+    "torch", "keepwarm.worker.api.server", "keepwarm.worker.api.app", "keepwarm.worker.engine",
+    "keepwarm.worker.model_loader", "keepwarm.worker.attach", "keepwarm.worker.models.registry",
+    "keepwarm.worker.tokenizer", "keepwarm.daemon.client", "keepwarm.worker.api.grpc_server", "uvicorn",
+    "uvicorn.lifespan.on", "uvicorn.protocols.http.h11_impl", "uvicorn.protocols.http.httptools_impl",
+    "uvicorn.protocols.websockets.auto", "uvicorn.loops.auto", "uvicorn.loops.uvloop", "prometheus_client",
+    "tokenizers", "pydantic.v1",  # imported lazily by the tokenizer load and by FastAPI's first route
+)
+
+
+def preimport() -> None:
+    import importlib
+
+    for name in PREIMPORT:
+        try:
+            importlib.import_module(name)
+        except ImportError as e:  # an optional piece (uvloop, httptools): the worker does without it as well
+            log.debug("zygote: %s not imported: %s", name, e)
+
+
+def thread_count() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("Threads:"):
+                return int(line.split()[1])
+    return threading.active_count()
+
+
+def probe() -> Any:
+    """What this process holds: threads, CUDA, engines and modules, an event loop."""
+    import asyncio
+
+    import torch
+
+    from keepwarm.worker.api import ipc
+    from keepwarm.worker.engine import LLMEngine
+
+    objects = gc.get_objects()
+    loop = asyncio.get_event_loop_policy()._local._loop  # type: ignore[attr-defined]  # no get_event_loop(): it makes one
+    return ipc.ProbeReply(pid=os.getpid(), threads=thread_count(), cuda_initialized=torch.cuda.is_initialized(),
+                          engines=sum(isinstance(o, LLMEngine) for o in objects),
+                          modules=sum(isinstance(o, torch.nn.Module) for o in objects), event_loop=loop is not None)
+
+
+class WorkerLink:
+    """The worker's end of its status socket: says Ready / Draining / Exit, hears Drain and Restarts.
+
+    The supervisor going away (EOF) drains the worker (SIGTERM to itself), so no worker outlives its server."""
+
+    def __init__(self, sock: socket.socket, restarts: dict[str, Any], fork_time: float) -> None:
+        self.sock = sock
+        self.restarts = restarts  # replaced whole by the reader thread; the event loop reads it
+        self.fork_time = fork_time
+        self._lock = threading.Lock()
+
+    def say(self, message: Any) -> None:
+        from keepwarm.worker.api import ipc
+
+        with self._lock, contextlib.suppress(OSError):  # the supervisor is gone: the reader drains us
+            ipc.send(self.sock, message)
+
+    def listen(self, on_drain: Callable[[], None]) -> None:
+        threading.Thread(target=self._read, args=(on_drain,), name="keepwarm-link", daemon=True).start()
+
+    def _read(self, on_drain: Callable[[], None]) -> None:
+        from keepwarm.daemon.protocol import ProtocolError
+        from keepwarm.worker.api import ipc
+
+        while True:
+            try:
+                msg, fds = ipc.recv(self.sock)
+            except (EOFError, OSError):
+                log.warning("the server's supervisor is gone: draining")
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+            except ProtocolError as e:
+                log.warning("supervisor link: %s", e)
+                continue
+            for fd in fds:
+                os.close(fd)
+            if isinstance(msg, ipc.Drain):
+                on_drain()
+            elif isinstance(msg, ipc.Restarts):
+                self.restarts = msg.history
+
+
+def _child(request: Any, fds: list[int], fork_time: float) -> int:
+    """The forked worker: serve ``request.config`` on the listening socket; say Failed or Exit at the end."""
+    from keepwarm.worker.api import ipc
+    from keepwarm.worker.api.config import ServerConfig, from_mapping
+    from keepwarm.worker.api.server import serve
+
+    listen_fd, status_fd = fds
+    listener = socket.socket(fileno=listen_fd)
+    listener.setblocking(False)
+    link = WorkerLink(socket.socket(fileno=status_fd), request.restarts, fork_time)
+    logging.getLogger().setLevel(request.log_level)
+    try:
+        config = ServerConfig(**from_mapping(request.config, "restart"))
+        code = serve(config, process_start=fork_time, listener=listener, link=link)
+    except BaseException as e:  # noqa: BLE001  (anything: it is reported, then the child exits)
+        message = f"{type(e).__name__}: {e}".splitlines()[0]
+        log.error("worker %d failed: %s", os.getpid(), message)
+        link.say(ipc.Failed(message))
+        return 1
+    link.say(ipc.Exit(code))
+    return code
+
+
+def _fork(sock: socket.socket, request: Any, fds: list[int]) -> int:
+    fork_time = time.time()
+    pid = os.fork()
+    if pid:
+        for fd in fds:
+            os.close(fd)
+        return pid
+    code = 1
+    try:
+        sock.close()
+        for sig in (signal.SIGCHLD, signal.SIGHUP, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        code = _child(request, fds, fork_time)
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def main(argv: list[str]) -> int:
+    fd, log_level, spawn_time = int(argv[0]), argv[1], float(argv[2])
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    sock = socket.socket(fileno=fd)
+    preimport()
+    from keepwarm.daemon.protocol import ProtocolError
+    from keepwarm.formats.version import __version__
+    from keepwarm.worker.api import ipc
+
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps our children; their end is told to the supervisor
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C: the supervisor decides, we follow its EOF
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    ipc.send(sock, ipc.Hello(pid=os.getpid(), python=sys.executable, version=__version__,
+                             import_s=time.time() - spawn_time))
+    log.info("zygote %d ready: imports took %.2fs, %d thread(s)", os.getpid(), time.time() - spawn_time,
+             thread_count())
+    while True:
+        try:
+            msg, fds = ipc.recv(sock)
+        except EOFError:
+            return 0  # the supervisor is gone
+        except ProtocolError as e:
+            log.warning("zygote: %s", e)
+            continue
+        if isinstance(msg, ipc.Fork) and len(fds) == 2:
+            ipc.send(sock, ipc.Forked(pid=_fork(sock, msg, fds)))
+            continue
+        for fd_ in fds:
+            os.close(fd_)
+        if isinstance(msg, ipc.Probe):
+            ipc.send(sock, probe())
+        else:
+            ipc.send(sock, ipc.Failed(f"zygote: unexpected {type(msg).__name__} with {len(fds)} fd(s)"))
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
