@@ -63,6 +63,15 @@ def test_command(src: Path, pkg_root: Path, tests: list[str]) -> str:
             f"-p no:cacheprovider --rootdir {src} -c {src / 'pyproject.toml'} {args}")
 
 
+def _forget_jobs(con: sqlite3.Connection, job_ids: list[str]) -> None:
+    """Remove these mutants from the session (both tables), commit and close."""
+    rows = [(j,) for j in job_ids]
+    con.executemany("DELETE FROM mutation_specs WHERE job_id = ?", rows)
+    con.executemany("DELETE FROM work_items WHERE job_id = ?", rows)
+    con.commit()
+    con.close()
+
+
 def annotation_spans(path: Path) -> list[tuple[tuple[int, int], tuple[int, int]]]:
     """(start, end) (line, column) of every annotation in a module under ``from __future__ import annotations``:
     never evaluated, so a mutant inside one is equivalent by construction (none when the import is missing)."""
@@ -86,11 +95,8 @@ def drop_annotation_mutants(db: Path, module: Path) -> int:
     spans = annotation_spans(module)
     con = sqlite3.connect(db)
     rows = con.execute("SELECT job_id, start_pos_row, start_pos_col FROM mutation_specs").fetchall()
-    drop = [(j,) for j, row, col in rows if any(lo <= (row, col) < hi for lo, hi in spans)]
-    con.executemany("DELETE FROM mutation_specs WHERE job_id = ?", drop)
-    con.executemany("DELETE FROM work_items WHERE job_id = ?", drop)
-    con.commit()
-    con.close()
+    drop = [j for j, row, col in rows if any(lo <= (row, col) < hi for lo, hi in spans)]
+    _forget_jobs(con, drop)
     return len(drop)
 
 
@@ -100,11 +106,7 @@ def sample(db: Path, n: int, seed: int) -> int:
     con = sqlite3.connect(db)
     ids = [r[0] for r in con.execute("SELECT job_id FROM mutation_specs ORDER BY operator_name, occurrence")]
     keep = set(random.Random(seed).sample(ids, n)) if n < len(ids) else set(ids)
-    drop = [(i,) for i in ids if i not in keep]
-    con.executemany("DELETE FROM mutation_specs WHERE job_id = ?", drop)
-    con.executemany("DELETE FROM work_items WHERE job_id = ?", drop)
-    con.commit()
-    con.close()
+    _forget_jobs(con, [i for i in ids if i not in keep])
     return len(ids)
 
 
