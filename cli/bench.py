@@ -120,13 +120,16 @@ def _run_vllm_peer(vllm_python: str, spec: dict) -> list[dict]:
 
 
 def _keepwarm_throughput(model: str | None, dtype: str, scheme: str, ns: list[int], max_tokens: int, repeats: int,
-                         rows: list[dict]) -> tuple[str, list[list[int]]]:
+                         rows: list[dict], tp_size: int = 1) -> tuple[str, list[list[int]]]:
     """keepwarm's rows for one weight scheme (from disk: the arena a daemon would build); returns the model
-    directory and the prompts for the other engines."""
+    directory and the prompts for the other engines. ``tp_size`` > 1: tensor parallel, the rows also say how long
+    rank 0 spent in all-reduces per step."""
     from keepwarm import LLM, SamplingParams
 
     t0 = time.perf_counter()
-    llm = LLM(model=model, dtype=dtype, max_model_len=2048, max_num_seqs=max(ns), quantization=scheme, daemon=False)
+    llm = LLM(model=model, dtype=dtype, max_model_len=2048, max_num_seqs=max(ns), quantization=scheme, daemon=False,
+              tensor_parallel_size=tp_size)
+    tp = llm.llm_engine.tp
     init_s = time.perf_counter() - t0
     model_dir = str(llm.llm_engine.model_dir)
     prompts = bench_prompts(llm.get_tokenizer(), max(ns))
@@ -138,19 +141,26 @@ def _keepwarm_throughput(model: str | None, dtype: str, scheme: str, ns: list[in
     for n in ns:
         batch = [{"prompt_token_ids": p} for p in prompts[:n]]
         llm.generate(batch, params)  # warm-up of the same shape
-        best, best_cpu, tokens = float("inf"), float("inf"), 0
+        best, best_cpu, tokens, reduce_ms = float("inf"), float("inf"), 0, None
         for _ in range(repeats):
             llm.llm_engine.block_manager.reset_prefix_cache()  # measure compute, not cache hits
+            before = (tp.stats.all_reduce_seconds, tp.stats.steps) if tp is not None else (0.0, 0)
             t, c = time.perf_counter(), time.process_time()
             outs = llm.generate(batch, params)
             # CPU seconds of every thread: the figure to compare when other processes share the cores.
-            best, best_cpu = min(best, time.perf_counter() - t), min(best_cpu, time.process_time() - c)
+            elapsed = time.perf_counter() - t
+            if elapsed < best and tp is not None:
+                reduce_ms = 1e3 * (tp.stats.all_reduce_seconds - before[0]) / max(1, tp.stats.steps - before[1])
+            best, best_cpu = min(best, elapsed), min(best_cpu, time.process_time() - c)
             tokens = sum(len(o.outputs[0].token_ids) for o in outs)
         rows.append({"engine": "keepwarm", "quantization": scheme, "concurrency": n, "output_tokens": tokens,
                      "seconds": best, "tokens_per_s": tokens / best, "cpu_seconds": best_cpu,
-                     "weight_bytes": llm.llm_engine.loaded.nbytes})
-        typer.echo(f"keepwarm {scheme:<8} n={n:<3} {tokens / best:8.1f} tok/s  ({tokens} tokens in {best:.2f}s; "
-                   f"{tokens / best_cpu:.1f} tok per CPU-s)")
+                     "weight_bytes": llm.llm_engine.loaded.nbytes, "tensor_parallel_size": tp_size,
+                     "all_reduce_ms_per_step": reduce_ms})
+        extra = f"; all-reduce {reduce_ms:.2f} ms/step on rank 0" if reduce_ms is not None else ""
+        tp_note, cpu_of = (f" tp={tp_size}", " of rank 0") if tp_size > 1 else ("", "")
+        typer.echo(f"keepwarm {scheme:<8}{tp_note} n={n:<3} {tokens / best:8.1f} tok/s  ({tokens} tokens in "
+                   f"{best:.2f}s; {tokens / best_cpu:.1f} tok per CPU-s{cpu_of}{extra})")
     llm.close()
     return model_dir, prompts
 
@@ -171,6 +181,8 @@ def throughput(
                                      "keepwarm row set each.")] = "auto",
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the results here as JSON.")] = None,
     smoke: Annotated[bool, typer.Option("--smoke", help=SMOKE_HELP)] = False,
+    tensor_parallel_size: Annotated[int, typer.Option(
+        "--tensor-parallel-size", "-tp", help="keepwarm across this many processes (--threads is the total).")] = 1,
 ) -> None:
     """Offline throughput (output tokens/s, greedy, ignore_eos) for 1, 8 and 32 concurrent requests."""
     import torch
@@ -184,7 +196,8 @@ def throughput(
     typer.echo(f"# machine: {machine_line()}")
     model_dir, prompts = "", list[list[int]]()
     for scheme in quantization.split(","):
-        model_dir, prompts = _keepwarm_throughput(model, dtype, scheme, ns, max_tokens, repeats, rows)
+        model_dir, prompts = _keepwarm_throughput(model, dtype, scheme, ns, max_tokens, repeats, rows,
+                                                  tensor_parallel_size)
 
     if hf:
         import transformers

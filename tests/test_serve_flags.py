@@ -70,6 +70,7 @@ EFFECT_TESTS = {
     "enable_auto_tool_choice": "test_tool_calls::test_tool_choice_rules",
     "tool_call_parser": "test_tool_calls::test_tool_choice_rules",
     "zygote": "test_restart::test_restarts_under_load",
+    "tensor_parallel_size": "test_tensor_parallel::test_serve_tp_answers_and_exits_nonzero_when_a_rank_is_killed",
     # Effective only on a CUDA device (on a CPU the engine has no graphs and no device memory to size by).
     "enforce_eager": "test_gpu_reference::test_gpu_flags_reach_the_engine",
     "gpu_memory_utilization": "test_gpu_reference::test_gpu_flags_reach_the_engine",

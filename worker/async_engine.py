@@ -299,6 +299,7 @@ class AsyncEngine:
             while not self._stopped.is_set():
                 self._drain_commands(engine)
                 if not engine.has_unfinished_requests():
+                    engine.check_health()  # a tensor-parallel rank gone while idle ends the engine too
                     self._take_snapshot(engine)
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()

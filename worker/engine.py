@@ -21,7 +21,9 @@ from pathlib import Path
 
 import torch
 
+from keepwarm.daemon.client import DaemonError, ensure_daemon
 from keepwarm.formats.model_config import ModelConfigError, load_model_config, parse_dtype
+from keepwarm.formats.paths import RuntimeDirError
 from keepwarm.worker.block_manager import BlockManager
 from keepwarm.worker.detokenizer import IncrementalDetokenizer, check_stop_strings
 from keepwarm.worker.lora import LoRAAdapter, LoRAError, LoRAManager
@@ -34,6 +36,9 @@ from keepwarm.worker.model_runner import (
     kv_bytes_per_block,
 )
 from keepwarm.worker.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from keepwarm.worker.parallel.group import TensorParallelGroup
+from keepwarm.worker.parallel.messages import CacheSpec, Setup
+from keepwarm.worker.parallel.sharding import TensorParallelError, check_supported, local_config
 from keepwarm.worker.sampler import Sampler
 from keepwarm.worker.sampling_params import SamplingParams
 from keepwarm.worker.scheduler import Scheduler, SchedulerConfig
@@ -90,6 +95,10 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # Tensor parallelism (worker/parallel): ranks on this machine, one process each (this one is rank 0), and the
+    # timeout of their collectives (a rank stuck or gone fails the step instead of hanging it).
+    tensor_parallel_size: int = 1
+    distributed_timeout: float = 120.0
 
 
 @dataclass
@@ -134,20 +143,37 @@ class LLMEngine:
             else None
         self.tokenizer = None if config.skip_tokenizer_init else self._load_tokenizer(config.tokenizer or config.model)
         torch.manual_seed(config.seed)
-
-        self.loaded = loaded or load_model(
-            self._model_dir, config.dtype, config.quantization, self.device, self.max_model_len, config.daemon,
-            Path(config.runtime_dir) if config.runtime_dir else None, config.fingerprint)
-        self.weights_source = self.loaded.source
-
         if config.kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3"):
             raise ModelConfigError(f"unknown kv_cache_dtype {config.kv_cache_dtype!r} (choose auto or fp8)")
         if config.block_size not in (8, 16, 32, 64, 128):
             raise ModelConfigError(f"block_size must be one of 8, 16, 32, 64, 128; got {config.block_size}")
+
+        self.tp: TensorParallelGroup | None = None
+        if config.tensor_parallel_size != 1:
+            self.loaded = self._start_tensor_parallel(loaded)
+        else:
+            self.loaded = loaded or load_model(
+                self._model_dir, config.dtype, config.quantization, self.device, self.max_model_len, config.daemon,
+                Path(config.runtime_dir) if config.runtime_dir else None, config.fingerprint)
+        try:
+            self._build(config, mc)
+        except BaseException:
+            if self.tp is not None:
+                self.tp.close()
+                torch.set_num_threads(self._threads_before_tp)
+            raise
+
+    def _build(self, config: EngineConfig, mc) -> None:
+        """The engine's parts around the loaded model: KV cache, blocks, LoRA, scheduler, runner, sampler."""
+        self.weights_source = self.loaded.source
         kv_dtype = self.dtype if config.kv_cache_dtype == "auto" else FP8_KV_DTYPE
         num_blocks = self._num_kv_blocks(kv_dtype)
         self.cache_config = CacheConfig(num_blocks, config.block_size, kv_dtype)
-        kv_cache = allocate_kv_cache(mc, self.cache_config, self.device)
+        kv_config = mc if self.tp is None else local_config(mc, self.tp.world_size)  # this rank's KV heads
+        if self.tp is not None:
+            self.tp.send(CacheSpec(num_blocks, config.block_size, str(kv_dtype).removeprefix("torch.")))
+            self.tp.serving = True
+        kv_cache = allocate_kv_cache(kv_config, self.cache_config, self.device)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.loras: dict[str, LoRAAdapter] = {}
         self.lora_manager = None
@@ -162,7 +188,7 @@ class LLMEngine:
                                    self.block_manager, self.lora_manager)
         self.runner = ModelRunner(self.loaded.model, kv_cache, config.block_size,
                                   self.block_manager.get_block_ids, self.device, self.lora_manager,
-                                  enforce_eager=config.enforce_eager)
+                                  enforce_eager=config.enforce_eager, tp=self.tp, vocab_size=mc.vocab_size)
         self.sampler = Sampler()
         # Structured outputs over this tokenizer and logits width; thread-safe, so front ends compile off the engine
         # thread. It indexes the vocabulary on first use.
@@ -176,6 +202,70 @@ class LLMEngine:
                  config.block_size, kv_dtype, self.weights_source)
 
     # -- setup -------------------------------------------------------------------------------------------------
+    def _start_tensor_parallel(self, loaded: LoadedModel | None) -> LoadedModel:
+        """Start ranks 1..N-1, have every rank load its shard (this one too), and return this rank's model.
+        Whatever tensor parallelism cannot run is refused here, before a process is started."""
+        config, mc, n = self.config, self.model_config, self.config.tensor_parallel_size
+        check_supported(mc, n)
+        if loaded is not None:
+            raise TensorParallelError("tensor parallelism loads its own shards: a preloaded model cannot be given")
+        if config.enable_lora:
+            raise TensorParallelError("LoRA under tensor parallelism is not supported yet (--enable-lora with "
+                                      f"--tensor-parallel-size {n})")
+        daemon = self._daemon_for_ranks()
+        self._threads_before_tp = torch.get_num_threads()
+        threads = max(1, self._threads_before_tp // n)  # the ranks share this process's cores; restored on close
+        torch.set_num_threads(threads)
+        self.tp = tp = TensorParallelGroup.launch(n, self.device, config.distributed_timeout, threads)
+        try:
+            tp.send(Setup(str(self._model_dir), config.dtype, config.quantization, self.device.type,
+                          self.max_model_len, daemon, config.runtime_dir, config.fingerprint, threads, config.seed))
+            error: BaseException | None = None
+            loaded = None
+            try:
+                loaded = load_model(self._model_dir, config.dtype, config.quantization, self.device,
+                                    self.max_model_len, daemon,
+                                    Path(config.runtime_dir) if config.runtime_dir else None, config.fingerprint, tp)
+            except Exception as e:  # noqa: BLE001 - every rank must still agree before this one raises
+                error = e
+            failed = tp.agree(error is None)
+            if error is not None:
+                raise error
+            if failed or loaded is None:
+                raise TensorParallelError(f"tensor-parallel rank(s) {failed} could not load {self._model_dir.name} "
+                                          "(their error is in the log)")
+        except BaseException:
+            tp.dead = tp.dead or "tensor parallel: the start failed"  # no Shutdown message: stop the ranks now
+            tp.close()
+            self.tp = None
+            torch.set_num_threads(self._threads_before_tp)
+            raise
+        log.info("tensor parallel: rank 0 of %d, %d torch thread(s) per rank, %.1f MB of weights per rank", n,
+                 threads, loaded.nbytes / 1e6)
+        return loaded
+
+    def _daemon_for_ranks(self) -> bool | str:
+        """The daemon setting every rank loads with: a daemon that must be started is started here, once, so the
+        ranks do not race to start it; when that fails and a disk load is allowed, every rank loads from disk."""
+        daemon = self.config.daemon
+        if daemon is not True and daemon not in ("on", "start"):
+            return daemon
+        runtime_dir = Path(self.config.runtime_dir) if self.config.runtime_dir else None
+        try:
+            client, _ = ensure_daemon(runtime_dir, device="cuda" if self.device.type == "cuda" else "cpu")
+            client.close()
+            return True
+        except (DaemonError, RuntimeDirError) as e:
+            if daemon == "start":
+                log.warning("tensor parallel: no daemon (%s); every rank loads from disk", getattr(e, "message", e))
+                return False
+            raise
+
+    def check_health(self) -> None:
+        """Raise EngineDeadError when the engine cannot go on though idle (a tensor-parallel rank is gone)."""
+        if self.tp is not None and self.tp.dead is not None:
+            raise EngineDeadError(self.tp.dead)
+
     @staticmethod
     def _resolve_max_model_len(config: EngineConfig, mc) -> int:
         limit = mc.max_position_embeddings
@@ -199,6 +289,8 @@ class LLMEngine:
 
     def _num_kv_blocks(self, kv_dtype: torch.dtype) -> int:
         c, mc = self.config, self.model_config
+        if self.tp is not None:
+            mc = local_config(mc, self.tp.world_size)  # a rank's KV heads: every rank holds the same count
         per_block = kv_bytes_per_block(mc, c.block_size, kv_dtype)
         if c.num_gpu_blocks is not None:
             n = c.num_gpu_blocks
@@ -534,8 +626,12 @@ class LLMEngine:
                              metrics=req.metrics, prompt_logprobs=req.seqs[0].prompt_logprobs)
 
     def close(self) -> None:
-        """Release the daemon lease (if attached). The engine is unusable afterwards."""
+        """Release the daemon lease (if attached) and stop the other tensor-parallel ranks. The engine is unusable
+        afterwards."""
         self.loaded.close()
+        if self.tp is not None:
+            self.tp.close()
+            torch.set_num_threads(self._threads_before_tp)
 
     # -- introspection -----------------------------------------------------------------------------------------
     @property
@@ -575,4 +671,6 @@ class LLMEngine:
             "max_loras": lm.max_loras if lm is not None else None,
             "max_lora_rank": lm.max_rank if lm is not None else None,
             "max_cpu_loras": self.config.max_cpu_loras,  # enforced in add_lora from the config itself
+            "tensor_parallel_size": self.tp.world_size if self.tp is not None else 1,
+            "tensor_parallel_pids": self.tp.rank_pids() if self.tp is not None else None,
         }

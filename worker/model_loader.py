@@ -2,6 +2,10 @@
 
 Both paths produce the same tensors: a disk load builds a private arena with the daemon's own code
 (``daemon.loader.build_arena``: fuse, convert, quantize), so a worker serves identical numbers either way.
+
+Under tensor parallelism (``tp`` given) each rank loads the same way, then keeps only its part of every weight
+(``worker.parallel.sharding``: copies; a disk load's full arena is dropped, a daemon attachment is kept for its
+lease) and builds its decoder from the rank's local config.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from keepwarm.formats.paths import RuntimeDirError
 from keepwarm.worker.attach import Attachment, attach_weights, model_tensors
 from keepwarm.worker.models.llama import LlamaForCausalLM
 from keepwarm.worker.models.registry import build_model
+from keepwarm.worker.parallel.group import TensorParallelGroup
+from keepwarm.worker.parallel.sharding import Shard, local_config, shard_weights, vocab_block
 
 log = logging.getLogger("keepwarm.worker")
 
@@ -41,14 +47,34 @@ class LoadedModel:
             self.attachment.close()
 
 
+def _nbytes(w: object) -> int:
+    return int(getattr(w, "nbytes", 0))
+
+
+def bind_model(config: ModelConfig, tensors: dict, max_position: int, device: torch.device,
+               tp: TensorParallelGroup | None = None) -> tuple[LlamaForCausalLM, int]:
+    """The family's model with ``tensors`` bound (one rank's part of them under ``tp``); returns it and the bytes
+    its weights take."""
+    if tp is None:
+        model = build_model(config, max_position, device)
+        model.load_weights(tensors)
+        return model, sum(_nbytes(w) for w in tensors.values())
+    shard = Shard(tp.rank, tp.world_size)
+    tensors = shard_weights(tensors, config, shard)
+    model = build_model(local_config(config, tp.world_size), max_position, device)
+    model.make_tensor_parallel(*vocab_block(config.vocab_size, shard), tp.all_reduce)
+    model.load_weights(tensors)
+    return model, sum(_nbytes(w) for w in tensors.values())
+
+
 def load_from_disk(ckpt: Checkpoint, dtype: str, quantization: str, device: torch.device, max_position: int,
-                   fallback_reason: str | None = None) -> LoadedModel:
+                   fallback_reason: str | None = None, tp: TensorParallelGroup | None = None) -> LoadedModel:
     t0 = time.perf_counter()
     _, total = plan_arena(ckpt, quantization, resolve_dtype(ckpt, dtype), device.type)
     flat = torch.empty(total, dtype=torch.uint8, device=device)
     manifest = build_arena(ckpt, quantization, dtype, flat, str(device))
-    model = build_model(ckpt.config, max_position, device)
-    model.load_weights(model_tensors(manifest, flat))
+    model, nbytes = bind_model(ckpt.config, model_tensors(manifest, flat), max_position, device, tp)
+    total = total if tp is None else nbytes
     seconds = time.perf_counter() - t0
     log.info("loaded %s from disk (%s): %.1f MB in %.2fs", ckpt.model_dir.name, quantization, total / 1e6, seconds)
     return LoadedModel(model, ckpt.config, "disk", seconds, total, manifest.fingerprint,
@@ -56,7 +82,8 @@ def load_from_disk(ckpt: Checkpoint, dtype: str, quantization: str, device: torc
 
 
 def load_from_daemon(model_dir: str, dtype: str, quantization: str, device: torch.device, max_position: int,
-                     runtime_dir: Path | None = None, fingerprint: str | None = None) -> LoadedModel:
+                     runtime_dir: Path | None = None, fingerprint: str | None = None,
+                     tp: TensorParallelGroup | None = None) -> LoadedModel:
     t0 = time.perf_counter()
     att = attach_weights(model_dir, quantization, dtype, fingerprint, runtime_dir)
     m = att.manifest
@@ -65,19 +92,19 @@ def load_from_daemon(model_dir: str, dtype: str, quantization: str, device: torc
         raise DaemonError("device_mismatch", f"the daemon keeps {m.model_name} on {m.device}, but this engine "
                                              f"runs on {device}")
     config = parse_model_config(m.config_json, m.generation_config_json, source=f"{m.model}/config.json")
-    model = build_model(config, max_position, device)
-    model.load_weights(att.tensors)
-    return LoadedModel(model, config, "daemon", time.perf_counter() - t0, m.total_bytes, m.fingerprint, att)
+    model, nbytes = bind_model(config, att.tensors, max_position, device, tp)
+    return LoadedModel(model, config, "daemon", time.perf_counter() - t0, m.total_bytes if tp is None else nbytes,
+                       m.fingerprint, att)
 
 
 def load_model(model_dir: Path, dtype: str, quantization: str, device: torch.device, max_position: int,
                daemon: bool | str = "auto", runtime_dir: Path | None = None,
-               fingerprint: str | None = None) -> LoadedModel:
+               fingerprint: str | None = None, tp: TensorParallelGroup | None = None) -> LoadedModel:
     """``daemon``: True = attach (start a daemon if none runs; fail if that fails), "start" = the same but fall
     back to disk when no daemon can be reached or started, "auto" = attach if a daemon answers, else disk,
     False = load from disk. A fallback to disk is logged and recorded in ``fallback_reason``."""
     if daemon is False or daemon == "off":
-        return load_from_disk(Checkpoint(model_dir), dtype, quantization, device, max_position)
+        return load_from_disk(Checkpoint(model_dir), dtype, quantization, device, max_position, tp=tp)
     daemon_device = "cuda" if device.type == "cuda" else "cpu"
     try:
         if daemon is True or daemon in ("on", "start"):
@@ -91,14 +118,16 @@ def load_model(model_dir: Path, dtype: str, quantization: str, device: torch.dev
             probe.close()
             if answered is None:
                 raise DaemonError("unavailable", f"no keepwarm daemon answers at {probe.socket_path}")
-        return load_from_daemon(str(model_dir), dtype, quantization, device, max_position, runtime_dir, fingerprint)
+        return load_from_daemon(str(model_dir), dtype, quantization, device, max_position, runtime_dir, fingerprint,
+                                tp)
     except (DaemonError, RuntimeDirError) as e:
         # A fingerprint asked for is exactly those weights: the checkpoint on disk does not have it.
         if daemon is True or daemon == "on" or getattr(e, "code", None) == "fingerprint_mismatch":
             raise
         reason = getattr(e, "message", str(e))
     log.warning("weights from disk, not the daemon: %s", reason)
-    loaded = load_from_disk(Checkpoint(model_dir), dtype, quantization, device, max_position, fallback_reason=reason)
+    loaded = load_from_disk(Checkpoint(model_dir), dtype, quantization, device, max_position, fallback_reason=reason,
+                            tp=tp)
     if fingerprint is not None and loaded.fingerprint != fingerprint:
         found = (loaded.fingerprint or "?")[:16]
         raise DaemonError("fingerprint_mismatch", f"{model_dir.name} on disk has fingerprint {found}, not "

@@ -1,4 +1,9 @@
-"""Turns a scheduled batch into one flattened forward pass over the paged KV cache."""
+"""Turns a scheduled batch into one flattened forward pass over the paged KV cache.
+
+A step is first made into host tensors (``host_inputs``: a ``parallel.messages.Step``, the typed batch), then run
+(``run``). Under tensor parallelism rank 0 broadcasts that ``Step`` before running it and every other rank runs the
+same ``run`` on its shard; the logits are gathered to rank 0.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +16,8 @@ import torch
 from keepwarm import kernels
 from keepwarm.formats.model_config import ModelConfig
 from keepwarm.worker.models.llama import AttentionMetadata, KVCache, LlamaForCausalLM
+from keepwarm.worker.parallel.group import TensorParallelGroup
+from keepwarm.worker.parallel.messages import Step
 from keepwarm.worker.scheduler import ScheduledBatch
 
 log = logging.getLogger("keepwarm.worker")
@@ -57,19 +64,23 @@ class ModelRunner:
     """Owns the model and the KV cache; ``execute`` runs one step and returns logits of the sampled rows."""
 
     def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, block_size: int,
-                 block_ids_of: callable, device: torch.device, lora_manager=None, enforce_eager: bool = False) -> None:
+                 block_ids_of: callable, device: torch.device, lora_manager=None, enforce_eager: bool = False,
+                 tp: TensorParallelGroup | None = None, vocab_size: int | None = None) -> None:
         self.model = model
         self.lora_manager = lora_manager
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.block_ids_of = block_ids_of
         self.device = device
+        self.tp = tp
+        self.vocab_size = vocab_size or model.config.vocab_size
         # The sliding windows the layers use (None: full context): one attention plan per window and step.
         cfg = model.config
         self.windows = tuple(dict.fromkeys(cfg.window_of(i) for i in range(cfg.num_hidden_layers)))
-        self.cuda_graphs = self._make_cuda_graphs(enforce_eager)
+        self.cuda_graphs = self._make_cuda_graphs(enforce_eager or tp is not None)
 
-    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def host_inputs(self, batch: ScheduledBatch, token_rows: list[int]) -> Step:
+        """The step as host tensors: what the forward reads, nothing of the scheduler's objects."""
         ids: list[int] = []
         starts: list[int] = []
         tables: list[list[int]] = []
@@ -93,34 +104,54 @@ class ModelRunner:
         width = max(len(t) for t in tables)
         block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)
         slots = block_tables[seq_idx, positions // self.block_size] * self.block_size + positions % self.block_size
+        # The model reads positions only for rotary: KV slots come from the true positions above.
+        return Step(input_ids=torch.tensor(ids, dtype=torch.int64), positions=rope_positions, slot_mapping=slots,
+                    block_tables=block_tables.to(torch.int32), seq_lens=(start + q_lens).to(torch.int32),
+                    query_start_loc=qsl.to(torch.int32), max_query_len=int(q_lens.max()),
+                    token_rows=torch.tensor(token_rows, dtype=torch.int64))
+
+    def device_inputs(self, step: Step) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         dev = self.device
         attn = AttentionMetadata(
-            slot_mapping=slots.to(dev),
-            block_tables=block_tables.to(torch.int32).to(dev),
-            seq_lens=(start + q_lens).to(torch.int32).to(dev),
-            query_start_loc=qsl.to(torch.int32).to(dev),
-            max_query_len=int(q_lens.max()),
+            slot_mapping=step.slot_mapping.to(dev),
+            block_tables=step.block_tables.to(dev),
+            seq_lens=step.seq_lens.to(dev),
+            query_start_loc=step.query_start_loc.to(dev),
+            max_query_len=step.max_query_len,
         )
         attn.plan = kernels.plan_attention(attn.block_tables, attn.seq_lens, attn.query_start_loc, attn.slot_mapping,
                                            self.block_size, self.windows)
-        # The model reads positions only for rotary: KV slots come from the true positions above.
-        return torch.tensor(ids, dtype=torch.int64, device=dev), rope_positions.to(dev), attn
+        return step.input_ids.to(dev), step.positions.to(dev), attn
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, token_rows: list[int]) -> torch.Tensor:
         """Run the batch; return float32 logits of the flattened token rows ``token_rows`` (the last row of
         each sequence to sample, plus every row of a prefill chunk whose prompt logprobs were asked for)."""
-        input_ids, positions, attn = self.prepare(batch)
+        step = self.host_inputs(batch, token_rows)
+        if self.tp is not None:
+            self.tp.check()
+            self.tp.send(step)
+            self.tp.stats.steps += 1
         if self.lora_manager is not None:
             self.lora_manager.set_batch([seq.lora_slot for seq in batch.seqs], batch.num_new_tokens, self.device)
         try:
-            hidden = self._forward(input_ids, positions, attn)
+            logits = self.run(step)
         finally:
             if self.lora_manager is not None:
                 self.lora_manager.clear_batch()
-        if not token_rows:
-            return torch.empty(0, self.model.config.vocab_size)
-        return self.model.compute_logits(hidden[torch.tensor(token_rows, device=hidden.device)])
+        assert logits is not None  # rank 0 (or no tensor parallelism) always gets the logits
+        return logits
+
+    @torch.inference_mode()
+    def run(self, step: Step) -> torch.Tensor | None:
+        """The forward of one step and the logits of its ``token_rows``: on rank 0 [R, vocab] float32; on
+        another tensor-parallel rank None (its logit columns are gathered to rank 0)."""
+        input_ids, positions, attn = self.device_inputs(step)
+        hidden = self._forward(input_ids, positions, attn)
+        if not step.token_rows.numel():
+            return torch.empty(0, self.vocab_size) if self.tp is None or self.tp.rank == 0 else None
+        logits = self.model.compute_logits(hidden[step.token_rows.to(hidden.device)])
+        return logits if self.tp is None else self.tp.gather_logits(logits, self.vocab_size)
 
     # -- CUDA graphs (worker/cuda_graphs.py): decode-only batches replay a captured forward ---------------------------
     def _make_cuda_graphs(self, enforce_eager: bool):

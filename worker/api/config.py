@@ -70,6 +70,9 @@ class ServerConfig:
     seed: int = setting(0, Flag(engine=SAME))
     enforce_eager: bool = setting(False, Flag(engine=SAME))
     device: str = setting("auto", Flag(engine=SAME))
+    tensor_parallel_size: int = setting(1, Flag("Split the model across this many processes on this machine "
+                                                "(tensor parallelism; one per GPU, or sharing the CPU cores).",
+                                                ("--tensor-parallel-size", "-tp"), engine=SAME))
     # LoRA (vLLM's flags)
     enable_lora: bool = setting(False, Flag(engine=SAME))
     lora_modules: list[str] = setting(factory=list, flag=Flag("name=path"))

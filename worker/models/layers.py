@@ -3,9 +3,14 @@
 Layers are built with meta-device placeholders that record the expected shape; ``bind`` swaps in the real
 tensor without copying it, after checking the shape. Weights are plain tensor attributes, not Parameters:
 they may be read-only views into shared memory and are never trained.
+
+Tensor parallelism (worker/parallel): a row-parallel ``Linear`` has ``reduce`` set (the all-reduce over the ranks)
+and adds its bias once, after the reduce; ``VocabParallelEmbedding`` holds one rank's vocabulary rows.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -44,6 +49,8 @@ class Linear(BoundModule):
         if bias:
             self._slot("bias", (out_features,))
         self.lora = None  # a keepwarm.worker.lora.LoRALayer when LoRA is enabled
+        # Row-parallel under tensor parallelism: sums the ranks' partial outputs (then the bias, once).
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def bind(self, name: str, tensor: torch.Tensor) -> None:
         if name == "weight" and getattr(tensor, "is_quantized_weight", False):
@@ -55,6 +62,9 @@ class Linear(BoundModule):
         super().bind(name, tensor)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.reduce is not None:
+            y = self.reduce(kernels.linear(x, self.weight))
+            return y if self.bias is None else y.add_(self.bias.to(y.dtype))
         y = kernels.linear(x, self.weight, self.bias)
         return y if self.lora is None else self.lora.apply(x, y)
 
@@ -79,3 +89,20 @@ class Embedding(BoundModule):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.embedding(ids, self.weight)
+
+
+class VocabParallelEmbedding(Embedding):
+    """Rows ``[start, start + rows)`` of the vocabulary; ids outside them embed to zero and the all-reduce over
+    the ranks fills them in (each id lives on exactly one rank)."""
+
+    def __init__(self, rows: int, embedding_dim: int, start: int,
+                 reduce: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        super().__init__(rows, embedding_dim)
+        self.start, self.rows = start, rows
+        self.reduce = reduce
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.rows)
+        out = torch.nn.functional.embedding(local.masked_fill(outside, 0), self.weight)
+        return self.reduce(out.masked_fill_(outside[:, None], 0))

@@ -20,7 +20,14 @@ from torch import nn
 
 from keepwarm import kernels
 from keepwarm.formats.model_config import ModelConfig, RopeConfig, rope_inv_freq
-from keepwarm.worker.models.layers import BoundModule, Embedding, Linear, RMSNorm, WeightBindError
+from keepwarm.worker.models.layers import (
+    BoundModule,
+    Embedding,
+    Linear,
+    RMSNorm,
+    VocabParallelEmbedding,
+    WeightBindError,
+)
 
 
 @dataclass
@@ -164,6 +171,20 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = Embedding(config.vocab_size, config.hidden_size)  # [V, D], used as a projection
         self.max_position = max_position
         self.cos_sin = rope_tables(config, max_position, device)
+
+    def make_tensor_parallel(self, vocab_start: int, vocab_rows: int,
+                             reduce: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """One tensor-parallel rank (before ``load_weights``): built from the rank's local config (its heads and
+        MLP width), o_proj and down_proj become row-parallel, the embedding and head hold the rank's vocabulary
+        rows (``compute_logits`` then gives this rank's logit columns)."""
+        for layer in self.model.layers:
+            assert isinstance(layer, LlamaDecoderLayer)
+            assert isinstance(layer.self_attn, LlamaAttention) and isinstance(layer.mlp, LlamaMLP)
+            layer.self_attn.o_proj.reduce = reduce
+            layer.mlp.down_proj.reduce = reduce
+        hidden = self.config.hidden_size
+        self.model.embed_tokens = VocabParallelEmbedding(vocab_rows, hidden, vocab_start, reduce)
+        self.lm_head = Embedding(vocab_rows, hidden)
 
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
         """Attach every weight (no copy); all slots must be filled. ``lm_head.weight`` is used when given, even

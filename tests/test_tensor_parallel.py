@@ -1,0 +1,256 @@
+"""Tensor parallelism (worker/parallel) on the CPU with gloo: real rank processes, greedy tokens equal to one process.
+
+- Sharding rules, without processes: every layout's shard dequantizes to exactly the slice of the full weight;
+  KV heads split or replicated; the vocabulary padded; a quantization group that would straddle a shard refused.
+- Refusals (one line, before any process is started): an unsupported family, sizes that do not divide, LoRA.
+- Greedy tokens with TP=2 equal to one process: tiny Llama with 2 KV heads (split) with prefix caching, chunked
+  prefill and preemption on; tiny Llama with 1 KV head (replicated, tied embeddings) from an int8 arena; tiny
+  Qwen2 (q/k/v biases, tied embeddings).
+- A real `keepwarm serve --tensor-parallel-size 2`: it reports its ranks, answers, and exits non-zero when a rank
+  is killed with SIGKILL (no hang: a generous bound, not a speed assert).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+import shutil
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+import torch
+from _serve import ServeProcess
+
+from keepwarm import LLM, SamplingParams
+from keepwarm.formats import paths
+from keepwarm.formats.model_config import load_model_config
+from keepwarm.formats.quant import quantize
+from keepwarm.kernels.cpu_packed import PackedWeight, pack, packing_available
+from keepwarm.kernels.quant import QuantizedWeight
+from keepwarm.worker.parallel import messages
+from keepwarm.worker.parallel.sharding import (
+    Shard,
+    TensorParallelError,
+    plan_cut,
+    shard_weight,
+    vocab_block,
+)
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+def _prompts(seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(5, 512) for _ in range(n)] for n in (3, 17, 33, 40, 55, 70)]
+    prompts[3] = prompts[2][:32] + prompts[3][:8]  # two full blocks shared with prompt 2: a prefix-cache hit
+    return prompts
+
+
+def _tokens(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)]
+
+
+def _children() -> list[psutil.Process]:
+    return psutil.Process().children(recursive=True)
+
+
+# -- sharding rules, no processes --------------------------------------------------------------------------------
+def _dense(q: QuantizedWeight | PackedWeight) -> torch.Tensor:
+    return q.dequantize(torch.float32)
+
+
+@pytest.mark.parametrize("scheme,device_type", [("int8", "cpu"), ("fp8", "cpu"), ("int4-g32", "cpu"),
+                                                ("int4-g32", "cuda")])
+@pytest.mark.parametrize("kind", ["rows", "cols"])
+def test_quantized_shards_are_exact_slices(scheme: str, device_type: str, kind: str) -> None:
+    w = torch.randn(64, 128, generator=torch.Generator().manual_seed(0))
+    meta, parts = quantize(w, scheme, torch.float32, device_type)
+    full = QuantizedWeight.from_parts(meta, parts)
+    segs = [(0, 16), (32, 32)] if kind == "rows" else [(64, 64)]
+    name = "model.layers.0.self_attn.qkv_proj.weight" if kind == "rows" else "model.layers.0.mlp.down_proj.weight"
+    from keepwarm.worker.parallel import sharding
+
+    part = sharding._cut_quantized(name, full, kind, segs)
+    axis = 0 if kind == "rows" else 1
+    expected = torch.cat([_dense(full).narrow(axis, s, n) for s, n in segs], dim=axis)
+    assert part.meta.layout == meta.layout and torch.equal(_dense(part), expected)
+
+
+def test_a_group_that_would_straddle_a_shard_is_refused_naming_the_shape() -> None:
+    w = torch.randn(64, 128, generator=torch.Generator().manual_seed(0))
+    meta, parts = quantize(w, "int4", torch.float32, "cpu")  # groups of 128: all of K
+    full = QuantizedWeight.from_parts(meta, parts)
+    from keepwarm.worker.parallel import sharding
+
+    with pytest.raises(TensorParallelError, match=r"down_proj.weight \[64, 128\].*groups of 128.*64 columns"):
+        sharding._cut_quantized("model.layers.0.mlp.down_proj.weight", full, "cols", [(64, 64)])
+
+
+@pytest.mark.skipif(not packing_available(torch.bfloat16), reason="oneDNN bf16 packing unavailable on this CPU")
+def test_packed_weights_are_repacked_exactly() -> None:
+    w = torch.randn(96, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    raw, desc = pack(w)
+    from keepwarm.formats.quant import LAYOUT_MKLDNN_PACKED, QuantMeta
+
+    full = PackedWeight(QuantMeta("none", LAYOUT_MKLDNN_PACKED, None, (96, 64), desc.hex()), raw, torch.bfloat16)
+    from keepwarm.worker.parallel import sharding
+
+    part = sharding._cut_packed("model.layers.0.mlp.down_proj.weight", full, "cols", [(32, 32)])
+    assert isinstance(part, PackedWeight) and torch.equal(part.dequantize(torch.bfloat16), w[:, 32:64])
+
+
+def test_kv_heads_split_or_replicated_and_vocab_padded(tiny_model_factory) -> None:
+    qkv = "model.layers.0.self_attn.qkv_proj.weight"
+    split = load_model_config(tiny_model_factory("llama"))  # 4 heads, 2 KV heads of 32
+    assert plan_cut(qkv, split, Shard(1, 2)) == ("rows", [(64, 64), (128 + 32, 32), (192 + 32, 32)])
+    one = load_model_config(tiny_model_factory("llama3_tied"))  # 1 KV head: both ranks hold it
+    for rank in (0, 1):
+        assert plan_cut(qkv, one, Shard(rank, 2)) == ("rows", [(rank * 64, 64), (128, 32), (160, 32)])
+    assert plan_cut("model.layers.1.self_attn.o_proj.weight", split, Shard(1, 2)) == ("cols", [(64, 64)])
+    assert plan_cut("model.layers.1.self_attn.o_proj.bias", split, Shard(1, 2)) is None  # added after the reduce
+    assert vocab_block(513, Shard(1, 2)) == (257, 257)
+    emb = torch.arange(513 * 2, dtype=torch.float32).view(513, 2)
+    last = shard_weight("model.embed_tokens.weight", emb, dataclasses.replace(split, vocab_size=513), Shard(1, 2))
+    assert torch.equal(last[:256], emb[257:]) and not last[256:].any()  # one zero padding row
+    with pytest.raises(TensorParallelError, match="no sharding rule for weight 'model.layers.0.extra.weight'"):
+        plan_cut("model.layers.0.extra.weight", split, Shard(0, 2))
+
+
+def test_step_message_round_trips_and_bad_fields_are_named() -> None:
+    step = messages.Step(torch.arange(5), torch.arange(5), torch.arange(5), torch.zeros(2, 3, dtype=torch.int32),
+                         torch.tensor([3, 2], dtype=torch.int32), torch.tensor([0, 3, 5], dtype=torch.int32), 3,
+                         torch.tensor([2, 4]))
+    back = messages.decode(messages.encode(step))
+    assert isinstance(back, messages.Step) and back.max_query_len == 3
+    assert torch.equal(back.block_tables, step.block_tables) and torch.equal(back.token_rows, step.token_rows)
+    import msgpack
+
+    with pytest.raises(messages.MessageError, match="'block_size'"):
+        messages.decode(msgpack.packb({"v": 1, "kind": "cache", "num_blocks": 4, "block_size": "16",
+                                       "kv_dtype": "float32"}))
+
+
+# -- refusals: one line, before any process is started ------------------------------------------------------------
+@pytest.mark.parametrize("model,kwargs,match", [
+    ("gemma2", {}, "supports the Llama family .* Gemma2ForCausalLM is not supported"),
+    ("llama", {"tensor_parallel_size": 3}, "size 3 does not divide num_attention_heads \\(4\\)"),
+    ("llama", {"enable_lora": True}, "LoRA under tensor parallelism is not supported"),
+])
+def test_refusals_name_the_cause_before_starting_ranks(tiny_model_factory, model, kwargs, match) -> None:
+    before = {p.pid for p in _children()}
+    with pytest.raises(TensorParallelError, match=match):
+        LLM(model=tiny_model_factory(model), dtype="float32", daemon=False,
+            **{"tensor_parallel_size": 2, **kwargs})
+    assert {p.pid for p in _children()} <= before
+
+
+# -- greedy tokens equal to one process -------------------------------------------------------------------------
+TP_CASES = {
+    # 2 KV heads split; prefix caching, chunked prefill (24-token budget) and preemption (12 blocks) on.
+    "llama_split_kv": ("llama", dict(max_num_batched_tokens=24, num_gpu_blocks=12, max_model_len=160)),
+    # 1 KV head replicated on both ranks, tied embeddings, both ranks attached to the daemon's int8 arena
+    # (per-channel scales); the one-process reference builds the same arena from disk.
+    "llama_replicated_kv_int8_daemon": ("llama3_tied", dict(quantization="int8")),
+    # q/k/v biases (column side: sliced), tied embeddings.
+    "qwen2_bias_tied": ("qwen2", {}),
+}
+
+
+@pytest.mark.parametrize("case", list(TP_CASES))
+def test_tp2_greedy_tokens_equal_one_process(tiny_model_factory, tmp_path_factory, case: str) -> None:
+    name, kwargs = TP_CASES[case]
+    model = tiny_model_factory(name)
+    prompts = _prompts()
+    common = dict(dtype="float32", daemon=False, **kwargs)
+    single = LLM(model=model, **common)
+    expected = _tokens(single, prompts)
+    single.close()
+    daemon = None
+    if case.endswith("_daemon"):
+        from test_daemon import DaemonProc
+
+        daemon = DaemonProc(Path(tempfile.mkdtemp(prefix="kwtp-", dir="/tmp"))).start()
+        common.update(daemon=True, runtime_dir=str(daemon.runtime_dir))
+    llm = LLM(model=model, tensor_parallel_size=2, **common)
+    try:
+        if daemon is not None:  # each rank attached (a lease each) and cut its shard from the one arena
+            (resident,) = daemon.status()["models"]
+            assert llm.weights_source == "daemon" and resident["quantization"] == "int8"
+            assert {x["pid"] for x in resident["leases"]} == set(llm.llm_engine.effective_config()[
+                "tensor_parallel_pids"])
+        engine = llm.llm_engine
+        assert engine.effective_config()["tensor_parallel_size"] == 2 and len(_children()) >= 1
+        assert _tokens(llm, prompts) == expected
+        if case == "llama_split_kv":
+            assert engine.scheduler.num_preemptions > 0
+            hits = engine.block_manager.prefix_cache_hits
+            assert _tokens(llm, prompts[2:4]) == expected[2:4] and engine.block_manager.prefix_cache_hits > hits
+            assert engine.tp is not None and engine.tp.stats.all_reduce_calls > 0
+            _kill_a_rank_mid_request(llm)
+        if case == "llama_replicated_kv_int8_daemon":
+            assert engine.effective_config()["quantization"] == "int8"
+    finally:
+        llm.close()
+        if daemon is not None:
+            daemon.stop()
+            shutil.rmtree(paths.shm_dir(daemon.runtime_dir), ignore_errors=True)
+            shutil.rmtree(daemon.runtime_dir, ignore_errors=True)
+    assert not [p for p in _children() if "rank_main" in " ".join(p.cmdline())]  # ranks exited on close
+
+
+def _kill_a_rank_mid_request(llm: LLM) -> None:
+    """SIGKILL rank 1 while a long request runs: the step fails with EngineDeadError (no hang)."""
+    from keepwarm.worker.engine import EngineDeadError
+
+    engine = llm.llm_engine
+    steps = engine.stats.steps
+    pid = engine.effective_config()["tensor_parallel_pids"][1]
+
+    def kill_when_running() -> None:
+        while engine.stats.steps < steps + 3:
+            time.sleep(0.01)
+        os.kill(pid, signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_when_running, daemon=True)
+    killer.start()
+    with pytest.raises(EngineDeadError, match="forward pass failed|rank 1"):
+        llm.generate([[5, 6, 7]] * 2, SamplingParams(temperature=0.0, max_tokens=2000, ignore_eos=True))
+    killer.join(timeout=5)
+
+
+# -- a real server: reports its ranks, dies with one ----------------------------------------------------------------
+@pytest.mark.slow
+def test_serve_tp_answers_and_exits_nonzero_when_a_rank_is_killed(tiny_llama) -> None:
+    from openai import OpenAI
+
+    single = LLM(model=tiny_llama, dtype="float32", daemon=False)
+    expected = single.generate("The quick brown fox", SamplingParams(temperature=0.0, max_tokens=8))[0]
+    single.close()
+    server = ServeProcess(tiny_llama, "--no-daemon", "--dtype", "float32", "--tensor-parallel-size", "2",
+                          env={"OMP_NUM_THREADS": "2"})
+    try:
+        engine = httpx.get(server.base + "/keepwarm/config").json()["engine"]
+        assert engine["tensor_parallel_size"] == 2
+        pids = engine["tensor_parallel_pids"]
+        assert pids[0] == server.proc.pid and psutil.pid_exists(pids[1])
+        client = OpenAI(base_url=server.base + "/v1", api_key="none")
+        out = client.completions.create(model=tiny_llama, prompt="The quick brown fox", max_tokens=8, temperature=0)
+        assert out.choices[0].text == expected.outputs[0].text
+        os.kill(pids[1], signal.SIGKILL)
+        t0 = time.monotonic()
+        try:
+            code = server.proc.wait(timeout=120)  # generous: a bound on the hang, not a speed figure
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the server still runs {time.monotonic() - t0:.0f}s after a rank was killed")
+        assert code != 0
+        assert "rank 1" in server.output() and "exited" in server.output()
+    finally:
+        server.stop(signal.SIGKILL)

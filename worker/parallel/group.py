@@ -1,0 +1,221 @@
+"""The tensor-parallel process group: starting the ranks, the collectives the model uses, the control channel and
+the watchdog.
+
+Two groups over the same ranks: the default group (gloo on CPU, NCCL on CUDA) carries the model's all-reduces and
+the logits gather, with ``timeout`` (a rank stuck or gone fails the step instead of hanging it); a gloo group
+carries rank 0's typed messages (``messages.py``) with a longer timeout, since ranks wait there while the engine
+is idle (rank 0 pings it every ``PING_INTERVAL_S`` of silence).
+
+Rank 0 starts the others (``launch``) with torchrun's environment; a rank started that way joins through
+``from_env``. Rank 0's watchdog thread polls its children: one that exits makes ``dead`` say so, and the engine
+raises at its next step or idle check. A rank other than 0 exits when its parent is gone.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from keepwarm.worker.parallel import messages
+from keepwarm.worker.parallel.messages import Message
+from keepwarm.worker.parallel.sharding import TensorParallelError
+
+log = logging.getLogger("keepwarm.worker")
+
+DEFAULT_TIMEOUT_S = 120.0  # compute collectives and the rendezvous
+CONTROL_TIMEOUT_S = 600.0  # a rank's wait for rank 0's next message
+PING_INTERVAL_S = 60.0
+WATCHDOG_INTERVAL_S = 0.2
+
+
+@dataclass
+class CommStats:
+    """Time rank 0 spent inside the model's all-reduces (waiting for the other ranks included)."""
+
+    all_reduce_seconds: float = 0.0
+    all_reduce_calls: int = 0
+    steps: int = 0
+
+
+@dataclass
+class RankProcess:
+    rank: int
+    proc: subprocess.Popen
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+
+@dataclass
+class TensorParallelGroup:
+    rank: int
+    world_size: int
+    backend: str
+    device: torch.device
+    control: Any  # the gloo control group (a ProcessGroup)
+    timeout: float = DEFAULT_TIMEOUT_S
+    children: list[RankProcess] = field(default_factory=list)
+    stats: CommStats = field(default_factory=CommStats)
+    dead: str | None = None  # why the group cannot go on (a rank exited, a collective failed)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _last_sent: float = field(default_factory=time.monotonic)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    serving: bool = False  # set once every rank is loaded: pings only then, never between setup messages
+    _watchdog: threading.Thread | None = None
+
+    # -- starting ------------------------------------------------------------------------------------------------
+    @classmethod
+    def launch(cls, world_size: int, device: torch.device, timeout: float = DEFAULT_TIMEOUT_S,
+               threads: int = 1) -> TensorParallelGroup:
+        """Rank 0: start ranks 1..N-1 (this process stays rank 0) and join them."""
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if dist.is_initialized():
+            raise TensorParallelError("a tensor-parallel engine already runs in this process (torch.distributed's "
+                                      "default group is taken): close it first")
+        store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, timeout=timedelta(seconds=timeout),
+                              wait_for_workers=False)
+        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port),
+               "WORLD_SIZE": str(world_size), "KEEPWARM_TP_BACKEND": backend, "KEEPWARM_TP_TIMEOUT": str(timeout),
+               "OMP_NUM_THREADS": str(threads), "KEEPWARM_TP_PARENT": str(os.getpid())}
+        children = []
+        for rank in range(1, world_size):
+            cmd = [sys.executable, "-m", "keepwarm.worker.parallel.rank_main"]
+            proc = subprocess.Popen(cmd, env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}, close_fds=True)
+            children.append(RankProcess(rank, proc))
+        try:
+            # The prefix env:// gives the default group's keys on the other ranks.
+            dist.init_process_group(backend, store=dist.PrefixStore("default_pg", store), rank=0,
+                                    world_size=world_size, timeout=timedelta(seconds=timeout))
+            control = dist.new_group(backend="gloo", timeout=timedelta(seconds=max(timeout, CONTROL_TIMEOUT_S)))
+        except Exception as e:
+            exits = [f"rank {c.rank} exited with {c.proc.poll()}" for c in children if c.proc.poll() is not None]
+            _stop_children(children, grace=0.0)
+            raise RuntimeError(f"tensor parallel: the ranks did not join ({'; '.join(exits) or e})") from None
+        group = cls(0, world_size, backend, device, control, timeout, children)
+        group._watchdog = threading.Thread(target=group._watch, name="keepwarm-tp-watchdog", daemon=True)
+        group._watchdog.start()
+        log.info("tensor parallel: %d ranks (%s), rank pids %s", world_size, backend,
+                 [os.getpid(), *(c.pid for c in children)])
+        return group
+
+    @classmethod
+    def from_env(cls) -> TensorParallelGroup:
+        """A rank other than 0, started with torchrun's variables (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE,
+        LOCAL_RANK); the backend from KEEPWARM_TP_BACKEND (default: NCCL when CUDA is there, else gloo)."""
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        timeout = float(os.environ.get("KEEPWARM_TP_TIMEOUT", DEFAULT_TIMEOUT_S))
+        backend = os.environ.get("KEEPWARM_TP_BACKEND") or ("nccl" if torch.cuda.is_available() else "gloo")
+        device = torch.device("cpu")
+        if backend == "nccl":
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=timeout))
+        control = dist.new_group(backend="gloo", timeout=timedelta(seconds=max(timeout, CONTROL_TIMEOUT_S)))
+        return cls(rank, world, backend, device, control, timeout)
+
+    # -- the model's collectives ---------------------------------------------------------------------------------
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum ``x`` over the ranks, in place; every rank gets the same values."""
+        t0 = time.perf_counter()
+        if self.backend == "gloo" and x.dtype in (torch.bfloat16, torch.float16):
+            y = x.float()  # summed in float32, rounded once
+            dist.all_reduce(y)
+            x.copy_(y)
+        else:
+            dist.all_reduce(x)
+        self.stats.all_reduce_seconds += time.perf_counter() - t0
+        self.stats.all_reduce_calls += 1
+        return x
+
+    def gather_logits(self, local: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
+        """Rank 0: the full [R, vocab] logits from every rank's [R, V/N] columns; other ranks: None."""
+        local = local.contiguous()
+        if self.rank != 0:
+            dist.gather(local, None, dst=0)
+            return None
+        parts = [torch.empty_like(local) for _ in range(self.world_size)]
+        dist.gather(local, parts, dst=0)
+        return torch.cat(parts, dim=-1)[:, :vocab_size]
+
+    # -- the control channel -------------------------------------------------------------------------------------
+    def send(self, msg: Message) -> None:
+        """Rank 0: broadcast one message to the other ranks."""
+        payload = messages.encode(msg)
+        with self._lock:
+            dist.broadcast(torch.tensor([len(payload)], dtype=torch.int64), 0, group=self.control)
+            dist.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8), 0, group=self.control)
+            self._last_sent = time.monotonic()
+
+    def receive(self) -> Message:
+        """A rank other than 0: the next message from rank 0."""
+        size = torch.empty(1, dtype=torch.int64)
+        dist.broadcast(size, 0, group=self.control)
+        buf = torch.empty(int(size[0]), dtype=torch.uint8)
+        dist.broadcast(buf, 0, group=self.control)
+        return messages.decode(buf.numpy().tobytes())
+
+    def agree(self, ok: bool) -> list[int]:
+        """Every rank says whether its part (e.g. the load) succeeded; returns the ranks that failed."""
+        flags = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
+        with self._lock:
+            dist.all_gather(flags, torch.tensor([0 if ok else 1], dtype=torch.int64), group=self.control)
+        return [r for r, f in enumerate(flags) if int(f[0])]
+
+    # -- watchdog and shutdown -----------------------------------------------------------------------------------
+    def _watch(self) -> None:
+        while not self._stop.wait(WATCHDOG_INTERVAL_S):
+            for c in self.children:
+                code = c.proc.poll()
+                if code is not None and self.dead is None and not self._stop.is_set():  # not a close()'s exit
+                    self.dead = f"tensor-parallel rank {c.rank} (pid {c.pid}) exited with status {code}"
+                    log.critical("%s: the engine cannot go on", self.dead)
+            if self.serving and self.dead is None and time.monotonic() - self._last_sent > PING_INTERVAL_S:
+                try:
+                    self.send(messages.Ping())
+                except RuntimeError as e:
+                    self.dead = f"tensor parallel: the control channel failed: {e}"
+
+    def check(self) -> None:
+        """Raise if a rank is gone (the engine calls this before each step and while idle)."""
+        if self.dead is not None:
+            raise RuntimeError(self.dead)
+
+    def rank_pids(self) -> list[int]:
+        return [os.getpid(), *(c.pid for c in self.children)]
+
+    def close(self) -> None:
+        """Rank 0: tell the ranks to exit, wait for them (killing any that do not), leave the group. Once."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        if self.rank == 0 and self.dead is None and all(c.proc.poll() is None for c in self.children):
+            try:
+                self.send(messages.Shutdown())
+            except RuntimeError as e:
+                log.warning("tensor parallel: shutdown message not delivered: %s", e)
+        _stop_children(self.children, grace=10.0 if self.dead is None else 0.0)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _stop_children(children: list[RankProcess], grace: float = 10.0) -> None:
+    deadline = time.monotonic() + grace
+    for c in children:
+        try:
+            c.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            log.warning("tensor-parallel rank %d (pid %d) did not exit; killing it", c.rank, c.pid)
+            c.proc.kill()
+            c.proc.wait()

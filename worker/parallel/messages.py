@@ -1,0 +1,129 @@
+"""The typed messages rank 0 broadcasts to the other tensor-parallel ranks: msgpack maps, never pickle.
+
+Every message is a map with ``v`` (``VERSION``) and ``kind``; each kind is a frozen dataclass whose fields are
+checked on arrival (a wrong name or type raises :class:`MessageError` naming it). Tensors travel as their raw
+little-endian bytes with the dtype fixed by the field, so a step costs no Python objects per token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import msgpack
+import torch
+
+VERSION = 1
+
+
+class MessageError(ValueError):
+    """A message that does not decode to one of the kinds below; one line naming the field."""
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What every rank loads: the engine's model settings (rank 0's ``EngineConfig``, resolved)."""
+
+    kind: ClassVar[str] = "setup"
+    model: str
+    dtype: str
+    quantization: str
+    device: str  # "cpu" or "cuda" (a rank on CUDA takes the device of its LOCAL_RANK)
+    max_position: int
+    daemon: bool | str
+    runtime_dir: str | None
+    fingerprint: str | None
+    threads: int
+    seed: int
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """The KV cache every rank allocates for its own KV heads (rank 0 sizes it)."""
+
+    kind: ClassVar[str] = "cache"
+    num_blocks: int
+    block_size: int
+    kv_dtype: str  # torch dtype name without "torch."
+
+
+@dataclass(frozen=True)
+class Step:
+    """One step's flattened batch, as the model runner consumes it (see ``ModelRunner.host_inputs``)."""
+
+    kind: ClassVar[str] = "step"
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64, rotary positions
+    slot_mapping: torch.Tensor  # [T] int64
+    block_tables: torch.Tensor  # [S, W] int32
+    seq_lens: torch.Tensor  # [S] int32
+    query_start_loc: torch.Tensor  # [S + 1] int32
+    max_query_len: int
+    token_rows: torch.Tensor  # [R] int64, the rows whose logits are gathered
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    kind: ClassVar[str] = "shutdown"
+
+
+@dataclass(frozen=True)
+class Ping:
+    """Sent by rank 0 when the control channel has been quiet for a while: keeps the ranks' waits bounded."""
+
+    kind: ClassVar[str] = "ping"
+
+
+Message = Setup | CacheSpec | Step | Shutdown | Ping
+_KINDS: dict[str, Any] = {c.kind: c for c in (Setup, CacheSpec, Step, Shutdown, Ping)}
+_TENSOR_DTYPES = {"input_ids": torch.int64, "positions": torch.int64, "slot_mapping": torch.int64,
+                  "block_tables": torch.int32, "seq_lens": torch.int32, "query_start_loc": torch.int32,
+                  "token_rows": torch.int64}
+
+
+def encode(msg: Message) -> bytes:
+    body: dict[str, Any] = {"v": VERSION, "kind": msg.kind}
+    for f in dataclasses.fields(msg):
+        value = getattr(msg, f.name)
+        if isinstance(value, torch.Tensor):
+            t = value.to(_TENSOR_DTYPES[f.name]).contiguous()
+            body[f.name] = [list(t.shape), t.numpy().tobytes()]
+        else:
+            body[f.name] = value
+    return msgpack.packb(body, use_bin_type=True)
+
+
+def _tensor(name: str, value: Any) -> torch.Tensor:
+    if not (isinstance(value, list) and len(value) == 2 and isinstance(value[1], bytes)):
+        raise MessageError(f"field {name!r}: expected [shape, bytes]")
+    shape, raw = value
+    dtype = _TENSOR_DTYPES[name]
+    t = torch.frombuffer(bytearray(raw), dtype=dtype) if raw else torch.empty(0, dtype=dtype)
+    try:
+        return t.view(*shape)
+    except (RuntimeError, TypeError):
+        raise MessageError(f"field {name!r}: {len(raw)} bytes do not make shape {shape}") from None
+
+
+def decode(data: bytes) -> Message:
+    try:
+        body = msgpack.unpackb(data, raw=False)
+    except (ValueError, msgpack.UnpackException) as e:
+        raise MessageError(f"not a msgpack message: {e}") from None
+    if not isinstance(body, dict) or body.get("v") != VERSION:
+        raise MessageError(f"message version {body.get('v') if isinstance(body, dict) else None!r}, "
+                           f"expected {VERSION}")
+    cls = _KINDS.get(body.get("kind", ""))
+    if cls is None:
+        raise MessageError(f"unknown message kind {body.get('kind')!r}")
+    names = {f.name for f in dataclasses.fields(cls)}
+    given = set(body) - {"v", "kind"}
+    if given != names:
+        raise MessageError(f"{cls.kind}: fields {sorted(given ^ names)} missing or unknown")
+    values = {n: _tensor(n, body[n]) if n in _TENSOR_DTYPES else body[n] for n in names}
+    for f in dataclasses.fields(cls):
+        want = {"int": int, "str": str}.get(str(f.type))
+        if want is not None and not isinstance(values[f.name], want):
+            raise MessageError(f"{cls.kind}: field {f.name!r} must be {f.type}, got {values[f.name]!r}")
+    return cls(**values)

@@ -1,0 +1,232 @@
+"""Which slice of each weight a tensor-parallel rank holds (vLLM's rules), cut from the full tensors at load.
+
+Rules (``N`` ranks, rank ``r``):
+- Column-parallel (split along the output rows, no communication): the fused ``qkv_proj`` is cut per component,
+  q by heads, k and v by KV heads (when ``num_key_value_heads < N`` each KV head is replicated on ``N / Hk``
+  ranks: rank r holds KV head ``r // (N / Hk)``); ``gate_up_proj`` as gate and up each cut; their biases the same.
+- Row-parallel (split along the input columns, one all-reduce after): ``o_proj`` and ``down_proj``; their bias is
+  kept whole and added once, after the reduce.
+- Vocab-parallel: ``embed_tokens`` and ``lm_head`` by vocabulary rows, padded to a multiple of N (padding rows are
+  zero and cut from the gathered logits). Norm weights are replicated. Anything else has no rule and is refused.
+- Quantized layouts are cut along the same axis: int8 per-channel (scales follow the rows), fp8 per tensor,
+  fp8 blocks, int8 groups and int4 groups (codes unpacked, cut, packed again in the same layout: exact). A row-parallel
+  cut must fall on a group boundary; otherwise a one-line error names the weight, its shape and the group size.
+  oneDNN-packed weights are unpacked (exact), cut and packed again. Layouts with a group index are refused.
+- The result is a new tensor per weight (a copy): the full tensors can be dropped after the cut.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+import torch
+
+from keepwarm.formats.model_config import ModelConfig
+from keepwarm.formats.packed import pack
+from keepwarm.formats.quant import (
+    LAYOUT_DENSE,
+    LAYOUT_FP8,
+    LAYOUT_FP8_BLOCK,
+    LAYOUT_INT4_CANONICAL,
+    LAYOUT_INT8,
+    LAYOUT_INT8_GROUP,
+    LAYOUT_MKLDNN_PACKED,
+    QuantizationError,
+    QuantMeta,
+    pack_int4,
+    unpack_int4,
+)
+from keepwarm.kernels.cpu_packed import PackedWeight
+from keepwarm.kernels.quant import QuantizedWeight
+
+# The families whose decoder the tensor-parallel path is built and tested for (formats.model_config.FAMILIES).
+SUPPORTED_FAMILIES = ("llama",)
+
+_REPLICATED = re.compile(r"(?:model\.layers\.\d+\.(?:input_layernorm|post_attention_layernorm|self_attn\.q_norm|"
+                         r"self_attn\.k_norm)|model\.norm)\.weight")
+_LAYER = r"model\.layers\.\d+\."
+
+Segments = list[tuple[int, int]]  # (start, length) along the cut axis
+
+
+class TensorParallelError(ValueError):
+    """A model or setting that tensor parallelism cannot run exactly; one line naming it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Shard:
+    rank: int
+    world_size: int
+
+    def block(self, total: int, what: str) -> tuple[int, int]:
+        """(start, length) of this rank's equal part of ``total``."""
+        if total % self.world_size:
+            raise TensorParallelError(f"tensor-parallel size {self.world_size} does not divide {what} ({total})")
+        n = total // self.world_size
+        return self.rank * n, n
+
+
+def check_supported(config: ModelConfig, world_size: int) -> None:
+    """Refuse (one line) what the tensor-parallel path cannot run exactly, before any process is started."""
+    if world_size < 1:
+        raise TensorParallelError(f"tensor_parallel_size must be at least 1, got {world_size}")
+    if config.family not in SUPPORTED_FAMILIES:
+        raise TensorParallelError(f"tensor parallelism supports the Llama family (Llama, Mistral, Qwen2, Qwen3, "
+                                  f"Phi-3); {config.architecture} is not supported yet")
+    h, hk = config.num_attention_heads, config.num_key_value_heads
+    if h % world_size:
+        raise TensorParallelError(f"tensor-parallel size {world_size} does not divide num_attention_heads ({h})")
+    if hk % world_size and world_size % hk:
+        raise TensorParallelError(f"tensor-parallel size {world_size} and num_key_value_heads ({hk}): one must "
+                                  "divide the other")
+    if config.intermediate_size % world_size:
+        raise TensorParallelError(f"tensor-parallel size {world_size} does not divide intermediate_size "
+                                  f"({config.intermediate_size})")
+
+
+def local_config(config: ModelConfig, world_size: int) -> ModelConfig:
+    """The config one rank's decoder is built with: its heads, KV heads and MLP width (vocabulary unchanged: the
+    embedding and head are swapped for vocab-parallel ones)."""
+    return dataclasses.replace(config, num_attention_heads=config.num_attention_heads // world_size,
+                               num_key_value_heads=max(1, config.num_key_value_heads // world_size),
+                               intermediate_size=config.intermediate_size // world_size)
+
+
+def vocab_block(vocab_size: int, shard: Shard) -> tuple[int, int]:
+    """(first id, rows) of this rank's vocabulary part, the vocabulary padded up to a multiple of N."""
+    n = -(-vocab_size // shard.world_size)
+    return shard.rank * n, n
+
+
+def _qkv_segments(config: ModelConfig, shard: Shard) -> Segments:
+    d, h, hk = config.head_dim, config.num_attention_heads, config.num_key_value_heads
+    q0, qn = shard.block(h, "num_attention_heads")
+    local_kv = max(1, hk // shard.world_size)
+    kv_rank = shard.rank // max(1, shard.world_size // hk)  # replicas of a KV head sit on consecutive ranks
+    k0 = kv_rank * local_kv
+    return [(q0 * d, qn * d), ((h + k0) * d, local_kv * d), ((h + hk + k0) * d, local_kv * d)]
+
+
+def plan_cut(name: str, config: ModelConfig, shard: Shard) -> tuple[str, Segments] | None:
+    """("rows" | "cols", segments) for a weight, or None when it is replicated; raises for a weight with no rule."""
+    if _REPLICATED.fullmatch(name):
+        return None
+    if re.fullmatch(_LAYER + r"self_attn\.qkv_proj\.(?:weight|bias)", name):
+        return "rows", _qkv_segments(config, shard)
+    if re.fullmatch(_LAYER + r"mlp\.gate_up_proj\.(?:weight|bias)", name):
+        i = config.intermediate_size
+        s, n = shard.block(i, "intermediate_size")
+        return "rows", [(s, n), (i + s, n)]
+    if re.fullmatch(_LAYER + r"self_attn\.o_proj\.weight", name):
+        return "cols", [shard.block(config.q_size, "the attention width")]
+    if re.fullmatch(_LAYER + r"mlp\.down_proj\.weight", name):
+        return "cols", [shard.block(config.intermediate_size, "intermediate_size")]
+    if re.fullmatch(_LAYER + r"(?:self_attn\.o_proj|mlp\.down_proj)\.bias", name):
+        return None  # row-parallel bias: added once after the all-reduce
+    if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        return "vocab", [vocab_block(config.vocab_size, shard)]
+    raise TensorParallelError(f"tensor parallelism has no sharding rule for weight {name!r}")
+
+
+def _cut(t: torch.Tensor, axis: int, segs: Segments) -> torch.Tensor:
+    return torch.cat([t.narrow(axis, s, n) for s, n in segs], dim=axis)
+
+
+def _cut_vocab(t: torch.Tensor, start: int, rows: int) -> torch.Tensor:
+    """Rows [start, start + rows) of ``t``, zero rows past its end (the padding of the last rank)."""
+    out = torch.zeros((rows, *t.shape[1:]), dtype=t.dtype, device=t.device)
+    have = max(0, min(rows, t.shape[0] - start))
+    if have:
+        out[:have] = t[start:start + have]
+    return out
+
+
+def _group_segments(name: str, meta: QuantMeta, segs: Segments) -> Segments:
+    """Column segments in units of quantization groups; a segment that would split a group is refused."""
+    gs = meta.group_size
+    assert gs is not None
+    if any(s % gs or n % gs for s, n in segs):
+        n_cols = segs[0][1]
+        raise TensorParallelError(
+            f"tensor parallelism cannot split {name} {list(meta.shape)} ({meta.scheme}, groups of {gs} along the "
+            f"input): each rank would take {n_cols} columns, which cuts a group; use smaller groups (e.g. "
+            "--quantization int4-g32) or another tensor-parallel size")
+    return [(s // gs, n // gs) for s, n in segs]
+
+
+def _cut_quantized(name: str, w: QuantizedWeight, kind: str, segs: Segments) -> QuantizedWeight:
+    meta, p = w.meta, w.parts
+    rows = kind == "rows"
+    axis = 0 if rows else 1
+    n, k = meta.shape
+    size = sum(length for _, length in segs)
+    shape = (size, k) if rows else (n, size)
+    new_meta = dataclasses.replace(meta, shape=shape)
+    lay = meta.layout
+    if lay in (LAYOUT_DENSE, LAYOUT_INT8, LAYOUT_FP8):
+        main = "weight" if lay == LAYOUT_DENSE else "qweight"
+        parts = {main: _cut(p[main], axis, segs)}
+        if lay == LAYOUT_INT8:
+            parts["scales"] = _cut(p["scales"], 0, segs) if rows else p["scales"].clone()
+        elif lay == LAYOUT_FP8:
+            parts["scale"] = p["scale"].clone()
+    elif lay in (LAYOUT_FP8_BLOCK, LAYOUT_INT8_GROUP):
+        gsegs = segs if rows else _group_segments(name, meta, segs)
+        parts = {"qweight": _cut(p["qweight"], axis, segs),
+                 **{part: _cut(p[part], axis, gsegs) for part in ("scales", "zeros") if part in p}}
+    elif meta.scheme == "int4" and meta.layout != "int4_gidx":
+        gsegs = segs if rows else _group_segments(name, meta, segs)
+        codes = unpack_int4(p["qweight"], lay, meta.shape)
+        if lay == LAYOUT_INT4_CANONICAL:
+            scales, zeros = p["scales"], p["zeros"]
+        else:
+            scales, zeros = p["scales_and_zeros"][..., 0].t(), p["scales_and_zeros"][..., 1].t()
+        try:
+            parts = pack_int4(new_meta, _cut(codes, axis, segs), _cut(scales, axis, gsegs).contiguous(),
+                              _cut(zeros, axis, gsegs).contiguous())
+        except (QuantizationError, RuntimeError) as e:
+            raise TensorParallelError(f"tensor parallelism cannot re-pack {name} as {list(shape)} ({lay}): "
+                                      f"{str(e).splitlines()[0]}") from None
+    else:
+        raise TensorParallelError(f"tensor parallelism cannot shard {name} ({meta.scheme}, layout {lay}): not "
+                                  "supported yet")
+    try:
+        return QuantizedWeight.from_parts(new_meta, {k_: v.contiguous() for k_, v in parts.items()})
+    except QuantizationError as e:
+        raise TensorParallelError(f"tensor parallelism: the shard of {name} does not fit its layout: {e}") from None
+
+
+def _cut_packed(name: str, w: PackedWeight, kind: str, segs: Segments) -> PackedWeight:
+    dense = w.dequantize(w.dtype)  # oneDNN reorders back exactly
+    part = _cut(dense, 0 if kind == "rows" else 1, segs) if kind != "vocab" else _cut_vocab(dense, *segs[0])
+    raw, desc = pack(part)
+    meta = QuantMeta("none", LAYOUT_MKLDNN_PACKED, None, (int(part.shape[0]), int(part.shape[1])), desc.hex())
+    return PackedWeight(meta, raw, w.dtype)
+
+
+def shard_weight(name: str, w: Any, config: ModelConfig, shard: Shard) -> Any:
+    """This rank's part of weight ``name`` (a tensor, QuantizedWeight or PackedWeight), as a new tensor."""
+    cut = plan_cut(name, config, shard)
+    if cut is None:
+        return w.clone() if isinstance(w, torch.Tensor) else w
+    kind, segs = cut
+    if isinstance(w, PackedWeight):
+        return _cut_packed(name, w, kind, segs)
+    if isinstance(w, QuantizedWeight):
+        if kind == "vocab":
+            raise TensorParallelError(f"tensor parallelism cannot shard a quantized {name} ({w.meta.scheme})")
+        return _cut_quantized(name, w, kind, segs)
+    if not isinstance(w, torch.Tensor):
+        raise TensorParallelError(f"tensor parallelism cannot shard {name} ({type(w).__name__})")
+    if kind == "vocab":
+        return _cut_vocab(w, *segs[0])
+    if w.dim() == 1 and kind == "cols":
+        return w.clone()
+    return _cut(w, 0 if kind == "rows" else 1, segs)
+
+
+def shard_weights(tensors: dict[str, Any], config: ModelConfig, shard: Shard) -> dict[str, Any]:
+    """Every weight cut for ``shard`` (see the module rules); the input tensors are not modified."""
+    return {name: shard_weight(name, w, config, shard) for name, w in tensors.items()}
