@@ -254,3 +254,20 @@ def test_serve_tp_answers_and_exits_nonzero_when_a_rank_is_killed(tiny_llama) ->
         assert "rank 1" in server.output() and "exited" in server.output()
     finally:
         server.stop(signal.SIGKILL)
+
+
+# -- CUDA: NCCL between two GPUs (the CPU twin is test_tp2_greedy_tokens_equal_one_process) ------------------------
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_tp2_on_two_gpus_matches_one_gpu(tiny_model_factory) -> None:
+    model = tiny_model_factory("qwen2")
+    common = dict(dtype="float32", daemon=False, device="cuda")
+    single = LLM(model=model, **common)
+    expected = _tokens(single, _prompts())
+    single.close()
+    llm = LLM(model=model, tensor_parallel_size=2, **common)
+    try:
+        assert llm.llm_engine.tp is not None and llm.llm_engine.tp.backend == "nccl"
+        assert _tokens(llm, _prompts()) == expected
+    finally:
+        llm.close()
