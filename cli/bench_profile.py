@@ -12,7 +12,8 @@ process that is not profiling runs no timing code at all. A wrapper that no long
 an error, not a silently missing line. Phases:
 
   scheduling            Scheduler.schedule
-  input preparation     ModelRunner.prepare, plus ModelRunner.execute's own work (LoRA slots, row selection)
+  input preparation     ModelRunner.host_inputs + device_inputs, plus ModelRunner.execute / run's own work
+                        (LoRA slots, row selection)
   forward: matmuls      kernels.linear outside the head (qkv, o, gate_up, down)
   forward: attention    kernels.write_kv_cache + kernels.paged_attention
   forward: norms+rotary kernels.rms_norm, fused_add_rms_norm, rotary_embedding
@@ -105,7 +106,8 @@ def instrumented(engine: Any, timer: StepTimer) -> Iterator[None]:
         (engine, "step", "engine other", False),
         (engine.scheduler, "schedule", "scheduling", False),
         (runner, "execute", "input preparation", False),
-        (runner, "prepare", "input preparation", False),
+        (runner, "host_inputs", "input preparation", False),
+        (runner, "device_inputs", "input preparation", False),
         (runner, "_forward", "forward: other", False),
         (runner.model, "compute_logits", "logits", True),
         (kernels, "linear", "forward: matmuls", False),
