@@ -64,7 +64,8 @@ class _Part:
     def _one(self) -> int:
         return 1
 
-    step = schedule = execute = prepare = _forward = compute_logits = sample = _process_token = _make_output = _one
+    step = schedule = execute = host_inputs = device_inputs = _forward = compute_logits = sample = _process_token = \
+        _make_output = _one
 
 
 def test_instrumented_times_the_parts_and_removes_every_wrapper() -> None:
@@ -80,7 +81,7 @@ def test_instrumented_times_the_parts_and_removes_every_wrapper() -> None:
     timer = StepTimer()
     with instrumented(engine, timer):
         assert kernels.linear is not before[0]
-        assert runner.prepare() == 1 and engine.step() == 1
+        assert runner.host_inputs() == 1 and engine.step() == 1
     assert set(timer.wall) == {"input preparation", "engine other"}
     assert (kernels.linear, kernels.paged_attention, IncrementalDetokenizer.step, LoRALayer.apply) == before
-    assert not {"prepare", "_forward"} & set(vars(runner)) and "step" not in vars(engine)
+    assert not {"host_inputs", "device_inputs", "_forward"} & set(vars(runner)) and "step" not in vars(engine)
