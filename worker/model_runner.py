@@ -104,7 +104,9 @@ class ModelRunner:
         attn.plan = kernels.plan_attention(attn.block_tables, attn.seq_lens, attn.query_start_loc, attn.slot_mapping,
                                            self.block_size, self.windows)
         # The model reads positions only for rotary: KV slots come from the true positions above.
-        return torch.tensor(ids, dtype=torch.int64, device=dev), rope_positions.to(dev), attn
+        rope_positions = rope_positions.to(dev)
+        attn.rotary = {name: kernels.plan_rotary(rope_positions, table) for name, table in self.model.cos_sin.items()}
+        return torch.tensor(ids, dtype=torch.int64, device=dev), rope_positions, attn
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, token_rows: list[int]) -> torch.Tensor:
@@ -120,7 +122,9 @@ class ModelRunner:
                 self.lora_manager.clear_batch()
         if not token_rows:
             return torch.empty(0, self.model.config.vocab_size)
-        return self.model.compute_logits(hidden[torch.tensor(token_rows, device=hidden.device)])
+        if token_rows != list(range(hidden.shape[0])):  # a decode batch samples every row: no gather
+            hidden = hidden[torch.tensor(token_rows, device=hidden.device)]
+        return self.model.compute_logits(hidden)
 
     # -- CUDA graphs (worker/cuda_graphs.py): decode-only batches replay a captured forward ---------------------------
     def _make_cuda_graphs(self, enforce_eager: bool):
