@@ -19,7 +19,8 @@ further copy (on CPU the copies, not the math, dominated decode attention in the
 Per-step plans: `plan_attention` turns one step's attention metadata into what the torch write_kv_cache and
 paged_attention read (host lengths, gather tables, masks, write slots), once for all layers; it is derived from the
 metadata alone, so a kernel computes exactly the same with or without it. Backends that read the metadata on the
-device get no plan (plan_attention returns None for them).
+device get no plan (plan_attention returns None for them). `plan_rotary` does the same for rotary: a table's rows at
+the step's positions, gathered once instead of in every layer.
 """
 
 from __future__ import annotations
