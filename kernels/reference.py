@@ -92,8 +92,8 @@ def _rotate(
 
 def _rotate_neox_full(q: torch.Tensor, k: torch.Tensor, head_dim: int, plan: RotaryPlan
                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """q and k rotated over whole heads as one [T, Hq + Hk, head_dim] float32 tensor, in five ops: cat (into
-    float32), roll, and three in place (on CPU a decode step's rotary is op overhead, not arithmetic)."""
+    """q and k rotated over whole heads as one [T, Hq + Hk, head_dim] float32 tensor: cat into a float32 buffer,
+    roll, three ops in place, the cast back (on CPU a decode step's rotary is op overhead, not arithmetic)."""
     T = q.shape[0]
     q3, k3 = q.reshape(T, -1, head_dim), k.reshape(T, -1, head_dim)
     h = torch.empty((T, q3.shape[1] + k3.shape[1], head_dim), dtype=torch.float32, device=q.device)
