@@ -7,7 +7,10 @@ in float32, cast to x's dtype, F.linear), correct for every layout and device, a
 
   int8  torch._weight_int8pack_mm is vectorized only for bfloat16 x on AVX2/AVX512 and wins only for few rows
         (AVX512, [1536, 576]: 19 us vs 97 us at M=1, 189 vs 152 at M=32, 1.6 ms vs 0.6 ms at M=256); for float32
-        and float16 it is a scalar loop (0.3 ms at M=1, 9.7 ms at M=32). Otherwise: cast the int8 codes to x's
+        and float16 it is a scalar loop (0.3 ms at M=1, 9.7 ms at M=32). Above 8 rows of bfloat16, keepwarm's C
+        kernel (`kernels.cpu_native`, AVX512-BF16) where it builds: one 1B layer's four matmuls, 2 cores, ms:
+        M=8 9.0 (op) / 13.2 (C), M=32 33.7 / 20.5 / 49 (cast), M=128 127 / 50 / 74, M=512 495 / 167 / 184,
+        against 4.2 / 10.3 / 36 / 144 for the bfloat16 oneDNN matmul. Otherwise: cast the int8 codes to x's
         dtype (exact), matmul, scale the [M, N] output per channel.
   int4  torch._weight_int4pack_mm_for_cpu, when the weight was packed in this process's CPU layout, for bfloat16
         on AVX2/AVX512 (21 us vs 0.49 ms for the reference at M=1, 167 us vs 0.48 ms at M=32). Elsewhere it is a
@@ -42,6 +45,8 @@ from keepwarm.formats.quant import (
     layout_parts,
     unpack_int4,
 )
+
+from . import cpu_native
 
 __all__ = ["PATHS", "TORCH_IMPLS", "QuantizedWeight", "fp8_as_float16", "linear_reference"]
 
@@ -175,6 +180,12 @@ def _int8_cast(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -
     return _add_bias(F.linear(x, q).mul_(scales), x, bias)
 
 
+def _int8_native(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    if x.dtype != torch.bfloat16:
+        raise ValueError(f"the native int8 path takes bfloat16 x, not {x.dtype}")
+    return _add_bias(cpu_native.int8_linear(_as_2d(x), w.parts["qweight"], w.parts["scales"]), x, bias)
+
+
 def _int4_op(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     sz = w.parts["scales_and_zeros"].to(x.dtype)  # the op wants x's dtype
     y = torch._weight_int4pack_mm_for_cpu(_as_2d(x), w.parts["qweight"], w.meta.group_size, sz)
@@ -205,9 +216,13 @@ def _fp8_block_bits(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | No
     return F.linear(x, w16.float().mul_(_per_column(scales, w.meta)).to(x.dtype), bias)
 
 
+_INT8_NATIVE = "keepwarm C kernel (AVX512-BF16)"
+
+
 # scheme -> path name (as logged) -> implementation; every path computes the same product as the reference.
 PATHS: dict[str, dict[str, Callable[..., torch.Tensor]]] = {
-    "int8": {"torch._weight_int8pack_mm": _int8_op, "int8->dtype cast + matmul, per-channel scale": _int8_cast},
+    "int8": {"torch._weight_int8pack_mm": _int8_op, "int8->dtype cast + matmul, per-channel scale": _int8_cast,
+             _INT8_NATIVE: _int8_native},
     "int4": {"torch._weight_int4pack_mm_for_cpu": _int4_op},
     "fp8": {"fp8 bits->float16 + matmul, scalar scale": _fp8_bits},
     "fp8_block": {"fp8 bits->float16 + matmul, channel/block scales": _fp8_block_bits},
@@ -227,8 +242,11 @@ def select_path(scheme: str, x: torch.Tensor, w: QuantizedWeight) -> str:
     rows = x.numel() // max(x.shape[-1], 1)
     vectorized = x.dtype == torch.bfloat16 and _simd()
     if scheme == "int8":
-        use_op = vectorized and rows <= _INT8_OP_MAX_ROWS
-        return "torch._weight_int8pack_mm" if use_op else "int8->dtype cast + matmul, per-channel scale"
+        if vectorized and rows <= _INT8_OP_MAX_ROWS:
+            return "torch._weight_int8pack_mm"
+        if x.dtype == torch.bfloat16 and w.parts["qweight"].is_contiguous() and cpu_native.available():
+            return _INT8_NATIVE
+        return "int8->dtype cast + matmul, per-channel scale"
     if scheme == "int4":
         # The packed order is per CPU capability: only a weight packed as this process packs can use the op.
         use_op = vectorized and w.meta.layout == cpu_int4_layout()

@@ -31,7 +31,7 @@ from keepwarm.formats.quant import (
     unpack_int4,
     validate_scheme,
 )
-from keepwarm.kernels import quant
+from keepwarm.kernels import cpu_native, quant
 from keepwarm.kernels.quant import PATHS, QuantizedWeight, fp8_as_float16, linear_reference
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -232,6 +232,10 @@ def _quantized(scheme: str, n: int, k: int, dtype: torch.dtype, seed: int) -> Qu
 def test_path_matches_reference(scheme: str, path: str, dtype: torch.dtype) -> None:
     if scheme == "int4" and cpu_int4_layout() is None:
         pytest.skip("this torch has no recognised CPU int4 pack")
+    if path == quant._INT8_NATIVE and (dtype != torch.bfloat16 or not cpu_native.available()):
+        with pytest.raises((ValueError, AssertionError)):  # never taken for other dtypes (test_select_path)
+            PATHS[scheme][path](torch.zeros(1, 64, dtype=dtype), _quantized(scheme, 16, 64, dtype, 0), None)
+        return
     g = torch.Generator().manual_seed(1)
     for i, (n, k) in enumerate(SHAPES):
         qw = _quantized(scheme, n, k, dtype, i)
@@ -264,14 +268,19 @@ def test_select_path(monkeypatch: pytest.MonkeyPatch) -> None:
     bf1, bf33, f1, f33 = (torch.zeros(m, 256, dtype=d) for d in (torch.bfloat16, torch.float32) for m in (1, 33))
     monkeypatch.setattr(quant, "_simd", lambda: True)
     assert quant.select_path("int8", bf1, qws["int8"]) == "torch._weight_int8pack_mm"
-    assert quant.select_path("int8", bf33, qws["int8"]).startswith("int8->dtype cast")
+    wide = quant._INT8_NATIVE if cpu_native.available() else "int8->dtype cast + matmul, per-channel scale"
+    assert quant.select_path("int8", bf33, qws["int8"]) == wide
     assert quant.select_path("int8", f1, qws["int8"]).startswith("int8->dtype cast")
+    assert quant.select_path("int8", f33, qws["int8"]).startswith("int8->dtype cast")
+    monkeypatch.setenv(cpu_native.ENV_VAR, "0")
+    assert quant.select_path("int8", bf33, qws["int8"]).startswith("int8->dtype cast")
+    monkeypatch.delenv(cpu_native.ENV_VAR)
     assert quant.select_path("int4", bf33, qws["int4"]) == "torch._weight_int4pack_mm_for_cpu"
     assert quant.select_path("int4", bf1, qws["int4"]) == "torch._weight_int4pack_mm_for_cpu"
     assert quant.select_path("int4", f1, qws["int4"]) == "reference dequantize+matmul"
     assert quant.select_path("int4", f33, qws["int4"]) == "reference dequantize+matmul"
     monkeypatch.setattr(quant, "_simd", lambda: False)
-    assert quant.select_path("int8", bf1, qws["int8"]).startswith("int8->dtype cast")
+    assert quant.select_path("int8", bf1, qws["int8"]) == wide
     assert quant.select_path("int4", bf33, qws["int4"]) == "reference dequantize+matmul"
 
 
@@ -312,9 +321,10 @@ def test_read_only_parts() -> None:
         saved = {name: bytes(bytearray(b)) for name, b in blobs.items()}
         qw = QuantizedWeight.from_parts(meta, ro)
         expected = PATHS[scheme]
-        for fn in (*expected.values(), linear_reference):
+        for name, fn in (*expected.items(), ("reference", linear_reference)):
             for xx in (x, x[:1], x.float()):
-                fn(xx, qw, None)
+                if name != quant._INT8_NATIVE or (xx.dtype == torch.bfloat16 and cpu_native.available()):
+                    fn(xx, qw, None)  # the native path takes only bfloat16 (test_select_path)
         assert torch.equal(kernels.linear(x, qw), kernels.linear(x, QuantizedWeight(meta, parts)))
         assert blobs == saved
 

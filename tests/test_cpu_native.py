@@ -1,0 +1,110 @@
+"""keepwarm's C kernel (kernels/cpu_native.c): the int8 x bfloat16 matmul against float64, its build cache,
+its thread pool across fork(), and its switch. Needs an AVX512-BF16 CPU and a C compiler (this machine and CI
+have both); elsewhere the tests say which is missing."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from keepwarm.kernels import cpu_native
+
+pytestmark = pytest.mark.skipif(not cpu_native.available(), reason=f"native kernels: {cpu_native.unavailable_reason()}")
+
+
+def _expected(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    return (x.double() @ q.double().t()) * s.float().double()
+
+
+# (M, N, K): one row (the streaming path) and many (the tiled path); K neither a multiple of 32 nor of 64, odd K
+# (row by row), K = 2 (too short for pairs), N not a multiple of the 4-channel block or the 32-channel tile, and
+# M above the 12-row micro-kernel.
+SHAPES = [(1, 37, 45), (1, 256, 64), (3, 40, 2), (2, 33, 66), (3, 96, 576), (13, 40, 130), (29, 70, 1001),
+          (40, 64, 512)]
+
+
+@pytest.mark.parametrize(("m", "n", "k"), SHAPES)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_int8_linear_matches_float64(m: int, n: int, k: int, threads: int) -> None:
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    x = torch.randn(m, k, generator=g).bfloat16()
+    q = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)
+    q[0, : min(k, 3)] = torch.tensor([-128, 127, 0][: min(k, 3)], dtype=torch.int8)  # the code range's ends
+    s = (torch.rand(n, generator=g) * 0.01 + 1e-3).bfloat16()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = cpu_native.int8_linear(x, q, s)
+    finally:
+        torch.set_num_threads(before)
+    want = _expected(x, q, s)
+    assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+    # float32 sums in another order, then one bfloat16 rounding: within 2^-8 of each output's magnitude bound.
+    bound = (x.double().abs() @ q.double().abs().t()) * s.double()
+    assert bool(((got.double() - want).abs() <= bound * 2.0**-8 + 1e-30).all())
+
+
+def test_int8_linear_rejects_what_it_cannot_run() -> None:
+    q = torch.zeros(8, 32, dtype=torch.int8)
+    with pytest.raises(ValueError, match="bfloat16|int8_linear"):
+        cpu_native.int8_linear(torch.zeros(1, 32), q, torch.ones(8))
+    with pytest.raises(ValueError, match="int8_linear"):
+        cpu_native.int8_linear(torch.zeros(1, 16, dtype=torch.bfloat16), q, torch.ones(8))
+    with pytest.raises(ValueError, match="contiguous"):
+        cpu_native.int8_linear(torch.zeros(1, 32, dtype=torch.bfloat16), torch.zeros(32, 8, dtype=torch.int8).t(),
+                               torch.ones(8))
+
+
+def test_switch_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(cpu_native.ENV_VAR, "0")
+    assert not cpu_native.available() and cpu_native.unavailable_reason() == f"{cpu_native.ENV_VAR}=0"
+    monkeypatch.delenv(cpu_native.ENV_VAR)
+    assert cpu_native.available()
+
+
+_CHILD = textwrap.dedent("""
+    import os, sys, torch
+    from keepwarm.kernels import cpu_native
+    torch.set_num_threads(2)
+    x = torch.randn(5, 256).bfloat16(); q = torch.randint(-128, 128, (128, 256), dtype=torch.int8)
+    s = torch.full((128,), 0.01).bfloat16()
+    first = cpu_native.int8_linear(x, q, s)  # starts the pool thread
+    print(cpu_native._load()[0]._name)
+    pid = os.fork()
+    if pid == 0:  # the child has no pool threads: it must start its own, not wait for the parent's forever
+        os._exit(0 if torch.equal(cpu_native.int8_linear(x, q, s), first) else 3)
+    _, status = os.waitpid(pid, 0)
+    sys.exit(os.waitstatus_to_exitcode(status))
+""")
+
+
+def test_build_cached_and_fork_safe(tmp_path: Path) -> None:
+    env = {**os.environ, "KEEPWARM_HOME": str(tmp_path)}
+    runs = [subprocess.run([sys.executable, "-c", _CHILD], env=env, capture_output=True, text=True, timeout=120)
+            for _ in range(2)]
+    for run in runs:
+        assert run.returncode == 0, run.stderr[-2000:]
+    built = list((tmp_path / "cache" / "native").iterdir())
+    # one library, built by the first process and loaded from the cache by the second; no temporary left
+    assert [p.name for p in built] == [Path(runs[0].stdout.strip()).name] == [Path(runs[1].stdout.strip()).name]
+
+
+def test_calls_from_two_threads_take_turns() -> None:
+    # ctypes drops the GIL: two engine-like threads may call at once and must not share the pool's one job.
+    from concurrent.futures import ThreadPoolExecutor
+
+    g = torch.Generator().manual_seed(7)
+    cases = [(torch.randn(m, 256, generator=g).bfloat16(), torch.randint(-128, 128, (160, 256), dtype=torch.int8,
+                                                                          generator=g)) for m in (1, 9)]
+    s = torch.full((160,), 0.01).bfloat16()
+    want = [cpu_native.int8_linear(x, q, s) for x, q in cases]
+    with ThreadPoolExecutor(2) as pool:
+        for _ in range(20):
+            got = list(pool.map(lambda c: cpu_native.int8_linear(c[0], c[1], s), cases))
+            assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
