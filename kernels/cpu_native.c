@@ -1,10 +1,12 @@
-/* keepwarm native CPU kernels: weight-only int8 matmul for bfloat16 activations (AVX512-BF16).
+/* keepwarm native CPU kernels: weight-only int8 and fp8 matmuls for bfloat16 activations (AVX512-BF16).
  *
  *   out[m, n] = bf16( scale[n] * sum_k x[m, k] * w[n, k] )     x: bf16 [M, K], w: int8 [N, K], scale: f32 [N]
  *
+ * With fp8 set, w holds float8_e4m3fn codes and enters the sum as its value / 256 (the caller's scale is 256x).
+ *
  * Rules:
  * - The weight is only read (it may be a read-only mapping of the daemon's arena); nothing is copied up front.
- * - int8 -> bf16 is exact (|q| <= 128 fits bf16's 8-bit significand); products are summed in float32 by
+ * - int8 -> bf16 is exact (|q| <= 128 fits bf16's 8-bit significand), so is e4m3 -> bf16 (3-bit mantissa); products are summed in float32 by
  *   vdpbf16ps, the scale is applied in float32 and the result rounded to bf16 once (round to nearest even), so
  *   the only difference from the reference (dequantize, matmul) is the order of the float32 sums.
  * - M == 1 streams each weight row once, converting it in registers (decode is memory-bound).
@@ -30,6 +32,7 @@ typedef struct {
     const float *scale;
     uint16_t *out;
     int64_t M, N, K;
+    int fp8; /* w holds float8_e4m3fn codes, not int8 */
 } job_t;
 
 static inline uint16_t f32_to_bf16(float f) {
@@ -41,11 +44,23 @@ static inline uint16_t f32_to_bf16(float f) {
 
 static inline __mmask32 tail_mask(int64_t left) { return left >= 32 ? 0xFFFFFFFFu : ((1u << left) - 1u); }
 
-static inline __m512bh cvt_i8(const int8_t *p, __mmask32 m) {
-    __m256i b = _mm256_maskz_loadu_epi8(m, p);
-    __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(b)));
-    __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b, 1)));
+/* 32 weight bytes -> 32 bf16, exactly: int8 codes as integers; float8_e4m3fn codes as their value / 256 (the
+ * bits shifted onto float16's, as kernels.quant.fp8_as_float16 does; the caller's scale carries the 256). */
+static inline __m512bh cvt_bytes(__m256i b, int fp8) {
+    __m512 lo, hi;
+    if (fp8) {
+        __m512i h = _mm512_and_si512(_mm512_slli_epi16(_mm512_cvtepi8_epi16(b), 7), _mm512_set1_epi16(~0x4000));
+        lo = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
+        hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
+    } else {
+        lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(b)));
+        hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b, 1)));
+    }
     return _mm512_cvtne2ps_pbh(hi, lo); /* elements 0-15 from lo, 16-31 from hi */
+}
+
+static inline __m512bh cvt_w(const int8_t *p, __mmask32 m, int fp8) {
+    return cvt_bytes(_mm256_maskz_loadu_epi8(m, p), fp8);
 }
 
 static inline __m512bh load_bf16(const uint16_t *p, __mmask32 m) {
@@ -62,7 +77,7 @@ static void gemv_rows(const job_t *j, int64_t n0, int64_t n1) {
         for (int64_t k = 0; k < K; k += 32) {
             __mmask32 m = tail_mask(K - k);
             __m512bh xv = load_bf16(j->x + k, m);
-            for (int c = 0; c < NB; c++) acc[c] = _mm512_dpbf16_ps(acc[c], xv, cvt_i8(j->w + (n + c) * K + k, m));
+            for (int c = 0; c < NB; c++) acc[c] = _mm512_dpbf16_ps(acc[c], xv, cvt_w(j->w + (n + c) * K + k, m, j->fp8));
         }
         for (int c = 0; c < NB; c++) j->out[n + c] = f32_to_bf16(_mm512_reduce_add_ps(acc[c]) * j->scale[n + c]);
     }
@@ -70,7 +85,7 @@ static void gemv_rows(const job_t *j, int64_t n0, int64_t n1) {
         __m512 acc = _mm512_setzero_ps();
         for (int64_t k = 0; k < K; k += 32) {
             __mmask32 m = tail_mask(K - k);
-            acc = _mm512_dpbf16_ps(acc, load_bf16(j->x + k, m), cvt_i8(j->w + n * K + k, m));
+            acc = _mm512_dpbf16_ps(acc, load_bf16(j->x + k, m), cvt_w(j->w + n * K + k, m, j->fp8));
         }
         j->out[n] = f32_to_bf16(_mm512_reduce_add_ps(acc) * j->scale[n]);
     }
@@ -83,7 +98,8 @@ static void gemv_rows(const job_t *j, int64_t n0, int64_t n1) {
 #define MB 12       /* x rows per micro-kernel call: 24 accumulators + 2 weights + 1 broadcast */
 
 /* scratch[k2][c] = bf16 pair (w[n+c][2(k0+k2)], w[n+c][2(k0+k2)+1]) for c < nc, 0 beyond. */
-static void pack_tile(const int8_t *w, int64_t K, int64_t n, int nc, int64_t k0, int64_t kb2, uint32_t *scratch) {
+static void pack_tile(const int8_t *w, int64_t K, int64_t n, int nc, int64_t k0, int64_t kb2, int fp8,
+                      uint32_t *scratch) {
     const __m512i idx = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                                            _mm512_set1_epi32((int)K));
     for (int h = 0; h < 2; h++) {
@@ -100,9 +116,7 @@ static void pack_tile(const int8_t *w, int64_t K, int64_t n, int nc, int64_t k0,
                 g = _mm512_srli_epi32(g, 16);
             }
             __m256i pairs = _mm512_cvtepi32_epi16(g); /* 16 x (w[c][off], w[c][off+1]) as 32 bytes */
-            __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(pairs)));
-            __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(pairs, 1)));
-            _mm512_storeu_si512(scratch + k2 * NT + 16 * h, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+            _mm512_storeu_si512(scratch + k2 * NT + 16 * h, (__m512i)cvt_bytes(pairs, fp8));
         }
     }
 }
@@ -149,7 +163,7 @@ static void gemm_rows(const job_t *j, int64_t n0, int64_t n1) {
     }
     if (!scratch || !acc) { /* no memory for the tiles: the same product row by row */
         for (int64_t m = 0; m < M; m++) {
-            job_t row = {j->x + m * K, j->w, j->scale, j->out + m * N, 1, N, K};
+            job_t row = {j->x + m * K, j->w, j->scale, j->out + m * N, 1, N, K, j->fp8};
             gemv_rows(&row, n0, n1);
         }
         return;
@@ -159,7 +173,7 @@ static void gemm_rows(const job_t *j, int64_t n0, int64_t n1) {
         memset(acc, 0, (size_t)M * NT * 4);
         for (int64_t k0 = 0; k0 < K2; k0 += KB2) {
             int64_t kb2 = K2 - k0 < KB2 ? K2 - k0 : KB2;
-            pack_tile(j->w, K, n, nc, k0, kb2, scratch);
+            pack_tile(j->w, K, n, nc, k0, kb2, j->fp8, scratch);
             for (int64_t m = 0; m < M; m += MB) {
                 int r = (int)(M - m < MB ? M - m : MB);
                 MICROS[r](j->x + m * K + 2 * k0, K, scratch, kb2, acc + m * NT);
@@ -182,7 +196,7 @@ static void run_slice(const job_t *j, int t, int nthreads) {
         return;
     }
     for (int64_t m = 0; m < j->M; m++) { /* M == 1, or odd K: row by row */
-        job_t row = {j->x + m * j->K, j->w, j->scale, j->out + m * j->N, 1, j->N, j->K};
+        job_t row = {j->x + m * j->K, j->w, j->scale, j->out + m * j->N, 1, j->N, j->K, j->fp8};
         gemv_rows(&row, n0, n1);
     }
 }
@@ -247,13 +261,13 @@ static int ensure_pool(int want) {
 }
 
 /* Returns 0 on success, -1 on bad arguments. Without pool threads it runs on the calling thread alone. */
-int kw_int8_gemm(const uint16_t *x, const int8_t *w, const float *scale, uint16_t *out, int64_t M, int64_t N,
-                 int64_t K, int nthreads) {
+int kw_gemm(const uint16_t *x, const int8_t *w, const float *scale, uint16_t *out, int64_t M, int64_t N,
+            int64_t K, int fp8, int nthreads) {
     if (M < 1 || N < 1 || K < 1) return -1;
     if (nthreads < 1) nthreads = 1;
     if (nthreads > MAXT) nthreads = MAXT;
     if (N < 4 * NB * nthreads) nthreads = 1; /* tiny outputs: not worth a wake-up */
-    job_t j = {x, w, scale, out, M, N, K};
+    job_t j = {x, w, scale, out, M, N, K, fp8 != 0};
     if (nthreads == 1) {
         run_slice(&j, 0, 1);
         return 0;

@@ -16,10 +16,13 @@ in float32, cast to x's dtype, F.linear), correct for every layout and device, a
         on AVX2/AVX512 (21 us vs 0.49 ms for the reference at M=1, 167 us vs 0.48 ms at M=32). Elsewhere it is a
         scalar loop (~0.65 ms per row) that loses to the reference even at M=1 (0.40 ms).
   fp8   no fused CPU op for weight-only fp8 (torch._scaled_mm would quantize x too, and is slower), and torch's
-        fp8 -> float cast is a slow scalar loop (1.2 ms for 0.9M weights). The codes are re-read as float16 with
-        integer ops instead (exact, q / 256), then matmul and one scalar scale (0.15-0.24 ms vs 1.25-1.3 ms).
-  fp8_block   (pre-quantized fp8 per channel / block) the same float16 re-read; per channel the scale is applied to
-        the [M, N] output, per block to the weight before the matmul.
+        fp8 -> float cast is a slow scalar loop (1.2 ms for 0.9M weights). For bfloat16 x, keepwarm's C kernel
+        (the int8 kernel with the codes converted in registers, same float16 bit trick). Otherwise the codes are
+        re-read as float16 with integer ops (exact, q / 256), then matmul and one scalar scale (0.15-0.24 ms vs
+        1.25-1.3 ms).
+  fp8_block   (pre-quantized fp8 per channel / block) per channel and bfloat16 x: the C kernel. Otherwise the same
+        float16 re-read; per channel the scale is applied to the [M, N] output, per block to the weight before the
+        matmul.
   int8_group, int4_gidx   (pre-quantized groups with zero points or a group index) the reference, on every device:
         no fused op takes their layout (logged once per path, like every choice here).
 Off CPU every scheme takes the reference (a GPU backend registers its own kernels; the Triton backend has none for
@@ -186,6 +189,18 @@ def _int8_native(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None)
     return _add_bias(cpu_native.int8_linear(_as_2d(x), w.parts["qweight"], w.parts["scales"]), x, bias)
 
 
+def _fp8_native(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    if x.dtype != torch.bfloat16:
+        raise ValueError(f"the native fp8 path takes bfloat16 x, not {x.dtype}")
+    if w.meta.scheme == "fp8":
+        scale = w.parts["scale"]  # one for the tensor
+    elif w.meta.group_size is not None and w.meta.group_size >= w.meta.shape[1]:
+        scale = w.parts["scales"][:, 0]  # one per row
+    else:
+        raise ValueError(f"the native fp8 path takes one scale per tensor or row, not blocks of {w.meta.group_size}")
+    return _add_bias(cpu_native.fp8_linear(_as_2d(x), w.parts["qweight"], scale), x, bias)
+
+
 def _int4_op(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     sz = w.parts["scales_and_zeros"].to(x.dtype)  # the op wants x's dtype
     y = torch._weight_int4pack_mm_for_cpu(_as_2d(x), w.parts["qweight"], w.meta.group_size, sz)
@@ -217,6 +232,7 @@ def _fp8_block_bits(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | No
 
 
 _INT8_NATIVE = "keepwarm C kernel (AVX512-BF16)"
+_FP8_NATIVE = "keepwarm C kernel, fp8 (AVX512-BF16)"
 
 
 # scheme -> path name (as logged) -> implementation; every path computes the same product as the reference.
@@ -224,8 +240,8 @@ PATHS: dict[str, dict[str, Callable[..., torch.Tensor]]] = {
     "int8": {"torch._weight_int8pack_mm": _int8_op, "int8->dtype cast + matmul, per-channel scale": _int8_cast,
              _INT8_NATIVE: _int8_native},
     "int4": {"torch._weight_int4pack_mm_for_cpu": _int4_op},
-    "fp8": {"fp8 bits->float16 + matmul, scalar scale": _fp8_bits},
-    "fp8_block": {"fp8 bits->float16 + matmul, channel/block scales": _fp8_block_bits},
+    "fp8": {"fp8 bits->float16 + matmul, scalar scale": _fp8_bits, _FP8_NATIVE: _fp8_native},
+    "fp8_block": {"fp8 bits->float16 + matmul, channel/block scales": _fp8_block_bits, _FP8_NATIVE: _fp8_native},
 }
 _REFERENCE = "reference dequantize+matmul"
 
@@ -233,6 +249,10 @@ _REFERENCE = "reference dequantize+matmul"
 @functools.cache
 def _simd() -> bool:
     return torch.backends.cpu.get_cpu_capability() in _SIMD_CAPABILITIES
+
+
+def _native_fits(x: torch.Tensor, w: QuantizedWeight) -> bool:
+    return x.dtype == torch.bfloat16 and w.parts["qweight"].is_contiguous() and cpu_native.available()
 
 
 def select_path(scheme: str, x: torch.Tensor, w: QuantizedWeight) -> str:
@@ -244,17 +264,19 @@ def select_path(scheme: str, x: torch.Tensor, w: QuantizedWeight) -> str:
     if scheme == "int8":
         if vectorized and rows <= _INT8_OP_MAX_ROWS:
             return "torch._weight_int8pack_mm"
-        if x.dtype == torch.bfloat16 and w.parts["qweight"].is_contiguous() and cpu_native.available():
+        if _native_fits(x, w):
             return _INT8_NATIVE
         return "int8->dtype cast + matmul, per-channel scale"
     if scheme == "int4":
         # The packed order is per CPU capability: only a weight packed as this process packs can use the op.
         use_op = vectorized and w.meta.layout == cpu_int4_layout()
         return "torch._weight_int4pack_mm_for_cpu" if use_op else _REFERENCE
+    native = scheme in ("fp8", "fp8_block") and _native_fits(x, w)
     if scheme == "fp8":
-        return "fp8 bits->float16 + matmul, scalar scale"
+        return _FP8_NATIVE if native else "fp8 bits->float16 + matmul, scalar scale"
     if scheme == "fp8_block":
-        return "fp8 bits->float16 + matmul, channel/block scales"
+        per_channel = w.meta.group_size is not None and w.meta.group_size >= w.meta.shape[1]
+        return _FP8_NATIVE if native and per_channel else "fp8 bits->float16 + matmul, channel/block scales"
     return _REFERENCE
 
 

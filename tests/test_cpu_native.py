@@ -108,3 +108,29 @@ def test_calls_from_two_threads_take_turns() -> None:
         for _ in range(20):
             got = list(pool.map(lambda c: cpu_native.int8_linear(c[0], c[1], s), cases))
             assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+def test_fp8_linear_every_code() -> None:
+    # Each of the 254 finite e4m3 codes (subnormals and both zeros included) in one row: a one-hot x picks it out.
+    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
+    q = torch.zeros(64, 256, dtype=torch.uint8)
+    q[:, : codes.numel()] = codes
+    q = q.view(torch.float8_e4m3fn)
+    x = torch.eye(256, dtype=torch.bfloat16)[: codes.numel()]
+    got = cpu_native.fp8_linear(x, q, torch.tensor(1.0))  # [codes, 64]: row i is code i in every column
+    assert torch.equal(got[:, 0].float(), codes.view(torch.float8_e4m3fn).float())
+    scales = torch.linspace(0.5, 2.0, 64)  # one per row (output channel): powers of two keep it exact only at 1
+    per_row = cpu_native.fp8_linear(x[:5], q, scales)
+    assert torch.equal(per_row, (codes[:5].view(torch.float8_e4m3fn).float()[:, None] * scales).bfloat16())
+
+
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 70, 96), (17, 40, 130)])
+def test_fp8_linear_matches_float64(m: int, n: int, k: int) -> None:
+    g = torch.Generator().manual_seed(m + n + k)
+    x = torch.randn(m, k, generator=g).bfloat16()
+    q = (torch.randn(n, k, generator=g) * 40).to(torch.float8_e4m3fn)
+    s = torch.rand(n, generator=g) * 0.01 + 1e-3
+    got = cpu_native.fp8_linear(x, q, s)
+    want = (x.double() @ q.double().t()) * s.double()
+    bound = (x.double().abs() @ q.double().abs().t()) * s.double()
+    assert bool(((got.double() - want).abs() <= bound * 2.0**-8 + 1e-30).all())

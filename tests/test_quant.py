@@ -208,6 +208,9 @@ def test_fp8_as_float16_every_code() -> None:
 
 
 # ---------------------------------------------------------------------------------------------- paths vs reference
+NATIVE = (quant._INT8_NATIVE, quant._FP8_NATIVE)
+
+
 def _cases() -> list[tuple[str, str]]:
     return [(scheme, path) for scheme, paths in PATHS.items() for path in paths]
 
@@ -232,7 +235,7 @@ def _quantized(scheme: str, n: int, k: int, dtype: torch.dtype, seed: int) -> Qu
 def test_path_matches_reference(scheme: str, path: str, dtype: torch.dtype) -> None:
     if scheme == "int4" and cpu_int4_layout() is None:
         pytest.skip("this torch has no recognised CPU int4 pack")
-    if path == quant._INT8_NATIVE and (dtype != torch.bfloat16 or not cpu_native.available()):
+    if path in NATIVE and (dtype != torch.bfloat16 or not cpu_native.available()):
         with pytest.raises((ValueError, AssertionError)):  # never taken for other dtypes (test_select_path)
             PATHS[scheme][path](torch.zeros(1, 64, dtype=dtype), _quantized(scheme, 16, 64, dtype, 0), None)
         return
@@ -240,6 +243,10 @@ def test_path_matches_reference(scheme: str, path: str, dtype: torch.dtype) -> N
     for i, (n, k) in enumerate(SHAPES):
         qw = _quantized(scheme, n, k, dtype, i)
         w = qw.dequantize(dtype)
+        if path in NATIVE and scheme == "fp8_block" and i % 2:  # blocks of 32: the C kernel refuses them
+            with pytest.raises(ValueError, match="blocks of 32"):
+                PATHS[scheme][path](torch.zeros(1, k, dtype=dtype), qw, None)
+            continue
         for rows in ((1,), (33,), (2, 3)):
             x = torch.randn(*rows, k, generator=g).to(dtype)
             bias = torch.randn(n, generator=g).to(dtype) if rows == (2, 3) else None
@@ -247,7 +254,9 @@ def test_path_matches_reference(scheme: str, path: str, dtype: torch.dtype) -> N
             ref = linear_reference(x, qw, bias)
             assert y.dtype == dtype and y.shape == (*rows, n)
             _close(y, ref, x, w, dtype)
+            last = (x, qw, w, bias)
     # The reference itself is F.linear of the dequantized weight.
+    x, qw, w, bias = last
     assert torch.equal(linear_reference(x, qw, bias), F.linear(x, w, bias))
 
 
@@ -272,7 +281,17 @@ def test_select_path(monkeypatch: pytest.MonkeyPatch) -> None:
     assert quant.select_path("int8", bf33, qws["int8"]) == wide
     assert quant.select_path("int8", f1, qws["int8"]).startswith("int8->dtype cast")
     assert quant.select_path("int8", f33, qws["int8"]).startswith("int8->dtype cast")
+    fp8 = QuantizedWeight.from_parts(*quantize(_weight(64, 256), "fp8", torch.bfloat16))
+    blocks, channels = fp8_block_weight(_weight(64, 256), 32), fp8_block_weight(_weight(64, 256), 256)
+    native = cpu_native.available()
+    assert quant.select_path("fp8", bf1, fp8) == (quant._FP8_NATIVE if native else "fp8 bits->float16 + matmul, "
+                                                                                  "scalar scale")
+    assert quant.select_path("fp8", f1, fp8).startswith("fp8 bits")
+    assert quant.select_path("fp8_block", bf33, channels) == (quant._FP8_NATIVE if native else
+                                                              "fp8 bits->float16 + matmul, channel/block scales")
+    assert quant.select_path("fp8_block", bf33, blocks).startswith("fp8 bits")
     monkeypatch.setenv(cpu_native.ENV_VAR, "0")
+    assert quant.select_path("fp8", bf1, fp8).startswith("fp8 bits")
     assert quant.select_path("int8", bf33, qws["int8"]).startswith("int8->dtype cast")
     monkeypatch.delenv(cpu_native.ENV_VAR)
     assert quant.select_path("int4", bf33, qws["int4"]) == "torch._weight_int4pack_mm_for_cpu"
@@ -323,7 +342,7 @@ def test_read_only_parts() -> None:
         expected = PATHS[scheme]
         for name, fn in (*expected.items(), ("reference", linear_reference)):
             for xx in (x, x[:1], x.float()):
-                if name != quant._INT8_NATIVE or (xx.dtype == torch.bfloat16 and cpu_native.available()):
+                if name not in NATIVE or (xx.dtype == torch.bfloat16 and cpu_native.available()):
                     fn(xx, qw, None)  # the native path takes only bfloat16 (test_select_path)
         assert torch.equal(kernels.linear(x, qw), kernels.linear(x, QuantizedWeight(meta, parts)))
         assert blobs == saved
