@@ -158,6 +158,9 @@ def restart(
     from keepwarm.daemon.client import start_daemon
 
     typer.echo(f"# machine: {machine_line()}")
+    import logging
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per probe otherwise
     rows = []
     for spec in models.split(","):
         model = _resolve_model(spec, dtype)
