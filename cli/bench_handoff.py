@@ -2,8 +2,10 @@
 
 Restarts (`keepwarm restart`'s request on the control socket), first idle, as the warm restart row is measured:
 - handoff: the request to the new worker accepting (what the supervisor reports, and /metrics records);
-- restart to first token: the request to the first streamed token of a completion sent once the restart answered
-  (by then only the new worker accepts), so it is the figure comparable to the cold and warm rows;
+- restart to first token: the request to the first streamed token of a completion sent once the restart answered,
+  over a new connection (by then only the new worker accepts; a kept-alive one would still reach the old worker),
+  so it is the figure comparable to the cold and warm rows; the first request's own part of it, and the new
+  worker's startup phases (its /health "startup", a median per phase);
 then as many under load: LOAD_CLIENTS clients stream greedy completions back to back; the handoff under load and
 the longest gap any client saw, i.e. the longest time between two tokens a client received (across request
 boundaries, so a refused, reset or queued request shows), beside the same measure over STEADY_S seconds of the
@@ -95,14 +97,19 @@ async def _handoffs(base: str, port: int, rt: Path, prompt_ids: list[int], repea
     import httpx
 
     # 1. idle (as the warm restart row): the restart request to the first token of a request sent after it
-    handoff, to_first_token = [], []
-    async with httpx.AsyncClient(timeout=httpx.Timeout(120, connect=10)) as probe:
-        for _ in range(repeats):
+    # A fresh client each time: a connection kept alive from the previous request would reach the old worker,
+    # which answers what arrives over open connections while it drains.
+    handoff, to_first_token, first_request, phases = [], [], [], []
+    for _ in range(repeats):
+        async with httpx.AsyncClient(timeout=httpx.Timeout(120, connect=10)) as probe:
             t0 = time.monotonic()
             reply = await _restart(port, rt)
+            t1 = time.monotonic()
             times, _ = await _stream(probe, base, prompt_ids, 4)
             to_first_token.append(times[0] - t0)
+            first_request.append(times[0] - t1)
             handoff.append(reply.handoff_s)
+            phases.append((await probe.get(base + "/health")).json().get("startup", {}))
     # 2. under load: the longest a client waited for a token, beside the same load without restarts
     load = _Load(base, prompt_ids)
     runner = asyncio.create_task(load.run())
@@ -117,7 +124,9 @@ async def _handoffs(base: str, port: int, rt: Path, prompt_ids: list[int], repea
     t_end = time.monotonic()
     load.stop.set()
     await runner
-    return {"zygote_restart_to_first_token_s": to_first_token, "handoff_s": handoff, "handoff_under_load_s": loaded,
+    return {"zygote_restart_to_first_token_s": to_first_token, "handoff_s": handoff,
+            "zygote_first_request_s": first_request, "zygote_phases_s": median_phases(phases),
+            "handoff_under_load_s": loaded,
             "max_gap_under_restarts_s": load.max_gap(t_restarts, t_end),
             "max_gap_steady_s": load.max_gap(t_steady, t_restarts),
             "load_requests": load.requests, "load_failed": load.failed}
@@ -138,10 +147,22 @@ def zygote_rows(cmd: list[str], env: dict[str, str], port: int, rt: Path, prompt
     return row
 
 
+def median_phases(runs: list[dict[str, float]]) -> dict[str, float]:
+    """Per startup phase (a worker's /health "startup"), its median over ``runs``."""
+    names = dict.fromkeys(k for run in runs for k in run)
+    return {k: round(statistics.median(run.get(k, 0.0) for run in runs), 4) for k in names}
+
+
+def describe_phases(phases: dict[str, float]) -> str:
+    return " ".join(f"{k} {v * 1e3:.0f}" for k, v in phases.items())
+
+
 def describe(row: dict) -> str:
     return (f"  zygote restart to first token:    {statistics.median(row['zygote_restart_to_first_token_s']):.2f}s  "
             f"{[round(x, 3) for x in row['zygote_restart_to_first_token_s']]} (handoff "
-            f"{statistics.median(row['handoff_s']):.3f}s)\n"
+            f"{statistics.median(row['handoff_s']):.3f}s, first request to its first token "
+            f"{statistics.median(row['zygote_first_request_s']):.3f}s)\n"
+            f"  new worker's phases (ms, median): {describe_phases(row['zygote_phases_s'])}\n"
             f"  under load ({LOAD_CLIENTS} streaming clients): handoff "
             f"{statistics.median(row['handoff_under_load_s']):.2f}s, longest gap a client saw "
             f"{row['max_gap_under_restarts_s']:.3f}s ({row['max_gap_steady_s']:.3f}s without restarts); "

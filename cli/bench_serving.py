@@ -28,7 +28,7 @@ from keepwarm.cli.bench import (
     smoke_start,
     vllm_env,
 )
-from keepwarm.cli.bench_handoff import describe, zygote_rows
+from keepwarm.cli.bench_handoff import describe, describe_phases, median_phases, zygote_rows
 
 
 def _free_port() -> int:
@@ -87,6 +87,13 @@ def _start_to_first_token(cmd: list[str], env: dict[str, str], port: int, model:
         tail = Path(log.name).read_text(errors="replace").strip().splitlines()[-3:]
         raise RuntimeError(f"{cmd[:4]}... failed: {e}: {tail}") from None
     return t1 - t0, proc
+
+
+def _startup_phases(port: int) -> dict[str, float]:
+    """The server's startup phases (/health "startup": seconds per phase, to_serve being its imports)."""
+    import httpx
+
+    return httpx.get(f"http://127.0.0.1:{port}/health", timeout=30).json().get("startup", {})
 
 
 def _kill(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
@@ -151,6 +158,9 @@ def restart(
     from keepwarm.daemon.client import start_daemon
 
     typer.echo(f"# machine: {machine_line()}")
+    import logging
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per probe otherwise
     rows = []
     for spec in models.split(","):
         model = _resolve_model(spec, dtype)
@@ -178,11 +188,12 @@ def restart(
         client = start_daemon(rt)
         try:
             client.preload(str(model), "none", dtype)
-            warm = []
+            warm, warm_phases = [], []
             for _ in range(repeats):
                 port = _free_port()
                 secs, proc = _start_to_first_token(_keepwarm_cmd(model, port, dtype, threads), env, port, "bench",
                                                    prompt_ids)
+                warm_phases.append(_startup_phases(port))
                 _kill(proc)  # kill -9: the crash case; the daemon keeps the weights
                 warm.append(secs)
             counters = client.status()["counters"]
@@ -192,9 +203,11 @@ def restart(
         finally:
             client.shutdown()
             client.close()
-        row.update(warm_restart_s=warm, daemon_preloads=counters["preloads"], daemon_attaches=counters["attaches"])
+        row.update(warm_restart_s=warm, daemon_preloads=counters["preloads"], daemon_attaches=counters["attaches"],
+                   warm_phases_s=median_phases(warm_phases))
         typer.echo(f"  warm restart (attach):            {statistics.median(warm):.2f}s  {warm}  "
-                   f"(daemon preloads {counters['preloads']}, attaches {counters['attaches']})")
+                   f"(daemon preloads {counters['preloads']}, attaches {counters['attaches']})\n"
+                   f"  its phases (ms, median): {describe_phases(row['warm_phases_s'])}")
         row.update(zygote)
         typer.echo(describe(zygote))
 

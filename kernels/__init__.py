@@ -19,7 +19,8 @@ further copy (on CPU the copies, not the math, dominated decode attention in the
 Per-step plans: `plan_attention` turns one step's attention metadata into what the torch write_kv_cache and
 paged_attention read (host lengths, gather tables, masks, write slots), once for all layers; it is derived from the
 metadata alone, so a kernel computes exactly the same with or without it. Backends that read the metadata on the
-device get no plan (plan_attention returns None for them).
+device get no plan (plan_attention returns None for them). `plan_rotary` does the same for rotary: a table's rows at
+the step's positions, gathered once instead of in every layer.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ __all__ = [
     "lora_shrink",
     "paged_attention",
     "plan_attention",
+    "plan_rotary",
     "register",
     "rms_norm",
     "rotary_embedding",
@@ -74,6 +76,9 @@ _IMPLS: dict[str, dict[str, Callable[..., Any]]] = {}
 _mode_now: str | None = None
 # (kernel, backend) pairs already logged, so each choice is logged once rather than per call.
 _LOGGED: set[tuple[str, str]] = set()
+# (kernel, device type) -> the implementation get_impl chose: a decode step dispatches ~300 kernels, and choosing
+# anew each time cost ~1 us apiece. Emptied by whatever can change a choice: register and set_backend.
+_RESOLVED: dict[tuple[str, str], Callable[..., Any]] = {}
 
 
 class KernelBackendError(RuntimeError):
@@ -85,6 +90,7 @@ def register(name: str, backend: str, fn: Callable[..., Any]) -> Callable[..., A
     if backend not in BACKENDS:
         raise ValueError(f"unknown kernel backend {backend!r}; expected one of {BACKENDS}")
     _IMPLS.setdefault(name, {})[backend] = fn
+    _RESOLVED.clear()
     return fn
 
 
@@ -109,6 +115,7 @@ def set_backend(mode: str | None) -> str | None:
     global _mode_now
     previous = _mode_now
     _mode_now = None if mode is None else _checked(mode, "kernel backend")
+    _RESOLVED.clear()
     return previous
 
 
@@ -130,11 +137,15 @@ def select_backend(name: str, device: torch.device) -> str:
 
 
 def get_impl(name: str, device: torch.device) -> Callable[..., Any]:
+    fn = _RESOLVED.get((name, device.type))
+    if fn is not None:
+        return fn
     backend = select_backend(name, device)
     if (name, backend) not in _LOGGED:
         _LOGGED.add((name, backend))
         logger.info("kernel %s: %s backend (device %s)", name, backend, device)
-    return _IMPLS[name][backend]
+    fn = _RESOLVED[(name, device.type)] = _IMPLS[name][backend]
+    return fn
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -156,9 +167,20 @@ def rotary_embedding(
     head_dim: int,
     cos_sin_cache: torch.Tensor,
     is_neox: bool = True,
+    plan: Any = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotates the first rot_dim dims of each head (rot_dim = cos_sin_cache.shape[1]); returns new q, k."""
-    return get_impl("rotary_embedding", query.device)(positions, query, key, head_dim, cos_sin_cache, is_neox)
+    """Rotates the first rot_dim dims of each head (rot_dim = cos_sin_cache.shape[1]); returns new q, k.
+    ``plan``: the step's plan_rotary of ``cos_sin_cache`` at ``positions`` (None: gathered on each call)."""
+    return get_impl("rotary_embedding", query.device)(positions, query, key, head_dim, cos_sin_cache, is_neox,
+                                                      **_plan_kwargs(plan))
+
+
+def plan_rotary(positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> Any:
+    """The rows of ``cos_sin_cache`` at ``positions``, gathered once per step for every layer's rotary_embedding
+    (pass it as its ``plan``); None where rotary does not run on the torch backend (Triton reads the table)."""
+    if select_backend("rotary_embedding", positions.device) != "torch":
+        return None
+    return reference.plan_rotary(positions, cos_sin_cache)
 
 
 def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
@@ -173,7 +195,8 @@ def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_sta
 
 
 def _plan_kwargs(plan: Any) -> dict[str, Any]:
-    # Only the torch kernels take a plan (plan_attention returns None elsewhere), so other backends never see it.
+    # Only the torch kernels take a plan (plan_attention / plan_rotary return None elsewhere), so other backends
+    # never see it.
     return {} if plan is None else {"plan": plan}
 
 

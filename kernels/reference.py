@@ -22,10 +22,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # Same op sequence as HF LlamaRMSNorm so fp32 results are bit-identical.
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(x.dtype)
+    # HF LlamaRMSNorm, bit for bit: F.rms_norm without a weight runs HF's op sequence (float32 upcast, pow(2),
+    # mean, + eps, rsqrt, multiply, cast back) in one call instead of seven from Python; the weight multiplies
+    # after the cast, in the model's dtype, as in HF (with a weight, F.rms_norm would multiply before the cast).
+    normed = F.rms_norm(x, (x.shape[-1],), None, eps)
+    # normed is always a new tensor (a multiply's result), so scaling it in place touches no input.
+    return normed.mul_(weight) if weight.dtype == normed.dtype else weight * normed
 
 
 def fused_add_rms_norm(
@@ -48,6 +50,26 @@ def build_cos_sin_cache(
     return torch.cat((freqs.cos() * attention_scaling, freqs.sin() * attention_scaling), dim=-1)
 
 
+@dataclass(frozen=True)
+class RotaryPlan:
+    """One step's rows of a cos/sin table (:func:`plan_rotary`), gathered once for every layer that reads it.
+
+    ``cos``/``sin``: [T, rot_dim // 2] float32. ``cos2`` = cat(cos, cos) and ``sin2`` = cat(-sin, sin), both
+    [T, 1, rot_dim]: with them the neox rotation is ``x * cos2 + roll(x, rot_dim // 2) * sin2``, which is HF's
+    ``x * cos + rotate_half(x) * sin`` element for element (``x2 * -s`` is exactly ``-x2 * s``)."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    cos2: torch.Tensor
+    sin2: torch.Tensor
+
+
+def plan_rotary(positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> RotaryPlan:
+    cos_sin = cos_sin_cache.index_select(0, positions.long()).float()
+    cos, sin = cos_sin.chunk(2, dim=-1)
+    return RotaryPlan(cos, sin, torch.cat((cos, cos), dim=-1)[:, None], torch.cat((-sin, sin), dim=-1)[:, None])
+
+
 def _rotate(
     x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int, is_neox: bool
 ) -> torch.Tensor:
@@ -68,6 +90,19 @@ def _rotate(
     return out.to(x.dtype).reshape(x.shape)
 
 
+def _rotate_neox_full(q: torch.Tensor, k: torch.Tensor, head_dim: int, plan: RotaryPlan
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and k rotated over whole heads as one [T, Hq + Hk, head_dim] float32 tensor: cat into a float32 buffer,
+    roll, three ops in place, the cast back (on CPU a decode step's rotary is op overhead, not arithmetic)."""
+    T = q.shape[0]
+    q3, k3 = q.reshape(T, -1, head_dim), k.reshape(T, -1, head_dim)
+    h = torch.empty((T, q3.shape[1] + k3.shape[1], head_dim), dtype=torch.float32, device=q.device)
+    torch.cat((q3, k3), dim=1, out=h)
+    rolled = torch.roll(h, head_dim // 2, -1).mul_(plan.sin2)
+    both = h.mul_(plan.cos2).add_(rolled).to(q.dtype)  # (x * cos) + (rotate_half(x) * sin), HF's order
+    return both[:, :q3.shape[1]].reshape(q.shape), both[:, q3.shape[1]:].reshape(k.shape)
+
+
 def rotary_embedding(
     positions: torch.Tensor,
     query: torch.Tensor,
@@ -75,15 +110,19 @@ def rotary_embedding(
     head_dim: int,
     cos_sin_cache: torch.Tensor,
     is_neox: bool = True,
+    plan: RotaryPlan | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    cos_sin = cos_sin_cache.index_select(0, positions.long()).float()
-    cos, sin = cos_sin.chunk(2, dim=-1)
+    """``plan``: the step's rows of ``cos_sin_cache`` (plan_rotary at these positions); else gathered here."""
+    if plan is None:
+        plan = plan_rotary(positions, cos_sin_cache)
+    cos, sin = plan.cos, plan.sin
     if cos.shape[-1] * 2 > head_dim:
         raise ValueError(f"rotary dim {cos.shape[-1] * 2} exceeds head_dim {head_dim}")
+    if is_neox and cos.shape[-1] * 2 == head_dim and query.dtype == key.dtype:
+        return _rotate_neox_full(query, key, head_dim, plan)
     if query.dtype != key.dtype:
         return _rotate(query, cos, sin, head_dim, is_neox), _rotate(key, cos, sin, head_dim, is_neox)
-    # q and k rotated as one [T, Hq + Hk, head_dim] tensor: the same math per element in half the ops (on CPU a
-    # decode step's rotary is op overhead, not arithmetic). The results are views into that one tensor.
+    # q and k rotated as one [T, Hq + Hk, head_dim] tensor: the same math per element in half the ops.
     T = query.shape[0]
     q = query.reshape(T, -1, head_dim)
     both = _rotate(torch.cat((q, key.reshape(T, -1, head_dim)), dim=1), cos, sin, head_dim, is_neox)
@@ -173,8 +212,8 @@ def _softcap(scores: torch.Tensor, cap: float | None) -> torch.Tensor:
 
 def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masked: torch.Tensor, scale: float,
                       k_scale: float, v_scale: float, softcap: float | None = None) -> torch.Tensor:
-    """One query row per sequence: q [S, Hq, D], k/v [Hk, S, L, D] (gathered), masked [S, L] (True: a key the row
-    must not see) -> [S, Hq, D].
+    """One query row per sequence: q [S, Hq, D], k/v [Hk, S, L, D] (gathered), masked [S, 1, L] (True: a key the
+    row must not see) -> [S, Hq, D].
 
     Two batched matmuls with (kv head, sequence) as the batch and the query heads of one kv head as rows (GQA
     without repeating K/V); K is used transposed in place, so nothing is copied after the gather. Scores are
@@ -182,15 +221,19 @@ def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masked:
     this is ~6x faster than SDPA's flash kernel with a mask for single-row queries.
     """
     S, Hq, D = q.shape
-    Hk = k.shape[0]
+    Hk, _, L, _ = k.shape
+    G = Hq // Hk
     dt = q.dtype
-    qg = q.reshape(S, Hk, Hq // Hk, D).transpose(0, 1)  # [Hk, S, G, D]
-    scores = torch.matmul(qg, _from_cache(k, k_scale, dt).transpose(-1, -2)).float().mul_(scale)  # [Hk, S, G, L]
+    # bmm over (kv head, sequence) flattened: what torch.matmul does with these 4-d operands, minus its expand and
+    # reshape ops (q needs a copy only when S > 1; the gathered K/V are contiguous, so theirs are views).
+    qg = q.reshape(S, Hk, G, D).transpose(0, 1).reshape(Hk * S, G, D)
+    kt = _from_cache(k, k_scale, dt).reshape(Hk * S, L, D).transpose(1, 2)
+    scores = torch.bmm(qg, kt).view(Hk, S, G, L).float().mul_(scale)
     scores = _softcap(scores, softcap)
-    scores.masked_fill_(masked[None, :, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(dt)
-    out = torch.matmul(probs, _from_cache(v, v_scale, dt))  # [Hk, S, G, D]
-    return out.transpose(0, 1).reshape(S, Hq, D)
+    scores.masked_fill_(masked, float("-inf"))  # [S, 1, L] broadcasts over kv heads and query heads
+    probs = torch.softmax(scores, dim=-1).to(dt).view(Hk * S, G, L)
+    out = torch.bmm(probs, _from_cache(v, v_scale, dt).reshape(Hk * S, L, D))  # [Hk * S, G, D]
+    return out.view(Hk, S, G, D).transpose(0, 1).reshape(S, Hq, D)
 
 
 def _masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
@@ -211,7 +254,7 @@ class DecodeGather:
     """What the decode rows of one step read under one sliding window: the blocks to gather and the keys to mask."""
 
     table: torch.Tensor  # [Sd, nb] int64 block ids (columns past a sequence's last block point at block 0)
-    masked: torch.Tensor  # [Sd, nb * block_size] bool: True where a gathered key is outside the row's context
+    masked: torch.Tensor  # [Sd, 1, nb * block_size] bool: True where a gathered key is outside the row's context
 
 
 @dataclass(frozen=True)
@@ -258,7 +301,7 @@ def _decode_gather(block_tables: torch.Tensor, seq_lens: torch.Tensor, decodes: 
         pos_ok = (pos < ctx[:, None]) & (pos >= torch.tensor(lo, device=device)[:, None])  # [Sd, L]
     else:
         pos_ok = torch.arange(num_blocks * block_size, device=device)[None, :] < ctx[:, None]
-    return DecodeGather(table, ~pos_ok)
+    return DecodeGather(table, ~pos_ok[:, None, :])
 
 
 def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,

@@ -73,6 +73,11 @@ def test_bench_restart_smoke(bench_env, tmp_path) -> None:
     assert 0 < row["handoff_s"][0] < row["zygote_restart_to_first_token_s"][0]
     assert row["load_requests"] > 0 and row["load_failed"] == 0
     assert row["max_gap_under_restarts_s"] > 0 and row["max_gap_steady_s"] > 0
+    # the per-phase breakdowns (the workers' /health "startup"): the forked worker warmed up, the plain one did not
+    assert {"attach", "model_build", "warm_prefill", "warm_decode", "uvicorn_start"} <= set(row["zygote_phases_s"])
+    assert "to_serve" in row["warm_phases_s"] and "warm_prefill" not in row["warm_phases_s"]
+    assert 0 < row["zygote_first_request_s"][0] < row["zygote_restart_to_first_token_s"][0]
+    assert "new worker's phases" in out
 
 
 def test_bench_serving_smoke(bench_env, tmp_path) -> None:

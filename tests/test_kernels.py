@@ -338,6 +338,17 @@ def test_rms_norm_matches_hf(dtype: torch.dtype) -> None:
     assert torch.equal(kernels.rms_norm(x, hf.weight, 1e-5), hf(x))
 
 
+@torch.no_grad()
+def test_rms_norm_float32_weight_on_bf16_promotes_as_hf() -> None:
+    """A float32 weight on bf16 activations: HF multiplies after the cast back, so the result is float32."""
+    g = torch.Generator().manual_seed(6)
+    hf = LlamaRMSNorm(96, eps=1e-5)
+    hf.weight.copy_(torch.randn(96, generator=g))
+    x = (torch.randn(5, 96, generator=g) * 3).bfloat16()
+    out = kernels.rms_norm(x, hf.weight, 1e-5)
+    assert out.dtype == torch.float32 and torch.equal(out, hf(x))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @torch.no_grad()
 def test_fused_add_rms_norm_matches_hf(dtype: torch.dtype) -> None:
@@ -444,14 +455,35 @@ def test_rotary_bf16_is_fp32_math_rounded(is_neox: bool) -> None:
     assert torch.equal(q_out, q_ref.bfloat16()) and torch.equal(k_out, k_ref.bfloat16())
 
 
+@pytest.mark.parametrize(("rot_dim", "is_neox"), [(32, True), (16, True), (32, False)])
+def test_rotary_plan_changes_no_bit(rot_dim: int, is_neox: bool) -> None:
+    """kernels.plan_rotary, gathered once per step and passed to every layer, gives exactly what each call
+    gathers alone (whole-head neox takes the roll path, partial and GPT-J the halves), inputs untouched."""
+    cache = kernels.build_cos_sin_cache(rot_dim, 64, _inv_freq(rot_dim))
+    g = torch.Generator().manual_seed(7)
+    positions = torch.randint(0, 64, (5,), generator=g)
+    qkv = torch.randn(5, 8 * 32, generator=g).bfloat16()
+    q, k = qkv[:, :6 * 32], qkv[:, 6 * 32:]  # views into one fused projection, as the model passes them
+    before = qkv.clone()
+    plan = kernels.plan_rotary(positions, cache)
+    assert plan is not None  # the torch backend on CPU
+    alone = kernels.rotary_embedding(positions, q, k, 32, cache, is_neox)
+    planned = kernels.rotary_embedding(positions, q, k, 32, cache, is_neox, plan=plan)
+    assert all(torch.equal(a, b) for a, b in zip(alone, planned, strict=True))
+    assert torch.equal(qkv, before)
+    other = kernels.plan_rotary(positions + 1, cache)  # the plan is what is used: other positions, other result
+    assert not torch.equal(kernels.rotary_embedding(positions, q, k, 32, cache, is_neox, plan=other)[0], alone[0])
+
+
 # --------------------------------------------------------------------------- dispatch
 
 
 @pytest.fixture
 def registry(monkeypatch: pytest.MonkeyPatch) -> dict[str, dict[str, object]]:
-    """A private copy of the registry (and of the logged set), restored after the test."""
+    """A private copy of the registry (and of the logged set and the resolved choices), restored after the test."""
     monkeypatch.setattr(kernels, "_IMPLS", {name: dict(impls) for name, impls in kernels._IMPLS.items()})
     monkeypatch.setattr(kernels, "_LOGGED", set())
+    monkeypatch.setattr(kernels, "_RESOLVED", {})
     return kernels._IMPLS
 
 

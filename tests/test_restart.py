@@ -244,6 +244,46 @@ def test_an_upgrade_forks_from_a_zygote_of_the_other_python_prepared_ahead(super
     assert restarts["python"] == other and restarts["last"]["mode"] == "zygote"
 
 
+def test_a_worker_that_dies_is_replaced_warm_from_the_zygote(supervised) -> None:
+    """kill -9 of the worker: the supervisor forks a replacement from the zygote with the running config; a request
+    sent meanwhile waits in the listening socket's queue and gets its answer; /health, /metrics and the log say so."""
+    client = openai.OpenAI(base_url=supervised.base + "/v1", api_key="unused", max_retries=0, timeout=120)
+    reference = ask(client, PROMPTS[1], "plain")
+    before, engine = _health(supervised)["restarts"], _engine(supervised)
+    dead = before["worker_pid"]
+    os.kill(dead, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{dead}").exists() and time.monotonic() < deadline:  # the zygote reaps it
+        time.sleep(0.01)
+    assert ask(client, PROMPTS[1], "plain") == reference
+    after = _health(supervised)["restarts"]
+    assert after["worker_pid"] != dead and after["replaced"] == before["replaced"] + 1
+    assert after["last_replacement"]["old_pid"] == dead and after["last_replacement"]["mode"] == "zygote"
+    assert _engine(supervised) == engine  # the running config, not the command line's
+    assert metric(supervised.metrics(), "keepwarm:worker_replacements_total") == before["replaced"] + 1
+    assert f"the worker (pid {dead}) exited on its own" in supervised.output()
+
+
+def test_the_replacement_policy_gives_up_after_failures_in_a_row() -> None:
+    """Backoff grows with the failures in a row; a worker that served long enough resets them; REPLACE_MAX_FAILURES
+    in a row give up (the supervisor then exits non-zero and systemd restarts the server)."""
+    from keepwarm.worker.api.supervisor import REPLACE_MAX_FAILURES, REPLACE_STABLE_S, ReplacePolicy
+
+    policy = ReplacePolicy()
+    policy.worker_died(REPLACE_STABLE_S + 1)
+    assert (policy.failures, policy.give_up, policy.backoff_s) == (0, False, 0.0)
+    delays = []
+    for _ in range(REPLACE_MAX_FAILURES - 1):
+        policy.attempt_failed()
+        delays.append(policy.backoff_s)
+        assert not policy.give_up
+    assert delays == sorted(delays) and delays[0] > 0
+    policy.worker_died(1.0)  # one more: a replacement that died at once
+    assert policy.give_up
+    policy.worker_died(REPLACE_STABLE_S)
+    assert not policy.give_up
+
+
 def _probe(server) -> object:
     from keepwarm.worker.api import ipc
 
@@ -258,11 +298,13 @@ def _maps(pid: int) -> str:
 
 def test_the_zygote_never_builds_an_engine_or_starts_a_thread(supervised) -> None:
     """CPU twin of the GPU test below: the zygote holds no engine, no model, no event loop, no thread besides its
-    own, and maps no arena; its worker maps the daemon's arena."""
+    own, and maps no arena; its worker maps the daemon's arena. What it does hold: the server's tokenizer, loaded
+    once for every worker it forks (prepare)."""
     probe = _probe(supervised)
     restarts = _health(supervised)["restarts"]
     assert probe.pid == restarts["zygote_pid"]
     assert (probe.engines, probe.modules, probe.event_loop, probe.threads) == (0, 0, False, 1)
+    assert probe.tokenizers == [str(Path(_engine(supervised)["tokenizer"]).resolve())]
     assert not probe.cuda_initialized
     assert ".arena" not in _maps(probe.pid)
     assert ".arena" in _maps(restarts["worker_pid"])

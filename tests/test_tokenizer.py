@@ -43,3 +43,31 @@ def test_template_errors_are_clear(tiny_llama) -> None:
     tok = FastTokenizer(tiny_llama)
     with pytest.raises(TokenizerError, match="boom"):
         tok.apply_chat_template(CHAT, chat_template="{{ raise_exception('boom') }}", tokenize=False)
+
+
+def test_a_preloaded_tokenizer_is_reused_until_its_files_change(tiny_llama, tmp_path) -> None:
+    """What a zygote preloads (worker/api/zygote.prepare) is what load_tokenizer returns in its forks, with its chat
+    template compiled and its longest token counted; a changed tokenizer file, or another directory, loads afresh."""
+    import os
+    import shutil
+
+    from keepwarm.worker import tokenizer as tk
+
+    d = tmp_path / "tok"
+    d.mkdir()
+    for name in tk._TOKENIZER_FILES:
+        if (src := os.path.join(tiny_llama, name)) and os.path.exists(src):
+            shutil.copy(src, d / name)
+    try:
+        assert tk.preload_tokenizer(d)
+        kept = tk.load_tokenizer(d)
+        assert kept is tk.load_tokenizer(d) and len(kept._compiled) == int(kept.chat_template is not None)
+        assert "longest_token_chars" in vars(kept)  # computed at preload
+        assert tk.load_tokenizer(tiny_llama) is not kept  # another directory
+        st = (d / "tokenizer_config.json").stat()
+        os.utime(d / "tokenizer_config.json", ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
+        fresh = tk.load_tokenizer(d)
+        assert fresh is not kept and fresh.encode("Hello world") == kept.encode("Hello world")
+        assert not tk.preload_tokenizer(tmp_path)  # no tokenizer.json: nothing kept
+    finally:
+        tk._PRELOADED.clear()

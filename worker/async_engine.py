@@ -163,9 +163,14 @@ class AsyncEngine:
     per master thread), while one built and stepped in the same thread runs at full speed."""
 
     def __init__(self, engine_factory: Callable[[], LLMEngine],
-                 on_fatal: Callable[[BaseException], None] | None = None) -> None:
+                 on_fatal: Callable[[BaseException], None] | None = None,
+                 warm_up: Callable[[LLMEngine], None] | None = None) -> None:
         self.engine: LLMEngine | None = None
         self.on_fatal = on_fatal
+        # ``warm_up`` runs in the engine thread once the engine is built, after the constructor returned (the caller
+        # builds its app meanwhile); ``warmed`` is set when it is over (``errored`` holds its failure).
+        self._warm_up = warm_up
+        self.warmed = threading.Event()
         self._ids = itertools.count()
         self._factory = engine_factory
         self._ready = threading.Event()
@@ -295,6 +300,15 @@ class AsyncEngine:
         self._take_snapshot(engine)
         self._publish_adapters(engine)
         self._ready.set()
+        try:
+            if self._warm_up is not None:
+                self._warm_up(engine)
+                self._take_snapshot(engine)
+        except BaseException as e:  # the caller waits on ``warmed`` and reports it (a worker that is not ready)
+            self.errored = e
+            return
+        finally:
+            self.warmed.set()
         try:
             while not self._stopped.is_set():
                 self._drain_commands(engine)

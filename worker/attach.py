@@ -102,9 +102,40 @@ def attach_weights(model: str, quantization: str = "auto", dtype: str = "auto", 
         # An attachment dropped without close() (an LLM never closed) stops its keeper and detaches when it is
         # collected, as the lease thread's end did before: a keeper is a process, not to be left behind.
         weakref.finalize(att, att.keeper.stop, True)
+    if arena["kind"] == "cpu":  # after the keeper's start: a fork waits for the mapping lock the populate holds
+        populate_in_background(flat)
     log.info("attached %s from the daemon (lease %s, fingerprint %s, %.1f MB) in %.3fs", manifest.model_name,
              att.lease_id, manifest.fingerprint[:16], manifest.total_bytes / 1e6, seconds)
     return att
+
+
+MADV_POPULATE_READ = 22  # Linux 5.14+
+POPULATE_STEP = 32 << 20  # a multiple of the page size
+
+
+def populate_in_background(flat: torch.Tensor) -> None:
+    """Map every page of the arena into this process from a thread, while the worker builds its model and app.
+
+    A fresh process faults each page of the mapping on first touch; on the 2.2 GB 1B that is ~0.2 s of page faults
+    inside the warm-up's first forward (measured: touching every page 0.20 s; MADV_POPULATE_READ 0.17 s, then
+    0.01 s). Done here, it runs on another core beside the setup (ctypes drops the GIL), in 32 MiB steps: the call
+    holds the process's mapping lock, which a fork or an allocation's mmap waits for. A kernel without
+    MADV_POPULATE_READ just leaves the pages to fault in as before."""
+    if flat.numel() == 0:
+        return
+    import ctypes
+
+    def run() -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        base, size, step = flat.data_ptr(), flat.numel(), POPULATE_STEP
+        for offset in range(0, size, step):
+            if libc.madvise(ctypes.c_void_p(base + offset), ctypes.c_size_t(min(step, size - offset)),
+                            MADV_POPULATE_READ):
+                log.debug("arena populate: madvise failed (errno %d); pages fault in on first use",
+                          ctypes.get_errno())
+                return
+
+    threading.Thread(target=run, name="keepwarm-populate", daemon=True).start()
 
 
 class LeaseKeeper:

@@ -130,6 +130,10 @@ def _resolve_device(name: str) -> torch.device:
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
+        # Where this engine's construction went, in seconds per phase (the worker's startup breakdown: /health,
+        # the supervisor's Ready, `keepwarm bench restart`).
+        self.startup_phases: dict[str, float] = {}
+        t = time.perf_counter()
         self.device = _resolve_device(config.device)
         model_path = Path(config.model)
         self._model_dir = model_path.resolve() if model_path.exists() else model_path
@@ -141,7 +145,9 @@ class LLMEngine:
         # longrope: sequences longer than this use the long factors (None: the model has no longrope).
         self._long_rope_after = mc.rope.original_max_position_embeddings if mc.rope.rope_type == "longrope" \
             else None
+        t = self._phase("model_config", t)
         self.tokenizer = None if config.skip_tokenizer_init else self._load_tokenizer(config.tokenizer or config.model)
+        t = self._phase("tokenizer", t)
         torch.manual_seed(config.seed)
         if config.kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3"):
             raise ModelConfigError(f"unknown kv_cache_dtype {config.kv_cache_dtype!r} (choose auto or fp8)")
@@ -155,17 +161,22 @@ class LLMEngine:
             self.loaded = loaded or load_model(
                 self._model_dir, config.dtype, config.quantization, self.device, self.max_model_len, config.daemon,
                 Path(config.runtime_dir) if config.runtime_dir else None, config.fingerprint)
+        self.weights_source = self.loaded.source
+        # A daemon attach says where its time went ("weights" is then the rest: the ping that found the daemon); a
+        # disk load is one phase.
+        attach_phases = self.loaded.phases if loaded is None else {}
+        self.startup_phases.update(attach_phases)
+        t = self._phase("weights", t, minus=sum(attach_phases.values()))
         try:
-            self._build(config, mc)
+            self._build(config, mc, t)
         except BaseException:
             if self.tp is not None:
                 self.tp.close()
                 torch.set_num_threads(self._threads_before_tp)
             raise
 
-    def _build(self, config: EngineConfig, mc) -> None:
+    def _build(self, config: EngineConfig, mc, t: float) -> None:
         """The engine's parts around the loaded model: KV cache, blocks, LoRA, scheduler, runner, sampler."""
-        self.weights_source = self.loaded.source
         kv_dtype = self.dtype if config.kv_cache_dtype == "auto" else FP8_KV_DTYPE
         num_blocks = self._num_kv_blocks(kv_dtype)
         self.cache_config = CacheConfig(num_blocks, config.block_size, kv_dtype)
@@ -174,6 +185,7 @@ class LLMEngine:
             self.tp.send(CacheSpec(num_blocks, config.block_size, str(kv_dtype).removeprefix("torch.")))
             self.tp.serving = True
         kv_cache = allocate_kv_cache(kv_config, self.cache_config, self.device)
+        t = self._phase("kv_pool", t)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.loras: dict[str, LoRAAdapter] = {}
         self.lora_manager = None
@@ -197,6 +209,7 @@ class LLMEngine:
         self.stats = EngineStats()
         self._requests: dict[str, _Request] = {}
         self._seq_to_request: dict[str, _Request] = {}
+        self._phase("engine_rest", t)
         log.info("engine ready: %s on %s, dtype %s, max_model_len %d, %d KV blocks of %d (%s), weights from %s",
                  self._model_dir.name, self.device, self.dtype, self.max_model_len, num_blocks,
                  config.block_size, kv_dtype, self.weights_source)
@@ -265,6 +278,11 @@ class LLMEngine:
         """Raise EngineDeadError when the engine cannot go on though idle (a tensor-parallel rank is gone)."""
         if self.tp is not None and self.tp.dead is not None:
             raise EngineDeadError(self.tp.dead)
+    def _phase(self, name: str, since: float, minus: float = 0.0) -> float:
+        """Record ``name`` as the time since ``since`` (perf_counter), less ``minus``; returns now."""
+        now = time.perf_counter()
+        self.startup_phases[name] = max(0.0, now - since - minus)
+        return now
 
     @staticmethod
     def _resolve_max_model_len(config: EngineConfig, mc) -> int:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -41,6 +41,7 @@ class LoadedModel:
     fingerprint: str | None = None
     attachment: Attachment | None = None
     fallback_reason: str | None = None  # why a daemon load fell back to disk
+    phases: dict[str, float] = field(default_factory=dict)  # seconds per step of a daemon attach (startup breakdown)
 
     def close(self) -> None:
         if self.attachment is not None:
@@ -86,15 +87,27 @@ def load_from_daemon(model_dir: str, dtype: str, quantization: str, device: torc
                      tp: TensorParallelGroup | None = None) -> LoadedModel:
     t0 = time.perf_counter()
     att = attach_weights(model_dir, quantization, dtype, fingerprint, runtime_dir)
+    t1 = time.perf_counter()
     m = att.manifest
     if (m.device == "cpu") != (device.type == "cpu"):
         att.close()
         raise DaemonError("device_mismatch", f"the daemon keeps {m.model_name} on {m.device}, but this engine "
                                              f"runs on {device}")
     config = parse_model_config(m.config_json, m.generation_config_json, source=f"{m.model}/config.json")
-    model, nbytes = bind_model(config, att.tensors, max_position, device, tp)
-    return LoadedModel(model, config, "daemon", time.perf_counter() - t0, m.total_bytes if tp is None else nbytes,
-                       m.fingerprint, att)
+    t2 = time.perf_counter()
+    if tp is not None:  # this rank's slices, cut from the whole arena (copies; the attachment keeps the lease)
+        model, nbytes = bind_model(config, att.tensors, max_position, device, tp)
+        t4 = time.perf_counter()
+        return LoadedModel(model, config, "daemon", t4 - t0, nbytes, m.fingerprint, att,
+                           phases={"attach": att.seconds, "shard_and_bind": t4 - t2})
+    model = build_model(config, max_position, device)
+    t3 = time.perf_counter()
+    model.load_weights(att.tensors)
+    t4 = time.perf_counter()
+    # attach: the daemon's answer and the views into its arena; lease_keeper: starting its process
+    phases = {"attach": att.seconds, "lease_keeper": t1 - t0 - att.seconds, "model_build": t3 - t2,
+              "load_weights": t4 - t3}
+    return LoadedModel(model, config, "daemon", t4 - t0, m.total_bytes, m.fingerprint, att, phases=phases)
 
 
 def load_model(model_dir: Path, dtype: str, quantization: str, device: torch.device, max_position: int,

@@ -121,7 +121,10 @@ class ModelRunner:
         )
         attn.plan = kernels.plan_attention(attn.block_tables, attn.seq_lens, attn.query_start_loc, attn.slot_mapping,
                                            self.block_size, self.windows)
-        return step.input_ids.to(dev), step.positions.to(dev), attn
+        # The model reads positions only for rotary: KV slots come from the true positions (host_inputs).
+        rope_positions = step.positions.to(dev)
+        attn.rotary = {name: kernels.plan_rotary(rope_positions, table) for name, table in self.model.cos_sin.items()}
+        return step.input_ids.to(dev), rope_positions, attn
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, token_rows: list[int]) -> torch.Tensor:
@@ -150,7 +153,10 @@ class ModelRunner:
         hidden = self._forward(input_ids, positions, attn)
         if not step.token_rows.numel():
             return torch.empty(0, self.vocab_size) if self.tp is None or self.tp.rank == 0 else None
-        logits = self.model.compute_logits(hidden[step.token_rows.to(hidden.device)])
+        if step.token_rows.numel() != hidden.shape[0] or not torch.equal(
+                step.token_rows, torch.arange(hidden.shape[0])):  # a decode batch samples every row: no gather
+            hidden = hidden[step.token_rows.to(hidden.device)]
+        logits = self.model.compute_logits(hidden)
         return logits if self.tp is None else self.tp.gather_logits(logits, self.vocab_size)
 
     # -- CUDA graphs (worker/cuda_graphs.py): decode-only batches replay a captured forward ---------------------------

@@ -21,6 +21,7 @@ Callers run :meth:`FastTokenizer.apply_chat_template` and ``encode`` off the eve
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import sys
@@ -199,6 +200,11 @@ class FastTokenizer:
     def pad_token_id(self) -> int | None:
         return self._id(self.pad_token)
 
+    @functools.cached_property
+    def longest_token_chars(self) -> int:
+        """The most characters one vocabulary entry has (a prompt's bound: keepwarm.worker.api.limits)."""
+        return max((len(t) for t in self.backend_tokenizer.get_vocab(with_added_tokens=True)), default=1)
+
     @property
     def vocab_size(self) -> int:
         return self.backend_tokenizer.get_vocab_size(with_added_tokens=True)
@@ -290,13 +296,58 @@ def gguf_tokenizer_dir(path: Path) -> Path:
     return target
 
 
+# FastTokenizers loaded ahead by a worker zygote (keepwarm.worker.api.zygote) for the workers it forks, keyed by
+# their files (path, size, mtime): a tokenizer changed on disk is loaded afresh. Empty in any other process.
+_PRELOADED: dict[tuple, FastTokenizer] = {}
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+def _files_key(d: Path) -> tuple:
+    key: list[Any] = [str(d.resolve())]
+    for name in _TOKENIZER_FILES:
+        try:
+            st = (d / name).stat()
+            key.append((name, st.st_size, st.st_mtime_ns))
+        except FileNotFoundError:
+            key.append((name, None))
+    return tuple(key)
+
+
+def preload_tokenizer(path: str | Path) -> bool:
+    """Load the FastTokenizer of the directory ``path`` now and hand it to this process's later ``load_tokenizer``
+    calls, in it and in its forks (the zygote, before it forks workers). Loading starts no thread and runs no
+    torch op. Only a directory with tokenizer.json (no GGUF conversion, no transformers); False otherwise."""
+    d = Path(path)
+    if not (d / "tokenizer.json").is_file():
+        return False
+    key = _files_key(d)
+    if key not in _PRELOADED:
+        _PRELOADED.clear()  # one server's tokenizer: the previous one (changed flags, changed files) goes
+        tok = FastTokenizer(d)
+        if tok.chat_template is not None:
+            tok._template(tok.chat_template)  # jinja2 imported and the template compiled, once
+        tok.longest_token_chars  # noqa: B018  (computed once, for every worker)
+        _PRELOADED[key] = tok
+    return True
+
+
+def preloaded_tokenizers() -> list[str]:
+    """The directories whose tokenizer this process preloaded (a zygote's probe shows them)."""
+    return [key[0] for key in _PRELOADED]
+
+
 def load_tokenizer(path: str | Path):
-    """FastTokenizer when the directory has tokenizer.json, else transformers' AutoTokenizer; for a .gguf file,
-    the tokenizer beside it or converted from its metadata (see gguf_tokenizer_dir)."""
+    """FastTokenizer when the directory has tokenizer.json (the one preloaded for these files, if any), else
+    transformers' AutoTokenizer; for a .gguf file, the tokenizer beside it or converted from its metadata (see
+    gguf_tokenizer_dir)."""
     p = Path(path)
     if p.suffix == ".gguf" and p.is_file():
         p = gguf_tokenizer_dir(p)
     if (p / "tokenizer.json").is_file():
+        if _PRELOADED:
+            hit = _PRELOADED.get(_files_key(p))
+            if hit is not None:
+                return hit
         return FastTokenizer(p)
     from transformers import AutoTokenizer
 

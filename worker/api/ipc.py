@@ -69,6 +69,7 @@ class ProbeReply:
     engines: int  # LLMEngine objects alive in the zygote
     modules: int  # torch.nn.Module objects alive in the zygote
     event_loop: bool  # an asyncio event loop exists
+    tokenizers: list[str] = field(default_factory=list)  # tokenizer directories preloaded for the workers
 
 
 # -- worker <-> supervisor (the worker's status socket) -----------------------------------------------------------
@@ -80,6 +81,7 @@ class Ready:
     ready_s: float  # fork to ready
     weights_source: str
     cuda_initialized: bool
+    phases: dict[str, float] = field(default_factory=dict)  # seconds per startup phase (server.serve)
 
 
 @dataclass(frozen=True)

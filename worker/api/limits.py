@@ -110,6 +110,9 @@ NORMALIZATION_SLACK = 4
 def longest_token_chars(tokenizer: Any) -> int:
     """The most characters one token of the vocabulary can stand for (its longest entry; byte-level BPE writes one
     character per byte, so this bounds decoded text too)."""
+    known = getattr(tokenizer, "longest_token_chars", None)  # FastTokenizer's, computed once (a zygote preloads it)
+    if isinstance(known, int):
+        return known
     backend = getattr(tokenizer, "backend_tokenizer", None)
     vocab = backend.get_vocab(with_added_tokens=True) if backend is not None else tokenizer.get_vocab()
     return max((len(t) for t in vocab), default=1)

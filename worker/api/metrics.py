@@ -93,6 +93,12 @@ class _RestartCollector(Collector):
         yield total
         yield CounterMetricFamily("keepwarm:restarts_failed", "Restarts whose new worker failed; the old one kept "
                                   "serving.", value=h.get("failed", 0))
+        yield CounterMetricFamily("keepwarm:worker_replacements", "Workers that exited on their own (a crash, the "
+                                  "engine failed) and were replaced by a new one forked warm.",
+                                  value=h.get("replaced", 0))
+        yield CounterMetricFamily("keepwarm:worker_replacements_failed", "Attempts to replace a worker that "
+                                  "failed (after too many in a row the server exits).",
+                                  value=h.get("replace_failed", 0))
         durations = h.get("durations", [])
         buckets = [(str(b), sum(d <= b for d in durations)) for b in RESTART_BUCKETS]
         yield HistogramMetricFamily("keepwarm:restart_duration_seconds", "Restart request to the new worker "

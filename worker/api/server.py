@@ -42,9 +42,9 @@ SWITCH_INTERVAL_S = 0.0005
 
 
 # -- running it ------------------------------------------------------------------------------------------------------
-def create_engine(config: ServerConfig, warm: bool = False) -> LLMEngine:
-    """The engine ``config`` describes, with the ``--lora-modules`` adapters registered (runs in the engine thread);
-    ``warm``: run one short greedy request first (see ``warm_up``)."""
+def create_engine(config: ServerConfig) -> LLMEngine:
+    """The engine ``config`` describes, with the ``--lora-modules`` adapters registered (runs in the engine thread;
+    under the supervisor ``warm_up`` follows there, beside the app's build)."""
     model = config.model
     if model is None:
         model = str(default_model())
@@ -54,8 +54,6 @@ def create_engine(config: ServerConfig, warm: bool = False) -> LLMEngine:
     if config.enable_lora:
         for name, path in parse_lora_modules(config.lora_modules):
             engine.add_lora(load_adapter(engine, name, path))
-    if warm:
-        warm_up(engine)
     return engine
 
 
@@ -67,8 +65,12 @@ def warm_up(engine: LLMEngine) -> None:
 
     engine.add_request("keepwarm-warm-up", [1, 2, 3], SamplingParams(max_tokens=2, temperature=0.0,
                                                                       ignore_eos=True))
+    names = iter(("warm_prefill", "warm_decode"))
     while engine.has_unfinished_requests():
+        t = time.perf_counter()
         engine.step()
+        name = next(names, "warm_decode")
+        engine.startup_phases[name] = engine.startup_phases.get(name, 0.0) + time.perf_counter() - t
 
 
 def serve(config: ServerConfig, process_start: float | None = None, listener: socket.socket | None = None,
@@ -100,16 +102,23 @@ def serve(config: ServerConfig, process_start: float | None = None, listener: so
         for hook in fatal_hook:
             hook(error)
 
-    async_engine = AsyncEngine(lambda: create_engine(config, warm=link is not None), on_fatal=on_fatal)
+    t_engine = time.perf_counter()
+    # Under the supervisor the engine warms up in its thread while this one builds the app (the warm-up's kernels
+    # release the GIL); the worker listens only once both are done.
+    async_engine = AsyncEngine(lambda: create_engine(config), on_fatal=on_fatal,
+                               warm_up=warm_up if link is not None else None)
     names = config.served_model_name or [config.model or DEFAULT_MODEL_NAME]
     assert async_engine.engine is not None  # built before AsyncEngine() returns (or it raised)
     state = ServerState(config, async_engine.engine, async_engine, names, link=link)
+    startup = state.startup
+    if process_start is not None:  # the process's start (or its fork) to here: imports, or nothing after a fork
+        startup["to_serve"] = max(0.0, time.time() - process_start - (time.perf_counter() - t0))
+    # a copy first: the engine thread adds the warm-up's phases meanwhile
+    built = {k: v for k, v in dict(async_engine.engine.startup_phases).items() if not k.startswith("warm_")}
+    startup.update(built)
+    t_app = time.perf_counter()
+    startup["engine_other"] = max(0.0, t_app - t_engine - sum(built.values()))
     app = build_app(state)
-    grpc_server = None
-    if config.grpc:
-        from keepwarm.worker.api.grpc_server import start_grpc_server
-
-        grpc_server = start_grpc_server(state, config.host, config.grpc_port)
     uv_options: dict[str, Any] = {"host": config.host, "port": config.port, "log_level": config.uvicorn_log_level,
                                   "timeout_graceful_shutdown": config.shutdown_timeout, "access_log": False,
                                   # an idle keep-alive connection is closed after this (uvicorn's default: 5 s)
@@ -117,7 +126,14 @@ def serve(config: ServerConfig, process_start: float | None = None, listener: so
     if inherited:
         uv_options["backlog"] = listen_backlog()
     uv_config = uvicorn.Config(app, **uv_options)
+    startup["app"] = time.perf_counter() - t_app
+    if link is not None:
+        _wait_warm(async_engine, startup)
+    grpc_server = None
+    if config.grpc:
+        from keepwarm.worker.api.grpc_server import start_grpc_server
 
+        grpc_server = start_grpc_server(state, config.host, config.grpc_port)
     server = _uvicorn_server(uv_config, state, link, grpc_server)
     fatal_hook.append(lambda e: _exit_on_fatal(state, server, e))
     if async_engine.errored is not None:
@@ -141,6 +157,17 @@ def serve(config: ServerConfig, process_start: float | None = None, listener: so
     return 0
 
 
+def _wait_warm(async_engine: AsyncEngine, startup: dict[str, float]) -> None:
+    """Wait for the engine's warm-up (run beside the app's build); its failure is the worker's (Failed)."""
+    t = time.perf_counter()
+    async_engine.warmed.wait()
+    startup["warm_wait"] = time.perf_counter() - t
+    if async_engine.errored is not None:
+        raise async_engine.errored
+    assert async_engine.engine is not None
+    startup.update({k: v for k, v in async_engine.engine.startup_phases.items() if k.startswith("warm_")})
+
+
 def _uvicorn_server(uv_config: Any, state: ServerState, link: WorkerLink | None, grpc_server: Any) -> Any:
     """uvicorn's server with keepwarm's drain on SIGTERM/SIGINT and, under the supervisor, Ready and the handoff."""
     import uvicorn
@@ -156,7 +183,10 @@ def _uvicorn_server(uv_config: Any, state: ServerState, link: WorkerLink | None,
             super().handle_exit(sig, frame)
 
         async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            t = time.perf_counter()
             await super().startup(sockets=sockets)
+            state.startup["uvicorn_start"] = time.perf_counter() - t
+            log.info("startup phases (s): %s", " ".join(f"{k} {v:.3f}" for k, v in state.startup.items()))
             if link is not None and self.started:
                 loop = asyncio.get_running_loop()
                 link.listen(on_drain=lambda: (loop.call_soon_threadsafe(self.hand_over), None)[1])
@@ -203,7 +233,8 @@ def _ready(state: ServerState, link: WorkerLink) -> Any:
     from keepwarm.worker.api import ipc
 
     return ipc.Ready(pid=os.getpid(), ready_s=time.time() - link.fork_time,
-                     weights_source=str(state.weights_info()["source"]), cuda_initialized=torch.cuda.is_initialized())
+                     weights_source=str(state.weights_info()["source"]), cuda_initialized=torch.cuda.is_initialized(),
+                     phases=dict(state.startup))
 
 
 def _draining() -> Any:

@@ -32,6 +32,7 @@ class ServerState:
     fatal: BaseException | None = None  # the engine died: the process is exiting non-zero (70)
     link: Any = None  # keepwarm.worker.api.zygote.WorkerLink under the supervisor (`serve --zygote`), else None
     handing_over: bool = False  # a new worker took the socket: responses close their connection (app.py)
+    startup: dict[str, float] = field(default_factory=dict)  # seconds per startup phase (server.serve; /health)
     admission: Admission = field(init=False)
 
     def __post_init__(self) -> None:

@@ -20,8 +20,13 @@ A restart (``restart``):
    per-socket queues drop what is queued on the socket that closes) and finishes its in-flight requests;
 5. a new worker that fails (Failed, exits, or is not ready within the timeout) is killed; the old one never
    stopped serving, and the restart answers why.
-The supervisor exits with its worker's status when the worker exits on its own (70: the engine failed), and
-drains everything on SIGTERM/SIGINT.
+A worker that exits on its own (a crash, ``kill -9``, 70: the engine failed) is replaced (``_replace``): the
+zygote forks a new one with the running config while the listening socket stays open in the supervisor, so new
+connections wait in the kernel's queue (the dead worker's in-flight requests are lost with it). Bounded: a
+replacement that fails, or a worker that dies within ``REPLACE_STABLE_S`` of becoming ready, is a failure; after
+``REPLACE_MAX_FAILURES`` in a row the supervisor gives up and exits with the worker's status (70 if it was 0) so
+systemd restarts everything; between attempts it waits 0.5, 1, 2... s. Each replacement is logged and counted
+(/health ``restarts.replaced``, /metrics ``keepwarm:worker_replacements_total``). SIGTERM/SIGINT drain everything.
 """
 
 from __future__ import annotations
@@ -50,6 +55,14 @@ log = logging.getLogger("keepwarm.supervisor")
 ZYGOTE_START_TIMEOUT_S = 300.0
 FORK_TIMEOUT_S = 30.0
 DRAIN_NOTICE_TIMEOUT_S = 5.0
+REPLACE_MAX_FAILURES = 3  # failed replacements (or workers dead within REPLACE_STABLE_S) in a row before giving up
+REPLACE_STABLE_S = 30.0  # a worker that served this long before dying resets the count
+REPLACE_BACKOFF_S = (0.0, 0.5, 1.0, 2.0, 4.0)  # the wait before attempt 1, 2, ... (the last one repeats)
+
+
+# EX_SOFTWARE (the worker's own status for a failed engine, keepwarm.worker.api.server; not imported: no torch
+# here): what the supervisor exits with when it gives up on a worker that had exited with 0.
+FATAL_STATUS = 70
 
 
 class RestartFailed(Exception):
@@ -84,6 +97,9 @@ class Worker:
     sock: socket.socket
     config: ServerConfig
     code: int | None = None  # its exit status once known (Exit, or 1 for a silent death)
+    ready_at: float = field(default_factory=time.monotonic)
+    fork_s: float = 0.0  # the Fork request to the zygote's Forked (its prepare() and fork())
+    phases: dict[str, float] = field(default_factory=dict)  # its startup phases (Ready)
 
     def kill(self) -> None:
         with contextlib.suppress(ProcessLookupError):
@@ -130,12 +146,39 @@ class History:
     failed: int = 0
     durations: list[float] = field(default_factory=list)
     last: dict[str, Any] | None = None
+    replaced: int = 0  # workers that exited on their own and were replaced
+    replace_failed: int = 0  # replacement attempts that failed
+    last_replacement: dict[str, Any] | None = None
 
     def to_dict(self, supervisor: Supervisor) -> dict[str, Any]:
         z = supervisor.zygote
         return {"supervisor_pid": os.getpid(), "zygote_pid": z.hello.pid if z and z.alive else None,
                 "python": z.hello.python if z else None, "total": dict(self.total), "failed": self.failed,
-                "durations": list(self.durations[-1000:]), "last": self.last}
+                "durations": list(self.durations[-1000:]), "last": self.last, "replaced": self.replaced,
+                "replace_failed": self.replace_failed, "last_replacement": self.last_replacement}
+
+
+@dataclass
+class ReplacePolicy:
+    """When to replace a worker that exited on its own, and when to give up (see the module docstring)."""
+
+    failures: int = 0  # in a row
+
+    def worker_died(self, served_s: float) -> None:
+        """A worker died after serving ``served_s`` seconds: a failure unless it had been stable."""
+        self.failures = 0 if served_s >= REPLACE_STABLE_S else self.failures + 1
+
+    def attempt_failed(self) -> None:
+        self.failures += 1
+
+    @property
+    def give_up(self) -> bool:
+        return self.failures >= REPLACE_MAX_FAILURES
+
+    @property
+    def backoff_s(self) -> float:
+        """The wait before the next attempt."""
+        return REPLACE_BACKOFF_S[min(self.failures, len(REPLACE_BACKOFF_S) - 1)]
 
 
 class Supervisor:
@@ -149,6 +192,7 @@ class Supervisor:
         self.worker: Worker | None = None
         self.old: list[Worker] = []  # draining
         self.history = History()
+        self.replace_policy = ReplacePolicy()
         self.listener: socket.socket | None = None
         self.control: socket.socket | None = None
         self.control_path: Path | None = None
@@ -191,6 +235,7 @@ class Supervisor:
         """Fork a worker from ``zygote`` and wait until it says Ready; RestartFailed (it is killed) otherwise."""
         assert self.listener is not None
         ours, theirs = ipc.pair()
+        t0 = time.monotonic()
         try:
             ipc.send(zygote.sock, ipc.Fork(config=config.to_dict(), restarts=self.history.to_dict(self),
                                            log_level=self.log_level), fds=(self.listener.fileno(), theirs.fileno()))
@@ -200,7 +245,7 @@ class Supervisor:
             raise RestartFailed(f"the zygote (pid {zygote.hello.pid}) did not fork: {e}") from None
         finally:
             theirs.close()
-        worker = Worker(forked.pid, ours, config)
+        worker = Worker(forked.pid, ours, config, fork_s=time.monotonic() - t0)
         deadline = time.monotonic() + timeout
         try:
             msg, fds = ipc.recv(ours, timeout=timeout)
@@ -215,7 +260,9 @@ class Supervisor:
             worker.kill()
             ours.close()
             raise RestartFailed(f"the new worker (pid {forked.pid}) failed its warm-up: {why}")
-        log.info("worker %d ready %.3fs after its fork (weights from %s)", msg.pid, msg.ready_s, msg.weights_source)
+        worker.ready_at, worker.phases = time.monotonic(), msg.phases
+        log.info("worker %d ready %.3fs after its fork (weights from %s); phases (s): %s", msg.pid, msg.ready_s,
+                 msg.weights_source, " ".join(f"{k} {v:.3f}" for k, v in msg.phases.items()))
         return worker
 
     def _loop(self) -> int:
@@ -227,7 +274,7 @@ class Supervisor:
         assert self.control is not None
         try:
             while True:
-                watched = {w.sock: w for w in [self.worker, *self.old] if w is not None}
+                watched = {w.sock: w for w in [self.worker, *self.old] if w is not None and w.sock.fileno() >= 0}
                 waits: list[Any] = [rfd, self.control, *watched]
                 ready, _, _ = select.select(waits, [], [], 1.0)
                 for obj in ready:
@@ -240,20 +287,63 @@ class Supervisor:
                 while self._signals:
                     got = self._signals.pop(0)
                     if got == signal.SIGHUP:
-                        self._reload()
+                        if self.worker is not None:  # else a replacement is under way: it runs the config anew
+                            self._reload()
                     else:
                         log.info("signal %d: draining the worker and stopping", got)
                         return self._stop()
                 if self.worker is not None and self.worker.code is not None:
-                    code = self.worker.code
-                    log.warning("the worker (pid %d) exited with status %d; stopping", self.worker.pid, code)
-                    self._stop()
-                    return code
+                    code = self._replace(self.worker)
+                    if code is not None:
+                        self._stop()
+                        return code
         finally:
             signal.set_wakeup_fd(-1)
             os.close(rfd)
             os.close(wfd)
             self._close()
+
+    def _replace(self, dead: Worker) -> int | None:
+        """The current worker exited on its own: fork a replacement (None) or give up (the status to exit with)."""
+        code = dead.code if dead.code is not None else 1
+        served_s = time.monotonic() - dead.ready_at
+        self._forget(dead)
+        self.replace_policy.worker_died(served_s)
+        log.warning("the worker (pid %d) exited on its own with status %d after %.1fs; replacing it", dead.pid, code,
+                    served_s)
+        policy, t0 = self.replace_policy, time.monotonic()
+        while not policy.give_up:
+            if any(sig != signal.SIGHUP for sig in self._signals):  # SIGTERM/SIGINT meanwhile: the loop stops
+                self.worker = None
+                return None
+            time.sleep(policy.backoff_s)
+            try:
+                zygote, mode, reason = self._zygote_for(self.zygote.hello.python if self.zygote else sys.executable)
+                self.worker = self._spawn(zygote, self.config, timeout=600.0)
+            except RestartFailed as e:
+                policy.attempt_failed()
+                self.history.replace_failed += 1
+                log.error("replacing worker %d failed (%d in a row): %s", dead.pid, policy.failures, e)
+                continue
+            self.history.replaced += 1
+            self.history.last_replacement = {"old_pid": dead.pid, "new_pid": self.worker.pid, "status": code,
+                                             "mode": mode, "reason": reason, "seconds": time.monotonic() - t0,
+                                             "at": time.time()}
+            self._send_history()
+            log.warning("replaced worker %d (status %d) with %d in %.3fs (%s)", dead.pid, code, self.worker.pid,
+                        time.monotonic() - t0, mode)
+            return None
+        log.error("gave up replacing the worker after %d failures in a row; exiting with status %d so the service "
+                  "manager restarts the server", policy.failures, code or FATAL_STATUS)
+        self.worker = None
+        return code or FATAL_STATUS
+
+    def _forget(self, dead: Worker) -> None:
+        """A dead worker's last traces: its socket closed, the process killed if it lingers after saying Exit."""
+        if dead.sock.fileno() >= 0 and not select.select([dead.sock], [], [], 5.0)[0]:
+            dead.kill()
+        with contextlib.suppress(OSError):
+            dead.sock.close()
 
     def _worker_message(self, worker: Worker) -> bool:
         """Handle one message from a worker; True once it has ended (EOF)."""
@@ -374,6 +464,7 @@ class Supervisor:
                                                       f"{self.config.host}:{self.config.port} is handed over); "
                                                       "stop the server and serve again")
         self._wait_old_drained()
+        t_fork = time.monotonic()
         old = self.worker
         try:
             zygote, mode, reason = self._zygote_for(python)
@@ -385,6 +476,7 @@ class Supervisor:
             return ipc.RestartReply(ok=False, message=f"{e}; the old worker (pid {old.pid}) keeps serving",
                                     old_pid=old.pid)
         ready_s = time.monotonic() - t0
+        t_drain = time.monotonic()
         ipc.send(old.sock, ipc.Drain())
         try:
             ipc.expect(old.sock, ipc.Draining, timeout=DRAIN_NOTICE_TIMEOUT_S)
@@ -398,11 +490,16 @@ class Supervisor:
             on_success()
         self.history.total[mode] += 1
         self.history.durations.append(ready_s)
+        # where the handoff went: waiting for a previous old worker, the zygote's fork, the new worker to Ready, the
+        # old one's Draining; and the new worker's own startup phases
+        steps = {"wait_old": t_fork - t0, "fork": new.fork_s, "ready": t_drain - t_fork - new.fork_s,
+                 "drain_notice": time.monotonic() - t_drain}
         self.history.last = {"mode": mode, "seconds": ready_s, "reason": reason, "at": time.time(),
-                             "old_pid": old.pid, "new_pid": new.pid}
+                             "old_pid": old.pid, "new_pid": new.pid, "steps": steps, "worker_phases": new.phases}
         self._send_history()
         note = f"; cold start: {reason}" if mode == "cold" else ""
-        log.info("restarted: worker %d -> %d in %.3fs (%s)%s", old.pid, new.pid, ready_s, mode, note)
+        log.info("restarted: worker %d -> %d in %.3fs (%s; %s)%s", old.pid, new.pid, ready_s, mode,
+                 " ".join(f"{k} {v:.3f}" for k, v in steps.items()), note)
         return ipc.RestartReply(ok=True, message=f"handoff in {ready_s:.3f}s: worker {old.pid} -> {new.pid} "
                                                  f"({mode}){note}", mode=mode, handoff_s=ready_s,
                                 old_pid=old.pid, new_pid=new.pid)

@@ -42,6 +42,9 @@ class AttentionMetadata:
     # The above precomputed once per step for every layer's KV write and attention (kernels.plan_attention);
     # None where the kernels read the metadata themselves (Triton) or no plan was made.
     plan: Any = None
+    # Per rotary table (the keys of LlamaForCausalLM.cos_sin): its rows at this step's positions, gathered once
+    # for every layer (kernels.plan_rotary); None where no plan was made.
+    rotary: dict[str, Any] | None = None
 
 
 @dataclass
@@ -84,7 +87,8 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:  # per head, before rotary (Qwen3, Gemma 3)
             q = self.q_norm(q.reshape(-1, self.head_dim)).reshape(T, self.q_size)
             k = self.k_norm(k.reshape(-1, self.head_dim)).reshape(T, self.kv_size)
-        q, k = kernels.rotary_embedding(positions, q, k, self.head_dim, cos_sin[self.rope])
+        q, k = kernels.rotary_embedding(positions, q, k, self.head_dim, cos_sin[self.rope],
+                                        plan=attn.rotary.get(self.rope) if attn.rotary else None)
         q = q.reshape(T, self.num_heads, self.head_dim)
         k = k.reshape(T, self.num_kv_heads, self.head_dim)
         v = v.reshape(T, self.num_kv_heads, self.head_dim)
@@ -108,7 +112,7 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        return self.down_proj(self.act(gate).mul_(up))  # in place: the activation's output is a new tensor
 
 
 class LlamaDecoderLayer(nn.Module):

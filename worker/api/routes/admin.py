@@ -34,7 +34,8 @@ def router(state: ServerState) -> APIRouter:
                            "requests_in_flight": engine.num_in_flight,
                            "seconds_since_step": round(max(0.0, time.monotonic() - engine.snapshot.last_step_time),
                                                        3)},
-                "weights": info, "model": state.model_name, "version": __version__}
+                "weights": info, "model": state.model_name, "version": __version__,
+                "startup": {k: round(v, 4) for k, v in state.startup.items()}}
         if state.link is not None:  # `serve --zygote`: the supervisor's restarts (a cold fallback says so here)
             body["restarts"] = {**(state.restart_history() or {}), "worker_pid": os.getpid()}
         return JSONResponse(body, status_code=200 if ok else 503)
