@@ -451,30 +451,34 @@ static void row_offsets(const attn_t *a, int64_t s, int64_t lo, int64_t L, int64
 }
 
 /* part[((g0 + g) * KCHUNK + j0 + j) * 8 ..] = 8 partial sums of q(h*G+g0+g) . k(j0+j), for GN query heads and
- * KB keys at once: GN * KB independent accumulators (12 at most, + 2 for the key: AVX2 has 16 registers) keep
- * the FMA pipes busy where one key's chain would wait on each FMA's latency. */
+ * KB keys at once: each 16 columns of the GN q rows are loaded once for the KB keys, and GN * KB independent
+ * accumulators keep the FMA pipes busy (2 GN + GN KB + 2 <= 16 registers: AVX2 has 16). */
 #define DOT(GN, KB)                                                                                            \
     static void dot_##GN(const float *qf, const uint16_t *const *k, int64_t D, int64_t g0, int j0,            \
                          float *part) {                                                                       \
         __m256 acc[KB][GN];                                                                                   \
         for (int j = 0; j < KB; j++)                                                                          \
             for (int g = 0; g < GN; g++) acc[j][g] = _mm256_setzero_ps();                                     \
-        for (int64_t d = 0; d < D; d += 16)                                                                   \
+        for (int64_t d = 0; d < D; d += 16) {                                                                 \
+            __m256 qe[GN], qo[GN];                                                                            \
+            for (int g = 0; g < GN; g++) {                                                                    \
+                qe[g] = _mm256_loadu_ps(qf + (g0 + g) * D + d);                                               \
+                qo[g] = _mm256_loadu_ps(qf + (g0 + g) * D + d + 8);                                           \
+            }                                                                                                 \
             for (int j = 0; j < KB; j++) {                                                                    \
                 __m256 ke, ko;                                                                                \
                 bf16x16_split(k[j0 + j] + d, &ke, &ko);                                                       \
-                for (int g = 0; g < GN; g++) {                                                                \
-                    acc[j][g] = _mm256_fmadd_ps(_mm256_loadu_ps(qf + (g0 + g) * D + d), ke, acc[j][g]);       \
-                    acc[j][g] = _mm256_fmadd_ps(_mm256_loadu_ps(qf + (g0 + g) * D + d + 8), ko, acc[j][g]);   \
-                }                                                                                             \
+                for (int g = 0; g < GN; g++)                                                                  \
+                    acc[j][g] = _mm256_fmadd_ps(qo[g], ko, _mm256_fmadd_ps(qe[g], ke, acc[j][g]));            \
             }                                                                                                 \
+        }                                                                                                     \
         for (int j = 0; j < KB; j++)                                                                          \
             for (int g = 0; g < GN; g++) _mm256_storeu_ps(part + ((g0 + g) * KCHUNK + j0 + j) * 8, acc[j][g]); \
     }
-DOT(1, 8) DOT(2, 4) DOT(3, 4) DOT(4, 2) DOT(5, 2) DOT(6, 2)
+DOT(1, 8) DOT(2, 4) DOT(3, 2) DOT(4, 1)
 typedef void (*dot_fn)(const float *, const uint16_t *const *, int64_t, int64_t, int, float *);
-static const dot_fn DOTS[7] = {NULL, dot_1, dot_2, dot_3, dot_4, dot_5, dot_6};
-static const int DOT_KEYS[7] = {0, 8, 4, 4, 2, 2, 2}; /* KB of each */
+static const dot_fn DOTS[5] = {NULL, dot_1, dot_2, dot_3, dot_4};
+static const int DOT_KEYS[5] = {0, 8, 4, 2, 1}; /* KB of each */
 
 /* u.sc[g * Lp + i] = the scaled (and capped) score of query head h*G+g against position lo+i, for i < L. */
 static void scores(const attn_t *a, int64_t s, int64_t h, int64_t L, int64_t Lp, unit_scratch u) {
@@ -491,8 +495,8 @@ static void scores(const attn_t *a, int64_t s, int64_t h, int64_t L, int64_t Lp,
         int n = (int)(L - i0 < KCHUNK ? L - i0 : KCHUNK);
         const uint16_t *k[KCHUNK];
         for (int j = 0; j < KCHUNK; j++) k[j] = kh + u.off[i0 + (j < n ? j : 0)]; /* past L: unused repeats */
-        for (int64_t g0 = 0; g0 < G; g0 += 6) {
-            int gn = (int)(G - g0 < 6 ? G - g0 : 6);
+        for (int64_t g0 = 0; g0 < G; g0 += 4) {
+            int gn = (int)(G - g0 < 4 ? G - g0 : 4);
             for (int j0 = 0; j0 < n; j0 += DOT_KEYS[gn]) DOTS[gn](u.qf, k, D, g0, j0, u.part);
         }
         for (int64_t g = 0; g < G; g++) {
