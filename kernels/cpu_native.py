@@ -25,7 +25,8 @@ Rules:
   the torch path; the reason is logged once (``keepwarm.kernels``), and a matmul's path choice is logged like
   every other (``kernels.quant``). float32 models never reach the C code, so their outputs are torch's exactly.
 - ``KEEPWARM_CPU_NATIVE=0`` turns both off (A/B benchmarks, escape hatch); read on every call of
-  :func:`available` / :func:`attention_available`.
+  :func:`available` / :func:`attention_available`, and for the attention in the engine when a step's attention
+  plan is built (:func:`attention_switched_on`), not in each layer.
 - Weights and caches are only read: a weight may be a read-only view into the daemon's shared memory. The C code
   checks every block id and length of an attention plan against the cache before it reads (a bad plan raises).
 - Threads: the callers pass torch's intra-op count; one pool of T-1 threads serves both kernels, a call at a time.
@@ -48,8 +49,9 @@ import torch
 
 from keepwarm.formats.paths import keepwarm_home
 
-__all__ = ["ENV_VAR", "attention_available", "attention_fits", "attention_plan", "attention_unavailable_reason",
-           "available", "decode_attention", "fp8_linear", "int8_linear", "unavailable_reason"]
+__all__ = ["ENV_VAR", "attention_available", "attention_fits", "attention_plan", "attention_switched_on",
+           "attention_unavailable_reason", "available", "decode_attention", "fp8_linear", "int8_linear",
+           "unavailable_reason"]
 
 logger = logging.getLogger("keepwarm.kernels")
 
@@ -229,16 +231,30 @@ def attention_plan(table: torch.Tensor, ctx: torch.Tensor, lo: torch.Tensor | No
     return torch.cat([p.to(torch.int64) for p in parts])
 
 
+def attention_switched_on() -> bool:
+    """``KEEPWARM_CPU_NATIVE`` is not 0: read when a step's attention plan is built (reference.plan_attention),
+    so the 30 layers of a step do not each read the environment."""
+    return os.environ.get(ENV_VAR, "1") != "0"
+
+
 def attention_fits(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, k_scale: float,
                    v_scale: float) -> bool:
-    """Whether :func:`decode_attention` computes this call: bfloat16 q and caches (unscaled: no fp8 KV), caches
-    contiguous, each row of q's heads contiguous, and the library available (``KEEPWARM_CPU_NATIVE`` read now)."""
+    """Whether :func:`decode_attention` computes this call: bfloat16 q and caches (unscaled: no fp8 KV), head dim
+    a multiple of 16, caches contiguous, each row of q's heads contiguous, and the library built. Cheap checks
+    first: float32 models never get to the build. (The switch is the plan's: :func:`attention_switched_on`.)"""
     bf16 = torch.bfloat16
-    return (q.dtype == bf16 and key_cache.dtype == bf16 and value_cache.dtype == bf16 and k_scale == 1.0
-            and v_scale == 1.0 and q.device.type == "cpu" and q.stride(2) == 1 and q.stride(1) == q.shape[2]
-            and q.shape[2] == key_cache.shape[3]
-            and key_cache.shape == value_cache.shape and key_cache.is_contiguous() and value_cache.is_contiguous()
-            and q.shape[2] % 16 == 0 and attention_available())
+    if q.dtype != bf16 or key_cache.dtype != bf16 or value_cache.dtype != bf16 or k_scale != 1.0 or v_scale != 1.0:
+        return False
+    _, head_stride, col_stride = q.stride()
+    d = q.shape[2]
+    if not (col_stride == 1 and head_stride == d and d % 16 == 0 and key_cache.shape == value_cache.shape
+            and d == key_cache.shape[3] and key_cache.is_contiguous() and value_cache.is_contiguous()
+            and q.device.type == "cpu"):
+        return False
+    reason = _load()[2]
+    if reason:
+        _log_unavailable(reason, "bfloat16 decode attention")
+    return not reason
 
 
 def decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, plan: torch.Tensor,

@@ -257,7 +257,8 @@ class DecodeGather:
 
     table: torch.Tensor  # [Sd, nb] int64 block ids (columns past a sequence's last block point at block 0)
     masked: torch.Tensor  # [Sd, 1, nb * block_size] bool: True where a gathered key is outside the row's context
-    # The same rows for the C kernel (cpu_native.attention_plan), which reads blocks in place; None off the CPU.
+    # The same rows for the C kernel (cpu_native.attention_plan), which reads blocks in place; None off the CPU or
+    # with KEEPWARM_CPU_NATIVE=0 (read here, once per step).
     native: torch.Tensor | None = None
 
 
@@ -301,15 +302,16 @@ def _decode_gather(block_tables: torch.Tensor, seq_lens: torch.Tensor, decodes: 
     # Columns past a sequence's last block may be garbage or past the table: point them at block 0 instead.
     table = torch.where(cols * block_size < ctx[:, None], table, 0)
     native = None
+    on_cpu = device.type == "cpu" and cpu_native.attention_switched_on()
     if window:
         lo_t = torch.tensor(lo, device=device)
         pos = (cols[:, :, None] * block_size + torch.arange(block_size, device=device)).reshape(len(decodes), -1)
         pos_ok = (pos < ctx[:, None]) & (pos >= lo_t[:, None])  # [Sd, L]
-        if device.type == "cpu":
+        if on_cpu:
             native = cpu_native.attention_plan(table, ctx, lo_t, first * block_size)
     else:
         pos_ok = torch.arange(num_blocks * block_size, device=device)[None, :] < ctx[:, None]
-        if device.type == "cpu":
+        if on_cpu:
             native = cpu_native.attention_plan(table, ctx, None, None)
     return DecodeGather(table, ~pos_ok[:, None, :], native)
 

@@ -7,6 +7,12 @@ Needs AVX2 + FMA and a C compiler; elsewhere the tests say which is missing."""
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
+import textwrap
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
@@ -193,6 +199,58 @@ def test_softmax_exp_and_rounding_edges(monkeypatch: pytest.MonkeyPatch) -> None
     assert (got.float() - want.float()).abs().max().item() <= 0.02
     exact = _float64(q, kc, vc, table, lens, None, None)
     assert math.isclose(float((got[2].double() - exact[2]).abs().max()), 0.0, abs_tol=0.02)
+
+
+def _plan_inputs(seed: int, s: int = 32) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    plan = cpu_native.attention_plan(torch.randperm(400, generator=g)[:s * 12].reshape(s, 12),
+                                     torch.randint(60, 190, (s,), generator=g), None, None)
+    kc, vc = (torch.randn(3, 400, 16, 64, generator=g).bfloat16() for _ in range(2))
+    return torch.randn(s, 9, 64, generator=g).bfloat16(), kc, vc, plan
+
+
+_CHILD = textwrap.dedent("""
+    import os, sys, torch
+    sys.path.insert(0, sys.argv[1])
+    from test_cpu_attention import _plan_inputs
+    from keepwarm.kernels import cpu_native
+    torch.set_num_threads(2)
+    q, kc, vc, plan = _plan_inputs(0)
+    first = cpu_native.decode_attention(q, kc, vc, plan, 0.125, None)  # enough work for 2 threads: starts the pool
+    print(cpu_native._load()[0]._name)
+    pid = os.fork()
+    if pid == 0:  # the child has no pool threads: it must start its own, not wait for the parent's forever
+        os._exit(0 if torch.equal(cpu_native.decode_attention(q, kc, vc, plan, 0.125, None), first) else 3)
+    _, status = os.waitpid(pid, 0)
+    sys.exit(os.waitstatus_to_exitcode(status))
+""")
+
+
+def test_build_cached_and_fork_safe(tmp_path: Path) -> None:
+    env = {**os.environ, "KEEPWARM_HOME": str(tmp_path)}
+    env.pop(cpu_native.ENV_VAR, None)
+    runs = [subprocess.run([sys.executable, "-c", _CHILD, str(Path(__file__).parent)], env=env, capture_output=True,
+                           text=True, timeout=120) for _ in range(2)]
+    for run in runs:
+        assert run.returncode == 0, run.stderr[-2000:]
+    built = list((tmp_path / "cache" / "native").iterdir())
+    # one library, built by the first process and loaded from the cache by the second; no temporary left
+    assert [p.name for p in built] == [Path(runs[0].stdout.strip()).name] == [Path(runs[1].stdout.strip()).name]
+
+
+def test_calls_from_two_threads_take_turns() -> None:
+    # ctypes drops the GIL: two engine-like threads may call at once and must not share the pool's one job.
+    cases = [_plan_inputs(seed, s) for seed, s in ((1, 32), (2, 8))]
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        want = [cpu_native.decode_attention(q, kc, vc, plan, 0.125, None) for q, kc, vc, plan in cases]
+        with ThreadPoolExecutor(2) as pool:
+            for _ in range(20):
+                got = list(pool.map(lambda c: cpu_native.decode_attention(*c, 0.125, None), cases))
+                assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("model_name", ["llama", "gemma2", "mistral_sw"])
