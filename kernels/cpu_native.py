@@ -216,9 +216,6 @@ def fp8_linear(x2d: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -
 
 
 # -- decode attention over the paged KV cache -------------------------------------------------------------------
-_PLAN_HEAD = 3  # S, W, reserved
-
-
 def attention_plan(table: torch.Tensor, ctx: torch.Tensor, lo: torch.Tensor | None,
                    base: torch.Tensor | None) -> torch.Tensor:
     """One step's decode rows for :func:`decode_attention`, as the one int64 tensor the C kernel reads:
