@@ -181,8 +181,8 @@ def attention_available() -> bool:
 
 
 def _gemm(x2d: torch.Tensor, qweight: torch.Tensor, scale32: torch.Tensor, fp8: bool, what: str) -> torch.Tensor:
-    lib = _load()[0]
-    assert lib is not None, f"{what} called where available() is False"
+    lib, no_matmuls, _ = _load()
+    assert lib is not None and not no_matmuls, f"{what} called where available() is False"
     m, k = x2d.shape
     n = qweight.shape[0]
     if qweight.dim() != 2 or qweight.shape[1] != k or x2d.dtype != torch.bfloat16 or scale32.shape != (n,):
