@@ -141,8 +141,9 @@ def _load() -> tuple[ctypes.CDLL | None, str, str]:
         fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int, ctypes.c_int]
     fn = lib.kw_decode_attention
     fn.restype = ctypes.c_int
-    fn.argtypes = ([ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 6
-                   + [ctypes.c_float, ctypes.c_float, ctypes.c_int])
+    # q, q_stride, kc, vc, out, plan, S, Hq, Hk, D, num_blocks, block_size, scale, softcap, nthreads
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, *[ctypes.c_void_p] * 4, *[ctypes.c_int64] * 6, ctypes.c_float,
+                   ctypes.c_float, ctypes.c_int]
     return lib, no_matmuls, ""
 
 
