@@ -1,8 +1,11 @@
-/* keepwarm native CPU kernels: weight-only int8 and fp8 matmuls for bfloat16 activations (AVX512-BF16).
+/* keepwarm native CPU kernels: weight-only int8 and fp8 matmuls for bfloat16 activations (AVX512-BF16), and a
+ * bfloat16 decode attention over the paged KV cache (AVX2 + FMA, at the end of this file).
  *
  *   out[m, n] = bf16( scale[n] * sum_k x[m, k] * w[n, k] )     x: bf16 [M, K], w: int8 [N, K], scale: f32 [N]
  *
  * With fp8 set, w holds float8_e4m3fn codes and enters the sum as its value / 256 (the caller's scale is 256x).
+ * Built with -DKW_ATTENTION_ONLY (and AVX2 flags) it is the attention and the thread pool alone, for CPUs
+ * without AVX512-BF16.
  *
  * Rules:
  * - The weight is only read (it may be a read-only mapping of the daemon's arena); nothing is copied up front.
@@ -11,11 +14,13 @@
  *   the only difference from the reference (dequantize, matmul) is the order of the float32 sums.
  * - M == 1 streams each weight row once, converting it in registers (decode is memory-bound).
  *   M > 1 converts NB rows once into a per-thread bf16 scratch and multiplies it with every row of x from there.
- * - Threads: the N range is split over `nthreads` (the caller passes torch's intra-op count); T-1 pool threads
- *   park on a condition variable between calls after a short spin. Calls from several threads take turns (one
+ * - Threads: the N range (the attention: its (sequence, kv head) units) is split over `nthreads` (the caller
+ *   passes torch's intra-op count); T-1 pool threads park on a condition variable between calls after a short
+ *   spin. Calls from several threads take turns (one
  *   owns the pool at a time). A fork()ed child starts with no pool.
  */
 #include <immintrin.h>
+#include <math.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
@@ -26,6 +31,7 @@
 #define MAXT 64
 #define SPIN 2000
 
+#ifndef KW_ATTENTION_ONLY /* the matmuls need AVX512-BF16; the attention-only build (AVX2) leaves them out */
 typedef struct {
     const uint16_t *x;
     const int8_t *w;
@@ -201,11 +207,15 @@ static void run_slice(const job_t *j, int t, int nthreads) {
     }
 }
 
+#endif /* KW_ATTENTION_ONLY */
+
 /* ------------------------------------------------------------------ thread pool */
 static pthread_mutex_t g_call = PTHREAD_MUTEX_INITIALIZER; /* one call at a time owns the pool */
 static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t g_cv = PTHREAD_COND_INITIALIZER;
-static job_t g_job;
+typedef void (*slice_fn)(const void *arg, int t, int nthreads); /* runs slice t of nthreads of one call */
+static slice_fn g_fn;
+static const void *g_arg; /* the calling thread's job: it waits for every slice before returning */
 static atomic_int g_gen, g_done, g_nactive;
 static int g_pool; /* pool threads started (T-1) */
 static int g_born[MAXT]; /* the generation each pool thread was started at: its first job is the next one */
@@ -227,7 +237,7 @@ static void *worker(void *arg) {
         }
         seen = atomic_load(&g_gen);
         int n = atomic_load(&g_nactive);
-        if (t < n) run_slice(&g_job, t, n);
+        if (t < n) g_fn(g_arg, t, n);
         atomic_fetch_add_explicit(&g_done, 1, memory_order_release);
     }
     return NULL;
@@ -260,6 +270,31 @@ static int ensure_pool(int want) {
     return 1;
 }
 
+/* Runs fn's slices 0..nthreads-1: slice 0 on the calling thread, the others on the pool; alone when the pool
+ * cannot grow. Returns when every slice is done. */
+static void run_pool(slice_fn fn, const void *arg, int nthreads) {
+    if (nthreads > 1) pthread_mutex_lock(&g_call);
+    if (nthreads == 1 || !ensure_pool(nthreads - 1)) {
+        fn(arg, 0, 1);
+        if (nthreads > 1) pthread_mutex_unlock(&g_call);
+        return;
+    }
+    g_fn = fn;
+    g_arg = arg;
+    atomic_store(&g_nactive, nthreads);
+    atomic_store(&g_done, 0);
+    pthread_mutex_lock(&g_mu);
+    atomic_fetch_add_explicit(&g_gen, 1, memory_order_release);
+    pthread_cond_broadcast(&g_cv);
+    pthread_mutex_unlock(&g_mu);
+    fn(arg, 0, nthreads);
+    while (atomic_load_explicit(&g_done, memory_order_acquire) < g_pool) _mm_pause();
+    pthread_mutex_unlock(&g_call);
+}
+
+#ifndef KW_ATTENTION_ONLY
+static void gemm_slice(const void *arg, int t, int nthreads) { run_slice((const job_t *)arg, t, nthreads); }
+
 /* Returns 0 on success, -1 on bad arguments. Without pool threads it runs on the calling thread alone. */
 int kw_gemm(const uint16_t *x, const int8_t *w, const float *scale, uint16_t *out, int64_t M, int64_t N,
             int64_t K, int fp8, int nthreads) {
@@ -268,25 +303,336 @@ int kw_gemm(const uint16_t *x, const int8_t *w, const float *scale, uint16_t *ou
     if (nthreads > MAXT) nthreads = MAXT;
     if (N < 4 * NB * nthreads) nthreads = 1; /* tiny outputs: not worth a wake-up */
     job_t j = {x, w, scale, out, M, N, K, fp8 != 0};
-    if (nthreads == 1) {
-        run_slice(&j, 0, 1);
-        return 0;
+    run_pool(gemm_slice, &j, nthreads);
+    return 0;
+}
+#endif /* KW_ATTENTION_ONLY */
+
+
+/* ------------------------------------------------------------------ decode attention over the paged KV cache
+ *
+ * One query row per sequence, read against its keys and values where they lie in the cache (no gather copy):
+ *
+ *   q: bf16, sequence s's heads at q + s * q_stride (heads contiguous, D apart); out: bf16 [S, Hq, D] contiguous
+ *   kc, vc: bf16 [Hk, num_blocks, bs, D] contiguous; query head h reads kv head h / G (G = Hq / Hk); D % 16 == 0
+ *   plan: int64 [3 + 3S + S*W] = S, W, 0, then ctx[S], lo[S], base[S], then table [S, W]: sequence s sees the
+ *         positions lo[s] .. ctx[s]-1, and position p lies in block table[s][(p - base[s]) / bs], offset p % bs
+ *
+ * The rounding points are the torch path's (kernels/reference.py `_decode_attention`): score = bf16(q . k) with
+ * the dot product in float32, then * scale, cap * tanh(score / cap) when capped, softmax in float32 (max, exp,
+ * sum, times 1 / sum), probabilities rounded to bf16, out = bf16(sum_p prob_p * v_p) in float32. What differs is
+ * the order of the float32 sums, and exp / tanh's last-ulp implementations (exp flushes results below 2^-126,
+ * where torch's go on into subnormals: probabilities under 1e-38 of the largest).
+ *
+ * AVX2 + FMA only, so the same code runs where the matmuls above cannot (this file's attention-only build,
+ * KW_ATTENTION_ONLY). Work: one (sequence, kv head) pair is one unit: its G query heads share each K/V row read;
+ * units are split over the threads by their key count, so long and short sequences balance.
+ */
+typedef struct {
+    const uint16_t *q, *kc, *vc;
+    uint16_t *out;
+    const int64_t *plan;
+    int64_t q_stride, Hq, Hk, D, num_blocks, bs, S, W;
+    float scale, softcap; /* softcap 0: none */
+    char *scratch;        /* scratch_per_thread bytes per thread (unit_scratch) */
+    int64_t scratch_per_thread;
+} attn_t;
+
+#define KCHUNK 8            /* keys per score block: 8 dot products reduced into one vector */
+#define ATTN_MIN_WORK 1024  /* (key, query head) pairs per thread below which one thread runs the call */
+
+/* float32 -> the nearest-even bf16, as float32 bits (low half zero); NaN -> 0x7FC0, as torch's conversion. */
+static inline __m256i bf16_bits(__m256 x) {
+    __m256i u = _mm256_castps_si256(x);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
+    r = _mm256_and_si256(r, _mm256_set1_epi32((int)0xFFFF0000u));
+    __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
+    return _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(r),
+                                                _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000)), nan));
+}
+
+static inline __m256 bf16_round(__m256 x) { return _mm256_castsi256_ps(bf16_bits(x)); }
+
+/* Lane j of the result: the sum of v[j]'s 8 lanes. */
+static inline __m256 hsum8(const __m256 v[8]) {
+    __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+static inline float hmax1(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
+}
+
+static inline float hadd1(__m256 v) {
+    __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_add_ss(m, _mm_shuffle_ps(m, m, 1)));
+}
+
+/* exp(x) for x <= 0 (a softmax's x - max): 2^n * e^r with |r| <= ln2/2 and a degree-7 Taylor polynomial
+ * (relative error ~1e-8 before rounding); 0 below -87, where the result would leave float32's normal range.
+ * NaN stays NaN (max's second operand is returned when one is NaN). */
+static inline __m256 exp_le0(__m256 x) {
+    __m256 tiny = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ);
+    x = _mm256_max_ps(_mm256_set1_ps(-87.0f), x);
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x); /* ln2 in two parts (Cody-Waite) */
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.0f / 5040);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(tiny, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+static inline __m256 lanes_below(int64_t left) { /* all ones in lanes j < left */
+    int k = (int)(left < 8 ? left : 8);
+    return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(k), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+}
+
+/* 16 bf16 -> float32 as two vectors, exactly: the even elements (0, 2, .., 14) and the odd ones. Sums over
+ * both (dot products) or kept apart and re-interleaved on the way out (store_pairs) need no lane shuffles. */
+static inline void bf16x16_split(const uint16_t *p, __m256 *even, __m256 *odd) {
+    __m256i x = _mm256_loadu_si256((const __m256i *)p);
+    *even = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
+    *odd = _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32((int)0xFFFF0000u)));
+}
+
+/* The inverse: bf16 of the even and odd elements, stored as 16 consecutive bf16. */
+static inline void store_pairs(uint16_t *p, __m256 even, __m256 odd) {
+    __m256i x = _mm256_or_si256(_mm256_srli_epi32(bf16_bits(even), 16), bf16_bits(odd));
+    _mm256_storeu_si256((__m256i *)p, x);
+}
+
+/* One unit's scratch: scores [G][Lp] floats, its q rows in float32 split as bf16x16_split does [G][D], dot
+ * product partials [G][KCHUNK][8], and each visible position's row offset in a kv head's part of the cache [L]
+ * (Lp: L rounded up to KCHUNK, so score rows take whole vectors). */
+typedef struct {
+    float *sc, *qf, *part;
+    int64_t *off;
+} unit_scratch;
+
+static int64_t scratch_bytes(int64_t G, int64_t D, int64_t longest) {
+    int64_t Lp = (longest + KCHUNK - 1) / KCHUNK * KCHUNK;
+    return ((G * Lp + G * D + G * KCHUNK * 8) * 4 + longest * 8 + 63) / 64 * 64;
+}
+
+static unit_scratch carve(char *p, int64_t G, int64_t D, int64_t Lp) {
+    unit_scratch u;
+    u.sc = (float *)p;
+    u.qf = u.sc + G * Lp;
+    u.part = u.qf + G * D;
+    u.off = (int64_t *)(u.part + G * KCHUNK * 8); /* 32-byte aligned: every size before is a multiple of 8 */
+    return u;
+}
+
+/* off[i] = the row offset of position lo + i, walking the blocks (no division per key). */
+static void row_offsets(const attn_t *a, int64_t s, int64_t lo, int64_t L, int64_t *off) {
+    const int64_t base = a->plan[3 + 2 * a->S + s], bs = a->bs;
+    const int64_t *table = a->plan + 3 + 3 * a->S + s * a->W;
+    int64_t col = (lo - base) / bs, o = lo % bs;
+    for (int64_t i = 0; i < L; i++) {
+        off[i] = (table[col] * bs + o) * a->D;
+        if (++o == bs) {
+            o = 0;
+            col++;
+        }
     }
-    pthread_mutex_lock(&g_call);
-    if (!ensure_pool(nthreads - 1)) {
-        pthread_mutex_unlock(&g_call);
-        run_slice(&j, 0, 1);
-        return 0;
+}
+
+/* part[((g0 + g) * KCHUNK + j0 + j) * 8 ..] = 8 partial sums of q(h*G+g0+g) . k(j0+j), for GN query heads and
+ * KB keys at once: each 16 columns of the GN q rows are loaded once for the KB keys, and GN * KB independent
+ * accumulators keep the FMA pipes busy (2 GN + GN KB + 2 <= 16 registers: AVX2 has 16). */
+#define DOT(GN, KB)                                                                                            \
+    static void dot_##GN(const float *qf, const uint16_t *const *k, int64_t D, int64_t g0, int j0,            \
+                         float *part) {                                                                       \
+        __m256 acc[KB][GN];                                                                                   \
+        for (int j = 0; j < KB; j++)                                                                          \
+            for (int g = 0; g < GN; g++) acc[j][g] = _mm256_setzero_ps();                                     \
+        for (int64_t d = 0; d < D; d += 16) {                                                                 \
+            __m256 qe[GN], qo[GN];                                                                            \
+            for (int g = 0; g < GN; g++) {                                                                    \
+                qe[g] = _mm256_loadu_ps(qf + (g0 + g) * D + d);                                               \
+                qo[g] = _mm256_loadu_ps(qf + (g0 + g) * D + d + 8);                                           \
+            }                                                                                                 \
+            for (int j = 0; j < KB; j++) {                                                                    \
+                __m256 ke, ko;                                                                                \
+                bf16x16_split(k[j0 + j] + d, &ke, &ko);                                                       \
+                for (int g = 0; g < GN; g++)                                                                  \
+                    acc[j][g] = _mm256_fmadd_ps(qo[g], ko, _mm256_fmadd_ps(qe[g], ke, acc[j][g]));            \
+            }                                                                                                 \
+        }                                                                                                     \
+        for (int j = 0; j < KB; j++)                                                                          \
+            for (int g = 0; g < GN; g++) _mm256_storeu_ps(part + ((g0 + g) * KCHUNK + j0 + j) * 8, acc[j][g]); \
     }
-    g_job = j;
-    atomic_store(&g_nactive, nthreads);
-    atomic_store(&g_done, 0);
-    pthread_mutex_lock(&g_mu);
-    atomic_fetch_add_explicit(&g_gen, 1, memory_order_release);
-    pthread_cond_broadcast(&g_cv);
-    pthread_mutex_unlock(&g_mu);
-    run_slice(&j, 0, nthreads);
-    while (atomic_load_explicit(&g_done, memory_order_acquire) < g_pool) _mm_pause();
-    pthread_mutex_unlock(&g_call);
+DOT(1, 8) DOT(2, 4) DOT(3, 2) DOT(4, 1)
+typedef void (*dot_fn)(const float *, const uint16_t *const *, int64_t, int64_t, int, float *);
+static const dot_fn DOTS[5] = {NULL, dot_1, dot_2, dot_3, dot_4};
+static const int DOT_KEYS[5] = {0, 8, 4, 2, 1}; /* KB of each */
+
+/* u.sc[g * Lp + i] = the scaled (and capped) score of query head h*G+g against position lo+i, for i < L. */
+static void scores(const attn_t *a, int64_t s, int64_t h, int64_t L, int64_t Lp, unit_scratch u) {
+    const int64_t G = a->Hq / a->Hk, D = a->D;
+    const uint16_t *kh = a->kc + h * a->num_blocks * a->bs * D;
+    for (int64_t g = 0; g < G; g++)
+        for (int64_t d = 0; d < D; d += 16) {
+            __m256 e, o;
+            bf16x16_split(a->q + s * a->q_stride + (h * G + g) * D + d, &e, &o);
+            _mm256_storeu_ps(u.qf + g * D + d, e);
+            _mm256_storeu_ps(u.qf + g * D + d + 8, o);
+        }
+    for (int64_t i0 = 0; i0 < L; i0 += KCHUNK) {
+        int n = (int)(L - i0 < KCHUNK ? L - i0 : KCHUNK);
+        const uint16_t *k[KCHUNK];
+        for (int j = 0; j < KCHUNK; j++) k[j] = kh + u.off[i0 + (j < n ? j : 0)]; /* past L: unused repeats */
+        for (int64_t g0 = 0; g0 < G; g0 += 4) {
+            int gn = (int)(G - g0 < 4 ? G - g0 : 4);
+            for (int j0 = 0; j0 < n; j0 += DOT_KEYS[gn]) DOTS[gn](u.qf, k, D, g0, j0, u.part);
+        }
+        for (int64_t g = 0; g < G; g++) {
+            __m256 acc[KCHUNK];
+            for (int j = 0; j < KCHUNK; j++) acc[j] = _mm256_loadu_ps(u.part + (g * KCHUNK + j) * 8);
+            /* torch: bmm's bf16 result, then .float() * scale */
+            _mm256_storeu_ps(u.sc + g * Lp + i0, _mm256_mul_ps(bf16_round(hsum8(acc)), _mm256_set1_ps(a->scale)));
+        }
+    }
+    if (a->softcap != 0.0f) /* transformers' op order: tanh(s / cap) * cap */
+        for (int64_t g = 0; g < G; g++)
+            for (int64_t i = 0; i < L; i++) u.sc[g * Lp + i] = tanhf(u.sc[g * Lp + i] / a->softcap) * a->softcap;
+}
+
+/* In place: the first L of a row of Lp scores -> their softmax, each rounded to bf16 (kept as float32); the
+ * padding after L becomes 0. */
+static void softmax_row(float *x, int64_t L, int64_t Lp) {
+    const __m256 ninf = _mm256_set1_ps(-INFINITY);
+    __m256 mx = ninf, sum = _mm256_setzero_ps();
+    for (int64_t i = 0; i < Lp; i += 8) mx = _mm256_max_ps(mx, _mm256_blendv_ps(ninf, _mm256_loadu_ps(x + i),
+                                                                                  lanes_below(L - i)));
+    __m256 m = _mm256_set1_ps(hmax1(mx));
+    for (int64_t i = 0; i < Lp; i += 8) {
+        __m256 e = _mm256_and_ps(exp_le0(_mm256_sub_ps(_mm256_loadu_ps(x + i), m)), lanes_below(L - i));
+        sum = _mm256_add_ps(sum, e);
+        _mm256_storeu_ps(x + i, e);
+    }
+    __m256 inv = _mm256_set1_ps(1.0f / hadd1(sum));
+    for (int64_t i = 0; i < Lp; i += 8) _mm256_storeu_ps(x + i, bf16_round(_mm256_mul_ps(_mm256_loadu_ps(x + i), inv)));
+}
+
+/* out rows of query heads h*G+g0 .. +GN-1 = bf16(sum_i p[g][i] * v(lo+i)), float32 sums of exact products, 16
+ * columns at a time as even and odd halves; U interleaved sums (keys i % U) for more independent accumulators
+ * (U * GN * 2, 12 at most: AVX2 has 16 registers), added at the end. */
+#define PV(GN, U)                                                                                              \
+    static void pv_##GN(const attn_t *a, int64_t s, int64_t h, int64_t g0, int64_t L, int64_t Lp,             \
+                        unit_scratch u) {                                                                     \
+        const int64_t D = a->D, G = a->Hq / a->Hk;                                                            \
+        const uint16_t *vh = a->vc + h * a->num_blocks * a->bs * D;                                           \
+        for (int64_t d0 = 0; d0 < D; d0 += 16) {                                                              \
+            __m256 acc[U][GN][2];                                                                             \
+            for (int r = 0; r < U; r++)                                                                       \
+                for (int g = 0; g < GN; g++) acc[r][g][0] = acc[r][g][1] = _mm256_setzero_ps();               \
+            int64_t i = 0;                                                                                    \
+            for (; i + U <= L; i += U)                                                                        \
+                for (int r = 0; r < U; r++) pv_step(vh + u.off[i + r] + d0, u.sc + g0 * Lp + i + r, Lp, GN,   \
+                                                    acc[r]);                                                  \
+            for (; i < L; i++) pv_step(vh + u.off[i] + d0, u.sc + g0 * Lp + i, Lp, GN, acc[0]);               \
+            for (int r = 1; r < U; r++)                                                                       \
+                for (int g = 0; g < GN; g++) {                                                                \
+                    acc[0][g][0] = _mm256_add_ps(acc[0][g][0], acc[r][g][0]);                                 \
+                    acc[0][g][1] = _mm256_add_ps(acc[0][g][1], acc[r][g][1]);                                 \
+                }                                                                                             \
+            for (int g = 0; g < GN; g++)                                                                      \
+                store_pairs(a->out + (s * a->Hq + h * G + g0 + g) * D + d0, acc[0][g][0], acc[0][g][1]);      \
+        }                                                                                                     \
+    }
+
+/* acc[g] += p[g * Lp] * (one V row's 16 columns, as even and odd halves), for g < gn. */
+static inline __attribute__((always_inline)) void pv_step(const uint16_t *v, const float *p, int64_t Lp, int gn,
+                                                          __m256 (*acc)[2]) {
+    __m256 ve, vo;
+    bf16x16_split(v, &ve, &vo);
+    for (int g = 0; g < gn; g++) {
+        __m256 b = _mm256_broadcast_ss(p + g * Lp);
+        acc[g][0] = _mm256_fmadd_ps(b, ve, acc[g][0]);
+        acc[g][1] = _mm256_fmadd_ps(b, vo, acc[g][1]);
+    }
+}
+PV(1, 4) PV(2, 3) PV(3, 2) PV(4, 1) PV(5, 1) PV(6, 1)
+typedef void (*pv_fn)(const attn_t *, int64_t, int64_t, int64_t, int64_t, int64_t, unit_scratch);
+static const pv_fn PVS[7] = {NULL, pv_1, pv_2, pv_3, pv_4, pv_5, pv_6};
+
+static int64_t unit_keys(const attn_t *a, int64_t s) { return a->plan[3 + s] - a->plan[3 + a->S + s]; }
+
+/* One (sequence, kv head) unit, in the thread's scratch. */
+static void attn_unit(const attn_t *a, int64_t s, int64_t h, char *scratch) {
+    const int64_t lo = a->plan[3 + a->S + s], L = unit_keys(a, s), G = a->Hq / a->Hk;
+    const int64_t Lp = (L + KCHUNK - 1) / KCHUNK * KCHUNK;
+    unit_scratch u = carve(scratch, G, a->D, Lp);
+    row_offsets(a, s, lo, L, u.off);
+    scores(a, s, h, L, Lp, u);
+    for (int64_t g = 0; g < G; g++) softmax_row(u.sc + g * Lp, L, Lp);
+    for (int64_t g0 = 0; g0 < G; g0 += 6) PVS[G - g0 < 6 ? G - g0 : 6](a, s, h, g0, L, Lp, u);
+}
+
+/* Slice t of n: the units whose first key, counted over every unit in order, falls in its share of the keys. */
+static void attn_slice(const void *arg, int t, int n) {
+    const attn_t *a = arg;
+    int64_t total = 0, before = 0;
+    for (int64_t s = 0; s < a->S; s++) total += unit_keys(a, s) * a->Hk;
+    char *scratch = a->scratch + t * a->scratch_per_thread;
+    for (int64_t s = 0; s < a->S; s++) {
+        int64_t L = unit_keys(a, s);
+        for (int64_t h = 0; h < a->Hk; h++, before += L)
+            if (before * n / total == t) attn_unit(a, s, h, scratch);
+    }
+}
+
+/* The plan's entries every read depends on, checked before any is made: -1 on the first that is out of range. */
+static int check_plan(const int64_t *plan, int64_t S, int64_t W, int64_t num_blocks, int64_t bs) {
+    for (int64_t s = 0; s < S; s++) {
+        int64_t ctx = plan[3 + s], lo = plan[3 + S + s], base = plan[3 + 2 * S + s];
+        if (lo < base || lo >= ctx || base % bs || (ctx - 1 - base) / bs >= W) return -1;
+        for (int64_t c = (lo - base) / bs; c <= (ctx - 1 - base) / bs; c++) {
+            int64_t b = plan[3 + 3 * S + s * W + c];
+            if (b < 0 || b >= num_blocks) return -1;
+        }
+    }
+    return 0;
+}
+
+/* Returns 0 on success, -1 on bad arguments, -2 without memory for the scratch (nothing written on failure).
+ * Threads: as kw_gemm's, but one thread below ATTN_MIN_WORK (key, query head) pairs per thread. */
+int kw_decode_attention(const uint16_t *q, int64_t q_stride, const uint16_t *kc, const uint16_t *vc, uint16_t *out,
+                        const int64_t *plan, int64_t S, int64_t Hq, int64_t Hk, int64_t D, int64_t num_blocks,
+                        int64_t bs, float scale, float softcap, int nthreads) {
+    if (S < 1 || plan[0] != S || plan[1] < 1 || Hk < 1 || Hq < 1 || Hq % Hk || D < 16 || D % 16 || bs < 1 ||
+        num_blocks < 1)
+        return -1;
+    if (check_plan(plan, S, plan[1], num_blocks, bs)) return -1;
+    attn_t a = {q, kc, vc, out, plan, q_stride, Hq, Hk, D, num_blocks, bs, S, plan[1], scale, softcap, NULL, 0};
+    int64_t work = 0, longest = 0;
+    for (int64_t s = 0; s < S; s++) {
+        int64_t L = unit_keys(&a, s);
+        work += L * Hq;
+        longest = L > longest ? L : longest;
+    }
+    if (nthreads < 1) nthreads = 1;
+    if (nthreads > MAXT) nthreads = MAXT;
+    if (nthreads > S * Hk) nthreads = (int)(S * Hk);
+    if (work < ATTN_MIN_WORK * nthreads) nthreads = 1; /* a few hundred keys: not worth a wake-up */
+    a.scratch_per_thread = scratch_bytes(Hq / Hk, D, longest);
+    a.scratch = aligned_alloc(64, (size_t)(a.scratch_per_thread * nthreads));
+    if (!a.scratch) return -2;
+    run_pool(attn_slice, &a, nthreads);
+    free(a.scratch);
     return 0;
 }

@@ -13,6 +13,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from . import cpu_native
+
 # Caches of these dtypes hold scaled values: stored = clamp(x / scale), read = stored * scale.
 FP8_DTYPES: tuple[torch.dtype, ...] = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -255,6 +257,9 @@ class DecodeGather:
 
     table: torch.Tensor  # [Sd, nb] int64 block ids (columns past a sequence's last block point at block 0)
     masked: torch.Tensor  # [Sd, 1, nb * block_size] bool: True where a gathered key is outside the row's context
+    # The same rows for the C kernel (cpu_native.attention_plan), which reads blocks in place; None off the CPU or
+    # with KEEPWARM_CPU_NATIVE=0 (read here, once per step).
+    native: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -296,12 +301,19 @@ def _decode_gather(block_tables: torch.Tensor, seq_lens: torch.Tensor, decodes: 
         table = block_tables[seqs, :num_blocks].long()
     # Columns past a sequence's last block may be garbage or past the table: point them at block 0 instead.
     table = torch.where(cols * block_size < ctx[:, None], table, 0)
+    native = None
+    on_cpu = device.type == "cpu" and cpu_native.attention_switched_on()
     if window:
+        lo_t = torch.tensor(lo, device=device)
         pos = (cols[:, :, None] * block_size + torch.arange(block_size, device=device)).reshape(len(decodes), -1)
-        pos_ok = (pos < ctx[:, None]) & (pos >= torch.tensor(lo, device=device)[:, None])  # [Sd, L]
+        pos_ok = (pos < ctx[:, None]) & (pos >= lo_t[:, None])  # [Sd, L]
+        if on_cpu:
+            native = cpu_native.attention_plan(table, ctx, lo_t, first * block_size)
     else:
         pos_ok = torch.arange(num_blocks * block_size, device=device)[None, :] < ctx[:, None]
-    return DecodeGather(table, ~pos_ok[:, None, :])
+        if on_cpu:
+            native = cpu_native.attention_plan(table, ctx, None, None)
+    return DecodeGather(table, ~pos_ok[:, None, :], native)
 
 
 def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
@@ -366,8 +378,12 @@ def paged_attention(
     if plan.decodes:
         g = plan.gathers[sliding_window]
         q = query if every_row else query[plan.decode_rows]
-        decoded = _decode_attention(q, _gather_blocks(key_cache, g.table), _gather_blocks(value_cache, g.table),
-                                    g.masked, scale, k_scale, v_scale, logit_softcap)
+        if g.native is not None and cpu_native.attention_fits(q, key_cache, value_cache, k_scale, v_scale):
+            # bf16 on CPU: blocks read in place by the C kernel, rounded where _decode_attention rounds.
+            decoded = cpu_native.decode_attention(q, key_cache, value_cache, g.native, scale, logit_softcap)
+        else:
+            decoded = _decode_attention(q, _gather_blocks(key_cache, g.table), _gather_blocks(value_cache, g.table),
+                                        g.masked, scale, k_scale, v_scale, logit_softcap)
         if every_row:
             return decoded
     out = torch.zeros_like(query)  # rows not owned by any sequence (padding) stay zero
