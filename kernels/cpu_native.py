@@ -152,33 +152,37 @@ def _log_unavailable(reason: str, what: str) -> None:
     logger.warning("native CPU kernels unavailable (%s): %s take torch's slower paths", reason, what)
 
 
+def _reason(which: int) -> str:
+    """``_load()``'s reason at ``which`` (1: the matmuls, 2: the attention), or the off switch's."""
+    if not attention_switched_on():
+        return f"{ENV_VAR}=0"
+    return _load()[which]
+
+
+def _usable(which: int, what: str) -> bool:
+    reason = _reason(which)
+    if reason and not reason.startswith(ENV_VAR):
+        _log_unavailable(reason, what)
+    return not reason
+
+
 def unavailable_reason() -> str:
     """Why the native matmuls cannot run here ("" when they can)."""
-    if os.environ.get(ENV_VAR, "1") == "0":
-        return f"{ENV_VAR}=0"
-    return _load()[1]
+    return _reason(1)
 
 
 def available() -> bool:
     """Whether the int8 / fp8 matmuls can run (AVX512-BF16)."""
-    reason = unavailable_reason()
-    if reason and not reason.startswith(ENV_VAR):
-        _log_unavailable(reason, "int8 and fp8 matmuls")
-    return not reason
+    return _usable(1, "int8 and fp8 matmuls")
 
 
 def attention_unavailable_reason() -> str:
     """Why the native decode attention cannot run here ("" when it can: AVX2 and FMA suffice)."""
-    if os.environ.get(ENV_VAR, "1") == "0":
-        return f"{ENV_VAR}=0"
-    return _load()[2]
+    return _reason(2)
 
 
 def attention_available() -> bool:
-    reason = attention_unavailable_reason()
-    if reason and not reason.startswith(ENV_VAR):
-        _log_unavailable(reason, "bfloat16 decode attention")
-    return not reason
+    return _usable(2, "bfloat16 decode attention")
 
 
 def _gemm(x2d: torch.Tensor, qweight: torch.Tensor, scale32: torch.Tensor, fp8: bool, what: str) -> torch.Tensor:
