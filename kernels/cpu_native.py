@@ -156,7 +156,8 @@ def _reason(which: int) -> str:
     """``_load()``'s reason at ``which`` (1: the matmuls, 2: the attention), or the off switch's."""
     if not attention_switched_on():
         return f"{ENV_VAR}=0"
-    return _load()[which]
+    _, no_matmuls, no_attention = _load()
+    return no_matmuls if which == 1 else no_attention
 
 
 def _usable(which: int, what: str) -> bool:
