@@ -29,7 +29,11 @@ Rules:
   plan is built (:func:`attention_switched_on`), not in each layer.
 - Weights and caches are only read: a weight may be a read-only view into the daemon's shared memory. The C code
   checks every block id and length of an attention plan against the cache before it reads (a bad plan raises).
-- Threads: the callers pass torch's intra-op count; one pool of T-1 threads serves both kernels, a call at a time.
+- Threads: the callers pass torch's intra-op count. The work runs on torch's OpenMP team where the process has
+  one OpenMP runtime (the library links libgomp.so.1, which resolves to torch's): right after a torch op that team
+  is still spinning, where a pool of our own had to fight it for the 2 cores (decode steps 6-10% faster at 8 and 32
+  streams, interleaved A/B). Else (``KEEPWARM_CPU_NATIVE_OPENMP=0``, two runtimes, no OpenMP in torch: logged) one
+  pool of T-1 threads serves every kernel, a call at a time; a forked child always uses the pool.
 """
 
 from __future__ import annotations
@@ -50,14 +54,17 @@ import torch
 from keepwarm.formats.paths import keepwarm_home
 
 __all__ = ["ENV_VAR", "attention_available", "attention_fits", "attention_plan", "attention_switched_on",
-           "attention_unavailable_reason", "available", "decode_attention", "fp8_linear", "int8_linear",
-           "unavailable_reason"]
+           "attention_unavailable_reason", "available", "decode_attention", "fp8_linear", "glue_on", "int8_linear",
+           "rms_norm", "rotary_neox", "rows_fit", "store_kv", "unavailable_reason"]
 
 logger = logging.getLogger("keepwarm.kernels")
 
 ENV_VAR = "KEEPWARM_CPU_NATIVE"
 _SOURCE = Path(__file__).with_name("cpu_native.c")
-_COMMON = ("-O3", "-std=gnu11", "-shared", "-fPIC", "-pthread")
+# -ffp-contract=off: a product and a sum written apart stay apart (rounded where torch rounds); fma only as written
+# -fopenmp: the library links libgomp.so.1, which the loader resolves to the one torch already loaded (see _openmp)
+_COMMON = ("-O3", "-std=gnu11", "-shared", "-fPIC", "-pthread", "-ffp-contract=off", "-fopenmp")
+OPENMP_ENV_VAR = "KEEPWARM_CPU_NATIVE_OPENMP"
 _LIBS = ("-lm",)  # after the source: a linker with --as-needed drops libraries named before their first use
 
 
@@ -144,7 +151,41 @@ def _load() -> tuple[ctypes.CDLL | None, str, str]:
     # q, q_stride, kc, vc, out, plan, S, Hq, Hk, D, num_blocks, block_size, scale, softcap, nthreads
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, *[ctypes.c_void_p] * 4, *[ctypes.c_int64] * 6, ctypes.c_float,
                    ctypes.c_float, ctypes.c_int]
+    _declare_glue(lib)
+    _openmp(lib)
     return lib, no_matmuls, ""
+
+
+def _openmp(lib: ctypes.CDLL) -> None:
+    """Run the kernels' threads on torch's OpenMP team when the process has exactly one OpenMP runtime (torch's
+    libgomp, which this library then shares); else on the library's own pool, said in the log."""
+    why = ""
+    if os.environ.get(OPENMP_ENV_VAR, "1") == "0":
+        why = f"{OPENMP_ENV_VAR}=0"
+    elif not torch.backends.openmp.is_available():
+        why = "torch is built without OpenMP"
+    else:
+        try:
+            maps = Path("/proc/self/maps").read_text()
+        except OSError as exc:
+            maps, why = "", f"/proc/self/maps unreadable ({exc})"
+        runtimes = {line.split()[-1] for line in maps.splitlines()
+                    if line.rsplit("/", 1)[-1].startswith(("libgomp", "libiomp"))}
+        if not why and len(runtimes) != 1:
+            why = f"{len(runtimes)} OpenMP runtimes loaded ({', '.join(sorted(runtimes))})"
+    lib.kw_use_openmp(0 if why else 1)
+    if why:
+        logger.info("native CPU kernels: threads from their own pool, not torch's OpenMP team (%s)", why)
+
+
+def _declare_glue(lib: ctypes.CDLL) -> None:
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.kw_use_openmp.restype, lib.kw_use_openmp.argtypes = None, [ctypes.c_int]
+    for name, args in (("kw_rms_norm", [p, i64, p, i64, p, p, p, i64, i64, ctypes.c_float]),
+                       ("kw_rotary_neox", [p, i64, p, i64, p, p, i64, p, p, i64, i64, i64, i64]),
+                       ("kw_store_kv", [p, i64, p, i64, p, p, p, i64, i64, i64, i64, i64])):
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = ctypes.c_int, args
 
 
 @functools.cache
@@ -277,3 +318,63 @@ def decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
         raise ValueError(f"decode_attention: the kernel refused q {tuple(q.shape)}, cache {tuple(key_cache.shape)} "
                          f"and its plan (rc {rc}: a block id or length out of range, or no memory)")
     return out
+
+
+# -- a decode step's glue: RMSNorm (+ residual), neox rotary, KV store ---------------------------------------------
+def glue_on() -> bool:
+    """Whether :func:`rms_norm`, :func:`rotary_neox` and :func:`store_kv` can run: the switch is on and a build
+    (either: the glue is AVX2 + FMA code) loaded. Its reason, when not, is the attention's (logged once)."""
+    return attention_switched_on() and _load()[0] is not None and not _load()[2]
+
+
+def rows_fit(x: torch.Tensor, multiple: int) -> bool:
+    """x is a CPU bfloat16 [rows, n] whose rows are contiguous, n a multiple of ``multiple``: what the glue reads."""
+    return (x.dtype == torch.bfloat16 and x.dim() == 2 and x.stride(1) == 1 and x.shape[1] % multiple == 0
+            and x.device.type == "cpu")
+
+
+def rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(rms_norm(x + residual) * weight, x + residual) (residual None: (rms_norm(x) * weight, None)); x and
+    residual satisfy :func:`rows_fit` (8), weight is a contiguous bfloat16 [n]. New tensors; inputs untouched."""
+    lib = _load()[0]
+    assert lib is not None
+    T, H = x.shape
+    out = torch.empty((T, H), dtype=torch.bfloat16)
+    new = None if residual is None else torch.empty((T, H), dtype=torch.bfloat16)
+    rc = lib.kw_rms_norm(x.data_ptr(), x.stride(0), None if residual is None else residual.data_ptr(),
+                         0 if residual is None else residual.stride(0), weight.data_ptr(), out.data_ptr(),
+                         None if new is None else new.data_ptr(), T, H, eps)
+    if rc != 0:
+        raise ValueError(f"rms_norm: the kernel refused x {tuple(x.shape)}")
+    return out, new
+
+
+def rotary_neox(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox rotary over whole heads: q [T, Hq * D], k [T, Hk * D] (:func:`rows_fit` (16)), cos and sin [T, D / 2]
+    float32 with unit column stride and one row stride -> new contiguous q, k."""
+    lib = _load()[0]
+    assert lib is not None
+    T = q.shape[0]
+    qo, ko = torch.empty(q.shape, dtype=torch.bfloat16), torch.empty(k.shape, dtype=torch.bfloat16)
+    rc = lib.kw_rotary_neox(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), cos.data_ptr(), sin.data_ptr(),
+                            cos.stride(0), qo.data_ptr(), ko.data_ptr(), T, q.shape[1] // head_dim,
+                            k.shape[1] // head_dim, head_dim)
+    if rc != 0:
+        raise ValueError(f"rotary_neox: the kernel refused q {tuple(q.shape)}, head_dim {head_dim}")
+    return qo, ko
+
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+             slots: torch.Tensor) -> None:
+    """key, value [T, Hk, D] bfloat16 (heads contiguous in a row) into the contiguous bfloat16 pools
+    [Hk, num_blocks, block_size, D] at ``slots`` [T] int64 (-1: skipped). A slot out of range raises, and nothing
+    is written."""
+    lib = _load()[0]
+    assert lib is not None
+    hk, nb, bs, d = key_cache.shape
+    rc = lib.kw_store_kv(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), key_cache.data_ptr(),
+                         value_cache.data_ptr(), slots.data_ptr(), key.shape[0], hk, d, nb, bs)
+    if rc != 0:
+        raise ValueError(f"store_kv: a slot of {slots.tolist()} is outside the pools ({nb} blocks of {bs})")

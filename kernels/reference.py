@@ -23,7 +23,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return torch.nn.functional.linear(x, weight, bias)
 
 
+def _glue_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """The C glue (cpu_native.rms_norm) computes this norm: CPU bfloat16 rows, a bfloat16 weight, the switch on."""
+    return (cpu_native.rows_fit(x, 8) and weight.dtype == torch.bfloat16 and weight.is_contiguous()
+            and weight.shape == (x.shape[1],) and cpu_native.glue_on())
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if _glue_fits(x, weight):  # one C call for the ops below; only the order of the sum of squares differs
+        return cpu_native.rms_norm(x, None, weight, eps)[0]
     # HF LlamaRMSNorm, bit for bit: F.rms_norm without a weight runs HF's op sequence (float32 upcast, pow(2),
     # mean, + eps, rsqrt, multiply, cast back) in one call instead of seven from Python; the weight multiplies
     # after the cast, in the model's dtype, as in HF (with a weight, F.rms_norm would multiply before the cast).
@@ -35,6 +43,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def fused_add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    if residual.dtype == x.dtype and residual.shape == x.shape and cpu_native.rows_fit(residual, 8) \
+            and _glue_fits(x, weight):
+        out, added = cpu_native.rms_norm(x, residual, weight, eps)
+        assert added is not None
+        return out, added
     new_residual = x + residual.to(x.dtype)
     return rms_norm(new_residual, weight, eps), new_residual
 
@@ -121,6 +134,10 @@ def rotary_embedding(
     if cos.shape[-1] * 2 > head_dim:
         raise ValueError(f"rotary dim {cos.shape[-1] * 2} exceeds head_dim {head_dim}")
     if is_neox and cos.shape[-1] * 2 == head_dim and query.dtype == key.dtype:
+        if (cpu_native.rows_fit(query, 16) and cpu_native.rows_fit(key, 16) and head_dim % 16 == 0
+                and cos.stride(1) == 1 and sin.stride(1) == 1 and cos.stride(0) == sin.stride(0)
+                and cos.shape[0] == query.shape[0] and cpu_native.glue_on()):
+            return cpu_native.rotary_neox(query, key, cos, sin, head_dim)  # the same rounding, one C call
         return _rotate_neox_full(query, key, head_dim, plan)
     if query.dtype != key.dtype:
         return _rotate(query, cos, sin, head_dim, is_neox), _rotate(key, cos, sin, head_dim, is_neox)
@@ -168,6 +185,16 @@ def _store(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
     cache.view(hk, nb * bs, d).index_copy_(1, slots, x)
 
 
+def _store_fits(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
+    bf16 = torch.bfloat16
+    if not (key.dtype == value.dtype == key_cache.dtype == value_cache.dtype == bf16 and key.dim() == 3
+            and key.shape == value.shape and key_cache.shape == value_cache.shape and key.device.type == "cpu"):
+        return False
+    d = key.shape[2]
+    return (key.stride()[1:] == (d, 1) and value.stride()[1:] == (d, 1) and key_cache.shape[::3] == key.shape[1:]
+            and key_cache.is_contiguous() and value_cache.is_contiguous() and cpu_native.glue_on())
+
+
 def write_kv_cache(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -179,6 +206,11 @@ def write_kv_cache(
     plan: AttentionPlan | None = None,
 ) -> None:
     """``plan`` (plan_attention): the step's slots with padding already dropped; else derived from slot_mapping."""
+    if _store_fits(key, value, key_cache, value_cache):  # rows copied in place by C (bf16 pools: no scale)
+        slots = slot_mapping if slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous() \
+            else slot_mapping.long().contiguous()
+        cpu_native.store_kv(key, value, key_cache, value_cache, slots)
+        return
     # Drop padding before indexing: slot -1 would otherwise wrap around to the last slot of the pool.
     if plan is not None and plan.write_slots is not None:
         slots, rows = plan.write_slots, plan.write_rows
