@@ -232,8 +232,9 @@ def test_smollm2_served_from_its_own_q4_1_weights(tmp_path) -> None:
     assert got[a + "qkv_proj.weight"].meta.layout.startswith("int4_cpu")  # Q4_1: int4 groups of 32
     assert torch.equal(got[a + "qkv_proj.weight"].dequantize().to(torch.bfloat16), qkv)
     llm = LLM(model=str(path), max_model_len=512, daemon=False)
-    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
-                   SamplingParams(temperature=0, max_tokens=24))[0].outputs[0]
+    # tests/test_smollm2.py's question: the bare one's first token wins by 0.1 logits and rambles on some CPUs.
+    question = "What is the capital of France? Answer in one sentence."
+    out = llm.chat([{"role": "user", "content": question}], SamplingParams(temperature=0, max_tokens=24))[0].outputs[0]
     assert "Paris" in out.text
 
 
