@@ -57,6 +57,7 @@ def test_openai_client_completions_and_chat(server, reference) -> None:
                                             stream=True, stream_options={"include_usage": True}))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == r.choices[0].text
     assert chunks[-1].usage.completion_tokens == 12 and chunks[-1].choices == []
+    assert sum(1 for c in chunks if c.choices) == 12  # a chunk per token, text or not (as vLLM streams)
     msgs = [{"role": "user", "content": "Say something about caches."}]
     chat = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=10, temperature=0)
     streamed = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=10, temperature=0, stream=True)

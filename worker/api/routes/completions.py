@@ -165,7 +165,9 @@ def router(state: ServerState) -> APIRouter:
                                                         "finish_reason": None}]}
                         base = len(echoed(i, out)) if req.echo else 0  # offsets run on after the echo
                         lp = choice_logprobs(c, d.token_start, d.token_end, base)
-                        if d.text or c.finished or lp:
+                        # A chunk for every output with new tokens, text or not (held back for a stop string, or
+                        # bytes of a character not complete yet), as vLLM streams: clients count tokens by chunks.
+                        if d.text or c.finished or lp or d.token_end > d.token_start:
                             yield {**head, "choices": [{"index": idx, "text": d.text, "logprobs": lp,
                                                         "finish_reason": c.finish_reason,
                                                         "stop_reason": c.stop_reason}]}
