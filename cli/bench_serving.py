@@ -246,7 +246,9 @@ async def _load(base: str, prompts: list[list[int]], concurrency: int, max_token
                 msg = json.loads(line[6:])
                 if msg.get("usage"):
                     tokens = msg["usage"]["completion_tokens"]
-                if msg["choices"] and msg["choices"][0]["text"]:
+                # Both servers stream a chunk per token, text or not (a random model's tokens often decode to no
+                # text yet): the first chunk with a choice is the first token. The usage chunk has no choices.
+                if msg["choices"]:
                     now = time.monotonic()
                     first = first or now
                     last = now
