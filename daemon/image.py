@@ -30,7 +30,7 @@ from keepwarm.formats.arena import (
     arena_digest_of,
     dtype_from_name,
 )
-from keepwarm.formats.packed import packed_layout
+from keepwarm.formats.packed import BATCH_HINT, LEGACY_HINTS, packed_layout
 from keepwarm.formats.quant import LAYOUT_MKLDNN_PACKED, QuantizationError, QuantMeta, cpu_int4_layout
 
 CHUNK = 1 << 20  # still in cache when hashed (see snapshot/store.py's CHUNK)
@@ -67,7 +67,7 @@ def check_cpu_layouts(manifest: ArenaManifest) -> None:
     """The CPU-specific layouts (oneDNN packing, torch's int4 pack) must be what this CPU and torch produce. May
     pack a zero weight per distinct shape (as planning a preload does): run it off the daemon's socket loop."""
     dtype = dtype_from_name(manifest.dtype)
-    checked: dict[tuple[int, int], str] = {}
+    checked: dict[tuple[int, int], set[str]] = {}
     for weight, q in manifest.quant.items():
         try:
             meta = QuantMeta.from_dict(q)
@@ -76,12 +76,13 @@ def check_cpu_layouts(manifest: ArenaManifest) -> None:
         if meta.layout == LAYOUT_MKLDNN_PACKED:
             if meta.shape not in checked:
                 try:
-                    checked[meta.shape] = packed_layout(meta.shape, dtype)[1].hex()
+                    checked[meta.shape] = {packed_layout(meta.shape, dtype, hint)[1].hex()
+                                           for hint in (BATCH_HINT, *LEGACY_HINTS)}
                 except Exception as e:  # oneDNN / shim missing, bf16 unsupported on this CPU
                     raise ImageError("incompatible_image",
                                      f"the image holds oneDNN-packed {manifest.dtype} weights, which this CPU "
                                      f"cannot use ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
-            if checked[meta.shape] != meta.descriptor:
+            if meta.descriptor not in checked[meta.shape]:
                 raise ImageError("incompatible_image",
                                  f"{weight}: the image's oneDNN packed layout differs from this CPU's (it was packed "
                                  f"on a CPU with other instruction sets); preload the model from its checkpoint here")

@@ -4,8 +4,11 @@ descriptor are made and how many bytes it takes, known from (shape, dtype) befor
 This is a storage format (the daemon writes it, workers view it); the matmul over it, the availability probe and
 the ``KEEPWARM_CPU_PACK`` switch live in keepwarm.kernels.cpu_packed. Torch only, no keepwarm imports but formats.
 
-Batch hint: oneDNN's reorder takes the expected number of rows; it is 1 because decode dominates serving (the
-measurements are in keepwarm.kernels.cpu_packed).
+Batch hint: oneDNN's reorder takes the expected number of rows. It is 32, as vLLM's CPU ``create_onednn_mm``
+uses: on an AMX CPU (Sapphire Rapids) a hint of 1 picks a format of its own whose matmuls are 20-35% slower at 1
+and 8 rows and which, unlike every hint >= 2, is not bit-identical to ``F.linear`` at 100 rows; on CPUs without
+AMX every hint gives the same format (measurements in keepwarm.kernels.cpu_packed). Images packed with the
+earlier hint of 1 (``LEGACY_HINTS``) are still accepted: oneDNN computes with whatever format a weight carries.
 
 Thread count: oneDNN also picks the blocked format from the calling thread's OpenMP thread count (SmolLM2's
 [576, 576] and [960, 576] bf16 weights block differently at 16 threads than at 1-8), and the arena is planned
@@ -25,9 +28,11 @@ import torch
 
 from keepwarm.formats.quant import QuantizationError
 
-__all__ = ["BATCH_HINT", "PACK_THREADS", "pack", "packed_layout", "packed_nbytes"]
+__all__ = ["BATCH_HINT", "LEGACY_HINTS", "PACK_THREADS", "pack", "packed_layout", "packed_nbytes"]
 
-BATCH_HINT = 1
+BATCH_HINT = 32
+# Hints earlier versions packed with: their formats are still valid (see the module docstring).
+LEGACY_HINTS = (1,)
 # The thread count every pack runs under (see the module docstring): 1-8 threads give the same format here.
 PACK_THREADS = 1
 _PACK_LOCK = threading.Lock()  # torch's thread count is process-wide: packs take turns setting it
@@ -45,7 +50,7 @@ def _pack_threads() -> Iterator[None]:
             torch.set_num_threads(before)
 
 
-def pack(w: torch.Tensor, out: torch.Tensor | None = None) -> tuple[torch.Tensor, bytes]:
+def pack(w: torch.Tensor, out: torch.Tensor | None = None, hint: int = BATCH_HINT) -> tuple[torch.Tensor, bytes]:
     """Pack a [N, K] CPU weight for oneDNN: (packed bytes as a uint8 tensor [nbytes], serialized descriptor).
     ``out`` (a contiguous CPU uint8 tensor of exactly the packed size, e.g. the arena's slice): the bytes are moved
     there, saving a copy, and ``out`` is returned.
@@ -55,7 +60,7 @@ def pack(w: torch.Tensor, out: torch.Tensor | None = None) -> tuple[torch.Tensor
         raise QuantizationError(f"packing needs a 2-D CPU weight, got {tuple(w.shape)} on {w.device}")
     w = w.contiguous()
     with _pack_threads():
-        pw = torch.ops.mkldnn._reorder_linear_weight(w, BATCH_HINT)
+        pw = torch.ops.mkldnn._reorder_linear_weight(w, hint)
         desc = bytes(torch.ops.mkldnn._get_mkldnn_serialized_md(pw).numpy())
     n = int(torch.ops.mkldnn._nbytes(pw))
     if out is not None and (out.numel() != n or out.dtype != torch.uint8 or not out.is_contiguous()
@@ -68,14 +73,14 @@ def pack(w: torch.Tensor, out: torch.Tensor | None = None) -> tuple[torch.Tensor
 
 
 @functools.cache
-def packed_layout(shape: tuple[int, int], dtype: torch.dtype) -> tuple[int, bytes]:
+def packed_layout(shape: tuple[int, int], dtype: torch.dtype, hint: int = BATCH_HINT) -> tuple[int, bytes]:
     """(nbytes, descriptor) of a packed ``dtype`` weight of ``shape``, known before any data is read.
 
-    Packs zeros once per (shape, dtype) under ``PACK_THREADS`` like every real pack: oneDNN then picks the blocked
-    format from shape, dtype and CPU alone (checked: zeros and random weights give the same descriptor), and the
-    preload checks every real pack against this."""
+    Packs zeros once per (shape, dtype, hint) under ``PACK_THREADS`` like every real pack: oneDNN then picks the
+    blocked format from shape, dtype, hint and CPU alone (checked: zeros and random weights give the same
+    descriptor), and the preload checks every real pack against this."""
     n, k = (int(s) for s in shape)
-    raw, desc = pack(torch.zeros(n, k, dtype=dtype))
+    raw, desc = pack(torch.zeros(n, k, dtype=dtype), hint=hint)
     return raw.numel(), desc
 
 

@@ -20,15 +20,21 @@ serialized memory descriptor in the weight's ``QuantMeta``. A worker makes an mk
 (a read-only mapping: oneDNN only reads a weight) through libtorch's exported AOTInductor C shim
 ``aoti_torch_create_tensor_from_blob_v2(..., layout=mkldnn, opaque_metadata=descriptor)``; no copy is made.
 
-Batch hint: oneDNN's reorder takes the expected number of rows. On this CPU hints 1, 8, 32, 128 and 1024 give
-the same descriptor and bytes, and M=1/32/128 calls ran equally fast on each (within 5%, noise), so the hint
-does not matter here; it is 1 because decode (one row per sequence) dominates serving.
+Batch hint: oneDNN's reorder takes the expected number of rows; keepwarm packs with 32 (``BATCH_HINT``, as
+vLLM's CPU ``create_onednn_mm``). On an AVX512-BF16 Zen 4 hints 1, 8, 32, 128 and 1024 give the same descriptor
+and bytes. On an Intel Xeon with AMX (family 6 model 207) a hint of 1 gives a format of its own and every hint
+>= 2 another; measured in one process, alternating, 2 threads, the 1B's four matmul shapes x 20 layers: hint 1
+176 / 176 / 98 ms at 1 / 8 / 32 rows, hint 32 126 / 127 / 92 ms; SmolLM2's x 30 layers: 32.0 / 33.2 / 37.1 vs
+25.4 / 25.7 / 36.6 ms. The hint-1 format also differed from ``F.linear`` at 100 rows (and at 32 rows on [2048,
+5632]); hint 32's matched it at 1-100 rows on every shape tried. Images packed with hint 1 by earlier versions
+still load (``keepwarm.formats.packed.LEGACY_HINTS``).
 
 Thread count: oneDNN picks the blocked format from shape, dtype, CPU *and the calling thread's OpenMP thread
 count* (measured: [576, 576] bf16 packs with 144-row blocks at 1-8 threads, 72 at 16), so every pack runs under
 ``keepwarm.formats.packed.PACK_THREADS`` threads, whatever the process uses. A packed weight carries its
-descriptor, and oneDNN computes with it exactly at any thread count (tested at 1, 2, 8 and 16: equal to
-``F.linear``), so a worker whose thread count differs from the daemon's computes the same tokens.
+descriptor, and oneDNN computes with it exactly what ``F.linear`` computes at the worker's thread count (tested
+at 1, 2, 8 and 16; on an AMX CPU both split the reduction at 16 threads, so bits there follow the worker's count,
+never the daemon's).
 
 ``KEEPWARM_CPU_PACK=0`` turns packing off (A/B benchmarks, escape hatch); read on every call of
 :func:`packing_available`, the probe of what this process can do is cached.

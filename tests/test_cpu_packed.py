@@ -60,7 +60,7 @@ def readonly_packed(tmp_path: Path):
 
 
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("rows", [1, 7, 33])
+@pytest.mark.parametrize("rows", [1, 7, 33, 100])
 def test_packed_linear_matches_f_linear_exactly(readonly_packed, rows: int, bias: bool) -> None:
     w, pw, _ = readonly_packed(96, 64)
     x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows)).to(BF16)
@@ -84,6 +84,25 @@ def test_packed_nbytes_is_the_real_size() -> None:
         raw, desc = pack(torch.randn(shape).to(BF16))
         assert packed_nbytes(shape, BF16) == raw.numel()
         assert packed_layout(shape, BF16)[1] == desc  # the descriptor depends on shape and dtype only
+
+
+def test_the_batch_hint_packs_what_f_linear_computes_at_every_row_count() -> None:
+    """On an AMX CPU a hint of 1 (what earlier versions packed with) picks a format whose 100-row results differ
+    from F.linear's; the hint used now gives F.linear's bits from 1 to 100 rows, and on such a CPU the two hints'
+    formats differ."""
+    from keepwarm.formats.packed import BATCH_HINT, LEGACY_HINTS
+
+    w = torch.randn(576, 576, generator=torch.Generator().manual_seed(3)).to(BF16)
+    raw, desc = pack(w)
+    assert BATCH_HINT == 32 and desc == pack(w, hint=BATCH_HINT)[1]
+    pw = PackedWeight(QuantMeta("none", LAYOUT_MKLDNN_PACKED, None, (576, 576), desc.hex()), raw, BF16)
+    for rows in (1, 8, 32, 100):
+        x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows)).to(BF16)
+        assert torch.equal(kernels.linear(x, pw), F.linear(x, w)), rows
+    old_raw, old_desc = pack(w, hint=LEGACY_HINTS[0])  # an old image's weight still computes (its own format)
+    old = PackedWeight(QuantMeta("none", LAYOUT_MKLDNN_PACKED, None, (576, 576), old_desc.hex()), old_raw, BF16)
+    x = torch.randn(4, 576, generator=torch.Generator().manual_seed(4)).to(BF16)
+    assert torch.equal(kernels.linear(x, old), F.linear(x, w))
 
 
 def test_descriptor_round_trips_through_quant_meta() -> None:

@@ -637,6 +637,13 @@ def test_packed_image_refused_on_another_cpu_layout(tiny_llama) -> None:
     check_compatible(manifest, torch.device("cpu"))  # this CPU's own image is fine
     d = json.loads(manifest.to_json())
     weight = next(w for w, q in d["quant"].items() if q["layout"] == "mkldnn_packed")
+    # An image packed with the batch hint of earlier versions is still this CPU's: oneDNN runs its format.
+    from keepwarm.formats.packed import LEGACY_HINTS, packed_layout
+
+    legacy = json.loads(json.dumps(d))
+    shape = tuple(legacy["quant"][weight]["shape"])
+    legacy["quant"][weight]["descriptor"] = packed_layout(shape, torch.bfloat16, LEGACY_HINTS[0])[1].hex()
+    check_compatible(ArenaManifest.from_json(json.dumps(legacy)), torch.device("cpu"))
     desc = bytearray.fromhex(d["quant"][weight]["descriptor"])
     desc[len(desc) // 2] ^= 0x01
     d["quant"][weight]["descriptor"] = desc.hex()
