@@ -1,10 +1,11 @@
-/* keepwarm native CPU kernels: weight-only int8 and fp8 matmuls for bfloat16 activations (AVX512-BF16), and a
- * bfloat16 decode attention over the paged KV cache (AVX2 + FMA, at the end of this file).
+/* keepwarm native CPU kernels: weight-only int8 and fp8 matmuls for bfloat16 activations (AVX512-BF16); and, in
+ * AVX2 + FMA (later in this file), a bfloat16 decode attention over the paged KV cache, a decode step's glue and a
+ * bf16 x bf16 matmul for CPUs where oneDNN has none.
  *
  *   out[m, n] = bf16( scale[n] * sum_k x[m, k] * w[n, k] )     x: bf16 [M, K], w: int8 [N, K], scale: f32 [N]
  *
  * With fp8 set, w holds float8_e4m3fn codes and enters the sum as its value / 256 (the caller's scale is 256x).
- * Built with -DKW_ATTENTION_ONLY (and AVX2 flags) it is the attention and the thread pool alone, for CPUs
+ * Built with -DKW_ATTENTION_ONLY (and AVX2 flags) it is everything but the int8 / fp8 matmuls, for CPUs
  * without AVX512-BF16.
  *
  * Rules:
@@ -792,5 +793,120 @@ int kw_store_kv(const uint16_t *k, int64_t ks, const uint16_t *v, int64_t vs, ui
             memcpy(vc + (h * total + s) * D, v + t * vs + h * D, row);
         }
     }
+    return 0;
+}
+
+
+/* ------------------------------------------------------------------ bf16 x bf16 matmul (AVX2 + FMA)
+ *
+ *   out[m, n] = bf16( sum_k x[m, k] * w[n, k] )     w: bf16 [N, K] contiguous, out: bf16 [M, N]; K % 16 == 0
+ *   x: the caller's bf16 x in float32 (exact), each 16 values of a row stored as their 8 even then their 8 odd
+ *
+ * For CPUs where oneDNN has no bf16 matmul (no AVX512-BW, no AVX-NE-CONVERT: Zen 2/3, older Xeons), where torch's
+ * bf16 linear falls back to a generic loop. 16 weights load as one vector and split into their even and odd
+ * elements as float32 by a shift and a mask (exact), which is why x comes split the same way.
+ *
+ * One summation order for every (m, n), whatever M, the blocking or the thread count: lane j of one float32
+ * accumulator takes, for each 16 values of k in turn, the product of element 2j then of element 2j + 1 (fused
+ * multiply-adds); then the 8 lanes are added in a fixed tree (hadd1) and the sum rounded to bf16 once (nearest
+ * even). So a row's output does not depend on the other rows of the batch.
+ * Blocks: 4 weight rows x 2 rows of x (8 independent FMA chains: the FMA latency hidden), or 8 weight rows x 1
+ * row of x for the last odd row. The N range is split over the threads in multiples of 8. */
+typedef struct {
+    const float *x;
+    const uint16_t *w;
+    uint16_t *out;
+    int64_t M, N, K;
+} bgemm_t;
+
+#define W16(p, e, o)                                                                  \
+    do {                                                                              \
+        __m256i r_ = _mm256_loadu_si256((const __m256i *)(p));                        \
+        e = _mm256_castsi256_ps(_mm256_slli_epi32(r_, 16));                           \
+        o = _mm256_castsi256_ps(_mm256_and_si256(r_, _mm256_set1_epi32((int)0xFFFF0000u))); \
+    } while (0)
+
+static inline uint16_t bf16_one(float f) {
+    __m256i b = bf16_bits(_mm256_set1_ps(f));
+    return (uint16_t)((uint32_t)_mm256_extract_epi32(b, 0) >> 16);
+}
+
+/* rows n .. n+3 of w against rows m, m+1 of x */
+static void bgemm_4x2(const bgemm_t *g, int64_t n, int64_t m) {
+    const int64_t K = g->K;
+    const uint16_t *w0 = g->w + n * K, *w1 = w0 + K, *w2 = w1 + K, *w3 = w2 + K;
+    const float *x0 = g->x + m * K, *x1 = x0 + K;
+    __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00, a31 = a00;
+    for (int64_t k = 0; k < K; k += 16) {
+        __m256 e0 = _mm256_loadu_ps(x0 + k), o0 = _mm256_loadu_ps(x0 + k + 8);
+        __m256 e1 = _mm256_loadu_ps(x1 + k), o1 = _mm256_loadu_ps(x1 + k + 8), we, wo;
+        /* one weight row's 16 values into both rows' accumulators */
+#define ROW2(wr, a0, a1)                                         \
+    W16(wr + k, we, wo);                                         \
+    a0 = _mm256_fmadd_ps(wo, o0, _mm256_fmadd_ps(we, e0, a0));   \
+    a1 = _mm256_fmadd_ps(wo, o1, _mm256_fmadd_ps(we, e1, a1))
+        ROW2(w0, a00, a01);
+        ROW2(w1, a10, a11);
+        ROW2(w2, a20, a21);
+        ROW2(w3, a30, a31);
+#undef ROW2
+    }
+    uint16_t *p0 = g->out + m * g->N + n, *p1 = p0 + g->N;
+    p0[0] = bf16_one(hadd1(a00)), p1[0] = bf16_one(hadd1(a01));
+    p0[1] = bf16_one(hadd1(a10)), p1[1] = bf16_one(hadd1(a11));
+    p0[2] = bf16_one(hadd1(a20)), p1[2] = bf16_one(hadd1(a21));
+    p0[3] = bf16_one(hadd1(a30)), p1[3] = bf16_one(hadd1(a31));
+}
+
+/* rows n .. n+nr-1 (nr <= 8) of w against row m of x; inlined with nr = 8 (unrolled, in registers) and as is */
+static inline __attribute__((always_inline)) void bgemm_rows_1(const bgemm_t *g, int64_t n, int nr, int64_t m) {
+    const int64_t K = g->K;
+    const float *x0 = g->x + m * K;
+    const uint16_t *w = g->w + n * K;
+    __m256 a[8], we, wo;
+    for (int i = 0; i < 8; i++) a[i] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) {
+        __m256 e = _mm256_loadu_ps(x0 + k), o = _mm256_loadu_ps(x0 + k + 8);
+        for (int i = 0; i < nr; i++) {
+            W16(w + i * K + k, we, wo);
+            a[i] = _mm256_fmadd_ps(wo, o, _mm256_fmadd_ps(we, e, a[i]));
+        }
+    }
+    uint16_t *p = g->out + m * g->N + n;
+    for (int i = 0; i < nr; i++) p[i] = bf16_one(hadd1(a[i]));
+}
+
+static void bgemm_8x1(const bgemm_t *g, int64_t n, int nr, int64_t m) {
+    if (nr == 8)
+        bgemm_rows_1(g, n, 8, m);
+    else
+        bgemm_rows_1(g, n, nr, m);
+}
+
+static void bgemm_slice(const void *arg, int t, int nthreads) {
+    const bgemm_t *g = (const bgemm_t *)arg;
+    int64_t blocks = (g->N + 7) / 8, per = (blocks + nthreads - 1) / nthreads;
+    int64_t n0 = t * per * 8, n1 = (t + 1) * per * 8;
+    if (n1 > g->N) n1 = g->N;
+    for (int64_t n = n0; n < n1; n += 8) {
+        int nr = n1 - n < 8 ? (int)(n1 - n) : 8;
+        int64_t m = 0;
+        if (nr == 8)
+            for (; m + 2 <= g->M; m += 2) {
+                bgemm_4x2(g, n, m);
+                bgemm_4x2(g, n + 4, m);
+            }
+        for (; m < g->M; m++) bgemm_8x1(g, n, nr, m);
+    }
+}
+
+/* 0, or -1 on bad sizes. */
+int kw_bgemm(const float *x, const uint16_t *w, uint16_t *out, int64_t M, int64_t N, int64_t K, int nthreads) {
+    if (M < 1 || N < 1 || K < 16 || K % 16) return -1;
+    if (nthreads < 1) nthreads = 1;
+    if (nthreads > MAXT) nthreads = MAXT;
+    if (N < 32 * nthreads) nthreads = 1; /* tiny outputs: not worth a wake-up */
+    bgemm_t g = {x, w, out, M, N, K};
+    run_pool(bgemm_slice, &g, nthreads);
     return 0;
 }

@@ -12,13 +12,18 @@ What:
   (``index_select``) before two small ``bmm``. It rounds where the torch path rounds (score to bf16, then scale,
   softcap, float32 softmax, probabilities to bf16, float32 sums to a bf16 output); only the order of float32 sums
   and exp's last ulp differ (docs/benchmarks.md, issue 15's third pass, has the measured difference).
+- a bfloat16 x bfloat16 matmul (`bf16_linear`, AVX2 + FMA) for CPUs where oneDNN has no bf16 matmul (no
+  AVX512-BW, no AVX-NE-CONVERT: Zen 2/3, older Xeons), where torch's bf16 ``F.linear`` is a generic loop; called
+  from kernels/reference.py's ``linear`` (`bf16_matmul_on`). float32 products and sums in one order per output
+  element (not torch's order: bf16 outputs there differ from torch's in the last bit, where a float32 sum lands
+  next to a rounding boundary), the same for every batch and thread count.
 
 Rules:
 - Built lazily, at the first call that could use it, with ``cc -O3`` and explicit ``-m`` flags (never
   ``-march=native``: the cache key names the flags, the source and the compiler, not the CPU), into
   ``$KEEPWARM_HOME/cache/native/`` by an atomic rename, so concurrent workers never load a half-written file and a
   warm restart pays nothing. One build per machine: ``avx512`` (everything) where the CPU has AVX512-BF16, else
-  ``avx2`` (``-DKW_ATTENTION_ONLY``: the attention alone), else none.
+  ``avx2`` (``-DKW_ATTENTION_ONLY``: everything but the int8 / fp8 matmuls), else none.
 - The matmuls run for contiguous bfloat16 x and int8 / fp8 weights with one scale per tensor or per output
   channel (`available`); the attention for bfloat16 q and bfloat16 caches with no KV scale (not fp8), head dim a
   multiple of 16, contiguous caches (`attention_fits`). Anything else, a missing compiler or a failed build, takes
@@ -54,7 +59,8 @@ import torch
 from keepwarm.formats.paths import keepwarm_home
 
 __all__ = ["ENV_VAR", "attention_available", "attention_fits", "attention_plan", "attention_switched_on",
-           "attention_unavailable_reason", "available", "decode_attention", "fp8_linear", "glue_on", "int8_linear",
+           "attention_unavailable_reason", "available", "bf16_fits", "bf16_linear",
+           "bf16_matmul_on", "decode_attention", "fp8_linear", "glue_on", "int8_linear",
            "rms_norm", "rotary_neox", "rows_fit", "store_kv", "unavailable_reason"]
 
 logger = logging.getLogger("keepwarm.kernels")
@@ -71,7 +77,7 @@ _LIBS = ("-lm",)  # after the source: a linker with --as-needed drops libraries 
 @dataclass(frozen=True)
 class _Variant:
     """One build of cpu_native.c: its -m flags, the /proc/cpuinfo flags they need, and whether it has the matmuls
-    (the AVX2 build is the decode attention alone: ``-DKW_ATTENTION_ONLY``)."""
+    (the AVX2 build has everything else: ``-DKW_ATTENTION_ONLY``)."""
 
     name: str
     flags: tuple[str, ...]
@@ -183,7 +189,8 @@ def _declare_glue(lib: ctypes.CDLL) -> None:
     lib.kw_use_openmp.restype, lib.kw_use_openmp.argtypes = None, [ctypes.c_int]
     for name, args in (("kw_rms_norm", [p, i64, p, i64, p, p, p, i64, i64, ctypes.c_float]),
                        ("kw_rotary_neox", [p, i64, p, i64, p, p, i64, p, p, i64, i64, i64, i64]),
-                       ("kw_store_kv", [p, i64, p, i64, p, p, p, i64, i64, i64, i64, i64])):
+                       ("kw_store_kv", [p, i64, p, i64, p, p, p, i64, i64, i64, i64, i64]),
+                       ("kw_bgemm", [p, p, p, i64, i64, i64, ctypes.c_int])):
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = ctypes.c_int, args
 
@@ -378,3 +385,55 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, va
                          value_cache.data_ptr(), slots.data_ptr(), key.shape[0], hk, d, nb, bs)
     if rc != 0:
         raise ValueError(f"store_kv: a slot of {slots.tolist()} is outside the pools ({nb} blocks of {bs})")
+
+
+# -- bf16 x bf16 matmul where oneDNN has none (AVX2 CPUs) ----------------------------------------------------------
+@functools.cache
+def _onednn_bf16() -> bool:
+    """Whether oneDNN runs bf16 matmuls here (AVX512-BW or AVX-NE-CONVERT): torch's bf16 linear is fast then."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def bf16_matmul_on() -> bool:
+    """Whether :func:`bf16_linear` replaces torch's bfloat16 ``F.linear`` here: the switch is on, a build loaded,
+    and oneDNN has no bf16 matmul on this CPU (torch then runs a generic loop; logged once when taken)."""
+    if not glue_on() or _onednn_bf16():
+        return False
+    _log_bf16_once()
+    return True
+
+
+@functools.cache
+def _log_bf16_once() -> None:
+    logger.info("bfloat16 linear: keepwarm's AVX2 kernel (oneDNN has no bf16 matmul on this CPU; one float32 "
+                "summation order per output, independent of the batch)")
+
+
+def bf16_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """x [..., K] and weight [N, K] are CPU bfloat16, weight contiguous, K a multiple of 16."""
+    return (x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and x.device.type == "cpu"
+            and weight.device.type == "cpu" and weight.dim() == 2 and weight.is_contiguous() and x.dim() >= 1
+            and x.shape[-1] == weight.shape[1] and weight.shape[1] % 16 == 0 and x.numel() > 0)
+
+
+def bf16_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight^T`` in bfloat16 (:func:`bf16_fits` inputs): float32 products and sums, one fixed summation
+    order per output element whatever the batch, rounded once. Callable wherever a build loaded (tests use it on
+    every CPU); :func:`bf16_matmul_on` says where the model's linears take it."""
+    lib = _load()[0]
+    assert lib is not None, "bf16_linear called where no native build loaded"
+    if not bf16_fits(x, weight):
+        raise ValueError(f"bf16_linear: x {tuple(x.shape)} {x.dtype} and weight {tuple(weight.shape)} "
+                         f"{weight.dtype} do not fit (bfloat16, contiguous weight, K a multiple of 16)")
+    n, k = weight.shape
+    # float32 (exact), converted once, not per weight row; each 16 values as their 8 even then 8 odd (the C splits
+    # 16 weights that way: one load, a shift and a mask)
+    xf = x.reshape(-1, k // 16, 8, 2).transpose(-1, -2).float().contiguous().view(-1, k)
+    out = torch.empty((xf.shape[0], n), dtype=torch.bfloat16)
+    rc = lib.kw_bgemm(xf.data_ptr(), weight.data_ptr(), out.data_ptr(), xf.shape[0], n, k, torch.get_num_threads())
+    if rc != 0:
+        raise ValueError(f"bf16_linear: the kernel refused M={xf.shape[0]} N={n} K={k}")
+    return out.reshape(*x.shape[:-1], n)
