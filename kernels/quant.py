@@ -11,7 +11,8 @@ in float32, cast to x's dtype, F.linear), correct for every layout and device, a
         kernel (`kernels.cpu_native`, AVX512-BF16) where it builds: one 1B layer's four matmuls, 2 cores, ms:
         M=8 9.0 (op) / 13.2 (C), M=32 33.7 / 20.5 / 49 (cast), M=128 127 / 50 / 74, M=512 495 / 167 / 184,
         against 4.2 / 10.3 / 36 / 144 for the bfloat16 oneDNN matmul. Otherwise: cast the int8 codes to x's
-        dtype (exact), matmul, scale the [M, N] output per channel.
+        dtype (exact), matmul (for bfloat16 on a CPU where oneDNN has no bf16 matmul: keepwarm's AVX2 one,
+        `cpu_native.bf16_linear`), scale the [M, N] output per channel.
   int4  torch._weight_int4pack_mm_for_cpu, when the weight was packed in this process's CPU layout, for bfloat16
         on AVX2/AVX512 (21 us vs 0.49 ms for the reference at M=1, 167 us vs 0.48 ms at M=32). Elsewhere it is a
         scalar loop (~0.65 ms per row) that loses to the reference even at M=1 (0.40 ms).
@@ -180,6 +181,8 @@ def _int8_cast(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -
     if x.dtype == torch.float16:
         # Scale the weight, not the output: x @ q^T can exceed float16's range before scaling.
         return F.linear(x, q.mul_(scales[:, None]), bias)
+    if cpu_native.bf16_fits(x, q) and cpu_native.bf16_matmul_on():  # bf16 without oneDNN's: the AVX2 kernel
+        return _add_bias(cpu_native.bf16_linear(x, q).mul_(scales), x, bias)
     return _add_bias(F.linear(x, q).mul_(scales), x, bias)
 
 

@@ -94,3 +94,19 @@ def test_reference_linear_takes_it_where_onednn_has_no_bf16(monkeypatch) -> None
     monkeypatch.setattr(cpu_native, "_onednn_bf16", lambda: True)  # where oneDNN multiplies bf16, torch's op
     assert not cpu_native.bf16_matmul_on()
     assert torch.equal(reference.linear(x, w), F.linear(x, w)) and len(calls) == 1
+
+
+def test_int8_weights_above_the_op_rows_take_it_after_an_exact_cast(monkeypatch) -> None:
+    from keepwarm.formats.quant import quantize
+    from keepwarm.kernels import quant
+
+    g = torch.Generator().manual_seed(5)
+    qw = quant.QuantizedWeight(*quantize(torch.randn(64, 576, generator=g), "int8", torch.bfloat16))
+    x = torch.randn(32, 576, generator=g).bfloat16()  # above the rows torch's int8 op wins at: cast + matmul
+    monkeypatch.setattr(cpu_native, "_onednn_bf16", lambda: False)
+    monkeypatch.setattr(quant, "_native_fits", lambda x, w: False)  # an AVX512-BF16 CPU's int8 kernel aside
+    assert quant.select_path("int8", x, qw) == "int8->dtype cast + matmul, per-channel scale"
+    codes, scales = qw.parts["qweight"].bfloat16(), qw.parts["scales"].bfloat16()
+    assert torch.equal(quant.TORCH_IMPLS["int8"](x, qw), cpu_native.bf16_linear(x, codes).mul_(scales))
+    monkeypatch.setattr(cpu_native, "_onednn_bf16", lambda: True)
+    assert torch.equal(quant.TORCH_IMPLS["int8"](x, qw), F.linear(x, codes).mul_(scales))
