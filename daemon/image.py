@@ -137,6 +137,29 @@ def fill_cpu(storage: CpuArenaFile, path: Path, size: int, manifest: ArenaManife
     return (h.hexdigest() if h is not None else None), hasher.hexdigest()
 
 
+def gaps(manifest: ArenaManifest, size: int) -> list[tuple[int, int]]:
+    """The byte ranges of [0, size) no tensor of the manifest covers (alignment padding, zero in every arena the
+    daemon builds: the tmpfs file starts zeroed and only tensors are written)."""
+    out, at = [], 0
+    for e in sorted(manifest.tensors, key=lambda t: t.offset):
+        if e.offset > at:
+            out.append((at, min(e.offset, size)))
+        at = max(at, e.offset + e.nbytes)
+    if at < size:
+        out.append((at, size))
+    return [(lo, hi) for lo, hi in out if hi > lo]
+
+
+def check_gaps_zero(storage: CpuArenaFile, manifest: ArenaManifest, size: int, path: Path) -> None:
+    """Raise ImageError (``bad_image``) unless every byte between tensors is zero. With the arena digest over every
+    tensor byte this pins the whole image: it is then the blob the snapshot names, without a second sha256 over
+    it (on 2 cores that hash made a 2 GB restore 1.4x slower)."""
+    for lo, hi in gaps(manifest, size):
+        if bool(storage.flat[lo:hi].any()):
+            raise ImageError("bad_image", f"the image {path} is corrupt: a byte between its tensors is not zero "
+                                          f"(in {lo}..{hi})")
+
+
 def fill_cuda(storage: CudaArena, path: Path, size: int, manifest: ArenaManifest, threads: int,
               progress: Callable[[int], None] | None = None, sha256: str | None = None) -> None:
     """Check the image's bytes in host memory against ``arena_digest`` (and the file against ``sha256``, a

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from keepwarm.daemon.checkpoint import Checkpoint
-from keepwarm.daemon.image import ImageError, check_cpu_layouts, fill_cpu, fill_cuda, image_size
+from keepwarm.daemon.image import ImageError, check_cpu_layouts, check_gaps_zero, fill_cpu, fill_cuda, image_size
 from keepwarm.daemon.loader import build_arena, plan_arena, resolve_dtype
 from keepwarm.daemon.protocol import ProtocolError
 from keepwarm.daemon.residency import Residency, Resident
@@ -147,6 +147,7 @@ def image_job(key: JobKey, manifest: ArenaManifest, image: Path, arena_bytes: in
             job.created = (storage, tmp)
             file_digest, arena_digest = fill_cpu(storage, image, arena_bytes, m, sha256 is not None, job.add_bytes)
             _check_image(image, sha256, file_digest, arena_digest, m)
+            check_gaps_zero(storage, m, arena_bytes, image)
             storage, mpath = residency.install_cpu_arena(storage, m)
             job.created = (storage, tmp)
         else:

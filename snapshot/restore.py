@@ -3,8 +3,9 @@
 Order, so that a failure at any step leaves the previous state in place:
 
 1. re-hash every blob the snapshot names but the arena image (nothing is touched before they all check out); the
-   image is checked at step 4 by the daemon against its sha256 as it loads it, in the same pass as the copy and the
-   arena digest (or here, if the daemon holds that model already and does not read it);
+   image is checked at step 4 by the daemon as it loads it, in the same pass as the copy: every tensor byte against
+   the arena digest (a tree of sha256s) and every byte between tensors for zero, which leaves the blob's own
+   sha256 nothing to add (or here, by its sha256, if the daemon holds that model already and does not read it);
 2. check what can be checked up front: the daemon's device kind against the image's, the server config (and the
    API key it needs), the systemd unit's config path;
 3. stage the model files under ``$KEEPWARM_HOME/restored/.staging-*`` and write the adapters' directories
@@ -344,7 +345,9 @@ def _load_into_daemon(client: Any, store: Store, m: dict[str, Any], arena_json: 
         f"{model['image']['size'] / 1e6:.1f} MB) into the daemon")
     image = model["image"]
     try:
-        reply = client.load_image(arena_json, store.blob_path(image["digest"]), sha256=image["digest"])
+        # no sha256 over the file: the daemon checks every tensor byte against the arena digest and every other
+        # byte for zero as it copies, which pins the image to the blob the snapshot names (daemon/image.py)
+        reply = client.load_image(arena_json, store.blob_path(image["digest"]))
     except DaemonError as e:
         raise SnapshotError(f"the daemon cannot hold the image of {model['name']}: {e.message}") from None
     if not reply.cached:

@@ -121,3 +121,27 @@ def test_image_fill_checks_file_and_arena_in_one_read(tmp_path) -> None:
         assert fill_cpu(storage, image, total, m)[0] is None  # no file digest asked: none computed
     finally:
         storage.close()
+
+
+def test_image_bytes_between_tensors_must_be_zero(tmp_path) -> None:
+    from keepwarm.daemon.image import ImageError, check_gaps_zero, gaps
+
+    entries, total = _entries([3000, 0, 2_500_000, 17])
+    m = ArenaManifest(1, "f" * 64, "0" * 64, "/m", "none", "float32", "cpu", total, entries, {}, "{}", None, ())
+    holes = gaps(m, total)
+    covered = sorted((e.offset, e.offset + e.nbytes) for e in entries if e.nbytes)
+    assert holes and all(lo < hi for lo, hi in holes)  # alignment padding after 3000, 2,500,000 and 17 bytes
+    assert sum(hi - lo for lo, hi in holes) + sum(hi - lo for lo, hi in covered) == total
+    assert not any(lo < c_hi and c_lo < hi for lo, hi in holes for c_lo, c_hi in covered)
+    storage = CpuArenaFile.create(tmp_path / "arena", total)
+    try:
+        storage.flat.fill_(7)
+        for lo, hi in holes:
+            storage.flat[lo:hi] = 0
+        check_gaps_zero(storage, m, total, tmp_path / "image")  # tensors may hold anything; the padding is zero
+        lo, hi = holes[-1]
+        storage.flat[hi - 1] = 1
+        with pytest.raises(ImageError, match=f"is corrupt: a byte between its tensors is not zero \\(in {lo}"):
+            check_gaps_zero(storage, m, total, tmp_path / "image")
+    finally:
+        storage.close()
