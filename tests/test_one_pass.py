@@ -145,3 +145,23 @@ def test_image_bytes_between_tensors_must_be_zero(tmp_path) -> None:
             check_gaps_zero(storage, m, total, tmp_path / "image")
     finally:
         storage.close()
+
+
+def test_a_cuda_image_is_checked_in_host_memory_the_same_way_before_any_copy(tmp_path) -> None:
+    from keepwarm.daemon.image import ImageError, fill_cuda, gaps
+
+    entries, total = _entries([3000, 2_500_000, 17])
+    data = bytearray(os.urandom(total))
+    m0 = ArenaManifest(1, "f" * 64, "0" * 64, "/m", "none", "float32", "cpu", total, entries, {}, "{}", None, ())
+    for lo, hi in gaps(m0, total):
+        data[lo:hi] = bytes(hi - lo)
+    lo, hi = gaps(m0, total)[0]
+    data[lo] = 9  # padding, outside every tensor: the arena digest cannot see it
+    image = tmp_path / "image"
+    image.write_bytes(bytes(data))
+    flat = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    m = ArenaManifest(1, "f" * 64, arena_digest_of(flat, entries), "/m", "none", "float32", "cuda:0", total, entries,
+                      {}, "{}", None, ())
+    # refused from the host mapping, before the (here absent) device arena is touched
+    with pytest.raises(ImageError, match=f"a byte between its tensors is not zero \\(in {lo}"):
+        fill_cuda(None, image, total, m, 1)  # type: ignore[arg-type]
