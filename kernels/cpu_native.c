@@ -36,6 +36,15 @@
 #define MAXT 64
 #define SPIN 2000
 
+/* float32 -> bf16, round to nearest even; NaN -> 0x7FC0, as torch's conversion (and bf16_bits below). Both builds. */
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
+    u += 0x7FFFu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
 #ifndef KW_ATTENTION_ONLY /* the matmuls need AVX512-BF16; the attention-only build (AVX2) leaves them out */
 typedef struct {
     const uint16_t *x;
@@ -45,13 +54,6 @@ typedef struct {
     int64_t M, N, K;
     int fp8; /* w holds float8_e4m3fn codes, not int8 */
 } job_t;
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    u += 0x7FFFu + ((u >> 16) & 1u); /* round to nearest even (no NaN reaches here from finite inputs) */
-    return (uint16_t)(u >> 16);
-}
 
 static inline __mmask32 tail_mask(int64_t left) { return left >= 32 ? 0xFFFFFFFFu : ((1u << left) - 1u); }
 
@@ -826,11 +828,6 @@ typedef struct {
         o = _mm256_castsi256_ps(_mm256_and_si256(r_, _mm256_set1_epi32((int)0xFFFF0000u))); \
     } while (0)
 
-static inline uint16_t bf16_one(float f) {
-    __m256i b = bf16_bits(_mm256_set1_ps(f));
-    return (uint16_t)((uint32_t)_mm256_extract_epi32(b, 0) >> 16);
-}
-
 /* rows n .. n+3 of w against rows m, m+1 of x */
 static void bgemm_4x2(const bgemm_t *g, int64_t n, int64_t m) {
     const int64_t K = g->K;
@@ -852,10 +849,10 @@ static void bgemm_4x2(const bgemm_t *g, int64_t n, int64_t m) {
 #undef ROW2
     }
     uint16_t *p0 = g->out + m * g->N + n, *p1 = p0 + g->N;
-    p0[0] = bf16_one(hadd1(a00)), p1[0] = bf16_one(hadd1(a01));
-    p0[1] = bf16_one(hadd1(a10)), p1[1] = bf16_one(hadd1(a11));
-    p0[2] = bf16_one(hadd1(a20)), p1[2] = bf16_one(hadd1(a21));
-    p0[3] = bf16_one(hadd1(a30)), p1[3] = bf16_one(hadd1(a31));
+    p0[0] = f32_to_bf16(hadd1(a00)), p1[0] = f32_to_bf16(hadd1(a01));
+    p0[1] = f32_to_bf16(hadd1(a10)), p1[1] = f32_to_bf16(hadd1(a11));
+    p0[2] = f32_to_bf16(hadd1(a20)), p1[2] = f32_to_bf16(hadd1(a21));
+    p0[3] = f32_to_bf16(hadd1(a30)), p1[3] = f32_to_bf16(hadd1(a31));
 }
 
 /* rows n .. n+nr-1 (nr <= 8) of w against row m of x; inlined with nr = 8 (unrolled, in registers) and as is */
@@ -873,7 +870,7 @@ static inline __attribute__((always_inline)) void bgemm_rows_1(const bgemm_t *g,
         }
     }
     uint16_t *p = g->out + m * g->N + n;
-    for (int i = 0; i < nr; i++) p[i] = bf16_one(hadd1(a[i]));
+    for (int i = 0; i < nr; i++) p[i] = f32_to_bf16(hadd1(a[i]));
 }
 
 static void bgemm_8x1(const bgemm_t *g, int64_t n, int nr, int64_t m) {

@@ -110,3 +110,11 @@ def test_int8_weights_above_the_op_rows_take_it_after_an_exact_cast(monkeypatch)
     assert torch.equal(quant.TORCH_IMPLS["int8"](x, qw), cpu_native.bf16_linear(x, codes).mul_(scales))
     monkeypatch.setattr(cpu_native, "_onednn_bf16", lambda: True)
     assert torch.equal(quant.TORCH_IMPLS["int8"](x, qw), F.linear(x, codes).mul_(scales))
+
+
+def test_nan_and_inf_come_out_as_torch_writes_them() -> None:
+    x = torch.ones(3, 32, dtype=torch.bfloat16)
+    x[0, 5], x[1, 7] = float("nan"), float("inf")
+    out = cpu_native.bf16_linear(x, torch.ones(16, 32, dtype=torch.bfloat16))
+    assert out[0].view(torch.int16).eq(0x7FC0).all()  # the canonical bf16 NaN, as torch's conversion gives
+    assert out[1].isposinf().all() and out[2].eq(32).all()
