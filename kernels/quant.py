@@ -50,7 +50,7 @@ from keepwarm.formats.quant import (
     unpack_int4,
 )
 
-from . import cpu_native
+from . import cpu_native, reference
 
 __all__ = ["PATHS", "TORCH_IMPLS", "QuantizedWeight", "fp8_as_float16", "linear_reference"]
 
@@ -181,9 +181,8 @@ def _int8_cast(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -
     if x.dtype == torch.float16:
         # Scale the weight, not the output: x @ q^T can exceed float16's range before scaling.
         return F.linear(x, q.mul_(scales[:, None]), bias)
-    if cpu_native.bf16_fits(x, q) and cpu_native.bf16_matmul_on():  # bf16 without oneDNN's: the AVX2 kernel
-        return _add_bias(cpu_native.bf16_linear(x, q).mul_(scales), x, bias)
-    return _add_bias(F.linear(x, q).mul_(scales), x, bias)
+    # reference.linear: bf16 on a CPU without oneDNN's bf16 matmul takes the AVX2 kernel, else F.linear
+    return _add_bias(reference.linear(x, q).mul_(scales), x, bias)
 
 
 def _int8_native(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
