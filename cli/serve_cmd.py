@@ -120,6 +120,8 @@ def register(app: typer.Typer) -> None:
         if cfg.zygote:
             _supervise(config, flags)
             return
+        if cfg.node_rank != 0:
+            raise typer.Exit(_serve_node(cfg))
         from keepwarm.daemon.client import DaemonError
         from keepwarm.formats.model_config import ModelConfigError
         from keepwarm.worker.api.server import serve as run_server
@@ -135,6 +137,33 @@ def register(app: typer.Typer) -> None:
     serve.__signature__ = serve_signature()  # type: ignore[attr-defined]  # what typer reads
     app.command(context_settings={"help_option_names": ["-h", "--help"]})(serve)
     _register_restart(app)
+
+
+def _serve_node(cfg: Any) -> int:
+    """`keepwarm serve --node-rank K` (K > 0): this machine's tensor-parallel ranks only; rank 0 (node 0) sends
+    them the model and every step. Exits with the worst of their exit codes."""
+    import logging
+
+    from keepwarm.cli.main import fail
+    from keepwarm.worker.engine import EngineConfig
+    from keepwarm.worker.parallel.group import serve_node
+    from keepwarm.worker.parallel.sharding import TensorParallelError
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    engine = EngineConfig(**cfg.engine_kwargs())
+    device = "cuda" if engine.device == "cuda" or (engine.device == "auto" and _cuda_available()) else "cpu"
+    threads = cfg.threads or 1
+    try:
+        return serve_node(engine.tensor_parallel_size, device, engine.nodes(), engine.distributed_timeout, threads)
+    except TensorParallelError as e:
+        fail(str(e), code=2)
+        return 2
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _register_restart(app: typer.Typer) -> None:

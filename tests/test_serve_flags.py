@@ -71,6 +71,10 @@ EFFECT_TESTS = {
     "tool_call_parser": "test_tool_calls::test_tool_choice_rules",
     "zygote": "test_restart::test_restarts_under_load",
     "tensor_parallel_size": "test_tensor_parallel::test_serve_tp_answers_and_exits_nonzero_when_a_rank_is_killed",
+    "nnodes": "test_tensor_parallel::test_two_nodes_on_localhost_give_one_process_tokens",
+    "node_rank": "test_tensor_parallel::test_two_nodes_on_localhost_give_one_process_tokens",
+    "master_addr": "test_tensor_parallel::test_two_nodes_on_localhost_give_one_process_tokens",
+    "master_port": "test_tensor_parallel::test_two_nodes_on_localhost_give_one_process_tokens",
     # Effective only on a CUDA device (on a CPU the engine has no graphs and no device memory to size by).
     "enforce_eager": "test_gpu_reference::test_gpu_flags_reach_the_engine",
     "gpu_memory_utilization": "test_gpu_reference::test_gpu_flags_reach_the_engine",

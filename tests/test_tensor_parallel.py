@@ -2,10 +2,13 @@
 
 - Sharding rules, without processes: every layout's shard dequantizes to exactly the slice of the full weight;
   KV heads split or replicated; the vocabulary padded; a quantization group that would straddle a shard refused.
-- Refusals (one line, before any process is started): an unsupported family, sizes that do not divide, LoRA.
+- Refusals (one line, before any process is started): an unsupported family, sizes that do not divide.
+- LoRA: each rank's part of a pair gives its rows of the full delta (column-parallel) or a partial sum that adds up
+  to it (row-parallel); TP=2 with two adapters and the base model in one batch gives one process's greedy tokens.
 - Greedy tokens with TP=2 equal to one process: tiny Llama with 2 KV heads (split) with prefix caching, chunked
   prefill and preemption on; tiny Llama with 1 KV head (replicated, tied embeddings) from an int8 arena; tiny
   Qwen2 (q/k/v biases, tied embeddings).
+- Two "nodes" on localhost: node 1 started on its own joins node 0's engine through MASTER_ADDR / MASTER_PORT.
 - A real `keepwarm serve --tensor-parallel-size 2`: it reports its ranks, answers, and exits non-zero when a rank
   is killed with SIGKILL (no hang: a generous bound, not a speed assert).
 """
@@ -127,22 +130,62 @@ def test_kv_heads_split_or_replicated_and_vocab_padded(tiny_model_factory) -> No
 def test_step_message_round_trips_and_bad_fields_are_named() -> None:
     step = messages.Step(torch.arange(5), torch.arange(5), torch.arange(5), torch.zeros(2, 3, dtype=torch.int32),
                          torch.tensor([3, 2], dtype=torch.int32), torch.tensor([0, 3, 5], dtype=torch.int32), 3,
-                         torch.tensor([2, 4]))
+                         torch.tensor([2, 4]), torch.tensor([1, -1]))
     back = messages.decode(messages.encode(step))
     assert isinstance(back, messages.Step) and back.max_query_len == 3
     assert torch.equal(back.block_tables, step.block_tables) and torch.equal(back.token_rows, step.token_rows)
+    assert torch.equal(back.lora_slots, step.lora_slots)
     import msgpack
 
     with pytest.raises(messages.MessageError, match="'block_size'"):
-        messages.decode(msgpack.packb({"v": 1, "kind": "cache", "num_blocks": 4, "block_size": "16",
+        messages.decode(msgpack.packb({"v": messages.VERSION, "kind": "cache", "num_blocks": 4, "block_size": "16",
                                        "kv_dtype": "float32"}))
+    # A LoRA slot's weights round-trip bit for bit (bf16 too); bytes that do not make the shape are named.
+    pair = (torch.randn(4, 8).to(torch.bfloat16), torch.randn(6, 4))
+    sent = messages.LoRASlot(2, "ad", "sha", 4, 0.5, messages.lora_weights({(1, "q_proj"): pair}))
+    got = messages.decode(messages.encode(sent))
+    assert isinstance(got, messages.LoRASlot) and got.slot == 2 and got.scaling == 0.5
+    (a, b), = messages.lora_tensors(got.weights).values()
+    assert a.dtype == torch.bfloat16 and torch.equal(a, pair[0]) and torch.equal(b, pair[1])
+    bad = [[1, "q_proj", "float32", [4, 9], bytes(128), "float32", [6, 4], bytes(96)]]
+    with pytest.raises(messages.MessageError, match=r"q_proj of layer 1\): bytes do not make shape \[4, 9\]"):
+        messages.lora_tensors(bad)
+
+
+@pytest.mark.parametrize("model", ["llama", "llama3_tied"])
+def test_lora_shards_give_the_full_delta(tiny_model_factory, model: str) -> None:
+    """Column-parallel: each rank's LoRA output is its rows of the full one (replicated KV heads: all of them);
+    row-parallel: the ranks' partial outputs sum to the full one."""
+    from keepwarm.worker.lora import module_dims
+    from keepwarm.worker.parallel.sharding import shard_lora
+
+    mc = load_model_config(tiny_model_factory(model))
+    g = torch.Generator().manual_seed(0)
+    i = mc.intermediate_size
+    kv_rows = mc.kv_size // 2 if mc.num_key_value_heads >= 2 else mc.kv_size
+    for module in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
+        fan_in, fan_out = module_dims(mc, module)
+        a, b, x = (torch.randn(*s, generator=g, dtype=torch.float64) for s in ((4, fan_in), (fan_out, 4), (3, fan_in)))
+        full = x @ a.T @ b.T
+        parts = [shard_lora(module, a, b, mc, Shard(r, 2)) for r in (0, 1)]
+        if module in ("o_proj", "down_proj"):
+            width = fan_in // 2
+            assert all(pa.shape == (4, width) and pb is b for pa, pb in parts)
+            total = sum(x[:, r * width:(r + 1) * width] @ pa.T @ pb.T for r, (pa, pb) in enumerate(parts))
+            torch.testing.assert_close(total, full)
+            continue
+        rows = {"q_proj": mc.q_size // 2, "gate_proj": i // 2, "up_proj": i // 2}.get(module, kv_rows)
+        for r, (pa, pb) in enumerate(parts):
+            replicated = module in ("k_proj", "v_proj") and mc.num_key_value_heads < 2
+            start = 0 if replicated else r * rows
+            assert pa is a and pb.shape == (rows, 4)
+            torch.testing.assert_close(x @ pa.T @ pb.T, full[:, start:start + rows], msg=f"{module} rank {r}")
 
 
 # -- refusals: one line, before any process is started ------------------------------------------------------------
 @pytest.mark.parametrize("model,kwargs,match", [
     ("gemma2", {}, "supports the Llama family .* Gemma2ForCausalLM is not supported"),
     ("llama", {"tensor_parallel_size": 3}, "size 3 does not divide num_attention_heads \\(4\\)"),
-    ("llama", {"enable_lora": True}, "LoRA under tensor parallelism is not supported"),
 ])
 def test_refusals_name_the_cause_before_starting_ranks(tiny_model_factory, model, kwargs, match) -> None:
     before = {p.pid for p in _children()}
@@ -204,6 +247,85 @@ def test_tp2_greedy_tokens_equal_one_process(tiny_model_factory, tmp_path_factor
             shutil.rmtree(paths.shm_dir(daemon.runtime_dir), ignore_errors=True)
             shutil.rmtree(daemon.runtime_dir, ignore_errors=True)
     assert not [p for p in _children() if "rank_main" in " ".join(p.cmdline())]  # ranks exited on close
+
+
+def test_tp2_with_two_lora_adapters_in_one_batch_equals_one_process(tiny_llama, lora_adapters) -> None:
+    """Two adapters (one on q/v; one on every projection, o_proj and down_proj row-parallel) and the base model in
+    one batch; then a third adapter, which rewrites a slot (rank 1 is told, and rewrites its part too)."""
+    from keepwarm.worker.lora import LoRARequest
+
+    prompts = _prompts()
+    requests = [None, LoRARequest("ad_qv", 1, lora_adapters["ad_qv"]),
+                LoRARequest("ad_all", 2, lora_adapters["ad_all"])]
+    loras = [requests[k % 3] for k in range(len(prompts))]
+    third = LoRARequest("ad_mlp", 3, lora_adapters["ad_mlp"])
+    common = dict(dtype="float32", daemon=False, enable_lora=True, max_loras=2, max_lora_rank=16, max_model_len=160)
+
+    def run(llm: LLM) -> tuple[list[list[int]], ...]:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, lora_request=loras)
+        again = llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], GREEDY, lora_request=third)
+        return [o.outputs[0].token_ids for o in outs], [o.outputs[0].token_ids for o in again]
+
+    single = LLM(model=tiny_llama, **common)
+    expected = run(single)
+    base = _tokens(single, prompts)
+    single.close()
+    assert [e != b for e, b in zip(expected[0], base, strict=True)] == [lo is not None for lo in loras]
+    assert expected[1] != base[:2]
+    llm = LLM(model=tiny_llama, tensor_parallel_size=2, **common)
+    try:
+        assert run(llm) == expected
+        manager = llm.llm_engine.lora_manager
+        assert manager is not None and manager.shard == Shard(0, 2) and manager.slot_refs == [0, 0]
+        assert "ad_mlp" in [a.name for a in manager.slot_adapter if a is not None]  # a slot was rewritten
+    finally:
+        llm.close()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_two_nodes_on_localhost_give_one_process_tokens(tiny_llama) -> None:
+    """Node 1 started on its own (`keepwarm serve --nnodes 2 --node-rank 1`, MASTER_ADDR from the environment as
+    torchrun sets it, the port as --master-port) joins node 0's engine: the same greedy tokens as one process;
+    node 1 exits 0 after node 0 closes. A split that is not even is refused in one line, nothing started."""
+    import sys
+
+    prompts = _prompts()[:3]
+    common = dict(dtype="float32", daemon=False)
+    single = LLM(model=tiny_llama, **common)
+    expected = _tokens(single, prompts)
+    single.close()
+    port = _free_port()
+    node1 = subprocess.Popen([sys.executable, "-m", "keepwarm.cli.main", "serve", tiny_llama, "-tp", "2",
+                              "--nnodes", "2", "--node-rank", "1", "--master-port", str(port), "--no-daemon"],
+                             env={**os.environ, "MASTER_ADDR": "127.0.0.1"},
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        llm = LLM(model=tiny_llama, tensor_parallel_size=2, nnodes=2, master_addr="127.0.0.1", master_port=port,
+                  **common)
+        try:
+            engine = llm.llm_engine
+            assert engine.tp is not None and engine.tp.children == []  # rank 1 is node 1's, not a child here
+            assert _tokens(llm, prompts) == expected
+        finally:
+            llm.close()
+        out, _ = node1.communicate(timeout=60)
+        assert node1.returncode == 0, out
+        assert "node 1 of 2, ranks 1-1" in out
+    finally:
+        if node1.poll() is None:
+            node1.kill()
+    uneven = subprocess.run([sys.executable, "-m", "keepwarm.cli.main", "serve", tiny_llama, "-tp", "2",
+                             "--nnodes", "3", "--node-rank", "1", "--master-port", "1"],
+                            capture_output=True, text=True, timeout=60)
+    assert uneven.returncode == 2 and uneven.stderr.strip() == \
+        "error: --nnodes 3 does not divide the 2 ranks (tensor-parallel size)"
 
 
 def _kill_a_rank_mid_request(llm: LLM) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,9 +37,9 @@ from keepwarm.worker.model_runner import (
     kv_bytes_per_block,
 )
 from keepwarm.worker.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from keepwarm.worker.parallel.group import TensorParallelGroup
-from keepwarm.worker.parallel.messages import CacheSpec, Setup
-from keepwarm.worker.parallel.sharding import TensorParallelError, check_supported, local_config
+from keepwarm.worker.parallel.group import Nodes, TensorParallelGroup
+from keepwarm.worker.parallel.messages import CacheSpec, LoRASlot, Setup, lora_weights
+from keepwarm.worker.parallel.sharding import Shard, TensorParallelError, check_supported, local_config
 from keepwarm.worker.sampler import Sampler
 from keepwarm.worker.sampling_params import SamplingParams
 from keepwarm.worker.scheduler import Scheduler, SchedulerConfig
@@ -95,10 +96,26 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
-    # Tensor parallelism (worker/parallel): ranks on this machine, one process each (this one is rank 0), and the
-    # timeout of their collectives (a rank stuck or gone fails the step instead of hanging it).
+    # Tensor parallelism (worker/parallel): ranks, one process each (this one is rank 0), and the timeout of their
+    # collectives (a rank stuck or gone fails the step instead of hanging it).
     tensor_parallel_size: int = 1
     distributed_timeout: float = 120.0
+    # Ranks on several machines (torchrun's meanings; this engine is node 0): node 0's store address and port,
+    # None = MASTER_ADDR / MASTER_PORT from the environment. One node: 127.0.0.1 and any free port.
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str | None = None
+    master_port: int | None = None
+
+    def nodes(self) -> Nodes:
+        if self.nnodes == 1 and self.node_rank == 0:
+            return Nodes()
+        try:
+            port = self.master_port if self.master_port is not None else int(os.environ.get("MASTER_PORT", 0))
+        except ValueError:
+            raise TensorParallelError(f"MASTER_PORT={os.environ['MASTER_PORT']!r} is not a port number") from None
+        return Nodes(self.nnodes, self.node_rank, self.master_addr or os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                     port)
 
 
 @dataclass
@@ -155,7 +172,7 @@ class LLMEngine:
             raise ModelConfigError(f"block_size must be one of 8, 16, 32, 64, 128; got {config.block_size}")
 
         self.tp: TensorParallelGroup | None = None
-        if config.tensor_parallel_size != 1:
+        if config.tensor_parallel_size != 1 or config.nnodes != 1:
             self.loaded = self._start_tensor_parallel(loaded)
         else:
             self.loaded = loaded or load_model(
@@ -193,8 +210,11 @@ class LLMEngine:
             if mc.family == "moe":
                 raise ModelConfigError(f"LoRA is not supported for {mc.architecture} (experts have no PEFT "
                                        "projections keepwarm maps; supported: the Llama and Gemma families)")
+            shard = None if self.tp is None else Shard(0, self.tp.world_size)
             self.lora_manager = LoRAManager(self.loaded.model, mc, config.max_loras, config.max_lora_rank,
-                                            self.dtype, self.device)
+                                            self.dtype, self.device, shard)
+            if self.tp is not None:
+                self.lora_manager.on_write = self._publish_lora_slot
         budget = config.max_num_batched_tokens or max(2048, config.block_size)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, budget, self.max_model_len),
                                    self.block_manager, self.lora_manager)
@@ -222,17 +242,17 @@ class LLMEngine:
         check_supported(mc, n)
         if loaded is not None:
             raise TensorParallelError("tensor parallelism loads its own shards: a preloaded model cannot be given")
-        if config.enable_lora:
-            raise TensorParallelError("LoRA under tensor parallelism is not supported yet (--enable-lora with "
-                                      f"--tensor-parallel-size {n})")
         daemon = self._daemon_for_ranks()
         self._threads_before_tp = torch.get_num_threads()
         threads = max(1, self._threads_before_tp // n)  # the ranks share this process's cores; restored on close
         torch.set_num_threads(threads)
-        self.tp = tp = TensorParallelGroup.launch(n, self.device, config.distributed_timeout, threads)
+        self.tp = tp = TensorParallelGroup.launch(n, self.device, config.distributed_timeout, threads,
+                                                  config.nodes())
         try:
             tp.send(Setup(str(self._model_dir), config.dtype, config.quantization, self.device.type,
-                          self.max_model_len, daemon, config.runtime_dir, config.fingerprint, threads, config.seed))
+                          self.max_model_len, daemon, config.runtime_dir, config.fingerprint, threads, config.seed,
+                          config.max_loras if config.enable_lora else 0, config.max_lora_rank,
+                          str(self.dtype).removeprefix("torch.")))
             error: BaseException | None = None
             loaded = None
             try:
@@ -256,6 +276,16 @@ class LLMEngine:
         log.info("tensor parallel: rank 0 of %d, %d torch thread(s) per rank, %.1f MB of weights per rank", n,
                  threads, loaded.nbytes / 1e6)
         return loaded
+
+    def _publish_lora_slot(self, slot: int, adapter: LoRAAdapter | None) -> None:
+        """Rank 0 writes a LoRA slot: the other ranks write the same adapter (their part of it) there too."""
+        assert self.tp is not None
+        self.tp.check()
+        if adapter is None:
+            self.tp.send(LoRASlot(slot, "", "", 0, 1.0, []))
+            return
+        self.tp.send(LoRASlot(slot, adapter.name, adapter.digest, adapter.rank, adapter.scaling,
+                              lora_weights(adapter.weights)))
 
     def _daemon_for_ranks(self) -> bool | str:
         """The daemon setting every rank loads with: a daemon that must be started is started here, once, so the

@@ -10,6 +10,10 @@ model run in one forward pass: two matmuls per projection (``kernels.lora_shrink
 Rules: an adapter occupies a slot from the moment one of its requests is scheduled until its last running
 request finishes or is preempted; a slot is rewritten only when its reference count is zero, so a request is
 never served with another adapter's weights. Pickled adapter files are refused.
+
+Under tensor parallelism (``shard``) each rank's buffers have its local widths and hold its part of every pair
+(``parallel.sharding.shard_lora``); rank 0 tells the other ranks of every slot write (``on_write``) so all ranks
+hold the same adapter in the same slot before a step reads it.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,6 +31,7 @@ import torch
 from keepwarm import kernels
 from keepwarm.formats.adapter import LoRAError, adapter_digest, read_adapter_dir
 from keepwarm.formats.model_config import ModelConfig
+from keepwarm.worker.parallel.sharding import Shard, local_config, shard_lora
 
 # PEFT module name -> (module path inside a decoder layer, index of the output slice in the fused projection)
 LORA_MODULES: dict[str, tuple[str, int]] = {
@@ -81,7 +86,7 @@ class LoRAAdapter:
     scaling: float
     targets: frozenset[str]
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(repr=False)  # -> (A [r,in], B [out,r])
-    source: str = "disk"  # "disk" or "daemon"
+    source: str = "disk"  # "disk", "daemon" or "rank 0" (a tensor-parallel rank's copy of rank 0's adapter)
     unloading: bool = False  # set while an unload waits for in-flight requests: new requests are refused
     storage: Any = field(default=None, repr=False)  # the daemon mapping the tensors view, kept alive
 
@@ -192,7 +197,7 @@ class LoRALayer:
             self.b[g][:, slot * R:(slot + 1) * R].zero_()
             if adapter is None or (layer, module) not in adapter.weights:
                 continue
-            a, b = adapter.weights[(layer, module)]
+            a, b = self.manager.pair(adapter, layer, module)
             r = a.shape[0]
             self.a[(g * S + slot) * R:(g * S + slot) * R + r].copy_(a)
             # Scaling folded into B, computed in float32 before the cast to the model dtype.
@@ -214,7 +219,7 @@ class LoRAManager:
     """Adapter slots for one model: which adapter sits in which slot, with reference counts."""
 
     def __init__(self, model: torch.nn.Module, mc: ModelConfig, max_loras: int, max_lora_rank: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, shard: Shard | None = None) -> None:
         if max_loras < 1:
             raise ValueError("max_loras must be at least 1")
         if max_lora_rank < 1:
@@ -225,16 +230,25 @@ class LoRAManager:
         self.slot_refs = [0] * max_loras
         self.token_slots: torch.Tensor | None = None  # set by the model runner around each forward
         self.layers: list[dict[str, LoRALayer]] = []
-        slices = fused_slices(mc)
+        self.mc, self.shard = mc, shard
+        # Rank 0 under tensor parallelism: called on every slot write, to repeat it on the other ranks.
+        self.on_write: Callable[[int, LoRAAdapter | None], None] | None = None
+        local = mc if shard is None else local_config(mc, shard.world_size)  # this rank's widths
+        slices = fused_slices(local)
         for layer in model.model.layers:
             per_layer = {}
             for path, sl in slices.items():
                 module = layer.get_submodule(path)
-                fan_in = module_dims(mc, sl[0][0])[0]
+                fan_in = module_dims(local, sl[0][0])[0]
                 lora = LoRALayer(self, fan_in, sl, dtype, device)
                 object.__setattr__(module, "lora", lora)
                 per_layer[path] = lora
             self.layers.append(per_layer)
+
+    def pair(self, adapter: LoRAAdapter, layer: int, module: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(A, B) of ``adapter`` at (layer, module) as this rank holds them."""
+        a, b = adapter.weights[(layer, module)]
+        return (a, b) if self.shard is None else shard_lora(module, a, b, self.mc, self.shard)
 
     def slot_of(self, adapter: LoRAAdapter) -> int:
         for s, a in enumerate(self.slot_adapter):
@@ -269,19 +283,25 @@ class LoRAManager:
             self._write(s, None)
 
     def _write(self, slot: int, adapter: LoRAAdapter | None) -> None:
+        if self.on_write is not None:
+            self.on_write(slot, adapter)
+        self.write(slot, adapter)
+
+    def write(self, slot: int, adapter: LoRAAdapter | None) -> None:
+        """Put ``adapter`` (None: nothing) in ``slot``'s buffers; a rank other than 0 calls this as rank 0 says."""
         with torch.inference_mode():
             for layer_idx, per_layer in enumerate(self.layers):
                 for lora in per_layer.values():
                     lora.write_slot(slot, adapter, layer_idx)
         self.slot_adapter[slot] = adapter
 
-    def set_batch(self, per_seq_slots: Iterable[int], num_tokens: Iterable[int], device: torch.device) -> None:
-        slots, counts = list(per_seq_slots), list(num_tokens)
-        if all(s < 0 for s in slots):
+    def set_batch(self, slots: torch.Tensor, num_tokens: torch.Tensor, device: torch.device) -> None:
+        """Each token's slot from each sequence's (``slots`` [S], -1: base model; empty or all -1: no LoRA) and
+        token count (``num_tokens`` [S])."""
+        if not slots.numel() or not bool((slots >= 0).any()):
             self.token_slots = None  # the whole batch is the base model: skip LoRA entirely
             return
-        self.token_slots = torch.repeat_interleave(torch.tensor(slots, dtype=torch.int64),
-                                                   torch.tensor(counts, dtype=torch.int64)).to(device)
+        self.token_slots = torch.repeat_interleave(slots.to(torch.int64), num_tokens.to(torch.int64)).to(device)
 
     def clear_batch(self) -> None:
         self.token_slots = None

@@ -108,7 +108,12 @@ class ModelRunner:
         return Step(input_ids=torch.tensor(ids, dtype=torch.int64), positions=rope_positions, slot_mapping=slots,
                     block_tables=block_tables.to(torch.int32), seq_lens=(start + q_lens).to(torch.int32),
                     query_start_loc=qsl.to(torch.int32), max_query_len=int(q_lens.max()),
-                    token_rows=torch.tensor(token_rows, dtype=torch.int64))
+                    token_rows=torch.tensor(token_rows, dtype=torch.int64), lora_slots=self._lora_slots(batch))
+
+    def _lora_slots(self, batch: ScheduledBatch) -> torch.Tensor:
+        """Each sequence's LoRA slot, or an empty tensor when the whole batch is the base model."""
+        slots = [seq.lora_slot for seq in batch.seqs] if self.lora_manager is not None else []
+        return torch.tensor(slots if any(s >= 0 for s in slots) else [], dtype=torch.int64)
 
     def device_inputs(self, step: Step) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         dev = self.device
@@ -135,13 +140,7 @@ class ModelRunner:
             self.tp.check()
             self.tp.send(step)
             self.tp.stats.steps += 1
-        if self.lora_manager is not None:
-            self.lora_manager.set_batch([seq.lora_slot for seq in batch.seqs], batch.num_new_tokens, self.device)
-        try:
-            logits = self.run(step)
-        finally:
-            if self.lora_manager is not None:
-                self.lora_manager.clear_batch()
+        logits = self.run(step)
         assert logits is not None  # rank 0 (or no tensor parallelism) always gets the logits
         return logits
 
@@ -150,7 +149,13 @@ class ModelRunner:
         """The forward of one step and the logits of its ``token_rows``: on rank 0 [R, vocab] float32; on
         another tensor-parallel rank None (its logit columns are gathered to rank 0)."""
         input_ids, positions, attn = self.device_inputs(step)
-        hidden = self._forward(input_ids, positions, attn)
+        if self.lora_manager is not None:
+            self.lora_manager.set_batch(step.lora_slots, step.query_start_loc.diff(), self.device)
+        try:
+            hidden = self._forward(input_ids, positions, attn)
+        finally:
+            if self.lora_manager is not None:
+                self.lora_manager.clear_batch()
         if not step.token_rows.numel():
             return torch.empty(0, self.vocab_size) if self.tp is None or self.tp.rank == 0 else None
         if step.token_rows.numel() != hidden.shape[0] or not torch.equal(

@@ -73,6 +73,14 @@ class ServerConfig:
     tensor_parallel_size: int = setting(1, Flag("Split the model across this many processes on this machine "
                                                 "(tensor parallelism; one per GPU, or sharing the CPU cores).",
                                                 ("--tensor-parallel-size", "-tp"), engine=SAME))
+    # several machines (torchrun's meanings): node 0 serves the API, node k > 0 only runs its ranks
+    nnodes: int = setting(1, Flag("Machines the tensor-parallel ranks are spread over (evenly).", engine=SAME))
+    node_rank: int = setting(0, Flag("This machine's index: 0 serves the API; others only run their ranks.",
+                                     engine=SAME))
+    master_addr: str | None = setting(None, Flag("Node 0's address (default: $MASTER_ADDR, else 127.0.0.1).",
+                                                 engine=SAME))
+    master_port: int | None = setting(None, Flag("Node 0's rendezvous port, the same on every node (default: "
+                                                 "$MASTER_PORT).", engine=SAME))
     # LoRA (vLLM's flags)
     enable_lora: bool = setting(False, Flag(engine=SAME))
     lora_modules: list[str] = setting(factory=list, flag=Flag("name=path"))

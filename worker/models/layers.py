@@ -5,7 +5,8 @@ tensor without copying it, after checking the shape. Weights are plain tensor at
 they may be read-only views into shared memory and are never trained.
 
 Tensor parallelism (worker/parallel): a row-parallel ``Linear`` has ``reduce`` set (the all-reduce over the ranks)
-and adds its bias once, after the reduce; ``VocabParallelEmbedding`` holds one rank's vocabulary rows.
+and adds its bias once, after the reduce (its LoRA part, a partial sum too, before it); ``VocabParallelEmbedding``
+holds one rank's vocabulary rows.
 """
 
 from __future__ import annotations
@@ -62,8 +63,9 @@ class Linear(BoundModule):
         super().bind(name, tensor)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.reduce is not None:
-            y = self.reduce(kernels.linear(x, self.weight))
+        if self.reduce is not None:  # the rank's LoRA part joins its partial sum before the one all-reduce
+            y = kernels.linear(x, self.weight)
+            y = self.reduce(y if self.lora is None else self.lora.apply(x, y))
             return y if self.bias is None else y.add_(self.bias.to(y.dtype))
         y = kernels.linear(x, self.weight, self.bias)
         return y if self.lora is None else self.lora.apply(x, y)

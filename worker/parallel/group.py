@@ -6,15 +6,22 @@ the logits gather, with ``timeout`` (a rank stuck or gone fails the step instead
 carries rank 0's typed messages (``messages.py``) with a longer timeout, since ranks wait there while the engine
 is idle (rank 0 pings it every ``PING_INTERVAL_S`` of silence).
 
-Rank 0 starts the others (``launch``) with torchrun's environment; a rank started that way joins through
-``from_env``. Rank 0's watchdog thread polls its children: one that exits makes ``dead`` say so, and the engine
-raises at its next step or idle check. A rank other than 0 exits when its parent is gone.
+Rank 0 starts the other ranks of its node (``launch``) with torchrun's environment; a rank started that way joins
+through ``from_env``. Rank 0's watchdog thread polls its children: one that exits makes ``dead`` say so, and the
+engine raises at its next step or idle check. A rank other than 0 exits when its parent is gone.
+
+Several machines (``Nodes``: torchrun's ``--nnodes``, ``--node-rank``, ``MASTER_ADDR``, ``MASTER_PORT``): the
+``world_size`` ranks are split evenly, node k holding ranks ``[k * L, (k + 1) * L)``. Node 0 holds the store at
+``MASTER_ADDR:MASTER_PORT`` and rank 0 (the engine and the API); node k > 0 only starts its ranks
+(``serve_node``) and exits with the worst of their exit codes. A rank on another node that dies fails rank 0's
+next collective (gloo sees the closed connection; at worst ``timeout``), so the engine stops as for a local one.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -47,6 +54,30 @@ class CommStats:
     steps: int = 0
 
 
+@dataclass(frozen=True)
+class Nodes:
+    """Where the ranks run: ``nnodes`` machines, this one ``node_rank``, node 0's store at master_addr:port
+    (port 0 on one node: any free port)."""
+
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
+
+    def local_ranks(self, world_size: int) -> range:
+        """The ranks this node runs; refuses (one line) a split that is not even."""
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise TensorParallelError(f"--node-rank {self.node_rank} is not in [0, --nnodes {self.nnodes})")
+        if world_size % self.nnodes:
+            raise TensorParallelError(f"--nnodes {self.nnodes} does not divide the {world_size} ranks "
+                                      "(tensor-parallel size)")
+        if self.nnodes > 1 and not self.master_port:
+            raise TensorParallelError("several nodes need MASTER_PORT (or --master-port): the port of node 0's "
+                                      "store, the same on every node")
+        per = world_size // self.nnodes
+        return range(self.node_rank * per, (self.node_rank + 1) * per)
+
+
 @dataclass
 class RankProcess:
     rank: int
@@ -77,22 +108,24 @@ class TensorParallelGroup:
     # -- starting ------------------------------------------------------------------------------------------------
     @classmethod
     def launch(cls, world_size: int, device: torch.device, timeout: float = DEFAULT_TIMEOUT_S,
-               threads: int = 1) -> TensorParallelGroup:
-        """Rank 0: start ranks 1..N-1 (this process stays rank 0) and join them."""
+               threads: int = 1, nodes: Nodes = Nodes()) -> TensorParallelGroup:
+        """Rank 0: start the other ranks of this node (this process stays rank 0) and join every rank."""
         backend = "nccl" if device.type == "cuda" else "gloo"
         if dist.is_initialized():
             raise TensorParallelError("a tensor-parallel engine already runs in this process (torch.distributed's "
                                       "default group is taken): close it first")
-        store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, timeout=timedelta(seconds=timeout),
-                              wait_for_workers=False)
-        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port),
-               "WORLD_SIZE": str(world_size), "KEEPWARM_TP_BACKEND": backend, "KEEPWARM_TP_TIMEOUT": str(timeout),
-               "OMP_NUM_THREADS": str(threads), "KEEPWARM_TP_PARENT": str(os.getpid())}
-        children = []
-        for rank in range(1, world_size):
-            cmd = [sys.executable, "-m", "keepwarm.worker.parallel.rank_main"]
-            proc = subprocess.Popen(cmd, env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}, close_fds=True)
-            children.append(RankProcess(rank, proc))
+        if nodes.node_rank != 0:
+            raise TensorParallelError(f"node {nodes.node_rank} runs no engine: start it with `keepwarm serve "
+                                      f"--node-rank {nodes.node_rank}` (it starts that node's ranks)")
+        local = nodes.local_ranks(world_size)
+        try:
+            store = dist.TCPStore(nodes.master_addr, nodes.master_port, world_size, is_master=True,
+                                  timeout=timedelta(seconds=timeout), wait_for_workers=False)
+        except (RuntimeError, OSError) as e:
+            raise TensorParallelError(f"tensor parallel: cannot listen on {nodes.master_addr}:{nodes.master_port} "
+                                      f"(MASTER_ADDR:MASTER_PORT): {str(e).splitlines()[0]}") from None
+        children = start_ranks(local[1:], len(local), world_size, backend, timeout, threads, nodes.master_addr,
+                               store.port)
         try:
             # The prefix env:// gives the default group's keys on the other ranks.
             dist.init_process_group(backend, store=dist.PrefixStore("default_pg", store), rank=0,
@@ -105,8 +138,8 @@ class TensorParallelGroup:
         group = cls(0, world_size, backend, device, control, timeout, children)
         group._watchdog = threading.Thread(target=group._watch, name="keepwarm-tp-watchdog", daemon=True)
         group._watchdog.start()
-        log.info("tensor parallel: %d ranks (%s), rank pids %s", world_size, backend,
-                 [os.getpid(), *(c.pid for c in children)])
+        log.info("tensor parallel: %d ranks (%s) on %d node(s), this node's rank pids %s", world_size, backend,
+                 nodes.nnodes, [os.getpid(), *(c.pid for c in children)])
         return group
 
     @classmethod
@@ -208,6 +241,61 @@ class TensorParallelGroup:
         _stop_children(self.children, grace=10.0 if self.dead is None else 0.0)
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def start_ranks(ranks: range, per_node: int, world_size: int, backend: str, timeout: float, threads: int,
+                master_addr: str, master_port: int) -> list[RankProcess]:
+    """Start ``ranks`` of this node as ``rank_main`` processes with torchrun's environment (LOCAL_RANK from 0 on
+    each node), watching this process as their parent."""
+    env = {**os.environ, "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port),
+           "WORLD_SIZE": str(world_size), "KEEPWARM_TP_BACKEND": backend, "KEEPWARM_TP_TIMEOUT": str(timeout),
+           "OMP_NUM_THREADS": str(threads), "KEEPWARM_TP_PARENT": str(os.getpid())}
+    children = []
+    for rank in ranks:
+        cmd = [sys.executable, "-m", "keepwarm.worker.parallel.rank_main"]
+        local = str(rank % per_node)
+        proc = subprocess.Popen(cmd, env={**env, "RANK": str(rank), "LOCAL_RANK": local}, close_fds=True)
+        children.append(RankProcess(rank, proc))
+    return children
+
+
+def serve_node(world_size: int, device_type: str, nodes: Nodes, timeout: float = DEFAULT_TIMEOUT_S,
+               threads: int = 1) -> int:
+    """Node k > 0: start this node's ranks, which join node 0's store and serve rank 0's steps; wait for them.
+    Returns 0 when every rank exited 0, else the first non-zero exit code (a rank that fails takes the others down
+    through rank 0). SIGINT / SIGTERM stop the ranks here at once (rank 0 then fails its next step)."""
+    if nodes.node_rank == 0:
+        raise TensorParallelError("node 0 runs the engine and the API, not `serve_node`")
+    ranks = nodes.local_ranks(world_size)
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    children = start_ranks(ranks, len(ranks), world_size, backend, timeout, threads, nodes.master_addr,
+                           nodes.master_port)
+    log.info("tensor parallel: node %d of %d, ranks %d-%d (pids %s), joining %s:%d", nodes.node_rank, nodes.nnodes,
+             ranks.start, ranks.stop - 1, [c.pid for c in children], nodes.master_addr, nodes.master_port)
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: Any) -> None:
+        stop.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
+    codes: dict[int, int] = {}
+    while len(codes) < len(children) and not stop.is_set():
+        for c in children:
+            code = c.proc.poll()
+            if code is not None and c.rank not in codes:
+                codes[c.rank] = code
+                if code:
+                    log.error("tensor-parallel rank %d (pid %d) exited with status %d", c.rank, c.pid, code)
+        stop.wait(WATCHDOG_INTERVAL_S)
+    if stop.is_set():
+        log.warning("tensor parallel: node %d stopping its ranks (signal)", nodes.node_rank)
+        for c in children:
+            if c.proc.poll() is None:
+                c.proc.kill()
+        _stop_children(children, grace=5.0)
+        return 1
+    return next((code for code in codes.values() if code), 0)
 
 
 def _stop_children(children: list[RankProcess], grace: float = 10.0) -> None:

@@ -1,7 +1,8 @@
 """A tensor-parallel rank other than 0: ``python -m keepwarm.worker.parallel.rank_main``, torchrun's environment.
 
 It joins the group, loads its shard as rank 0's ``Setup`` says, allocates the KV cache of its own KV heads, then
-runs every ``Step`` rank 0 broadcasts until ``Shutdown``. It has no scheduler, sampler or API.
+runs every ``Step`` rank 0 broadcasts until ``Shutdown``, writing LoRA slots as rank 0's ``LoRASlot`` messages
+say. It has no scheduler, sampler or API.
 
 Exit (rules): 0 after ``Shutdown``; 1 when its load fails (rank 0 learns it through ``agree``), when a collective
 fails (rank 0 gone or a timeout) or when its parent (rank 0, when keepwarm started it) is gone. SIGINT and SIGTERM
@@ -22,11 +23,12 @@ from pathlib import Path
 import torch
 
 from keepwarm.formats.model_config import parse_dtype
+from keepwarm.worker.lora import LoRAAdapter, LoRAManager
 from keepwarm.worker.model_loader import load_model
 from keepwarm.worker.model_runner import CacheConfig, ModelRunner, allocate_kv_cache
 from keepwarm.worker.parallel.group import TensorParallelGroup
-from keepwarm.worker.parallel.messages import CacheSpec, Ping, Setup, Shutdown, Step
-from keepwarm.worker.parallel.sharding import local_config
+from keepwarm.worker.parallel.messages import CacheSpec, LoRASlot, Ping, Setup, Shutdown, Step, lora_tensors
+from keepwarm.worker.parallel.sharding import Shard, local_config
 
 log = logging.getLogger("keepwarm.worker")
 
@@ -76,7 +78,11 @@ def serve_rank(tp: TensorParallelGroup) -> int:
         raise RuntimeError(f"expected a CacheSpec message, got {type(spec).__name__}")
     kv = allocate_kv_cache(local_config(loaded.config, tp.world_size),
                            CacheConfig(spec.num_blocks, spec.block_size, parse_dtype_or_fp8(spec.kv_dtype)), device)
-    runner = ModelRunner(loaded.model, kv, spec.block_size, lambda seq: [], device, tp=tp,
+    lora = None
+    if setup.max_loras:
+        lora = LoRAManager(loaded.model, loaded.config, setup.max_loras, setup.max_lora_rank,
+                           parse_dtype(setup.lora_dtype), device, Shard(tp.rank, tp.world_size))
+    runner = ModelRunner(loaded.model, kv, spec.block_size, lambda seq: [], device, lora_manager=lora, tp=tp,
                          vocab_size=loaded.config.vocab_size)
     log.info("tensor-parallel rank %d ready: %s, %.1f MB of weights", tp.rank, loaded.source, loaded.nbytes / 1e6)
     try:
@@ -84,12 +90,23 @@ def serve_rank(tp: TensorParallelGroup) -> int:
             msg = tp.receive()
             if isinstance(msg, Step):
                 runner.run(msg)
+            elif isinstance(msg, LoRASlot) and lora is not None:
+                lora.write(msg.slot, _adapter(msg))
             elif isinstance(msg, Shutdown):
                 return 0
             elif not isinstance(msg, Ping):
                 raise RuntimeError(f"unexpected {type(msg).__name__} message while serving")
     finally:
         loaded.close()
+
+
+def _adapter(msg: LoRASlot) -> LoRAAdapter | None:
+    """The full adapter rank 0 put in a slot (this rank's manager cuts its part as it writes), or None."""
+    if not msg.name:
+        return None
+    weights = lora_tensors(msg.weights)
+    return LoRAAdapter(msg.name, "", msg.digest, msg.rank, float(msg.scaling), frozenset(m for _, m in weights),
+                       weights, source="rank 0")
 
 
 def parse_dtype_or_fp8(name: str) -> torch.dtype:

@@ -13,6 +13,10 @@ Rules (``N`` ranks, rank ``r``):
   cut must fall on a group boundary; otherwise a one-line error names the weight, its shape and the group size.
   oneDNN-packed weights are unpacked (exact), cut and packed again. Layouts with a group index are refused.
 - The result is a new tensor per weight (a copy): the full tensors can be dropped after the cut.
+- LoRA (vLLM's column / row rules, ``shard_lora``): on a column-parallel projection A is whole and B is cut like
+  the weight's rows (per q / k / v, gate / up slice); on a row-parallel one A is cut like the weight's columns and
+  B is whole, and the rank's ``x_r A_r^T B^T`` joins its partial output before the one all-reduce (the sum over
+  ranks is ``x A^T B^T``).
 """
 
 from __future__ import annotations
@@ -128,6 +132,27 @@ def plan_cut(name: str, config: ModelConfig, shard: Shard) -> tuple[str, Segment
     if name in ("model.embed_tokens.weight", "lm_head.weight"):
         return "vocab", [vocab_block(config.vocab_size, shard)]
     raise TensorParallelError(f"tensor parallelism has no sharding rule for weight {name!r}")
+
+
+def shard_lora(module: str, a: torch.Tensor, b: torch.Tensor, config: ModelConfig, shard: Shard
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's (A [r, in], B [out, r]) of a PEFT module's LoRA pair (views where one segment suffices)."""
+    d, h, hk, i = config.head_dim, config.num_attention_heads, config.num_key_value_heads, config.intermediate_size
+    if module in ("o_proj", "down_proj"):  # row-parallel: A by the input columns the rank's weight holds
+        s, n = shard.block(config.q_size if module == "o_proj" else i, module)
+        return a.narrow(1, s, n), b
+    q, k, v = _qkv_segments(config, shard)
+    rows: dict[str, Segments] = {
+        "q_proj": [q], "k_proj": [(k[0] - h * d, k[1])], "v_proj": [(v[0] - (h + hk) * d, v[1])],
+        "qkv_proj": [q, k, v],  # Phi-3's adapters target the fused projections
+        "gate_proj": [shard.block(i, "intermediate_size")], "up_proj": [shard.block(i, "intermediate_size")]}
+    if module == "gate_up_proj":
+        s, n = shard.block(i, "intermediate_size")
+        rows[module] = [(s, n), (i + s, n)]
+    if module not in rows:
+        raise TensorParallelError(f"tensor parallelism has no LoRA sharding rule for module {module!r}")
+    segs = rows[module]
+    return a, (b.narrow(0, *segs[0]) if len(segs) == 1 else _cut(b, 0, segs))
 
 
 def _cut(t: torch.Tensor, axis: int, segs: Segments) -> torch.Tensor:
