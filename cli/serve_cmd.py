@@ -154,7 +154,8 @@ def _serve_node(cfg: Any) -> int:
     device = "cuda" if engine.device == "cuda" or (engine.device == "auto" and _cuda_available()) else "cpu"
     threads = cfg.threads or 1
     try:
-        return serve_node(engine.tensor_parallel_size, device, engine.nodes(), engine.distributed_timeout, threads)
+        ranks = engine.tensor_parallel_size * engine.pipeline_parallel_size
+        return serve_node(ranks, device, engine.nodes(), engine.distributed_timeout, threads)
     except TensorParallelError as e:
         fail(str(e), code=2)
         return 2

@@ -71,6 +71,7 @@ EFFECT_TESTS = {
     "tool_call_parser": "test_tool_calls::test_tool_choice_rules",
     "zygote": "test_restart::test_restarts_under_load",
     "tensor_parallel_size": "test_tensor_parallel::test_serve_tp_answers_and_exits_nonzero_when_a_rank_is_killed",
+    "pipeline_parallel_size": "test_tensor_parallel::test_pp2_greedy_tokens_equal_one_process",
     "nnodes": "test_tensor_parallel::test_two_nodes_on_localhost_give_one_process_tokens",
     "node_rank": "test_tensor_parallel::test_two_nodes_on_localhost_give_one_process_tokens",
     "master_addr": "test_tensor_parallel::test_two_nodes_on_localhost_give_one_process_tokens",

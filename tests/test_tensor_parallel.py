@@ -2,7 +2,11 @@
 
 - Sharding rules, without processes: every layout's shard dequantizes to exactly the slice of the full weight;
   KV heads split or replicated; the vocabulary padded; a quantization group that would straddle a shard refused.
-- Refusals (one line, before any process is started): an unsupported family, sizes that do not divide.
+- Refusals (one line, before any process is started): an unsupported family, sizes that do not divide, more
+  pipeline stages than layers, TP x PP, LoRA under PP.
+- Pipeline parallelism, PP=2: greedy tokens equal to one process with prefix caching, chunked prefill and
+  preemption on (micro-batches sent; a killed stage fails the engine, no hang), and from the daemon's int8 arena
+  with tied embeddings (each stage binds views of the arena).
 - LoRA: each rank's part of a pair gives its rows of the full delta (column-parallel) or a partial sum that adds up
   to it (row-parallel); TP=2 with two adapters and the base model in one batch gives one process's greedy tokens.
 - Greedy tokens with TP=2 equal to one process: tiny Llama with 2 KV heads (split) with prefix caching, chunked
@@ -15,6 +19,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import random
@@ -186,6 +191,13 @@ def test_lora_shards_give_the_full_delta(tiny_model_factory, model: str) -> None
 @pytest.mark.parametrize("model,kwargs,match", [
     ("gemma2", {}, "supports the Llama family .* Gemma2ForCausalLM is not supported"),
     ("llama", {"tensor_parallel_size": 3}, "size 3 does not divide num_attention_heads \\(4\\)"),
+    ("llama", {"tensor_parallel_size": 1, "pipeline_parallel_size": 3},
+     "pipeline-parallel size 3 is more than the model's 2 layers"),
+    ("llama", {"pipeline_parallel_size": 2}, "tensor parallelism inside pipeline stages is not supported yet"),
+    ("llama", {"tensor_parallel_size": 1, "pipeline_parallel_size": 2, "enable_lora": True},
+     "LoRA under pipeline parallelism is not supported yet"),
+    ("gemma2", {"tensor_parallel_size": 1, "pipeline_parallel_size": 2},
+     "pipeline parallelism supports the Llama family .* Gemma2ForCausalLM"),
 ])
 def test_refusals_name_the_cause_before_starting_ranks(tiny_model_factory, model, kwargs, match) -> None:
     before = {p.pid for p in _children()}
@@ -207,22 +219,44 @@ TP_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(TP_CASES))
-def test_tp2_greedy_tokens_equal_one_process(tiny_model_factory, tmp_path_factory, case: str) -> None:
-    name, kwargs = TP_CASES[case]
-    model = tiny_model_factory(name)
+@contextlib.contextmanager
+def _daemon_if(wanted: bool, common: dict):
+    """A daemon of its own for the case (``common`` then attaches to it), or nothing."""
+    if not wanted:
+        yield None
+        return
+    from test_daemon import DaemonProc
+
+    daemon = DaemonProc(Path(tempfile.mkdtemp(prefix="kwtp-", dir="/tmp"))).start()
+    common.update(daemon=True, runtime_dir=str(daemon.runtime_dir))
+    try:
+        yield daemon
+    finally:
+        daemon.stop()
+        shutil.rmtree(paths.shm_dir(daemon.runtime_dir), ignore_errors=True)
+        shutil.rmtree(daemon.runtime_dir, ignore_errors=True)
+
+
+def _reference(factory, name: str, kwargs: dict) -> tuple[str, list[list[int]], dict, list[list[int]]]:
+    """(model dir, prompts, the engine settings both runs share, one process's greedy tokens)."""
+    model = factory(name)
     prompts = _prompts()
     common = dict(dtype="float32", daemon=False, **kwargs)
     single = LLM(model=model, **common)
     expected = _tokens(single, prompts)
     single.close()
-    daemon = None
-    if case.endswith("_daemon"):
-        from test_daemon import DaemonProc
+    return model, prompts, common, expected
 
-        daemon = DaemonProc(Path(tempfile.mkdtemp(prefix="kwtp-", dir="/tmp"))).start()
-        common.update(daemon=True, runtime_dir=str(daemon.runtime_dir))
-    llm = LLM(model=model, tensor_parallel_size=2, **common)
+
+@pytest.mark.parametrize("case", list(TP_CASES))
+def test_tp2_greedy_tokens_equal_one_process(tiny_model_factory, tmp_path_factory, case: str) -> None:
+    model, prompts, common, expected = _reference(tiny_model_factory, *TP_CASES[case])
+    with _daemon_if(case.endswith("_daemon"), common) as daemon:
+        _check_tp2(LLM(model=model, tensor_parallel_size=2, **common), case, prompts, expected, daemon)
+    assert not [p for p in _children() if "rank_main" in " ".join(p.cmdline())]  # ranks exited on close
+
+
+def _check_tp2(llm: LLM, case: str, prompts: list[list[int]], expected: list[list[int]], daemon) -> None:
     try:
         if daemon is not None:  # each rank attached (a lease each) and cut its shard from the one arena
             (resident,) = daemon.status()["models"]
@@ -242,11 +276,43 @@ def test_tp2_greedy_tokens_equal_one_process(tiny_model_factory, tmp_path_factor
             assert engine.effective_config()["quantization"] == "int8"
     finally:
         llm.close()
-        if daemon is not None:
-            daemon.stop()
-            shutil.rmtree(paths.shm_dir(daemon.runtime_dir), ignore_errors=True)
-            shutil.rmtree(daemon.runtime_dir, ignore_errors=True)
-    assert not [p for p in _children() if "rank_main" in " ".join(p.cmdline())]  # ranks exited on close
+
+
+PP_CASES = {
+    # Two stages of one layer each; prefix caching, chunked prefill (24-token budget) and preemption (12 blocks) on.
+    "llama_pp2": ("llama", dict(max_num_batched_tokens=24, num_gpu_blocks=12, max_model_len=160)),
+    # Tied embeddings (the last stage's head is the embedding's tensor) from the daemon's int8 arena: each stage
+    # binds views into it (no copy).
+    "llama_tied_int8_daemon_pp2": ("llama3_tied", dict(quantization="int8")),
+}
+
+
+@pytest.mark.parametrize("case", list(PP_CASES))
+def test_pp2_greedy_tokens_equal_one_process(tiny_model_factory, case: str) -> None:
+    model, prompts, common, expected = _reference(tiny_model_factory, *PP_CASES[case])
+    with _daemon_if("_daemon" in case, common) as daemon:
+        llm = LLM(model=model, pipeline_parallel_size=2, **common)
+        try:
+            engine = llm.llm_engine
+            cfg = engine.effective_config()
+            assert (cfg["pipeline_parallel_size"], cfg["tensor_parallel_size"]) == (2, 1)
+            assert engine.runner.stage is not None and engine.runner.stage.layers == range(0, 1)
+            assert _tokens(llm, prompts) == expected
+            assert engine.tp is not None and engine.tp.stats.steps > engine.stats.steps  # micro-batches were sent
+            if daemon is not None:  # both stages attached (a lease each); this one's layer is a view of the arena
+                (resident,) = daemon.status()["models"]
+                assert {x["pid"] for x in resident["leases"]} == set(cfg["tensor_parallel_pids"])
+                arena = engine.loaded.attachment
+                qkv = engine.loaded.model.model.layers[0].self_attn.qkv_proj.weight
+                assert arena is not None and arena.tensors["model.layers.0.self_attn.qkv_proj.weight"] is qkv
+            else:
+                assert engine.scheduler.num_preemptions > 0
+                hits = engine.block_manager.prefix_cache_hits
+                assert _tokens(llm, prompts[2:4]) == expected[2:4] and engine.block_manager.prefix_cache_hits > hits
+                _kill_a_rank_mid_request(llm)
+        finally:
+            llm.close()
+    assert not [p for p in _children() if "rank_main" in " ".join(p.cmdline())]
 
 
 def test_tp2_with_two_lora_adapters_in_one_batch_equals_one_process(tiny_llama, lora_adapters) -> None:
@@ -391,5 +457,18 @@ def test_tp2_on_two_gpus_matches_one_gpu(tiny_model_factory) -> None:
     try:
         assert llm.llm_engine.tp is not None and llm.llm_engine.tp.backend == "nccl"
         assert _tokens(llm, _prompts()) == expected
+    finally:
+        llm.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_pp2_on_two_gpus_matches_one_gpu(tiny_model_factory) -> None:
+    """The CPU twin is test_pp2_greedy_tokens_equal_one_process."""
+    model, prompts, common, expected = _reference(tiny_model_factory, "qwen2", dict(device="cuda"))
+    llm = LLM(model=model, pipeline_parallel_size=2, **common)
+    try:
+        assert llm.llm_engine.tp is not None and llm.llm_engine.tp.backend == "nccl"
+        assert _tokens(llm, prompts) == expected
     finally:
         llm.close()

@@ -39,6 +39,7 @@ from keepwarm.worker.model_runner import (
 from keepwarm.worker.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from keepwarm.worker.parallel.group import Nodes, TensorParallelGroup
 from keepwarm.worker.parallel.messages import CacheSpec, LoRASlot, Setup, lora_weights
+from keepwarm.worker.parallel.pipeline import check_pipeline, stage_of
 from keepwarm.worker.parallel.sharding import Shard, TensorParallelError, check_supported, local_config
 from keepwarm.worker.sampler import Sampler
 from keepwarm.worker.sampling_params import SamplingParams
@@ -99,6 +100,8 @@ class EngineConfig:
     # Tensor parallelism (worker/parallel): ranks, one process each (this one is rank 0), and the timeout of their
     # collectives (a rank stuck or gone fails the step instead of hanging it).
     tensor_parallel_size: int = 1
+    # Pipeline parallelism (worker/parallel/pipeline.py): contiguous layer ranges, one process per stage.
+    pipeline_parallel_size: int = 1
     distributed_timeout: float = 120.0
     # Ranks on several machines (torchrun's meanings; this engine is node 0): node 0's store address and port,
     # None = MASTER_ADDR / MASTER_PORT from the environment. One node: 127.0.0.1 and any free port.
@@ -172,7 +175,7 @@ class LLMEngine:
             raise ModelConfigError(f"block_size must be one of 8, 16, 32, 64, 128; got {config.block_size}")
 
         self.tp: TensorParallelGroup | None = None
-        if config.tensor_parallel_size != 1 or config.nnodes != 1:
+        if config.tensor_parallel_size != 1 or config.pipeline_parallel_size != 1 or config.nnodes != 1:
             self.loaded = self._start_tensor_parallel(loaded)
         else:
             self.loaded = loaded or load_model(
@@ -197,7 +200,7 @@ class LLMEngine:
         kv_dtype = self.dtype if config.kv_cache_dtype == "auto" else FP8_KV_DTYPE
         num_blocks = self._num_kv_blocks(kv_dtype)
         self.cache_config = CacheConfig(num_blocks, config.block_size, kv_dtype)
-        kv_config = mc if self.tp is None else local_config(mc, self.tp.world_size)  # this rank's KV heads
+        kv_config = mc if self.tp is None else local_config(mc, self.tp.tp_size)  # this rank's KV heads
         if self.tp is not None:
             self.tp.send(CacheSpec(num_blocks, config.block_size, str(kv_dtype).removeprefix("torch.")))
             self.tp.serving = True
@@ -218,9 +221,11 @@ class LLMEngine:
         budget = config.max_num_batched_tokens or max(2048, config.block_size)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, budget, self.max_model_len),
                                    self.block_manager, self.lora_manager)
+        pp = config.pipeline_parallel_size
         self.runner = ModelRunner(self.loaded.model, kv_cache, config.block_size,
                                   self.block_manager.get_block_ids, self.device, self.lora_manager,
-                                  enforce_eager=config.enforce_eager, tp=self.tp, vocab_size=mc.vocab_size)
+                                  enforce_eager=config.enforce_eager, tp=self.tp, vocab_size=mc.vocab_size,
+                                  stage=stage_of(mc, pp, 0) if pp > 1 else None)
         self.sampler = Sampler()
         # Structured outputs over this tokenizer and logits width; thread-safe, so front ends compile off the engine
         # thread. It indexes the vocabulary on first use.
@@ -236,10 +241,13 @@ class LLMEngine:
 
     # -- setup -------------------------------------------------------------------------------------------------
     def _start_tensor_parallel(self, loaded: LoadedModel | None) -> LoadedModel:
-        """Start ranks 1..N-1, have every rank load its shard (this one too), and return this rank's model.
-        Whatever tensor parallelism cannot run is refused here, before a process is started."""
-        config, mc, n = self.config, self.model_config, self.config.tensor_parallel_size
-        check_supported(mc, n)
+        """Start ranks 1..N-1, have every rank load its shard or pipeline stage (this one too), and return this
+        rank's model. Whatever tensor or pipeline parallelism cannot run is refused here, before a process starts."""
+        config, mc, pp = self.config, self.model_config, self.config.pipeline_parallel_size
+        n = config.tensor_parallel_size * pp
+        check_pipeline(mc, pp, config.tensor_parallel_size, config.enable_lora)
+        if pp == 1:
+            check_supported(mc, n)
         if loaded is not None:
             raise TensorParallelError("tensor parallelism loads its own shards: a preloaded model cannot be given")
         daemon = self._daemon_for_ranks()
@@ -247,12 +255,12 @@ class LLMEngine:
         threads = max(1, self._threads_before_tp // n)  # the ranks share this process's cores; restored on close
         torch.set_num_threads(threads)
         self.tp = tp = TensorParallelGroup.launch(n, self.device, config.distributed_timeout, threads,
-                                                  config.nodes())
+                                                  config.nodes(), pp)
         try:
             tp.send(Setup(str(self._model_dir), config.dtype, config.quantization, self.device.type,
                           self.max_model_len, daemon, config.runtime_dir, config.fingerprint, threads, config.seed,
                           config.max_loras if config.enable_lora else 0, config.max_lora_rank,
-                          str(self.dtype).removeprefix("torch.")))
+                          str(self.dtype).removeprefix("torch."), pp))
             error: BaseException | None = None
             loaded = None
             try:
@@ -273,8 +281,8 @@ class LLMEngine:
             self.tp = None
             torch.set_num_threads(self._threads_before_tp)
             raise
-        log.info("tensor parallel: rank 0 of %d, %d torch thread(s) per rank, %.1f MB of weights per rank", n,
-                 threads, loaded.nbytes / 1e6)
+        log.info("%s parallel: rank 0 of %d, %d torch thread(s) per rank, %.1f MB of weights on this rank",
+                 "pipeline" if pp > 1 else "tensor", n, threads, loaded.nbytes / 1e6)
         return loaded
 
     def _publish_lora_slot(self, slot: int, adapter: LoRAAdapter | None) -> None:
@@ -338,7 +346,7 @@ class LLMEngine:
     def _num_kv_blocks(self, kv_dtype: torch.dtype) -> int:
         c, mc = self.config, self.model_config
         if self.tp is not None:
-            mc = local_config(mc, self.tp.world_size)  # a rank's KV heads: every rank holds the same count
+            mc = local_config(mc, self.tp.tp_size)  # a rank's KV heads: every rank holds the same count
         per_block = kv_bytes_per_block(mc, c.block_size, kv_dtype)
         if c.num_gpu_blocks is not None:
             n = c.num_gpu_blocks
@@ -719,6 +727,7 @@ class LLMEngine:
             "max_loras": lm.max_loras if lm is not None else None,
             "max_lora_rank": lm.max_rank if lm is not None else None,
             "max_cpu_loras": self.config.max_cpu_loras,  # enforced in add_lora from the config itself
-            "tensor_parallel_size": self.tp.world_size if self.tp is not None else 1,
+            "tensor_parallel_size": self.tp.tp_size if self.tp is not None else 1,
+            "pipeline_parallel_size": self.tp.pp_size if self.tp is not None else 1,
             "tensor_parallel_pids": self.tp.rank_pids() if self.tp is not None else None,
         }

@@ -5,7 +5,9 @@ Both paths produce the same tensors: a disk load builds a private arena with the
 
 Under tensor parallelism (``tp`` given) each rank loads the same way, then keeps only its part of every weight
 (``worker.parallel.sharding``: copies; a disk load's full arena is dropped, a daemon attachment is kept for its
-lease) and builds its decoder from the rank's local config.
+lease) and builds its decoder from the rank's local config. A pipeline stage (``tp.pp_size > 1``) binds its own
+layers' weights whole (``worker.parallel.pipeline``: views into the arena, no copy; a disk load's arena stays
+alive under them).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from keepwarm.worker.attach import Attachment, attach_weights, model_tensors
 from keepwarm.worker.models.llama import LlamaForCausalLM
 from keepwarm.worker.models.registry import build_model
 from keepwarm.worker.parallel.group import TensorParallelGroup
+from keepwarm.worker.parallel.pipeline import make_stage, stage_of, stage_tensors
 from keepwarm.worker.parallel.sharding import Shard, local_config, shard_weights, vocab_block
 
 log = logging.getLogger("keepwarm.worker")
@@ -58,6 +61,13 @@ def bind_model(config: ModelConfig, tensors: dict, max_position: int, device: to
     its weights take."""
     if tp is None:
         model = build_model(config, max_position, device)
+        model.load_weights(tensors)
+        return model, sum(_nbytes(w) for w in tensors.values())
+    if tp.pp_size > 1:  # a pipeline stage: its own layers' weights, whole (views: no copy)
+        stage = stage_of(config, tp.pp_size, tp.rank)
+        tensors = stage_tensors(tensors, stage)
+        model = build_model(config, max_position, device)
+        make_stage(model, stage)
         model.load_weights(tensors)
         return model, sum(_nbytes(w) for w in tensors.values())
     shard = Shard(tp.rank, tp.world_size)

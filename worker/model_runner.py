@@ -2,7 +2,8 @@
 
 A step is first made into host tensors (``host_inputs``: a ``parallel.messages.Step``, the typed batch), then run
 (``run``). Under tensor parallelism rank 0 broadcasts that ``Step`` before running it and every other rank runs the
-same ``run`` on its shard; the logits are gathered to rank 0.
+same ``run`` on its shard; the logits are gathered to rank 0. Under pipeline parallelism (``stage``) rank 0 runs
+the step as micro-batches through the stages (``parallel.pipeline``) and every other stage runs its layers of each.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from keepwarm.formats.model_config import ModelConfig
 from keepwarm.worker.models.llama import AttentionMetadata, KVCache, LlamaForCausalLM
 from keepwarm.worker.parallel.group import TensorParallelGroup
 from keepwarm.worker.parallel.messages import Step
+from keepwarm.worker.parallel.pipeline import Stage, irecv, isend, split_step, stage_forward
 from keepwarm.worker.scheduler import ScheduledBatch
 
 log = logging.getLogger("keepwarm.worker")
@@ -65,7 +67,8 @@ class ModelRunner:
 
     def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, block_size: int,
                  block_ids_of: callable, device: torch.device, lora_manager=None, enforce_eager: bool = False,
-                 tp: TensorParallelGroup | None = None, vocab_size: int | None = None) -> None:
+                 tp: TensorParallelGroup | None = None, vocab_size: int | None = None, stage: Stage | None = None,
+                 act_dtype: torch.dtype | None = None) -> None:
         self.model = model
         self.lora_manager = lora_manager
         self.kv_cache = kv_cache
@@ -73,6 +76,8 @@ class ModelRunner:
         self.block_ids_of = block_ids_of
         self.device = device
         self.tp = tp
+        self.stage = stage  # this process's pipeline stage (tp is then the group of stages), or None
+        self.act_dtype = act_dtype  # the activations a pipeline stage receives
         self.vocab_size = vocab_size or model.config.vocab_size
         # The sliding windows the layers use (None: full context): one attention plan per window and step.
         cfg = model.config
@@ -136,6 +141,8 @@ class ModelRunner:
         """Run the batch; return float32 logits of the flattened token rows ``token_rows`` (the last row of
         each sequence to sample, plus every row of a prefill chunk whose prompt logprobs were asked for)."""
         step = self.host_inputs(batch, token_rows)
+        if self.stage is not None:
+            return self._execute_pipelined(step)
         if self.tp is not None:
             self.tp.check()
             self.tp.send(step)
@@ -148,6 +155,9 @@ class ModelRunner:
     def run(self, step: Step) -> torch.Tensor | None:
         """The forward of one step and the logits of its ``token_rows``: on rank 0 [R, vocab] float32; on
         another tensor-parallel rank None (its logit columns are gathered to rank 0)."""
+        if self.stage is not None:
+            self._run_stage(step)
+            return None
         input_ids, positions, attn = self.device_inputs(step)
         if self.lora_manager is not None:
             self.lora_manager.set_batch(step.lora_slots, step.query_start_loc.diff(), self.device)
@@ -163,6 +173,51 @@ class ModelRunner:
             hidden = hidden[step.token_rows.to(hidden.device)]
         logits = self.model.compute_logits(hidden)
         return logits if self.tp is None else self.tp.gather_logits(logits, self.vocab_size)
+
+    # -- pipeline parallelism (worker/parallel/pipeline.py) --------------------------------------------------------
+    def _execute_pipelined(self, step: Step) -> torch.Tensor:
+        """Rank 0, stage 0: the step as micro-batches through the stages; the logits back in the step's order."""
+        tp, stage = self.tp, self.stage
+        assert tp is not None and stage is not None and stage.first
+        micro = split_step(step, stage.stages)
+        # Every receive is posted first, so the last stage's sends never wait on this rank's forwards.
+        recvs = [irecv((int(mb.token_rows.numel()), self.vocab_size), torch.float32, stage.stages - 1, self.device)
+                 if mb.token_rows.numel() else None for mb, _ in micro]
+        sends = []
+        for mb, _ in micro:
+            tp.check()
+            tp.send(mb)
+            tp.stats.steps += 1
+            input_ids, positions, attn = self.device_inputs(mb)
+            hidden, residual = stage_forward(self.model, stage, input_ids, positions, attn, self.kv_cache)
+            assert residual is not None
+            sends += [isend(hidden, 1), isend(residual, 1)]  # not waited: this stage goes on to the next one
+        out = torch.empty(step.token_rows.numel(), self.vocab_size, device=self.device)
+        for (_, rows), posted in zip(micro, recvs, strict=True):
+            if posted is not None:
+                posted[1].wait()
+                out[rows.to(self.device)] = posted[0]
+        for work in sends:
+            work.wait()
+        return out
+
+    def _run_stage(self, step: Step) -> None:
+        """A stage after the first: receive the hidden state and residual, run this stage's layers, send them on
+        (the last stage: the logits of the sampled rows, to rank 0)."""
+        stage, dev = self.stage, self.device
+        assert stage is not None and self.act_dtype is not None and not stage.first
+        shape = (int(step.input_ids.shape[0]), self.model.config.hidden_size)
+        (hidden, got_h), (residual, got_r) = (irecv(shape, self.act_dtype, stage.index - 1, dev) for _ in range(2))
+        input_ids, positions, attn = self.device_inputs(step)
+        got_h.wait()
+        got_r.wait()
+        hidden, res = stage_forward(self.model, stage, input_ids, positions, attn, self.kv_cache, hidden, residual)
+        if not stage.last:
+            assert res is not None
+            for work in (isend(hidden, stage.index + 1), isend(res, stage.index + 1)):
+                work.wait()
+        elif step.token_rows.numel():
+            isend(self.model.compute_logits(hidden[step.token_rows.to(dev)]), 0).wait()
 
     # -- CUDA graphs (worker/cuda_graphs.py): decode-only batches replay a captured forward ---------------------------
     def _make_cuda_graphs(self, enforce_eager: bool):

@@ -203,7 +203,7 @@ class LlamaForCausalLM(nn.Module):
             if not isinstance(module, BoundModule):
                 raise WeightBindError(f"model has no weight slot {name!r}")
             module.bind(attr, tensor)
-        if "lm_head.weight" not in tensors:
+        if "lm_head.weight" not in tensors and isinstance(self.lm_head, BoundModule):  # not a pipeline stage's stub
             object.__setattr__(self.lm_head, "weight", self.model.embed_tokens.weight)
         missing = [f"{m}.{a}" if m else a for m, mod in self.named_modules() if isinstance(mod, BoundModule)
                    for a, t in vars(mod).items() if isinstance(t, torch.Tensor) and t.is_meta]

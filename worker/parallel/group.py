@@ -103,12 +103,13 @@ class TensorParallelGroup:
     _last_sent: float = field(default_factory=time.monotonic)
     _stop: threading.Event = field(default_factory=threading.Event)
     serving: bool = False  # set once every rank is loaded: pings only then, never between setup messages
+    pp_size: int = 1  # pipeline stages (pipeline.py); the ranks are tensor-parallel when 1
     _watchdog: threading.Thread | None = None
 
     # -- starting ------------------------------------------------------------------------------------------------
     @classmethod
     def launch(cls, world_size: int, device: torch.device, timeout: float = DEFAULT_TIMEOUT_S,
-               threads: int = 1, nodes: Nodes = Nodes()) -> TensorParallelGroup:
+               threads: int = 1, nodes: Nodes = Nodes(), pp_size: int = 1) -> TensorParallelGroup:
         """Rank 0: start the other ranks of this node (this process stays rank 0) and join every rank."""
         backend = "nccl" if device.type == "cuda" else "gloo"
         if dist.is_initialized():
@@ -135,7 +136,7 @@ class TensorParallelGroup:
             exits = [f"rank {c.rank} exited with {c.proc.poll()}" for c in children if c.proc.poll() is not None]
             _stop_children(children, grace=0.0)
             raise RuntimeError(f"tensor parallel: the ranks did not join ({'; '.join(exits) or e})") from None
-        group = cls(0, world_size, backend, device, control, timeout, children)
+        group = cls(0, world_size, backend, device, control, timeout, children, pp_size=pp_size)
         group._watchdog = threading.Thread(target=group._watch, name="keepwarm-tp-watchdog", daemon=True)
         group._watchdog.start()
         log.info("tensor parallel: %d ranks (%s) on %d node(s), this node's rank pids %s", world_size, backend,
@@ -157,6 +158,11 @@ class TensorParallelGroup:
                                 timeout=timedelta(seconds=timeout))
         control = dist.new_group(backend="gloo", timeout=timedelta(seconds=max(timeout, CONTROL_TIMEOUT_S)))
         return cls(rank, world, backend, device, control, timeout)
+
+    @property
+    def tp_size(self) -> int:
+        """Ranks a weight is cut over (pipeline stages each hold whole weights)."""
+        return self.world_size // self.pp_size
 
     # -- the model's collectives ---------------------------------------------------------------------------------
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:

@@ -40,7 +40,8 @@ class Setup:
     seed: int
     max_loras: int  # 0: LoRA off
     max_lora_rank: int
-    lora_dtype: str  # the LoRA buffers' dtype (rank 0's resolved model dtype)
+    model_dtype: str  # rank 0's resolved model dtype: the LoRA buffers', the pipeline's activations'
+    pp_size: int  # pipeline stages (rank r is stage r; 1: tensor parallelism only)
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,8 @@
 """A tensor-parallel rank other than 0: ``python -m keepwarm.worker.parallel.rank_main``, torchrun's environment.
 
-It joins the group, loads its shard as rank 0's ``Setup`` says, allocates the KV cache of its own KV heads, then
-runs every ``Step`` rank 0 broadcasts until ``Shutdown``, writing LoRA slots as rank 0's ``LoRASlot`` messages
-say. It has no scheduler, sampler or API.
+It joins the group, loads its shard (or its pipeline stage's layers) as rank 0's ``Setup`` says, allocates the KV
+cache of its own KV heads, then runs every ``Step`` rank 0 broadcasts until ``Shutdown``, writing LoRA slots as rank
+0's ``LoRASlot`` messages say. It has no scheduler, sampler or API.
 
 Exit (rules): 0 after ``Shutdown``; 1 when its load fails (rank 0 learns it through ``agree``), when a collective
 fails (rank 0 gone or a timeout) or when its parent (rank 0, when keepwarm started it) is gone. SIGINT and SIGTERM
@@ -28,6 +28,7 @@ from keepwarm.worker.model_loader import load_model
 from keepwarm.worker.model_runner import CacheConfig, ModelRunner, allocate_kv_cache
 from keepwarm.worker.parallel.group import TensorParallelGroup
 from keepwarm.worker.parallel.messages import CacheSpec, LoRASlot, Ping, Setup, Shutdown, Step, lora_tensors
+from keepwarm.worker.parallel.pipeline import stage_of
 from keepwarm.worker.parallel.sharding import Shard, local_config
 
 log = logging.getLogger("keepwarm.worker")
@@ -57,6 +58,7 @@ def _expect(tp: TensorParallelGroup, kind: type) -> object:
 def serve_rank(tp: TensorParallelGroup) -> int:
     setup = _expect(tp, Setup)
     assert isinstance(setup, Setup)
+    tp.pp_size = setup.pp_size
     torch.set_num_threads(setup.threads)
     torch.manual_seed(setup.seed)
     device = tp.device
@@ -76,14 +78,15 @@ def serve_rank(tp: TensorParallelGroup) -> int:
         return 0
     if not isinstance(spec, CacheSpec):
         raise RuntimeError(f"expected a CacheSpec message, got {type(spec).__name__}")
-    kv = allocate_kv_cache(local_config(loaded.config, tp.world_size),
+    kv = allocate_kv_cache(local_config(loaded.config, tp.tp_size),
                            CacheConfig(spec.num_blocks, spec.block_size, parse_dtype_or_fp8(spec.kv_dtype)), device)
     lora = None
     if setup.max_loras:
         lora = LoRAManager(loaded.model, loaded.config, setup.max_loras, setup.max_lora_rank,
-                           parse_dtype(setup.lora_dtype), device, Shard(tp.rank, tp.world_size))
+                           parse_dtype(setup.model_dtype), device, Shard(tp.rank, tp.world_size))
+    stage = stage_of(loaded.config, tp.pp_size, tp.rank) if tp.pp_size > 1 else None
     runner = ModelRunner(loaded.model, kv, spec.block_size, lambda seq: [], device, lora_manager=lora, tp=tp,
-                         vocab_size=loaded.config.vocab_size)
+                         vocab_size=loaded.config.vocab_size, stage=stage, act_dtype=parse_dtype(setup.model_dtype))
     log.info("tensor-parallel rank %d ready: %s, %.1f MB of weights", tp.rank, loaded.source, loaded.nbytes / 1e6)
     try:
         while True:

@@ -1,0 +1,165 @@
+"""Pipeline parallelism: contiguous layer ranges per stage, activations passed with torch.distributed send/recv.
+
+Rules (``P`` stages, one process each; stage ``s`` is rank ``s``; tensor parallelism inside a stage is not built,
+so TP x PP is refused):
+- Stage ``s`` holds layers ``stage_layers(L, P, s)`` (contiguous; the first ``L % P`` stages one layer more),
+  stage 0 also the embedding, the last stage the final norm and the head. A stage's model keeps placeholders for
+  the rest (``make_stage``) and binds only its own weights (``stage_tensors``): views into the daemon's arena,
+  no copy. Its KV cache holds its own layers.
+- Stage 0 is rank 0: the engine, its scheduler and sampler. Each step is split into up to ``P`` micro-batches by
+  sequence (``split_step``); for each, rank 0 broadcasts the micro-batch's ``Step`` (the typed message tensor
+  parallelism uses), runs its layers and sends the hidden state and residual on without waiting (``isend``), so
+  stage 0 runs micro-batch k + 1 while stage 1 runs micro-batch k. Every other stage receives, runs its layers
+  and sends on; the last sends the float32 logits of the micro-batch's sampled rows to rank 0, which posted its
+  receives before the first micro-batch and samples once they all came.
+- Activations travel as raw bytes of ``[T, hidden]`` tensors in the model dtype; every shape follows from the
+  ``Step`` each rank already has, so nothing else crosses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from keepwarm.formats.model_config import ModelConfig
+from keepwarm.worker.models.layers import BoundModule
+from keepwarm.worker.models.llama import AttentionMetadata, KVCache, LlamaForCausalLM
+from keepwarm.worker.parallel.messages import Step
+from keepwarm.worker.parallel.sharding import SUPPORTED_FAMILIES, TensorParallelError
+
+_TENSOR_FIELDS = ("input_ids", "positions", "slot_mapping")  # per token
+
+
+def stage_layers(num_layers: int, stages: int, stage: int) -> range:
+    """The contiguous layers stage ``stage`` of ``stages`` runs."""
+    base, extra = divmod(num_layers, stages)
+    start = stage * base + min(stage, extra)
+    return range(start, start + base + (1 if stage < extra else 0))
+
+
+def check_pipeline(config: ModelConfig, stages: int, tp_size: int, enable_lora: bool) -> None:
+    """Refuse (one line) what pipeline parallelism cannot run, before any process is started."""
+    if stages < 1:
+        raise TensorParallelError(f"pipeline_parallel_size must be at least 1, got {stages}")
+    if stages == 1:
+        return
+    if config.family not in SUPPORTED_FAMILIES:
+        raise TensorParallelError(f"pipeline parallelism supports the Llama family (Llama, Mistral, Qwen2, Qwen3, "
+                                  f"Phi-3); {config.architecture} is not supported yet")
+    if config.num_hidden_layers < stages:
+        raise TensorParallelError(f"pipeline-parallel size {stages} is more than the model's "
+                                  f"{config.num_hidden_layers} layers")
+    if tp_size != 1:
+        raise TensorParallelError(f"tensor parallelism inside pipeline stages is not supported yet "
+                                  f"(--tensor-parallel-size {tp_size} with --pipeline-parallel-size {stages})")
+    if enable_lora:
+        raise TensorParallelError(f"LoRA under pipeline parallelism is not supported yet (--enable-lora with "
+                                  f"--pipeline-parallel-size {stages})")
+
+
+@dataclass(frozen=True)
+class Stage:
+    """This process's place in the pipeline."""
+
+    index: int
+    stages: int
+    layers: range
+
+    @property
+    def first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def last(self) -> bool:
+        return self.index == self.stages - 1
+
+
+def stage_of(config: ModelConfig, stages: int, index: int) -> Stage:
+    return Stage(index, stages, stage_layers(config.num_hidden_layers, stages, index))
+
+
+def _layer_of(name: str) -> int | None:
+    parts = name.split(".")
+    return int(parts[2]) if len(parts) > 3 and parts[0] == "model" and parts[1] == "layers" else None
+
+
+def stage_tensors(tensors: dict[str, Any], stage: Stage) -> dict[str, Any]:
+    """The weights ``stage`` binds: its layers', the embedding on the first stage, the norm and head on the last
+    (a tied head takes the embedding's tensor there)."""
+    out: dict[str, Any] = {}
+    for name, w in tensors.items():
+        layer = _layer_of(name)
+        if layer is not None:
+            keep = layer in stage.layers
+        elif name == "model.embed_tokens.weight":
+            keep = stage.first
+        else:
+            keep = stage.last  # model.norm.weight, lm_head.weight
+        if keep:
+            out[name] = w
+    if stage.last and "lm_head.weight" not in tensors:
+        out["lm_head.weight"] = tensors["model.embed_tokens.weight"]
+    return out
+
+
+def make_stage(model: LlamaForCausalLM, stage: Stage) -> None:
+    """Swap every part ``stage`` does not run for an empty module (before ``load_weights``: no weight slot)."""
+    for i in range(len(model.model.layers)):
+        if i not in stage.layers:
+            model.model.layers[i] = nn.Module()
+    if not stage.first:
+        model.model.embed_tokens = nn.Module()  # type: ignore[assignment]  # a stub: this stage never embeds
+    if not stage.last:
+        model.model.norm = nn.Module()
+        model.lm_head = nn.Module()  # type: ignore[assignment]  # a stub: this stage computes no logits
+    assert all(isinstance(model.model.layers[i], nn.Module) for i in stage.layers)
+    assert not stage.last or isinstance(model.lm_head, BoundModule)
+
+
+def stage_forward(model: LlamaForCausalLM, stage: Stage, input_ids: torch.Tensor, positions: torch.Tensor,
+                  attn: AttentionMetadata, kv: KVCache, hidden: torch.Tensor | None = None,
+                  residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """This stage's layers (``LlamaForCausalLM.forward`` cut at the stage's bounds): the first stage embeds, the
+    last applies the final norm; returns (hidden, residual)."""
+    x = model.model.embed_tokens(input_ids) if stage.first else hidden
+    assert x is not None
+    for i in stage.layers:
+        x, residual = model.model.layers[i](positions, x, residual, model.cos_sin, attn, kv)
+    if stage.last:
+        x, _ = model.model.norm(x, residual)
+    return x, residual
+
+
+def split_step(step: Step, parts: int) -> list[tuple[Step, torch.Tensor]]:
+    """Up to ``parts`` micro-batches of whole sequences, each with the indices into ``step.token_rows`` of its
+    sampled rows (so rank 0 can put their logits back in the step's order)."""
+    S = step.seq_lens.shape[0]
+    parts = max(1, min(parts, S))
+    qsl = step.query_start_loc.to(torch.int64)
+    out = []
+    for k in range(parts):
+        a, b = k * S // parts, (k + 1) * S // parts
+        lo, hi = int(qsl[a]), int(qsl[b])
+        mine = ((step.token_rows >= lo) & (step.token_rows < hi)).nonzero().flatten()
+        tokens = {f: getattr(step, f)[lo:hi] for f in _TENSOR_FIELDS}
+        out.append((Step(**tokens, block_tables=step.block_tables[a:b],
+                         seq_lens=step.seq_lens[a:b], query_start_loc=(qsl[a:b + 1] - lo).to(torch.int32),
+                         max_query_len=int((qsl[a + 1:b + 1] - qsl[a:b]).max()),
+                         token_rows=step.token_rows[mine] - lo,
+                         lora_slots=step.lora_slots[a:b] if step.lora_slots.numel() else step.lora_slots), mine))
+    return out
+
+
+# -- the transfers (the default process group) --------------------------------------------------------------------
+def isend(x: torch.Tensor, dst: int) -> Any:
+    return dist.isend(x.contiguous().view(torch.uint8).flatten(), dst)
+
+
+def irecv(shape: tuple[int, ...], dtype: torch.dtype, src: int, device: torch.device) -> tuple[torch.Tensor, Any]:
+    """A posted receive: the tensor it fills and its work handle."""
+    out = torch.empty(shape, dtype=dtype, device=device)
+    return out, dist.irecv(out.view(torch.uint8).flatten(), src)
