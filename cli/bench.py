@@ -120,15 +120,15 @@ def _run_vllm_peer(vllm_python: str, spec: dict) -> list[dict]:
 
 
 def _keepwarm_throughput(model: str | None, dtype: str, scheme: str, ns: list[int], max_tokens: int, repeats: int,
-                         rows: list[dict], tp_size: int = 1) -> tuple[str, list[list[int]]]:
+                         rows: list[dict], tp_size: int = 1, pp_size: int = 1) -> tuple[str, list[list[int]]]:
     """keepwarm's rows for one weight scheme (from disk: the arena a daemon would build); returns the model
     directory and the prompts for the other engines. ``tp_size`` > 1: tensor parallel, the rows also say how long
-    rank 0 spent in all-reduces per step."""
+    rank 0 spent in all-reduces per step; ``pp_size`` > 1: pipeline stages."""
     from keepwarm import LLM, SamplingParams
 
     t0 = time.perf_counter()
     llm = LLM(model=model, dtype=dtype, max_model_len=2048, max_num_seqs=max(ns), quantization=scheme, daemon=False,
-              tensor_parallel_size=tp_size)
+              tensor_parallel_size=tp_size, pipeline_parallel_size=pp_size)
     tp = llm.llm_engine.tp
     init_s = time.perf_counter() - t0
     model_dir = str(llm.llm_engine.model_dir)
@@ -149,16 +149,18 @@ def _keepwarm_throughput(model: str | None, dtype: str, scheme: str, ns: list[in
             outs = llm.generate(batch, params)
             # CPU seconds of every thread: the figure to compare when other processes share the cores.
             elapsed = time.perf_counter() - t
-            if elapsed < best and tp is not None:
+            if elapsed < best and tp is not None and tp_size > 1:
                 reduce_ms = 1e3 * (tp.stats.all_reduce_seconds - before[0]) / max(1, tp.stats.steps - before[1])
             best, best_cpu = min(best, elapsed), min(best_cpu, time.process_time() - c)
             tokens = sum(len(o.outputs[0].token_ids) for o in outs)
         rows.append({"engine": "keepwarm", "quantization": scheme, "concurrency": n, "output_tokens": tokens,
                      "seconds": best, "tokens_per_s": tokens / best, "cpu_seconds": best_cpu,
                      "weight_bytes": llm.llm_engine.loaded.nbytes, "tensor_parallel_size": tp_size,
+                     "pipeline_parallel_size": pp_size,
                      "all_reduce_ms_per_step": reduce_ms})
         extra = f"; all-reduce {reduce_ms:.2f} ms/step on rank 0" if reduce_ms is not None else ""
-        tp_note, cpu_of = (f" tp={tp_size}", " of rank 0") if tp_size > 1 else ("", "")
+        tp_note = (f" tp={tp_size}" if tp_size > 1 else "") + (f" pp={pp_size}" if pp_size > 1 else "")
+        cpu_of = " of rank 0" if tp_size * pp_size > 1 else ""
         typer.echo(f"keepwarm {scheme:<8}{tp_note} n={n:<3} {tokens / best:8.1f} tok/s  ({tokens} tokens in "
                    f"{best:.2f}s; {tokens / best_cpu:.1f} tok per CPU-s{cpu_of}{extra})")
     llm.close()
@@ -183,6 +185,8 @@ def throughput(
     smoke: Annotated[bool, typer.Option("--smoke", help=SMOKE_HELP)] = False,
     tensor_parallel_size: Annotated[int, typer.Option(
         "--tensor-parallel-size", "-tp", help="keepwarm across this many processes (--threads is the total).")] = 1,
+    pipeline_parallel_size: Annotated[int, typer.Option(
+        "--pipeline-parallel-size", "-pp", help="keepwarm's layers in this many stages, one process each.")] = 1,
 ) -> None:
     """Offline throughput (output tokens/s, greedy, ignore_eos) for 1, 8 and 32 concurrent requests."""
     import torch
@@ -197,7 +201,7 @@ def throughput(
     model_dir, prompts = "", list[list[int]]()
     for scheme in quantization.split(","):
         model_dir, prompts = _keepwarm_throughput(model, dtype, scheme, ns, max_tokens, repeats, rows,
-                                                  tensor_parallel_size)
+                                                  tensor_parallel_size, pipeline_parallel_size)
 
     if hf:
         import transformers
