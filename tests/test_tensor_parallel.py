@@ -3,10 +3,10 @@
 - Sharding rules, without processes: every layout's shard dequantizes to exactly the slice of the full weight;
   KV heads split or replicated; the vocabulary padded; a quantization group that would straddle a shard refused.
 - Refusals (one line, before any process is started): an unsupported family, sizes that do not divide, more
-  pipeline stages than layers, TP x PP, LoRA under PP.
+  pipeline stages than layers, LoRA under PP.
 - Pipeline parallelism, PP=2: greedy tokens equal to one process with prefix caching, chunked prefill and
   preemption on (micro-batches sent; a killed stage fails the engine, no hang), and from the daemon's int8 arena
-  with tied embeddings (each stage binds views of the arena).
+  with tied embeddings (each stage binds views of the arena); TP=2 x PP=2 (four processes) equal too.
 - LoRA: each rank's part of a pair gives its rows of the full delta (column-parallel) or a partial sum that adds up
   to it (row-parallel); TP=2 with two adapters and the base model in one batch gives one process's greedy tokens.
 - Greedy tokens with TP=2 equal to one process: tiny Llama with 2 KV heads (split) with prefix caching, chunked
@@ -193,7 +193,6 @@ def test_lora_shards_give_the_full_delta(tiny_model_factory, model: str) -> None
     ("llama", {"tensor_parallel_size": 3}, "size 3 does not divide num_attention_heads \\(4\\)"),
     ("llama", {"tensor_parallel_size": 1, "pipeline_parallel_size": 3},
      "pipeline-parallel size 3 is more than the model's 2 layers"),
-    ("llama", {"pipeline_parallel_size": 2}, "tensor parallelism inside pipeline stages is not supported yet"),
     ("llama", {"tensor_parallel_size": 1, "pipeline_parallel_size": 2, "enable_lora": True},
      "LoRA under pipeline parallelism is not supported yet"),
     ("gemma2", {"tensor_parallel_size": 1, "pipeline_parallel_size": 2},
@@ -278,24 +277,29 @@ def _check_tp2(llm: LLM, case: str, prompts: list[list[int]], expected: list[lis
         llm.close()
 
 
-PP_CASES = {
+_BUSY = dict(max_num_batched_tokens=24, num_gpu_blocks=12, max_model_len=160)
+PP_CASES = {  # (tiny model, engine settings, tensor-parallel size per stage)
     # Two stages of one layer each; prefix caching, chunked prefill (24-token budget) and preemption (12 blocks) on.
-    "llama_pp2": ("llama", dict(max_num_batched_tokens=24, num_gpu_blocks=12, max_model_len=160)),
+    "llama_pp2": ("llama", _BUSY, 1),
     # Tied embeddings (the last stage's head is the embedding's tensor) from the daemon's int8 arena: each stage
     # binds views into it (no copy).
-    "llama_tied_int8_daemon_pp2": ("llama3_tied", dict(quantization="int8")),
+    "llama_tied_int8_daemon_pp2": ("llama3_tied", dict(quantization="int8"), 1),
+    # TP=2 x PP=2, four processes: each stage all-reduces and gathers its logits within its own group.
+    "llama_tp2_pp2": ("llama", _BUSY, 2),
 }
 
 
 @pytest.mark.parametrize("case", list(PP_CASES))
 def test_pp2_greedy_tokens_equal_one_process(tiny_model_factory, case: str) -> None:
-    model, prompts, common, expected = _reference(tiny_model_factory, *PP_CASES[case])
+    name, kwargs, tp_size = PP_CASES[case]
+    model, prompts, common, expected = _reference(tiny_model_factory, name, kwargs)
     with _daemon_if("_daemon" in case, common) as daemon:
-        llm = LLM(model=model, pipeline_parallel_size=2, **common)
+        llm = LLM(model=model, pipeline_parallel_size=2, tensor_parallel_size=tp_size, **common)
         try:
             engine = llm.llm_engine
             cfg = engine.effective_config()
-            assert (cfg["pipeline_parallel_size"], cfg["tensor_parallel_size"]) == (2, 1)
+            assert (cfg["pipeline_parallel_size"], cfg["tensor_parallel_size"]) == (2, tp_size)
+            assert len(cfg["tensor_parallel_pids"]) == 2 * tp_size
             assert engine.runner.stage is not None and engine.runner.stage.layers == range(0, 1)
             assert _tokens(llm, prompts) == expected
             assert engine.tp is not None and engine.tp.stats.steps > engine.stats.steps  # micro-batches were sent
@@ -309,7 +313,8 @@ def test_pp2_greedy_tokens_equal_one_process(tiny_model_factory, case: str) -> N
                 assert engine.scheduler.num_preemptions > 0
                 hits = engine.block_manager.prefix_cache_hits
                 assert _tokens(llm, prompts[2:4]) == expected[2:4] and engine.block_manager.prefix_cache_hits > hits
-                _kill_a_rank_mid_request(llm)
+                if tp_size == 1:
+                    _kill_a_rank_mid_request(llm)
         finally:
             llm.close()
     assert not [p for p in _children() if "rank_main" in " ".join(p.cmdline())]

@@ -204,7 +204,10 @@ class LLMEngine:
         if self.tp is not None:
             self.tp.send(CacheSpec(num_blocks, config.block_size, str(kv_dtype).removeprefix("torch.")))
             self.tp.serving = True
-        kv_cache = allocate_kv_cache(kv_config, self.cache_config, self.device)
+        pp = config.pipeline_parallel_size
+        stage = stage_of(mc, pp, 0) if pp > 1 else None
+        kv_cache = allocate_kv_cache(kv_config, self.cache_config, self.device,
+                                     layers=stage.layers if stage is not None else None)
         t = self._phase("kv_pool", t)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.loras: dict[str, LoRAAdapter] = {}
@@ -213,7 +216,7 @@ class LLMEngine:
             if mc.family == "moe":
                 raise ModelConfigError(f"LoRA is not supported for {mc.architecture} (experts have no PEFT "
                                        "projections keepwarm maps; supported: the Llama and Gemma families)")
-            shard = None if self.tp is None else Shard(0, self.tp.world_size)
+            shard = None if self.tp is None else Shard(0, self.tp.tp_size)
             self.lora_manager = LoRAManager(self.loaded.model, mc, config.max_loras, config.max_lora_rank,
                                             self.dtype, self.device, shard)
             if self.tp is not None:
@@ -221,11 +224,10 @@ class LLMEngine:
         budget = config.max_num_batched_tokens or max(2048, config.block_size)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, budget, self.max_model_len),
                                    self.block_manager, self.lora_manager)
-        pp = config.pipeline_parallel_size
         self.runner = ModelRunner(self.loaded.model, kv_cache, config.block_size,
                                   self.block_manager.get_block_ids, self.device, self.lora_manager,
                                   enforce_eager=config.enforce_eager, tp=self.tp, vocab_size=mc.vocab_size,
-                                  stage=stage_of(mc, pp, 0) if pp > 1 else None)
+                                  stage=stage)
         self.sampler = Sampler()
         # Structured outputs over this tokenizer and logits width; thread-safe, so front ends compile off the engine
         # thread. It indexes the vocabulary on first use.
@@ -245,9 +247,8 @@ class LLMEngine:
         rank's model. Whatever tensor or pipeline parallelism cannot run is refused here, before a process starts."""
         config, mc, pp = self.config, self.model_config, self.config.pipeline_parallel_size
         n = config.tensor_parallel_size * pp
-        check_pipeline(mc, pp, config.tensor_parallel_size, config.enable_lora)
-        if pp == 1:
-            check_supported(mc, n)
+        check_pipeline(mc, pp, config.enable_lora)
+        check_supported(mc, config.tensor_parallel_size)
         if loaded is not None:
             raise TensorParallelError("tensor parallelism loads its own shards: a preloaded model cannot be given")
         daemon = self._daemon_for_ranks()
@@ -261,6 +262,7 @@ class LLMEngine:
                           self.max_model_len, daemon, config.runtime_dir, config.fingerprint, threads, config.seed,
                           config.max_loras if config.enable_lora else 0, config.max_lora_rank,
                           str(self.dtype).removeprefix("torch."), pp))
+            tp.make_stage_groups(pp)
             error: BaseException | None = None
             loaded = None
             try:

@@ -63,17 +63,18 @@ def bind_model(config: ModelConfig, tensors: dict, max_position: int, device: to
         model = build_model(config, max_position, device)
         model.load_weights(tensors)
         return model, sum(_nbytes(w) for w in tensors.values())
-    if tp.pp_size > 1:  # a pipeline stage: its own layers' weights, whole (views: no copy)
-        stage = stage_of(config, tp.pp_size, tp.rank)
+    stage = stage_of(config, tp.pp_size, tp.stage_index) if tp.pp_size > 1 else None
+    if stage is not None:  # a pipeline stage: its own layers' weights (whole ones are views: no copy)
         tensors = stage_tensors(tensors, stage)
+    if tp.tp_size == 1:
         model = build_model(config, max_position, device)
+    else:
+        shard = Shard(tp.tp_rank, tp.tp_size)
+        tensors = shard_weights(tensors, config, shard)
+        model = build_model(local_config(config, tp.tp_size), max_position, device)
+        model.make_tensor_parallel(*vocab_block(config.vocab_size, shard), tp.all_reduce)
+    if stage is not None:
         make_stage(model, stage)
-        model.load_weights(tensors)
-        return model, sum(_nbytes(w) for w in tensors.values())
-    shard = Shard(tp.rank, tp.world_size)
-    tensors = shard_weights(tensors, config, shard)
-    model = build_model(local_config(config, tp.world_size), max_position, device)
-    model.make_tensor_parallel(*vocab_block(config.vocab_size, shard), tp.all_reduce)
     model.load_weights(tensors)
     return model, sum(_nbytes(w) for w in tensors.values())
 

@@ -42,7 +42,7 @@ def kv_bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) 
 def _zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Zero-filled pool. On CPU an anonymous mapping: the kernel hands out zero pages on first touch, so a 1 GiB
     pool costs nothing at startup (torch.zeros would memset all of it) and only the blocks used take memory."""
-    if device.type != "cpu":
+    if device.type != "cpu" or not torch.Size(shape).numel():
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
     buf = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -50,13 +50,17 @@ def _zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) ->
 
 
 def allocate_kv_cache(model: ModelConfig, cache: CacheConfig, device: torch.device,
-                      k_scales: list[float] | None = None, v_scales: list[float] | None = None) -> KVCache:
+                      k_scales: list[float] | None = None, v_scales: list[float] | None = None,
+                      layers: range | None = None) -> KVCache:
+    """Every layer's pools, or (``layers``: a pipeline stage's) only those layers' (the others empty)."""
     shape = (model.num_key_value_heads, cache.num_blocks, cache.block_size, model.head_dim)
     # One allocation per layer and side keeps each layer's pool contiguous for the kernels.
     L = model.num_hidden_layers
+    mine = range(L) if layers is None else layers
+    none = (model.num_key_value_heads, 0, cache.block_size, model.head_dim)
     return KVCache(
-        key=[_zeroed(shape, cache.dtype, device) for _ in range(L)],
-        value=[_zeroed(shape, cache.dtype, device) for _ in range(L)],
+        key=[_zeroed(shape if i in mine else none, cache.dtype, device) for i in range(L)],
+        value=[_zeroed(shape if i in mine else none, cache.dtype, device) for i in range(L)],
         k_scales=list(k_scales or [1.0] * L),
         v_scales=list(v_scales or [1.0] * L),
     )
@@ -180,8 +184,9 @@ class ModelRunner:
         tp, stage = self.tp, self.stage
         assert tp is not None and stage is not None and stage.first
         micro = split_step(step, stage.stages)
+        last_leader, nxt = (stage.stages - 1) * tp.tp_size, tp.rank + tp.tp_size
         # Every receive is posted first, so the last stage's sends never wait on this rank's forwards.
-        recvs = [irecv((int(mb.token_rows.numel()), self.vocab_size), torch.float32, stage.stages - 1, self.device)
+        recvs = [irecv((int(mb.token_rows.numel()), self.vocab_size), torch.float32, last_leader, self.device)
                  if mb.token_rows.numel() else None for mb, _ in micro]
         sends = []
         for mb, _ in micro:
@@ -191,7 +196,7 @@ class ModelRunner:
             input_ids, positions, attn = self.device_inputs(mb)
             hidden, residual = stage_forward(self.model, stage, input_ids, positions, attn, self.kv_cache)
             assert residual is not None
-            sends += [isend(hidden, 1), isend(residual, 1)]  # not waited: this stage goes on to the next one
+            sends += [isend(hidden, nxt), isend(residual, nxt)]  # not waited: this stage goes on to the next one
         out = torch.empty(step.token_rows.numel(), self.vocab_size, device=self.device)
         for (_, rows), posted in zip(micro, recvs, strict=True):
             if posted is not None:
@@ -202,22 +207,29 @@ class ModelRunner:
         return out
 
     def _run_stage(self, step: Step) -> None:
-        """A stage after the first: receive the hidden state and residual, run this stage's layers, send them on
-        (the last stage: the logits of the sampled rows, to rank 0)."""
-        stage, dev = self.stage, self.device
-        assert stage is not None and self.act_dtype is not None and not stage.first
-        shape = (int(step.input_ids.shape[0]), self.model.config.hidden_size)
-        (hidden, got_h), (residual, got_r) = (irecv(shape, self.act_dtype, stage.index - 1, dev) for _ in range(2))
+        """A rank other than 0 under pipeline parallelism: receive the hidden state and residual (the first stage:
+        embed), run this stage's layers, send them on to the same tensor-parallel rank of the next stage (the last
+        stage: gather the logit columns of the sampled rows to its first rank, which sends them to rank 0)."""
+        stage, tp, dev = self.stage, self.tp, self.device
+        assert stage is not None and tp is not None and self.act_dtype is not None
+        hidden = residual = None
         input_ids, positions, attn = self.device_inputs(step)
-        got_h.wait()
-        got_r.wait()
+        if not stage.first:
+            shape = (int(step.input_ids.shape[0]), self.model.config.hidden_size)
+            (hidden, got_h), (residual, got_r) = (irecv(shape, self.act_dtype, tp.rank - tp.tp_size, dev)
+                                                  for _ in range(2))
+            got_h.wait()
+            got_r.wait()
         hidden, res = stage_forward(self.model, stage, input_ids, positions, attn, self.kv_cache, hidden, residual)
         if not stage.last:
             assert res is not None
-            for work in (isend(hidden, stage.index + 1), isend(res, stage.index + 1)):
+            for work in (isend(hidden, tp.rank + tp.tp_size), isend(res, tp.rank + tp.tp_size)):
                 work.wait()
         elif step.token_rows.numel():
-            isend(self.model.compute_logits(hidden[step.token_rows.to(dev)]), 0).wait()
+            local = self.model.compute_logits(hidden[step.token_rows.to(dev)])
+            logits = tp.gather_logits(local, self.vocab_size) if tp.tp_size > 1 else local
+            if logits is not None:  # this stage's first rank
+                isend(logits, 0).wait()
 
     # -- CUDA graphs (worker/cuda_graphs.py): decode-only batches replay a captured forward ---------------------------
     def _make_cuda_graphs(self, enforce_eager: bool):

@@ -73,8 +73,8 @@ class ServerConfig:
     tensor_parallel_size: int = setting(1, Flag("Split the model across this many processes on this machine "
                                                 "(tensor parallelism; one per GPU, or sharing the CPU cores).",
                                                 ("--tensor-parallel-size", "-tp"), engine=SAME))
-    pipeline_parallel_size: int = setting(1, Flag("Split the model's layers into this many pipeline stages, one "
-                                                  "process each (the Llama family; not with -tp > 1 yet).",
+    pipeline_parallel_size: int = setting(1, Flag("Split the model's layers into this many pipeline stages of "
+                                                  "--tensor-parallel-size processes each (the Llama family).",
                                                   ("--pipeline-parallel-size", "-pp"), engine=SAME))
     # several machines (torchrun's meanings): node 0 serves the API, node k > 0 only runs its ranks
     nnodes: int = setting(1, Flag("Machines the tensor-parallel ranks are spread over (evenly).", engine=SAME))

@@ -104,6 +104,7 @@ class TensorParallelGroup:
     _stop: threading.Event = field(default_factory=threading.Event)
     serving: bool = False  # set once every rank is loaded: pings only then, never between setup messages
     pp_size: int = 1  # pipeline stages (pipeline.py); the ranks are tensor-parallel when 1
+    stage_group: Any = None  # under TP x PP: this stage's tensor-parallel ranks (None: every rank is one stage)
     _watchdog: threading.Thread | None = None
 
     # -- starting ------------------------------------------------------------------------------------------------
@@ -161,8 +162,33 @@ class TensorParallelGroup:
 
     @property
     def tp_size(self) -> int:
-        """Ranks a weight is cut over (pipeline stages each hold whole weights)."""
+        """Ranks a weight is cut over: a pipeline stage's ranks (rank = stage * tp_size + tp_rank)."""
         return self.world_size // self.pp_size
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp_size
+
+    @property
+    def stage_index(self) -> int:
+        return self.rank // self.tp_size
+
+    @property
+    def stage_leader(self) -> int:
+        """The stage's tensor-parallel rank 0 (a global rank): where its logits are gathered."""
+        return self.stage_index * self.tp_size
+
+    def make_stage_groups(self, pp_size: int) -> None:
+        """Every rank, at the same point (after Setup): ``pp_size`` stages; under TP x PP one process group per
+        stage for its all-reduces and logits gather (``new_group`` is collective: all ranks make every group)."""
+        self.pp_size = pp_size
+        if pp_size == 1 or self.tp_size == 1:
+            return
+        for s in range(pp_size):
+            ranks = list(range(s * self.tp_size, (s + 1) * self.tp_size))
+            g = dist.new_group(ranks, timeout=timedelta(seconds=self.timeout))
+            if s == self.stage_index:
+                self.stage_group = g
 
     # -- the model's collectives ---------------------------------------------------------------------------------
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -170,22 +196,23 @@ class TensorParallelGroup:
         t0 = time.perf_counter()
         if self.backend == "gloo" and x.dtype in (torch.bfloat16, torch.float16):
             y = x.float()  # summed in float32, rounded once
-            dist.all_reduce(y)
+            dist.all_reduce(y, group=self.stage_group)
             x.copy_(y)
         else:
-            dist.all_reduce(x)
+            dist.all_reduce(x, group=self.stage_group)
         self.stats.all_reduce_seconds += time.perf_counter() - t0
         self.stats.all_reduce_calls += 1
         return x
 
     def gather_logits(self, local: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
-        """Rank 0: the full [R, vocab] logits from every rank's [R, V/N] columns; other ranks: None."""
+        """The stage leader (rank 0 without pipeline stages): the full [R, vocab] logits from every rank's [R, V/N]
+        columns; other ranks: None."""
         local = local.contiguous()
-        if self.rank != 0:
-            dist.gather(local, None, dst=0)
+        if self.rank != self.stage_leader:
+            dist.gather(local, None, dst=self.stage_leader, group=self.stage_group)
             return None
-        parts = [torch.empty_like(local) for _ in range(self.world_size)]
-        dist.gather(local, parts, dst=0)
+        parts = [torch.empty_like(local) for _ in range(self.tp_size)]
+        dist.gather(local, parts, dst=self.stage_leader, group=self.stage_group)
         return torch.cat(parts, dim=-1)[:, :vocab_size]
 
     # -- the control channel -------------------------------------------------------------------------------------

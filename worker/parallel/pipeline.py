@@ -1,7 +1,7 @@
 """Pipeline parallelism: contiguous layer ranges per stage, activations passed with torch.distributed send/recv.
 
-Rules (``P`` stages, one process each; stage ``s`` is rank ``s``; tensor parallelism inside a stage is not built,
-so TP x PP is refused):
+Rules (``P`` stages of ``T`` tensor-parallel ranks each: rank ``s * T + t`` is stage ``s``'s rank ``t``; each stage
+cuts its weights over its ranks as ``sharding.py`` says and all-reduces within its own process group):
 - Stage ``s`` holds layers ``stage_layers(L, P, s)`` (contiguous; the first ``L % P`` stages one layer more),
   stage 0 also the embedding, the last stage the final norm and the head. A stage's model keeps placeholders for
   the rest (``make_stage``) and binds only its own weights (``stage_tensors``): views into the daemon's arena,
@@ -10,8 +10,9 @@ so TP x PP is refused):
   sequence (``split_step``); for each, rank 0 broadcasts the micro-batch's ``Step`` (the typed message tensor
   parallelism uses), runs its layers and sends the hidden state and residual on without waiting (``isend``), so
   stage 0 runs micro-batch k + 1 while stage 1 runs micro-batch k. Every other stage receives, runs its layers
-  and sends on; the last sends the float32 logits of the micro-batch's sampled rows to rank 0, which posted its
-  receives before the first micro-batch and samples once they all came.
+  and sends on (stage s's rank t to stage s + 1's rank t); the last gathers its ranks' logit columns to its first
+  rank, which sends the float32 logits of the micro-batch's sampled rows to rank 0; rank 0 posted those receives
+  before the first micro-batch and samples once they all came.
 - Activations travel as raw bytes of ``[T, hidden]`` tensors in the model dtype; every shape follows from the
   ``Step`` each rank already has, so nothing else crosses.
 """
@@ -41,7 +42,7 @@ def stage_layers(num_layers: int, stages: int, stage: int) -> range:
     return range(start, start + base + (1 if stage < extra else 0))
 
 
-def check_pipeline(config: ModelConfig, stages: int, tp_size: int, enable_lora: bool) -> None:
+def check_pipeline(config: ModelConfig, stages: int, enable_lora: bool) -> None:
     """Refuse (one line) what pipeline parallelism cannot run, before any process is started."""
     if stages < 1:
         raise TensorParallelError(f"pipeline_parallel_size must be at least 1, got {stages}")
@@ -53,9 +54,6 @@ def check_pipeline(config: ModelConfig, stages: int, tp_size: int, enable_lora: 
     if config.num_hidden_layers < stages:
         raise TensorParallelError(f"pipeline-parallel size {stages} is more than the model's "
                                   f"{config.num_hidden_layers} layers")
-    if tp_size != 1:
-        raise TensorParallelError(f"tensor parallelism inside pipeline stages is not supported yet "
-                                  f"(--tensor-parallel-size {tp_size} with --pipeline-parallel-size {stages})")
     if enable_lora:
         raise TensorParallelError(f"LoRA under pipeline parallelism is not supported yet (--enable-lora with "
                                   f"--pipeline-parallel-size {stages})")

@@ -58,7 +58,7 @@ def _expect(tp: TensorParallelGroup, kind: type) -> object:
 def serve_rank(tp: TensorParallelGroup) -> int:
     setup = _expect(tp, Setup)
     assert isinstance(setup, Setup)
-    tp.pp_size = setup.pp_size
+    tp.make_stage_groups(setup.pp_size)
     torch.set_num_threads(setup.threads)
     torch.manual_seed(setup.seed)
     device = tp.device
@@ -78,13 +78,14 @@ def serve_rank(tp: TensorParallelGroup) -> int:
         return 0
     if not isinstance(spec, CacheSpec):
         raise RuntimeError(f"expected a CacheSpec message, got {type(spec).__name__}")
+    stage = stage_of(loaded.config, tp.pp_size, tp.stage_index) if tp.pp_size > 1 else None
     kv = allocate_kv_cache(local_config(loaded.config, tp.tp_size),
-                           CacheConfig(spec.num_blocks, spec.block_size, parse_dtype_or_fp8(spec.kv_dtype)), device)
+                           CacheConfig(spec.num_blocks, spec.block_size, parse_dtype_or_fp8(spec.kv_dtype)), device,
+                           layers=stage.layers if stage is not None else None)
     lora = None
     if setup.max_loras:
         lora = LoRAManager(loaded.model, loaded.config, setup.max_loras, setup.max_lora_rank,
-                           parse_dtype(setup.model_dtype), device, Shard(tp.rank, tp.world_size))
-    stage = stage_of(loaded.config, tp.pp_size, tp.rank) if tp.pp_size > 1 else None
+                           parse_dtype(setup.model_dtype), device, Shard(tp.tp_rank, tp.tp_size))
     runner = ModelRunner(loaded.model, kv, spec.block_size, lambda seq: [], device, lora_manager=lora, tp=tp,
                          vocab_size=loaded.config.vocab_size, stage=stage, act_dtype=parse_dtype(setup.model_dtype))
     log.info("tensor-parallel rank %d ready: %s, %.1f MB of weights", tp.rank, loaded.source, loaded.nbytes / 1e6)
