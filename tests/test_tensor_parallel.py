@@ -3,12 +3,13 @@
 - Sharding rules, without processes: every layout's shard dequantizes to exactly the slice of the full weight;
   KV heads split or replicated; the vocabulary padded; a quantization group that would straddle a shard refused.
 - Refusals (one line, before any process is started): an unsupported family, sizes that do not divide, more
-  pipeline stages than layers, LoRA under PP.
+  pipeline stages than layers.
 - Pipeline parallelism, PP=2: greedy tokens equal to one process with prefix caching, chunked prefill and
   preemption on (micro-batches sent; a killed stage fails the engine, no hang), and from the daemon's int8 arena
   with tied embeddings (each stage binds views of the arena); TP=2 x PP=2 (four processes) equal too.
 - LoRA: each rank's part of a pair gives its rows of the full delta (column-parallel) or a partial sum that adds up
-  to it (row-parallel); TP=2 with two adapters and the base model in one batch gives one process's greedy tokens.
+  to it (row-parallel); TP=2, and PP=2, with two adapters and the base model in one batch give one process's greedy
+  tokens.
 - Greedy tokens with TP=2 equal to one process: tiny Llama with 2 KV heads (split) with prefix caching, chunked
   prefill and preemption on; tiny Llama with 1 KV head (replicated, tied embeddings) from an int8 arena; tiny
   Qwen2 (q/k/v biases, tied embeddings).
@@ -193,8 +194,6 @@ def test_lora_shards_give_the_full_delta(tiny_model_factory, model: str) -> None
     ("llama", {"tensor_parallel_size": 3}, "size 3 does not divide num_attention_heads \\(4\\)"),
     ("llama", {"tensor_parallel_size": 1, "pipeline_parallel_size": 3},
      "pipeline-parallel size 3 is more than the model's 2 layers"),
-    ("llama", {"tensor_parallel_size": 1, "pipeline_parallel_size": 2, "enable_lora": True},
-     "LoRA under pipeline parallelism is not supported yet"),
     ("gemma2", {"tensor_parallel_size": 1, "pipeline_parallel_size": 2},
      "pipeline parallelism supports the Llama family .* Gemma2ForCausalLM"),
 ])
@@ -320,9 +319,12 @@ def test_pp2_greedy_tokens_equal_one_process(tiny_model_factory, case: str) -> N
     assert not [p for p in _children() if "rank_main" in " ".join(p.cmdline())]
 
 
-def test_tp2_with_two_lora_adapters_in_one_batch_equals_one_process(tiny_llama, lora_adapters) -> None:
-    """Two adapters (one on q/v; one on every projection, o_proj and down_proj row-parallel) and the base model in
-    one batch; then a third adapter, which rewrites a slot (rank 1 is told, and rewrites its part too)."""
+@pytest.mark.parametrize("parallel", [dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2)],
+                         ids=["tp2", "pp2"])
+def test_two_lora_adapters_in_one_batch_equal_one_process(tiny_llama, lora_adapters, parallel: dict) -> None:
+    """Two adapters (one on q/v; one on every projection, o_proj and down_proj row-parallel under TP) and the base
+    model in one batch; then a third adapter, which rewrites a slot (rank 1 is told, and rewrites its part too;
+    under PP each stage holds its own layers' part)."""
     from keepwarm.worker.lora import LoRARequest
 
     prompts = _prompts()
@@ -343,11 +345,15 @@ def test_tp2_with_two_lora_adapters_in_one_batch_equals_one_process(tiny_llama, 
     single.close()
     assert [e != b for e, b in zip(expected[0], base, strict=True)] == [lo is not None for lo in loras]
     assert expected[1] != base[:2]
-    llm = LLM(model=tiny_llama, tensor_parallel_size=2, **common)
+    llm = LLM(model=tiny_llama, **parallel, **common)
     try:
         assert run(llm) == expected
         manager = llm.llm_engine.lora_manager
-        assert manager is not None and manager.shard == Shard(0, 2) and manager.slot_refs == [0, 0]
+        assert manager is not None and manager.slot_refs == [0, 0]
+        if "pipeline_parallel_size" in parallel:  # stage 0 holds layer 0's buffers only
+            assert manager.shard is None and [bool(layer) for layer in manager.layers] == [True, False]
+        else:
+            assert manager.shard == Shard(0, 2)
         assert "ad_mlp" in [a.name for a in manager.slot_adapter if a is not None]  # a slot was rewritten
     finally:
         llm.close()

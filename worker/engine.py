@@ -216,9 +216,10 @@ class LLMEngine:
             if mc.family == "moe":
                 raise ModelConfigError(f"LoRA is not supported for {mc.architecture} (experts have no PEFT "
                                        "projections keepwarm maps; supported: the Llama and Gemma families)")
-            shard = None if self.tp is None else Shard(0, self.tp.tp_size)
+            shard = None if self.tp is None or self.tp.tp_size == 1 else Shard(0, self.tp.tp_size)
             self.lora_manager = LoRAManager(self.loaded.model, mc, config.max_loras, config.max_lora_rank,
-                                            self.dtype, self.device, shard)
+                                            self.dtype, self.device, shard,
+                                            stage.layers if stage is not None else None)
             if self.tp is not None:
                 self.lora_manager.on_write = self._publish_lora_slot
         budget = config.max_num_batched_tokens or max(2048, config.block_size)
@@ -247,7 +248,7 @@ class LLMEngine:
         rank's model. Whatever tensor or pipeline parallelism cannot run is refused here, before a process starts."""
         config, mc, pp = self.config, self.model_config, self.config.pipeline_parallel_size
         n = config.tensor_parallel_size * pp
-        check_pipeline(mc, pp, config.enable_lora)
+        check_pipeline(mc, pp)
         check_supported(mc, config.tensor_parallel_size)
         if loaded is not None:
             raise TensorParallelError("tensor parallelism loads its own shards: a preloaded model cannot be given")

@@ -12,8 +12,9 @@ request finishes or is preempted; a slot is rewritten only when its reference co
 never served with another adapter's weights. Pickled adapter files are refused.
 
 Under tensor parallelism (``shard``) each rank's buffers have its local widths and hold its part of every pair
-(``parallel.sharding.shard_lora``); rank 0 tells the other ranks of every slot write (``on_write``) so all ranks
-hold the same adapter in the same slot before a step reads it.
+(``parallel.sharding.shard_lora``); a pipeline stage (``layers``) has buffers for its own layers only; rank 0 tells
+the other ranks of every slot write (``on_write``) so all ranks hold the same adapter in the same slot before a
+step reads it.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -219,7 +220,8 @@ class LoRAManager:
     """Adapter slots for one model: which adapter sits in which slot, with reference counts."""
 
     def __init__(self, model: torch.nn.Module, mc: ModelConfig, max_loras: int, max_lora_rank: int,
-                 dtype: torch.dtype, device: torch.device, shard: Shard | None = None) -> None:
+                 dtype: torch.dtype, device: torch.device, shard: Shard | None = None,
+                 layers: range | None = None) -> None:
         if max_loras < 1:
             raise ValueError("max_loras must be at least 1")
         if max_lora_rank < 1:
@@ -235,15 +237,17 @@ class LoRAManager:
         self.on_write: Callable[[int, LoRAAdapter | None], None] | None = None
         local = mc if shard is None else local_config(mc, shard.world_size)  # this rank's widths
         slices = fused_slices(local)
-        for layer in model.model.layers:
-            per_layer = {}
+        for i, layer in enumerate(cast(torch.nn.ModuleList, model.model.layers)):
+            per_layer: dict[str, LoRALayer] = {}
+            self.layers.append(per_layer)
+            if layers is not None and i not in layers:
+                continue  # another pipeline stage's layer
             for path, sl in slices.items():
                 module = layer.get_submodule(path)
                 fan_in = module_dims(local, sl[0][0])[0]
                 lora = LoRALayer(self, fan_in, sl, dtype, device)
                 object.__setattr__(module, "lora", lora)
                 per_layer[path] = lora
-            self.layers.append(per_layer)
 
     def pair(self, adapter: LoRAAdapter, layer: int, module: str) -> tuple[torch.Tensor, torch.Tensor]:
         """(A, B) of ``adapter`` at (layer, module) as this rank holds them."""

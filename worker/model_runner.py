@@ -193,8 +193,7 @@ class ModelRunner:
             tp.check()
             tp.send(mb)
             tp.stats.steps += 1
-            input_ids, positions, attn = self.device_inputs(mb)
-            hidden, residual = stage_forward(self.model, stage, input_ids, positions, attn, self.kv_cache)
+            hidden, residual = self._stage_forward(mb)
             assert residual is not None
             sends += [isend(hidden, nxt), isend(residual, nxt)]  # not waited: this stage goes on to the next one
         out = torch.empty(step.token_rows.numel(), self.vocab_size, device=self.device)
@@ -213,14 +212,13 @@ class ModelRunner:
         stage, tp, dev = self.stage, self.tp, self.device
         assert stage is not None and tp is not None and self.act_dtype is not None
         hidden = residual = None
-        input_ids, positions, attn = self.device_inputs(step)
         if not stage.first:
             shape = (int(step.input_ids.shape[0]), self.model.config.hidden_size)
             (hidden, got_h), (residual, got_r) = (irecv(shape, self.act_dtype, tp.rank - tp.tp_size, dev)
                                                   for _ in range(2))
             got_h.wait()
             got_r.wait()
-        hidden, res = stage_forward(self.model, stage, input_ids, positions, attn, self.kv_cache, hidden, residual)
+        hidden, res = self._stage_forward(step, hidden, residual)
         if not stage.last:
             assert res is not None
             for work in (isend(hidden, tp.rank + tp.tp_size), isend(res, tp.rank + tp.tp_size)):
@@ -230,6 +228,19 @@ class ModelRunner:
             logits = tp.gather_logits(local, self.vocab_size) if tp.tp_size > 1 else local
             if logits is not None:  # this stage's first rank
                 isend(logits, 0).wait()
+
+    def _stage_forward(self, step: Step, hidden: torch.Tensor | None = None, residual: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """This stage's layers over one (micro-)step, with the step's LoRA slots set around them."""
+        assert self.stage is not None
+        input_ids, positions, attn = self.device_inputs(step)
+        if self.lora_manager is not None:
+            self.lora_manager.set_batch(step.lora_slots, step.query_start_loc.diff(), self.device)
+        try:
+            return stage_forward(self.model, self.stage, input_ids, positions, attn, self.kv_cache, hidden, residual)
+        finally:
+            if self.lora_manager is not None:
+                self.lora_manager.clear_batch()
 
     # -- CUDA graphs (worker/cuda_graphs.py): decode-only batches replay a captured forward ---------------------------
     def _make_cuda_graphs(self, enforce_eager: bool):

@@ -42,7 +42,7 @@ def stage_layers(num_layers: int, stages: int, stage: int) -> range:
     return range(start, start + base + (1 if stage < extra else 0))
 
 
-def check_pipeline(config: ModelConfig, stages: int, enable_lora: bool) -> None:
+def check_pipeline(config: ModelConfig, stages: int) -> None:
     """Refuse (one line) what pipeline parallelism cannot run, before any process is started."""
     if stages < 1:
         raise TensorParallelError(f"pipeline_parallel_size must be at least 1, got {stages}")
@@ -54,9 +54,6 @@ def check_pipeline(config: ModelConfig, stages: int, enable_lora: bool) -> None:
     if config.num_hidden_layers < stages:
         raise TensorParallelError(f"pipeline-parallel size {stages} is more than the model's "
                                   f"{config.num_hidden_layers} layers")
-    if enable_lora:
-        raise TensorParallelError(f"LoRA under pipeline parallelism is not supported yet (--enable-lora with "
-                                  f"--pipeline-parallel-size {stages})")
 
 
 @dataclass(frozen=True)

@@ -85,7 +85,9 @@ def serve_rank(tp: TensorParallelGroup) -> int:
     lora = None
     if setup.max_loras:
         lora = LoRAManager(loaded.model, loaded.config, setup.max_loras, setup.max_lora_rank,
-                           parse_dtype(setup.model_dtype), device, Shard(tp.tp_rank, tp.tp_size))
+                           parse_dtype(setup.model_dtype), device,
+                           Shard(tp.tp_rank, tp.tp_size) if tp.tp_size > 1 else None,
+                           stage.layers if stage is not None else None)
     runner = ModelRunner(loaded.model, kv, spec.block_size, lambda seq: [], device, lora_manager=lora, tp=tp,
                          vocab_size=loaded.config.vocab_size, stage=stage, act_dtype=parse_dtype(setup.model_dtype))
     log.info("tensor-parallel rank %d ready: %s, %.1f MB of weights", tp.rank, loaded.source, loaded.nbytes / 1e6)
