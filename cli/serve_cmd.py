@@ -145,13 +145,13 @@ def _serve_node(cfg: Any) -> int:
     import logging
 
     from keepwarm.cli.main import fail
-    from keepwarm.worker.engine import EngineConfig
+    from keepwarm.worker.engine import EngineConfig, _resolve_device
     from keepwarm.worker.parallel.group import serve_node
     from keepwarm.worker.parallel.sharding import TensorParallelError
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     engine = EngineConfig(**cfg.engine_kwargs())
-    device = "cuda" if engine.device == "cuda" or (engine.device == "auto" and _cuda_available()) else "cpu"
+    device = _resolve_device(engine.device).type
     threads = cfg.threads or 1
     try:
         ranks = engine.tensor_parallel_size * engine.pipeline_parallel_size
@@ -159,12 +159,6 @@ def _serve_node(cfg: Any) -> int:
     except TensorParallelError as e:
         fail(str(e), code=2)
         return 2
-
-
-def _cuda_available() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
 
 
 def _register_restart(app: typer.Typer) -> None:

@@ -257,7 +257,7 @@ class LLMEngine:
         threads = max(1, self._threads_before_tp // n)  # the ranks share this process's cores; restored on close
         torch.set_num_threads(threads)
         self.tp = tp = TensorParallelGroup.launch(n, self.device, config.distributed_timeout, threads,
-                                                  config.nodes(), pp)
+                                                  config.nodes())
         try:
             tp.send(Setup(str(self._model_dir), config.dtype, config.quantization, self.device.type,
                           self.max_model_len, daemon, config.runtime_dir, config.fingerprint, threads, config.seed,

@@ -110,9 +110,9 @@ class TensorParallelGroup:
     # -- starting ------------------------------------------------------------------------------------------------
     @classmethod
     def launch(cls, world_size: int, device: torch.device, timeout: float = DEFAULT_TIMEOUT_S,
-               threads: int = 1, nodes: Nodes = Nodes(), pp_size: int = 1) -> TensorParallelGroup:
+               threads: int = 1, nodes: Nodes = Nodes()) -> TensorParallelGroup:
         """Rank 0: start the other ranks of this node (this process stays rank 0) and join every rank."""
-        backend = "nccl" if device.type == "cuda" else "gloo"
+        backend = _backend(device.type)
         if dist.is_initialized():
             raise TensorParallelError("a tensor-parallel engine already runs in this process (torch.distributed's "
                                       "default group is taken): close it first")
@@ -137,7 +137,7 @@ class TensorParallelGroup:
             exits = [f"rank {c.rank} exited with {c.proc.poll()}" for c in children if c.proc.poll() is not None]
             _stop_children(children, grace=0.0)
             raise RuntimeError(f"tensor parallel: the ranks did not join ({'; '.join(exits) or e})") from None
-        group = cls(0, world_size, backend, device, control, timeout, children, pp_size=pp_size)
+        group = cls(0, world_size, backend, device, control, timeout, children)
         group._watchdog = threading.Thread(target=group._watch, name="keepwarm-tp-watchdog", daemon=True)
         group._watchdog.start()
         log.info("tensor parallel: %d ranks (%s) on %d node(s), this node's rank pids %s", world_size, backend,
@@ -276,6 +276,10 @@ class TensorParallelGroup:
             dist.destroy_process_group()
 
 
+def _backend(device_type: str) -> str:
+    return "nccl" if device_type == "cuda" else "gloo"
+
+
 def start_ranks(ranks: range, per_node: int, world_size: int, backend: str, timeout: float, threads: int,
                 master_addr: str, master_port: int) -> list[RankProcess]:
     """Start ``ranks`` of this node as ``rank_main`` processes with torchrun's environment (LOCAL_RANK from 0 on
@@ -300,8 +304,7 @@ def serve_node(world_size: int, device_type: str, nodes: Nodes, timeout: float =
     if nodes.node_rank == 0:
         raise TensorParallelError("node 0 runs the engine and the API, not `serve_node`")
     ranks = nodes.local_ranks(world_size)
-    backend = "nccl" if device_type == "cuda" else "gloo"
-    children = start_ranks(ranks, len(ranks), world_size, backend, timeout, threads, nodes.master_addr,
+    children = start_ranks(ranks, len(ranks), world_size, _backend(device_type), timeout, threads, nodes.master_addr,
                            nodes.master_port)
     log.info("tensor parallel: node %d of %d, ranks %d-%d (pids %s), joining %s:%d", nodes.node_rank, nodes.nnodes,
              ranks.start, ranks.stop - 1, [c.pid for c in children], nodes.master_addr, nodes.master_port)
