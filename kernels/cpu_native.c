@@ -907,3 +907,318 @@ int kw_bgemm(const float *x, const uint16_t *w, uint16_t *out, int64_t M, int64_
     run_pool(bgemm_slice, &g, nthreads);
     return 0;
 }
+
+
+/* ------------------------------------------------------------------ int8 and int4 weight-only matmuls (AVX2 + FMA)
+ *
+ *   int8:  out[m, n] = bf16( s[n] * sum_k x[m, k] * q[n, k] )                 q: int8 [N, K], s: bf16 [N]
+ *   int4:  out[m, n] = bf16( sum_g ( s[g, n] * sum_{k in g} x[m, k] * c[n, k]  +  (z[g, n] - 8 s[g, n]) * xs[m, g] ) )
+ *          (= x . W with W = (c - 8) * s + z, the reference's weight, up to float32 rounding)
+ *          c: torch's CPU int4 pack "halves" of B rows (B/2 a multiple of 8: row blocks of B stored k-major, byte j
+ *          of a k holding rows j (low nibble) and j + B/2 (high)); sz: bf16 [G, N, 2] = (scale, zero) per group of
+ *          gs columns; xs[m, g] the sum of x over the group (lanes as below, then hadd1).
+ *   x: float32 [M, K] (the caller's bf16 x, exact), K a multiple of 8 (int8) / of gs (int4).
+ *
+ * For CPUs without AVX512-BF16, where torch's int8 / int4 pack ops convert every weight once per row of x and run
+ * compute-bound at one row, slower than the bf16 matmul they should beat (decode is memory-bound: half and a
+ * quarter of the bytes). Codes are exact in float32; products and sums are float32, rounded to bf16 once.
+ *
+ * One summation order per output element whatever M, the blocking or the thread count (a row's output does not
+ * depend on the rest of its batch):
+ * - int8: lane j of one accumulator takes k = j, j + 8, ... in turn (fused multiply-adds), the 8 lanes are added
+ *   by hadd1, the sum times s[n] rounded to bf16. M == 1 converts the codes in registers (one pass over the
+ *   weight); M > 1 converts 4 rows once into a per-thread float32 scratch and runs every row of x over it, two at
+ *   a time (8 chains), with the same arithmetic: the same bits.
+ * - int4: per row, a group's products are added in k order from zero (one chain per row: rows are the lanes), then
+ *   total = fma(s, group sum, total); total = fma(z - 8 s, xs, total), group by group from zero. M == 1 with
+ *   blocks of 32 converts the codes in registers; otherwise a group's codes are converted once into a per-thread
+ *   scratch [gs][B] and every row of x, two at a time, runs over it: the same bits.
+ * Software prefetches and unrolling were tried (interleaved A/B): no gain, so none. */
+
+static __thread float *q_scratch;
+static __thread size_t q_scratch_len;
+
+static float *scratch_floats(size_t n) { /* per thread, grown as needed, kept between calls */
+    if (n > q_scratch_len) {
+        free(q_scratch);
+        q_scratch = aligned_alloc(64, (n * sizeof(float) + 63) / 64 * 64);
+        q_scratch_len = q_scratch ? n : 0;
+    }
+    return q_scratch;
+}
+
+static inline float bf16_to_f32(uint16_t b) {
+    union { uint32_t u; float f; } v = {(uint32_t)b << 16};
+    return v.f;
+}
+
+static inline __m256 i8x8(const int8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+
+typedef struct {
+    const float *x;
+    const int8_t *q;
+    const uint16_t *s;
+    uint16_t *out;
+    int64_t M, N, K;
+    int fail;
+} q8_t;
+
+/* M == 1: rows n .. n+nr-1 (nr <= 8), codes converted in registers; inlined with nr = 8 and as is */
+static inline __attribute__((always_inline)) void q8_rows_1(const q8_t *g, int64_t n, int nr) {
+    const int64_t K = g->K;
+    const int8_t *w = g->q + n * K;
+    __m256 a[8];
+    for (int i = 0; i < 8; i++) a[i] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k += 8) {
+        __m256 xv = _mm256_loadu_ps(g->x + k);
+        for (int i = 0; i < nr; i++) a[i] = _mm256_fmadd_ps(i8x8(w + i * K + k), xv, a[i]);
+    }
+    for (int i = 0; i < nr; i++) g->out[n + i] = f32_to_bf16(hadd1(a[i]) * bf16_to_f32(g->s[n + i]));
+}
+
+#define Q8_KT 512 /* columns per tile: 4 rows of a tile in float32 (8 KB) stay in L1 while every row of x passes */
+#define Q8_LD (Q8_KT + 16) /* a tile row's stride: not a multiple of 4 KB apart, which made loads wait on stores */
+
+/* rows m (and m + 1 when two) of x over the nr (<= 4) rows of one converted tile w [4][Q8_KT] (kt columns from k0);
+ * the accumulators live in acc [M][4] vectors between tiles. q8_pair4 is the hot case written out (the compiler
+ * kept the general loop's accumulators on the stack); q8_over is everything else, with the same sums. */
+static void q8_over(const q8_t *g, int nr, const float *w, int64_t k0, int64_t kt, __m256 *acc, int64_t m, int two) {
+    const float *x0 = g->x + m * g->K + k0, *x1 = two ? x0 + g->K : x0;
+    __m256 *c0 = acc + m * 4, *c1 = two ? c0 + 4 : c0;
+    for (int i = 0; i < nr; i++) {
+        __m256 a0 = c0[i], a1 = c1[i];
+        for (int64_t k = 0; k < kt; k += 8) {
+            __m256 wv = _mm256_load_ps(w + i * Q8_LD + k);
+            a0 = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x0 + k), a0);
+            if (two) a1 = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x1 + k), a1);
+        }
+        c0[i] = a0;
+        if (two) c1[i] = a1;
+    }
+}
+
+static void q8_pair4(const q8_t *g, const float *w, int64_t k0, int64_t kt, __m256 *acc, int64_t m) {
+    const float *x0 = g->x + m * g->K + k0, *x1 = x0 + g->K;
+    __m256 *c = acc + m * 4;
+    __m256 a00 = c[0], a01 = c[1], a02 = c[2], a03 = c[3], a10 = c[4], a11 = c[5], a12 = c[6], a13 = c[7];
+    for (int64_t k = 0; k < kt; k += 8) {
+        __m256 e0 = _mm256_loadu_ps(x0 + k), e1 = _mm256_loadu_ps(x1 + k), wv;
+        wv = _mm256_load_ps(w + k);
+        a00 = _mm256_fmadd_ps(wv, e0, a00), a10 = _mm256_fmadd_ps(wv, e1, a10);
+        wv = _mm256_load_ps(w + Q8_LD + k);
+        a01 = _mm256_fmadd_ps(wv, e0, a01), a11 = _mm256_fmadd_ps(wv, e1, a11);
+        wv = _mm256_load_ps(w + 2 * Q8_LD + k);
+        a02 = _mm256_fmadd_ps(wv, e0, a02), a12 = _mm256_fmadd_ps(wv, e1, a12);
+        wv = _mm256_load_ps(w + 3 * Q8_LD + k);
+        a03 = _mm256_fmadd_ps(wv, e0, a03), a13 = _mm256_fmadd_ps(wv, e1, a13);
+    }
+    c[0] = a00, c[1] = a01, c[2] = a02, c[3] = a03, c[4] = a10, c[5] = a11, c[6] = a12, c[7] = a13;
+}
+
+/* M > 1: rows n .. n+nr-1 (nr <= 4), tile by tile converted into w, every row of x over each tile */
+static void q8_rows_m(const q8_t *g, int64_t n, int nr, float *w, __m256 *acc) {
+    const int64_t K = g->K, M = g->M;
+    for (int64_t i = 0; i < M * 4; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t k0 = 0; k0 < K; k0 += Q8_KT) {
+        int64_t kt = K - k0 < Q8_KT ? K - k0 : Q8_KT;
+        /* the rows in lockstep (as at M == 1), so the prefetcher sees nr steady streams, not 512-byte bursts */
+        const int8_t *src = g->q + n * K + k0;
+        for (int64_t k = 0; k < kt; k += 8)
+            for (int i = 0; i < nr; i++) _mm256_store_ps(w + i * Q8_LD + k, i8x8(src + i * K + k));
+        int64_t m = 0;
+        for (; m + 2 <= M; m += 2) {
+            if (nr == 4)
+                q8_pair4(g, w, k0, kt, acc, m);
+            else
+                q8_over(g, nr, w, k0, kt, acc, m, 1);
+        }
+        if (m < M) q8_over(g, nr, w, k0, kt, acc, m, 0);
+    }
+    for (int64_t m = 0; m < M; m++)
+        for (int i = 0; i < nr; i++)
+            g->out[m * g->N + n + i] = f32_to_bf16(hadd1(acc[m * 4 + i]) * bf16_to_f32(g->s[n + i]));
+}
+
+static void q8_slice(const void *arg, int t, int nthreads) {
+    q8_t *g = (q8_t *)arg;
+    int64_t blocks = (g->N + 7) / 8, per = (blocks + nthreads - 1) / nthreads;
+    int64_t n0 = t * per * 8, n1 = (t + 1) * per * 8;
+    if (n1 > g->N) n1 = g->N;
+    if (n0 >= n1) return;
+    if (g->M == 1) {
+        for (int64_t n = n0; n < n1; n += 8) {
+            if (n1 - n >= 8)
+                q8_rows_1(g, n, 8);
+            else
+                q8_rows_1(g, n, (int)(n1 - n));
+        }
+        return;
+    }
+    float *w = scratch_floats((size_t)(4 * Q8_LD + g->M * 4 * 8));
+    if (!w) {
+        g->fail = 1; /* a benign race: every writer writes 1 */
+        return;
+    }
+    for (int64_t n = n0; n < n1; n += 4) q8_rows_m(g, n, n1 - n < 4 ? (int)(n1 - n) : 4, w, (__m256 *)(w + 4 * Q8_LD));
+}
+
+/* 0, -1 on bad sizes, -2 when a thread's scratch could not be allocated. */
+int kw_q8gemm(const float *x, const int8_t *q, const uint16_t *s, uint16_t *out, int64_t M, int64_t N, int64_t K,
+              int nthreads) {
+    if (M < 1 || N < 1 || K < 8 || K % 8) return -1;
+    if (nthreads < 1) nthreads = 1;
+    if (nthreads > MAXT) nthreads = MAXT;
+    if (N < 32 * nthreads) nthreads = 1;
+    q8_t g = {x, q, s, out, M, N, K, 0};
+    run_pool(q8_slice, &g, nthreads);
+    return g.fail ? -2 : 0;
+}
+
+typedef struct {
+    const float *x;
+    const uint8_t *q;
+    const uint16_t *sz;
+    const float *xs; /* [M, G] */
+    uint16_t *out;
+    int64_t M, N, K, gs, B;
+    int fail;
+} q4_t;
+
+/* 8 codes: low nibbles (lo) and high nibbles (hi) of 8 bytes, as float32 */
+static inline void q4_codes(const uint8_t *p, __m256 *lo, __m256 *hi) {
+    __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    *lo = _mm256_cvtepi32_ps(_mm256_and_si256(c, _mm256_set1_epi32(15)));
+    *hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(c, 4));
+}
+
+/* the codes of group g of block b into w [gs][B] as float32, rows in natural order */
+static void q4_convert(const q4_t *a, int64_t b, int64_t g, float *w) {
+    const int64_t H = a->B / 2;
+    const uint8_t *src = a->q + (b * a->K + g * a->gs) * H;
+    __m256 lo, hi;
+    for (int64_t kk = 0; kk < a->gs; kk++, src += H, w += a->B)
+        for (int64_t j = 0; j < H; j += 8) {
+            q4_codes(src + j, &lo, &hi);
+            _mm256_store_ps(w + j, lo);
+            _mm256_store_ps(w + H + j, hi);
+        }
+}
+
+/* fold a group's sums acc = sum x c (rows n .. n+7) into tot: tot = fma(s, acc, tot); tot = fma(z - 8 s, xs, tot) */
+static inline void q4_fold(const q4_t *a, int64_t g, int64_t n, float xsum, __m256 acc, float *tot) {
+    __m256i r = _mm256_loadu_si256((const __m256i *)(a->sz + (g * a->N + n) * 2)); /* 8 (scale, zero) pairs */
+    __m256 s = _mm256_castsi256_ps(_mm256_slli_epi32(r, 16));
+    __m256 z = _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32((int)0xFFFF0000u)));
+    __m256 t = _mm256_fmadd_ps(s, acc, _mm256_load_ps(tot));
+    _mm256_store_ps(tot, _mm256_fmadd_ps(_mm256_fnmadd_ps(_mm256_set1_ps(8.0f), s, z), _mm256_set1_ps(xsum), t));
+}
+
+/* M == 1, B == 32: group g of block b with the codes converted in registers (the same sums as q4_over) */
+static void q4_direct32(const q4_t *a, int64_t b, int64_t g, float *tot) {
+    const uint8_t *src = a->q + (b * a->K + g * a->gs) * 16;
+    const float *x0 = a->x + g * a->gs;
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, l0, h0, l1, h1;
+    for (int64_t kk = 0; kk < a->gs; kk++, src += 16) {
+        __m256 e = _mm256_broadcast_ss(x0 + kk);
+        q4_codes(src, &l0, &h0);
+        q4_codes(src + 8, &l1, &h1);
+        a0 = _mm256_fmadd_ps(l0, e, a0);  /* rows 0..7 */
+        a1 = _mm256_fmadd_ps(l1, e, a1);  /* rows 8..15 */
+        a2 = _mm256_fmadd_ps(h0, e, a2);  /* rows 16..23 */
+        a3 = _mm256_fmadd_ps(h1, e, a3);  /* rows 24..31 */
+    }
+    int64_t n = b * 32;
+    float xsum = a->xs[g];
+    q4_fold(a, g, n, xsum, a0, tot);
+    q4_fold(a, g, n + 8, xsum, a1, tot + 8);
+    q4_fold(a, g, n + 16, xsum, a2, tot + 16);
+    q4_fold(a, g, n + 24, xsum, a3, tot + 24);
+}
+
+/* rows m (and m + 1 when two) of x over group g's nv (<= 4) vectors of rows from vector v, folded into tot;
+ * inlined with nv = 4 and as is, so the accumulators stay in registers */
+static inline __attribute__((always_inline)) void q4_over(const q4_t *a, int64_t b, int64_t g, int64_t v, int nv,
+                                                          const float *w, float *tot, int64_t m, int two) {
+    const int64_t B = a->B, gs = a->gs, G = a->K / gs, K = a->K;
+    const float *x0 = a->x + m * K + g * gs, *x1 = two ? x0 + K : x0;
+    __m256 a0[4], a1[4];
+    for (int i = 0; i < 4; i++) a0[i] = a1[i] = _mm256_setzero_ps();
+    for (int64_t kk = 0; kk < gs; kk++) {
+        __m256 e0 = _mm256_broadcast_ss(x0 + kk), e1 = _mm256_broadcast_ss(x1 + kk);
+        const float *wk = w + kk * B + v * 8;
+        for (int i = 0; i < nv; i++) {
+            __m256 wv = _mm256_load_ps(wk + i * 8);
+            a0[i] = _mm256_fmadd_ps(wv, e0, a0[i]);
+            if (two) a1[i] = _mm256_fmadd_ps(wv, e1, a1[i]);
+        }
+    }
+    for (int i = 0; i < nv; i++) {
+        int64_t n = b * B + (v + i) * 8;
+        q4_fold(a, g, n, a->xs[m * G + g], a0[i], tot + m * B + (v + i) * 8);
+        if (two) q4_fold(a, g, n, a->xs[(m + 1) * G + g], a1[i], tot + (m + 1) * B + (v + i) * 8);
+    }
+}
+
+/* one block of B rows (B <= 64: at most 8 vectors of rows), every row of x; tot: float32 [M][B] */
+static void q4_block(const q4_t *a, int64_t b, float *w, float *tot) {
+    const int64_t B = a->B, V = B / 8, G = a->K / a->gs;
+    memset(tot, 0, (size_t)(a->M * B) * sizeof(float));
+    if (a->M == 1 && B == 32) {
+        for (int64_t g = 0; g < G; g++) q4_direct32(a, b, g, tot);
+        for (int64_t r = 0; r < B; r++) a->out[b * B + r] = f32_to_bf16(tot[r]);
+        return;
+    }
+    for (int64_t g = 0; g < G; g++) {
+        q4_convert(a, b, g, w);
+        for (int64_t v = 0; v < V; v += 4) { /* 4 vectors (32 rows) at a time: 8 accumulators for two rows of x */
+            int nv = V - v < 4 ? (int)(V - v) : 4;
+            int64_t m = 0;
+            if (nv == 4) {
+                for (; m + 2 <= a->M; m += 2) q4_over(a, b, g, v, 4, w, tot, m, 1);
+                if (m < a->M) q4_over(a, b, g, v, 4, w, tot, m, 0);
+            } else {
+                for (; m + 2 <= a->M; m += 2) q4_over(a, b, g, v, nv, w, tot, m, 1);
+                if (m < a->M) q4_over(a, b, g, v, nv, w, tot, m, 0);
+            }
+        }
+    }
+    for (int64_t m = 0; m < a->M; m++)
+        for (int64_t r = 0; r < B; r++) a->out[m * a->N + b * B + r] = f32_to_bf16(tot[m * B + r]);
+}
+
+static void q4_slice(const void *arg, int t, int nthreads) {
+    q4_t *a = (q4_t *)arg;
+    int64_t blocks = a->N / a->B, per = (blocks + nthreads - 1) / nthreads;
+    int64_t b0 = t * per, b1 = b0 + per < blocks ? b0 + per : blocks;
+    if (b0 >= b1) return;
+    float *w = scratch_floats((size_t)(a->gs * a->B + a->M * a->B));
+    if (!w) {
+        a->fail = 1;
+        return;
+    }
+    for (int64_t b = b0; b < b1; b++) q4_block(a, b, w, w + a->gs * a->B);
+}
+
+/* 0, -1 on bad sizes, -2 when scratch could not be allocated. */
+int kw_q4gemm(const float *x, const uint8_t *q, const uint16_t *sz, uint16_t *out, int64_t M, int64_t N, int64_t K,
+              int64_t gs, int64_t B, int nthreads) {
+    if (M < 1 || N < 1 || gs < 8 || gs % 8 || K % gs || B < 16 || B > 64 || B % 16 || N % B) return -1;
+    int64_t G = K / gs;
+    float *xs = malloc((size_t)(M * G) * sizeof(float));
+    if (!xs) return -2;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t g = 0; g < G; g++) {
+            __m256 acc = _mm256_setzero_ps();
+            for (int64_t k = g * gs; k < (g + 1) * gs; k += 8) acc = _mm256_add_ps(acc, _mm256_loadu_ps(x + m * K + k));
+            xs[m * G + g] = hadd1(acc);
+        }
+    if (nthreads < 1) nthreads = 1;
+    if (nthreads > MAXT) nthreads = MAXT;
+    if (N < 32 * nthreads) nthreads = 1;
+    q4_t a = {x, q, sz, xs, out, M, N, K, gs, B, 0};
+    run_pool(q4_slice, &a, nthreads);
+    free(xs);
+    return a.fail ? -2 : 0;
+}

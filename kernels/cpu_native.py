@@ -18,6 +18,11 @@ What:
   element (not torch's order: bf16 outputs there differ from torch's in the last bit, where a float32 sum lands
   next to a rounding boundary), the same for every batch and thread count.
 
+- int8 and int4 weight-only matmuls for bfloat16 x on CPUs without AVX512-BF16 (`q8_linear`, `q4_linear`, AVX2 +
+  FMA), where torch's pack ops are compute-bound at one row and slower than the bf16 matmul: int8 converts codes in
+  registers at one row and through an L1 tile above; int4 reads torch's CPU "halves" pack in place and folds each
+  group's scale and zero into float32 sums. One summation order per output whatever the batch, like the bf16 one.
+
 Rules:
 - Built lazily, at the first call that could use it, with ``cc -O3`` and explicit ``-m`` flags (never
   ``-march=native``: the cache key names the flags, the source and the compiler, not the CPU), into
@@ -59,8 +64,8 @@ import torch
 from keepwarm.formats.paths import keepwarm_home
 
 __all__ = ["ENV_VAR", "attention_available", "attention_fits", "attention_plan", "attention_switched_on",
-           "attention_unavailable_reason", "available", "bf16_fits", "bf16_linear",
-           "bf16_matmul_on", "decode_attention", "fp8_linear", "glue_on", "int8_linear",
+           "attention_unavailable_reason", "available", "avx2_quant_on", "bf16_fits", "bf16_linear", "bf16_matmul_on",
+           "decode_attention", "fp8_linear", "glue_on", "int8_linear", "q4_fits", "q4_linear", "q8_fits", "q8_linear",
            "rms_norm", "rotary_neox", "rows_fit", "store_kv", "unavailable_reason"]
 
 logger = logging.getLogger("keepwarm.kernels")
@@ -190,7 +195,9 @@ def _declare_glue(lib: ctypes.CDLL) -> None:
     for name, args in (("kw_rms_norm", [p, i64, p, i64, p, p, p, i64, i64, ctypes.c_float]),
                        ("kw_rotary_neox", [p, i64, p, i64, p, p, i64, p, p, i64, i64, i64, i64]),
                        ("kw_store_kv", [p, i64, p, i64, p, p, p, i64, i64, i64, i64, i64]),
-                       ("kw_bgemm", [p, p, p, i64, i64, i64, ctypes.c_int])):
+                       ("kw_bgemm", [p, p, p, i64, i64, i64, ctypes.c_int]),
+                       ("kw_q8gemm", [p, p, p, p, i64, i64, i64, ctypes.c_int]),
+                       ("kw_q4gemm", [p, p, p, p, i64, i64, i64, i64, i64, ctypes.c_int])):
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = ctypes.c_int, args
 
@@ -436,4 +443,72 @@ def bf16_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     rc = lib.kw_bgemm(xf.data_ptr(), weight.data_ptr(), out.data_ptr(), xf.shape[0], n, k, torch.get_num_threads())
     if rc != 0:
         raise ValueError(f"bf16_linear: the kernel refused M={xf.shape[0]} N={n} K={k}")
+    return out.reshape(*x.shape[:-1], n)
+
+
+# -- int8 / int4 weight-only matmuls for CPUs without AVX512-BF16 (AVX2 + FMA) ---------------------------------
+def avx2_quant_on() -> bool:
+    """Whether the int8 / int4 linears of bfloat16 models take :func:`q8_linear` / :func:`q4_linear`: a build
+    loaded and the switch on (:func:`glue_on`), and the CPU lacks AVX512-BF16 (there :func:`int8_linear` and
+    torch's int4 op were measured instead; these kernels were measured on AVX2 only)."""
+    return glue_on() and bool(_load()[1])
+
+
+def q8_fits(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> bool:
+    """x [..., K] bfloat16, qweight int8 [N, K] contiguous, scales bfloat16 [N], K a multiple of 8, all on the CPU."""
+    return (x.dtype == torch.bfloat16 and x.device.type == "cpu" and qweight.dtype == torch.int8
+            and qweight.device.type == "cpu" and qweight.dim() == 2 and qweight.is_contiguous()
+            and x.numel() > 0 and x.shape[-1] == qweight.shape[1] and qweight.shape[1] % 8 == 0
+            and scales.dtype == torch.bfloat16 and tuple(scales.shape) == (qweight.shape[0],))
+
+
+def q8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``(x @ qweight^T) * scales`` in bfloat16 (:func:`q8_fits` inputs), AVX2 + FMA: float32 products and sums in
+    one order per output element whatever the batch, times the scale, rounded once."""
+    lib = _load()[0]
+    assert lib is not None, "q8_linear called where no native build loaded"
+    if not q8_fits(x, qweight, scales):
+        raise ValueError(f"q8_linear: x {tuple(x.shape)} {x.dtype}, weight {tuple(qweight.shape)} {qweight.dtype}"
+                         f" and scales {tuple(scales.shape)} {scales.dtype} do not fit")
+    n, k = qweight.shape
+    xf = x.reshape(-1, k).float().contiguous()
+    out = torch.empty((xf.shape[0], n), dtype=torch.bfloat16)
+    rc = lib.kw_q8gemm(xf.data_ptr(), qweight.data_ptr(), scales.contiguous().data_ptr(), out.data_ptr(),
+                       xf.shape[0], n, k, torch.get_num_threads())
+    if rc != 0:
+        raise ValueError(f"q8_linear: the kernel refused M={xf.shape[0]} N={n} K={k} (rc {rc})")
+    return out.reshape(*x.shape[:-1], n)
+
+
+def q4_fits(x: torch.Tensor, qweight: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int,
+            block: int) -> bool:
+    """x [..., K] bfloat16; qweight uint8 in torch's CPU int4 "halves" pack of `block` rows (N a multiple of it);
+    scales_and_zeros bfloat16 [K / group_size, N, 2]; group_size a multiple of 8."""
+    n2 = scales_and_zeros.shape[1] if scales_and_zeros.dim() == 3 else -1
+    k = x.shape[-1] if x.dim() else -1
+    return (x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.numel() > 0 and qweight.dtype == torch.uint8
+            and qweight.device.type == "cpu" and qweight.is_contiguous() and block in (16, 32, 48, 64)
+            and group_size >= 8 and group_size % 8 == 0 and k % group_size == 0 and n2 > 0 and n2 % block == 0
+            and qweight.numel() == n2 * k // 2 and scales_and_zeros.dtype == torch.bfloat16
+            and tuple(scales_and_zeros.shape) == (k // group_size, n2, 2) and scales_and_zeros.is_contiguous())
+
+
+def q4_linear(x: torch.Tensor, qweight: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int,
+              block: int) -> torch.Tensor:
+    """``x @ W^T`` in bfloat16 for an int4 weight in torch's CPU "halves" pack (:func:`q4_fits`), W = (code - 8) *
+    scale + zero per group, AVX2 + FMA: per group ``scale * sum x (code - 8) + zero * sum x``, float32, one
+    order per output element whatever the batch, rounded once."""
+    lib = _load()[0]
+    assert lib is not None, "q4_linear called where no native build loaded"
+    if not q4_fits(x, qweight, scales_and_zeros, group_size, block):
+        raise ValueError(f"q4_linear: x {tuple(x.shape)} {x.dtype}, weight {tuple(qweight.shape)} {qweight.dtype}, "
+                         f"scales_and_zeros {tuple(scales_and_zeros.shape)} {scales_and_zeros.dtype}, groups of "
+                         f"{group_size} and blocks of {block} do not fit")
+    n, k = scales_and_zeros.shape[1], x.shape[-1]
+    xf = x.reshape(-1, k).float().contiguous()
+    out = torch.empty((xf.shape[0], n), dtype=torch.bfloat16)
+    rc = lib.kw_q4gemm(xf.data_ptr(), qweight.data_ptr(), scales_and_zeros.data_ptr(), out.data_ptr(),
+                       xf.shape[0], n, k, group_size, block, torch.get_num_threads())
+    if rc != 0:
+        raise ValueError(f"q4_linear: the kernel refused M={xf.shape[0]} N={n} K={k} (rc {rc})")
     return out.reshape(*x.shape[:-1], n)

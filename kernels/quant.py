@@ -13,9 +13,13 @@ in float32, cast to x's dtype, F.linear), correct for every layout and device, a
         against 4.2 / 10.3 / 36 / 144 for the bfloat16 oneDNN matmul. Otherwise: cast the int8 codes to x's
         dtype (exact), matmul (for bfloat16 on a CPU where oneDNN has no bf16 matmul: keepwarm's AVX2 one,
         `cpu_native.bf16_linear`), scale the [M, N] output per channel.
-  int4  torch._weight_int4pack_mm_for_cpu, when the weight was packed in this process's CPU layout, for bfloat16
-        on AVX2/AVX512 (21 us vs 0.49 ms for the reference at M=1, 167 us vs 0.48 ms at M=32). Elsewhere it is a
-        scalar loop (~0.65 ms per row) that loses to the reference even at M=1 (0.40 ms).
+        On CPUs without AVX512-BF16 (AVX2), bfloat16 x takes keepwarm's AVX2 int8 kernel at every M
+        (`cpu_native.q8_linear`; one 1B layer, 2 cores, Zen 3: M=1 3.4-4.1 ms vs 4.7-5.5 for the op and bf16).
+  int4  On CPUs without AVX512-BF16, bfloat16 x takes keepwarm's AVX2 int4 kernel (`cpu_native.q4_linear`, torch's
+        "halves" CPU pack read in place; one 1B layer, M=1: 2.0-2.6 ms vs 3.7-4.3 for the op, 4.7-5.5 bf16).
+        Elsewhere torch._weight_int4pack_mm_for_cpu, when the weight was packed in this process's CPU layout, for
+        bfloat16 on AVX2/AVX512 (21 us vs 0.49 ms for the reference at M=1, 167 us vs 0.48 ms at M=32). Elsewhere
+        it is a scalar loop (~0.65 ms per row) that loses to the reference even at M=1 (0.40 ms).
   fp8   no fused CPU op for weight-only fp8 (torch._scaled_mm would quantize x too, and is slower), and torch's
         fp8 -> float cast is a slow scalar loop (1.2 ms for 0.9M weights). For bfloat16 x, keepwarm's C kernel
         (the int8 kernel with the codes converted in registers, same float16 bit trick). Otherwise the codes are
@@ -34,6 +38,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import re
 from collections.abc import Callable, Mapping
 
 import torch
@@ -61,6 +66,7 @@ _FAST_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _SIMD_CAPABILITIES = ("AVX2", "AVX512")
 # Above this many rows the int8 op loses to cast + matmul (AVX512: even at M=16; AVX2: before M=32).
 _INT8_OP_MAX_ROWS = 8
+_INT4_HALVES_RE = re.compile(r"int4_cpu_halves(\d+)")
 # (scheme, path, device type, dtype) already logged: the path choice is logged once, not per call.
 _LOGGED: set[tuple[str, str, str, torch.dtype]] = set()
 
@@ -203,6 +209,23 @@ def _fp8_native(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) 
     return _add_bias(cpu_native.fp8_linear(_as_2d(x), w.parts["qweight"], scale), x, bias)
 
 
+def _int8_avx2(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    return _add_bias(cpu_native.q8_linear(_as_2d(x), w.parts["qweight"], w.parts["scales"]), x, bias)
+
+
+def _int4_block(meta: QuantMeta) -> int:
+    """Rows per block of an int4 "halves" CPU layout; 0 for any other layout."""
+    m = _INT4_HALVES_RE.fullmatch(meta.layout)
+    return int(m.group(1)) if m else 0
+
+
+def _int4_avx2(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    assert w.meta.group_size is not None
+    y = cpu_native.q4_linear(_as_2d(x), w.parts["qweight"], w.parts["scales_and_zeros"], w.meta.group_size,
+                             _int4_block(w.meta))
+    return _add_bias(y, x, bias)
+
+
 def _int4_op(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     sz = w.parts["scales_and_zeros"].to(x.dtype)  # the op wants x's dtype
     y = torch._weight_int4pack_mm_for_cpu(_as_2d(x), w.parts["qweight"], w.meta.group_size, sz)
@@ -234,14 +257,16 @@ def _fp8_block_bits(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | No
 
 
 _INT8_NATIVE = "keepwarm C kernel (AVX512-BF16)"
+_INT8_AVX2 = "keepwarm C kernel, int8 (AVX2)"
+_INT4_AVX2 = "keepwarm C kernel, int4 (AVX2)"
 _FP8_NATIVE = "keepwarm C kernel, fp8 (AVX512-BF16)"
 
 
 # scheme -> path name (as logged) -> implementation; every path computes the same product as the reference.
 PATHS: dict[str, dict[str, Callable[..., torch.Tensor]]] = {
     "int8": {"torch._weight_int8pack_mm": _int8_op, "int8->dtype cast + matmul, per-channel scale": _int8_cast,
-             _INT8_NATIVE: _int8_native},
-    "int4": {"torch._weight_int4pack_mm_for_cpu": _int4_op},
+             _INT8_NATIVE: _int8_native, _INT8_AVX2: _int8_avx2},
+    "int4": {"torch._weight_int4pack_mm_for_cpu": _int4_op, _INT4_AVX2: _int4_avx2},
     "fp8": {"fp8 bits->float16 + matmul, scalar scale": _fp8_bits, _FP8_NATIVE: _fp8_native},
     "fp8_block": {"fp8 bits->float16 + matmul, channel/block scales": _fp8_block_bits, _FP8_NATIVE: _fp8_native},
 }
@@ -264,12 +289,18 @@ def select_path(scheme: str, x: torch.Tensor, w: QuantizedWeight) -> str:
     rows = x.numel() // max(x.shape[-1], 1)
     vectorized = x.dtype == torch.bfloat16 and _simd()
     if scheme == "int8":
+        if cpu_native.avx2_quant_on() and cpu_native.q8_fits(x, w.parts["qweight"], w.parts["scales"]):
+            return _INT8_AVX2
         if vectorized and rows <= _INT8_OP_MAX_ROWS:
             return "torch._weight_int8pack_mm"
         if _native_fits(x, w):
             return _INT8_NATIVE
         return "int8->dtype cast + matmul, per-channel scale"
     if scheme == "int4":
+        block, gs = _int4_block(w.meta), w.meta.group_size or 0
+        if (block and cpu_native.avx2_quant_on()
+                and cpu_native.q4_fits(x, w.parts["qweight"], w.parts["scales_and_zeros"], gs, block)):
+            return _INT4_AVX2
         # The packed order is per CPU capability: only a weight packed as this process packs can use the op.
         use_op = vectorized and w.meta.layout == cpu_int4_layout()
         return "torch._weight_int4pack_mm_for_cpu" if use_op else _REFERENCE

@@ -105,6 +105,7 @@ def test_int8_weights_above_the_op_rows_take_it_after_an_exact_cast(monkeypatch)
     x = torch.randn(32, 576, generator=g).bfloat16()  # above the rows torch's int8 op wins at: cast + matmul
     monkeypatch.setattr(cpu_native, "_onednn_bf16", lambda: False)
     monkeypatch.setattr(quant, "_native_fits", lambda x, w: False)  # an AVX512-BF16 CPU's int8 kernel aside
+    monkeypatch.setattr(cpu_native, "avx2_quant_on", lambda: False)  # and the AVX2 one (test_cpu_quant_avx2.py)
     assert quant.select_path("int8", x, qw) == "int8->dtype cast + matmul, per-channel scale"
     codes, scales = qw.parts["qweight"].bfloat16(), qw.parts["scales"].bfloat16()
     assert torch.equal(quant.TORCH_IMPLS["int8"](x, qw), cpu_native.bf16_linear(x, codes).mul_(scales))

@@ -209,6 +209,7 @@ def test_fp8_as_float16_every_code() -> None:
 
 # ---------------------------------------------------------------------------------------------- paths vs reference
 NATIVE = (quant._INT8_NATIVE, quant._FP8_NATIVE)
+AVX2 = (quant._INT8_AVX2, quant._INT4_AVX2)  # bfloat16 only; callable wherever a native build loaded
 
 
 def _cases() -> list[tuple[str, str]]:
@@ -239,12 +240,20 @@ def test_path_matches_reference(scheme: str, path: str, dtype: torch.dtype) -> N
         with pytest.raises((ValueError, AssertionError)):  # never taken for other dtypes (test_select_path)
             PATHS[scheme][path](torch.zeros(1, 64, dtype=dtype), _quantized(scheme, 16, 64, dtype, 0), None)
         return
+    if path in AVX2 and (dtype != torch.bfloat16 or not cpu_native.glue_on()):
+        with pytest.raises((ValueError, AssertionError)):
+            PATHS[scheme][path](torch.zeros(1, 64, dtype=dtype), _quantized(scheme, 32, 64, dtype, 0), None)
+        return
     g = torch.Generator().manual_seed(1)
     for i, (n, k) in enumerate(SHAPES):
         qw = _quantized(scheme, n, k, dtype, i)
         w = qw.dequantize(dtype)
         if path in NATIVE and scheme == "fp8_block" and i % 2:  # blocks of 32: the C kernel refuses them
             with pytest.raises(ValueError, match="blocks of 32"):
+                PATHS[scheme][path](torch.zeros(1, k, dtype=dtype), qw, None)
+            continue
+        if path == quant._INT4_AVX2 and n % quant._int4_block(qw.meta):  # a short last block: the kernel refuses it
+            with pytest.raises(ValueError, match="do not fit"):
                 PATHS[scheme][path](torch.zeros(1, k, dtype=dtype), qw, None)
             continue
         for rows in ((1,), (33,), (2, 3)):
@@ -276,9 +285,10 @@ def test_select_path(monkeypatch: pytest.MonkeyPatch) -> None:
     qws = {s: QuantizedWeight.from_parts(*quantize(_weight(64, 256), s, torch.bfloat16)) for s in ("int8", "int4")}
     bf1, bf33, f1, f33 = (torch.zeros(m, 256, dtype=d) for d in (torch.bfloat16, torch.float32) for m in (1, 33))
     monkeypatch.setattr(quant, "_simd", lambda: True)
-    assert quant.select_path("int8", bf1, qws["int8"]) == "torch._weight_int8pack_mm"
+    avx2 = cpu_native.avx2_quant_on()  # no AVX512-BF16 here: keepwarm's AVX2 int8 / int4 kernels for bfloat16
+    assert quant.select_path("int8", bf1, qws["int8"]) == (quant._INT8_AVX2 if avx2 else "torch._weight_int8pack_mm")
     wide = quant._INT8_NATIVE if cpu_native.available() else "int8->dtype cast + matmul, per-channel scale"
-    assert quant.select_path("int8", bf33, qws["int8"]) == wide
+    assert quant.select_path("int8", bf33, qws["int8"]) == (quant._INT8_AVX2 if avx2 else wide)
     assert quant.select_path("int8", f1, qws["int8"]).startswith("int8->dtype cast")
     assert quant.select_path("int8", f33, qws["int8"]).startswith("int8->dtype cast")
     fp8 = QuantizedWeight.from_parts(*quantize(_weight(64, 256), "fp8", torch.bfloat16))
@@ -293,14 +303,17 @@ def test_select_path(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(cpu_native.ENV_VAR, "0")
     assert quant.select_path("fp8", bf1, fp8).startswith("fp8 bits")
     assert quant.select_path("int8", bf33, qws["int8"]).startswith("int8->dtype cast")
-    monkeypatch.delenv(cpu_native.ENV_VAR)
-    assert quant.select_path("int4", bf33, qws["int4"]) == "torch._weight_int4pack_mm_for_cpu"
+    assert quant.select_path("int8", bf1, qws["int8"]) == "torch._weight_int8pack_mm"
     assert quant.select_path("int4", bf1, qws["int4"]) == "torch._weight_int4pack_mm_for_cpu"
+    monkeypatch.delenv(cpu_native.ENV_VAR)
+    int4 = quant._INT4_AVX2 if avx2 else "torch._weight_int4pack_mm_for_cpu"
+    assert quant.select_path("int4", bf33, qws["int4"]) == int4
+    assert quant.select_path("int4", bf1, qws["int4"]) == int4
     assert quant.select_path("int4", f1, qws["int4"]) == "reference dequantize+matmul"
     assert quant.select_path("int4", f33, qws["int4"]) == "reference dequantize+matmul"
     monkeypatch.setattr(quant, "_simd", lambda: False)
-    assert quant.select_path("int8", bf1, qws["int8"]) == wide
-    assert quant.select_path("int4", bf33, qws["int4"]) == "reference dequantize+matmul"
+    assert quant.select_path("int8", bf1, qws["int8"]) == (quant._INT8_AVX2 if avx2 else wide)
+    assert quant.select_path("int4", bf33, qws["int4"]) == (int4 if avx2 else "reference dequantize+matmul")
 
 
 def test_kernels_linear_dispatch(caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -327,7 +340,7 @@ def test_kernels_linear_plain_tensor() -> None:
 
 def test_read_only_parts() -> None:
     # The daemon's arena is shared memory mapped read-only: parts are views that must never be written.
-    w = _weight(80, 192)
+    w = _weight(96, 192)  # 96 rows: whole int4 CPU blocks of 32, which the AVX2 int4 kernel needs
     x = torch.randn(5, 192, dtype=torch.bfloat16)
     for scheme in ("int8", "fp8", "int4"):
         meta, parts = quantize(w, scheme, torch.bfloat16)
@@ -342,8 +355,11 @@ def test_read_only_parts() -> None:
         expected = PATHS[scheme]
         for name, fn in (*expected.items(), ("reference", linear_reference)):
             for xx in (x, x[:1], x.float()):
-                if name not in NATIVE or (xx.dtype == torch.bfloat16 and cpu_native.available()):
-                    fn(xx, qw, None)  # the native path takes only bfloat16 (test_select_path)
+                if name in NATIVE and not (xx.dtype == torch.bfloat16 and cpu_native.available()):
+                    continue  # the native path takes only bfloat16 (test_select_path)
+                if name in AVX2 and not (xx.dtype == torch.bfloat16 and cpu_native.glue_on()):
+                    continue  # so do the AVX2 ones
+                fn(xx, qw, None)
         assert torch.equal(kernels.linear(x, qw), kernels.linear(x, QuantizedWeight(meta, parts)))
         assert blobs == saved
 

@@ -1,0 +1,147 @@
+"""keepwarm's AVX2 int8 and int4 weight-only matmuls (kernels/cpu_native.c ``kw_q8gemm`` / ``kw_q4gemm``), which the
+int8 / int4 linears of bfloat16 models take on CPUs without AVX512-BF16:
+- against float64 sums of the test's own dequantization (codes written here, int4 packed here by torch's
+  documented "halves" rule for blocks of 16, 32 and 64 rows, independent of the project's unpack): within one bf16
+  rounding, at every blocking edge (rows of x 1-33, weight rows not a multiple of 8 or 4, K across the 512-column
+  tile, groups of 32 / 64 / 128);
+- one summation order per output: each row of a batch equals that row computed alone, at 1 and 2 threads (the
+  M == 1 paths convert codes in registers, M > 1 through a scratch: the same bits);
+- torch's own int4 pack (the layout keepwarm's arena holds on this CPU) gives the same results as the hand pack;
+- sizes the kernels cannot run are refused with a ValueError naming them, never computed wrong;
+- routing: on a CPU without AVX512-BF16 the int8 / int4 linears of bf16 x take them, and KEEPWARM_CPU_NATIVE=0
+  gives torch's ops back (tests/test_quant.py ``test_select_path``).
+The kernels run on every CPU with AVX2 + FMA (tests call them directly); elsewhere the tests say what is missing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from keepwarm.formats.quant import cpu_int4_layout
+from keepwarm.kernels import cpu_native
+
+pytestmark = pytest.mark.skipif(not cpu_native.attention_available(),
+                                reason=f"native kernels: {cpu_native.attention_unavailable_reason()}")
+
+# (M, N, K): N = 8 rows per M == 1 block and 4 per M > 1 block, with tails; K = 8 (one step), 520 (a 512 tile + 8)
+Q8_SHAPES = [(1, 8, 8), (1, 13, 576), (2, 8, 32), (3, 12, 520), (7, 49, 64), (32, 96, 576), (33, 17, 2048),
+             (1, 64, 1160), (5, 7, 1160)]
+
+
+def _within_one_rounding(got: torch.Tensor, true: torch.Tensor, mag: torch.Tensor) -> None:
+    """|got - true| <= one bf16 rounding of true plus float32 summation error (relative to sum |x w|)."""
+    err = (got.double() - true).abs()
+    bound = true.abs() * 2.0 ** -8 + 1e-5 * mag
+    assert bool((err <= bound).all()), f"max excess {float((err - bound).max()):.3g}"
+
+
+def _q8(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    return q, (torch.rand(n, generator=g) * 0.02 + 1e-4).bfloat16()
+
+
+@pytest.mark.parametrize(("m", "n", "k"), Q8_SHAPES)
+def test_int8_is_within_one_rounding_of_the_true_product(m, n, k) -> None:
+    q, s = _q8(n, k, m + n + k)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(k)).bfloat16()
+    got = cpu_native.q8_linear(x, q, s)
+    assert got.shape == (m, n) and got.dtype == torch.bfloat16
+    w = q.double() * s.double()[:, None]
+    _within_one_rounding(got, x.double() @ w.T, x.double().abs() @ w.abs().T)
+
+
+def test_int8_exact_sums_give_the_exactly_rounded_product() -> None:
+    # small integers and a power-of-two scale: every float32 partial sum is exact, so the result must be exact
+    g = torch.Generator().manual_seed(2)
+    x = torch.randint(-8, 9, (5, 1160), generator=g).bfloat16()
+    q = torch.randint(-128, 128, (21, 1160), generator=g, dtype=torch.int8)
+    s = torch.full((21,), 2.0 ** -7).bfloat16()
+    for rows in (x, x[:1]):
+        true = (rows.double() @ q.double().T) * 2.0 ** -7
+        assert torch.equal(cpu_native.q8_linear(rows, q, s), true.to(torch.bfloat16))
+
+
+def _halves(codes: torch.Tensor, block: int) -> torch.Tensor:
+    """torch's CPU int4 "halves" pack, written from its rule: row blocks of `block`, each stored k-major, byte j of
+    a k holding row j (low nibble) and row j + block/2 (high)."""
+    n, k = codes.shape
+    h = block // 2
+    b = codes.to(torch.uint8).view(n // block, block, k)
+    packed = b[:, :h] | (b[:, h:] << 4)  # [blocks, h, k]
+    return packed.permute(0, 2, 1).contiguous().view(-1)
+
+
+def _q4(n: int, k: int, gs: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """codes [N, K] (0..15) and (scale, zero) [K/gs, N, 2] in bf16, and the float64 weight (c - 8) * s + z."""
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.int32)
+    scales = (torch.rand(k // gs, n, generator=g) * 0.02 + 1e-4).bfloat16()
+    zeros = (torch.randn(k // gs, n, generator=g) * 0.01).bfloat16()
+    sz = torch.stack((scales, zeros), dim=-1).contiguous()
+    w = (codes.double() - 8).view(n, k // gs, gs) * scales.double().T[..., None] + zeros.double().T[..., None]
+    return codes, sz, w.view(n, k)
+
+
+@pytest.mark.parametrize(("m", "n", "k", "gs", "block"),
+                         [(1, 32, 32, 32, 32), (1, 96, 576, 64, 32), (2, 64, 256, 128, 32), (3, 32, 1024, 128, 32),
+                          (33, 96, 576, 32, 32), (1, 64, 256, 32, 64), (5, 128, 512, 128, 64), (1, 48, 64, 32, 16),
+                          (7, 16, 96, 32, 16)])
+def test_int4_is_within_one_rounding_of_the_true_product(m, n, k, gs, block) -> None:
+    codes, sz, w = _q4(n, k, gs, m + n + k + block)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(gs)).bfloat16()
+    got = cpu_native.q4_linear(x, _halves(codes, block), sz, gs, block)
+    assert got.shape == (m, n) and got.dtype == torch.bfloat16
+    _within_one_rounding(got, x.double() @ w.T, x.double().abs() @ w.abs().T)
+
+
+def test_torch_int4_pack_gives_the_hand_packs_results() -> None:
+    layout = cpu_int4_layout()
+    if layout is None or not layout.startswith("int4_cpu_halves"):
+        pytest.skip(f"this torch packs int4 as {layout}, not in halves")
+    block = int(layout.removeprefix("int4_cpu_halves"))
+    codes, sz, _ = _q4(3 * block, 256, 64, 11)
+    x = torch.randn(4, 256, generator=torch.Generator().manual_seed(4)).bfloat16()
+    ours = torch._convert_weight_to_int4pack_for_cpu(codes, 2)
+    assert torch.equal(ours.view(-1), _halves(codes, block))
+    assert torch.equal(cpu_native.q4_linear(x, ours, sz, 64, block), cpu_native.q4_linear(x, _halves(codes, block),
+                                                                                          sz, 64, block))
+
+
+def test_each_row_is_computed_as_if_alone_at_any_thread_count() -> None:
+    g = torch.Generator().manual_seed(3)
+    # magnitudes 2^-12 .. 2^12: float32 sums round, so another summation order would show in the bf16 results
+    x = (torch.randn(33, 1160, generator=g) * torch.exp2(torch.randint(-12, 13, (33, 1160), generator=g))).bfloat16()
+    q, s = _q8(200, 1160, 1)
+    codes, sz, _ = _q4(256, 1152, 128, 2)
+    packed = _halves(codes, 32)
+    before = torch.get_num_threads()
+    try:
+        for run in (lambda a: cpu_native.q8_linear(a, q, s), lambda a: cpu_native.q4_linear(a[:, :1152], packed, sz,
+                                                                                             128, 32)):
+            torch.set_num_threads(2)
+            batch = run(x)
+            pairs = torch.cat([run(x[i:i + 2]) for i in range(0, 32, 2)])
+            torch.set_num_threads(1)
+            alone = torch.cat([run(x[i:i + 1]) for i in range(33)])
+            assert torch.equal(batch, alone) and torch.equal(batch[:32], pairs)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_sizes_the_kernels_cannot_run_are_refused() -> None:
+    x = torch.zeros(2, 64, dtype=torch.bfloat16)
+    q, s = _q8(16, 64, 0)
+    with pytest.raises(ValueError, match="do not fit"):
+        cpu_native.q8_linear(x.float(), q, s)  # float32 x
+    with pytest.raises(ValueError, match="do not fit"):
+        cpu_native.q8_linear(torch.zeros(2, 60, dtype=torch.bfloat16), q[:, :60].contiguous(), s)  # K % 8
+    with pytest.raises(ValueError, match="do not fit"):
+        cpu_native.q8_linear(x, q, s[:8])  # a scale per row
+    codes, sz, _ = _q4(48, 64, 32, 0)
+    with pytest.raises(ValueError, match="do not fit"):
+        cpu_native.q4_linear(x, _halves(codes, 16), sz, 32, 32)  # 48 rows are not whole blocks of 32
+    with pytest.raises(ValueError, match="do not fit"):
+        cpu_native.q4_linear(x, _halves(codes, 16), sz, 64, 16)  # scales for groups of 32, not 64
+    with pytest.raises(ValueError, match="do not fit"):
+        cpu_native.q4_linear(x, _halves(codes, 16), sz.float(), 32, 16)  # float32 scales
