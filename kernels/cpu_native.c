@@ -828,10 +828,11 @@ typedef struct {
         o = _mm256_castsi256_ps(_mm256_and_si256(r_, _mm256_set1_epi32((int)0xFFFF0000u))); \
     } while (0)
 
-/* rows n .. n+3 of w against rows m, m+1 of x */
-static void bgemm_4x2(const bgemm_t *g, int64_t n, int64_t m) {
+/* rows n .. n+3 of w against rows m, m+1 of x (wn: the weight's first row is row wn of out's columns; sc: NULL,
+ * or one float32 scale per row of w, applied to each sum before its rounding) */
+static void bgemm_4x2s(const bgemm_t *g, int64_t n, int64_t m, int64_t wn, const float *sc) {
     const int64_t K = g->K;
-    const uint16_t *w0 = g->w + n * K, *w1 = w0 + K, *w2 = w1 + K, *w3 = w2 + K;
+    const uint16_t *w0 = g->w + wn * K, *w1 = w0 + K, *w2 = w1 + K, *w3 = w2 + K;
     const float *x0 = g->x + m * K, *x1 = x0 + K;
     __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00, a31 = a00;
     for (int64_t k = 0; k < K; k += 16) {
@@ -849,17 +850,22 @@ static void bgemm_4x2(const bgemm_t *g, int64_t n, int64_t m) {
 #undef ROW2
     }
     uint16_t *p0 = g->out + m * g->N + n, *p1 = p0 + g->N;
-    p0[0] = f32_to_bf16(hadd1(a00)), p1[0] = f32_to_bf16(hadd1(a01));
-    p0[1] = f32_to_bf16(hadd1(a10)), p1[1] = f32_to_bf16(hadd1(a11));
-    p0[2] = f32_to_bf16(hadd1(a20)), p1[2] = f32_to_bf16(hadd1(a21));
-    p0[3] = f32_to_bf16(hadd1(a30)), p1[3] = f32_to_bf16(hadd1(a31));
+    float s0 = sc ? sc[0] : 1.0f, s1 = sc ? sc[1] : 1.0f, s2 = sc ? sc[2] : 1.0f, s3 = sc ? sc[3] : 1.0f;
+    p0[0] = f32_to_bf16(hadd1(a00) * s0), p1[0] = f32_to_bf16(hadd1(a01) * s0);
+    p0[1] = f32_to_bf16(hadd1(a10) * s1), p1[1] = f32_to_bf16(hadd1(a11) * s1);
+    p0[2] = f32_to_bf16(hadd1(a20) * s2), p1[2] = f32_to_bf16(hadd1(a21) * s2);
+    p0[3] = f32_to_bf16(hadd1(a30) * s3), p1[3] = f32_to_bf16(hadd1(a31) * s3);
 }
 
-/* rows n .. n+nr-1 (nr <= 8) of w against row m of x; inlined with nr = 8 (unrolled, in registers) and as is */
-static inline __attribute__((always_inline)) void bgemm_rows_1(const bgemm_t *g, int64_t n, int nr, int64_t m) {
+static void bgemm_4x2(const bgemm_t *g, int64_t n, int64_t m) { bgemm_4x2s(g, n, m, n, NULL); }
+
+/* rows n .. n+nr-1 (nr <= 8) of w against row m of x; inlined with nr = 8 (unrolled, in registers) and as is
+ * (wn, sc: as in bgemm_4x2s) */
+static inline __attribute__((always_inline)) void bgemm_rows_1(const bgemm_t *g, int64_t n, int nr, int64_t m,
+                                                               int64_t wn, const float *sc) {
     const int64_t K = g->K;
     const float *x0 = g->x + m * K;
-    const uint16_t *w = g->w + n * K;
+    const uint16_t *w = g->w + wn * K;
     __m256 a[8], we, wo;
     for (int i = 0; i < 8; i++) a[i] = _mm256_setzero_ps();
     for (int64_t k = 0; k < K; k += 16) {
@@ -870,15 +876,17 @@ static inline __attribute__((always_inline)) void bgemm_rows_1(const bgemm_t *g,
         }
     }
     uint16_t *p = g->out + m * g->N + n;
-    for (int i = 0; i < nr; i++) p[i] = f32_to_bf16(hadd1(a[i]));
+    for (int i = 0; i < nr; i++) p[i] = f32_to_bf16(sc ? hadd1(a[i]) * sc[i] : hadd1(a[i]));
 }
 
-static void bgemm_8x1(const bgemm_t *g, int64_t n, int nr, int64_t m) {
+static void bgemm_8x1s(const bgemm_t *g, int64_t n, int nr, int64_t m, int64_t wn, const float *sc) {
     if (nr == 8)
-        bgemm_rows_1(g, n, 8, m);
+        bgemm_rows_1(g, n, 8, m, wn, sc);
     else
-        bgemm_rows_1(g, n, nr, m);
+        bgemm_rows_1(g, n, nr, m, wn, sc);
 }
+
+static void bgemm_8x1(const bgemm_t *g, int64_t n, int nr, int64_t m) { bgemm_8x1s(g, n, nr, m, n, NULL); }
 
 static void bgemm_slice(const void *arg, int t, int nthreads) {
     const bgemm_t *g = (const bgemm_t *)arg;
@@ -917,7 +925,8 @@ int kw_bgemm(const float *x, const uint16_t *w, uint16_t *out, int64_t M, int64_
  *          c: torch's CPU int4 pack "halves" of B rows (B/2 a multiple of 8: row blocks of B stored k-major, byte j
  *          of a k holding rows j (low nibble) and j + B/2 (high)); sz: bf16 [G, N, 2] = (scale, zero) per group of
  *          gs columns; xs[m, g] the sum of x over the group (lanes as below, then hadd1).
- *   x: float32 [M, K] (the caller's bf16 x, exact), K a multiple of 8 (int8) / of gs (int4).
+ *   x: float32 [M, K] (the caller's bf16 x, exact); for int8 K a multiple of 16 and each 16 values stored as
+ *   their 8 even then their 8 odd (kw_bgemm's layout); for int4 in order, K a multiple of gs.
  *
  * For CPUs without AVX512-BF16, where torch's int8 / int4 pack ops convert every weight once per row of x and run
  * compute-bound at one row, slower than the bf16 matmul they should beat (decode is memory-bound: half and a
@@ -925,10 +934,11 @@ int kw_bgemm(const float *x, const uint16_t *w, uint16_t *out, int64_t M, int64_
  *
  * One summation order per output element whatever M, the blocking or the thread count (a row's output does not
  * depend on the rest of its batch):
- * - int8: lane j of one accumulator takes k = j, j + 8, ... in turn (fused multiply-adds), the 8 lanes are added
- *   by hadd1, the sum times s[n] rounded to bf16. M == 1 converts the codes in registers (one pass over the
- *   weight); M > 1 converts 4 rows once into a per-thread float32 scratch and runs every row of x over it, two at
- *   a time (8 chains), with the same arithmetic: the same bits.
+ * - int8: kw_bgemm's sums on the codes as bf16 (exact): lane j takes elements 2j then 2j + 1 of each 16 columns in
+ *   turn (fused multiply-adds), hadd1 adds the lanes, the sum times s[n] is rounded to bf16. M == 1 converts the
+ *   codes to float32 in registers (one pass over the weight); M > 1 converts 8 rows at a time to bf16 into a
+ *   per-thread scratch and runs kw_bgemm's blocks over it (a float32 scratch with its own blocks was 1.17x slower
+ *   at 32 rows, interleaved A/B): the same arithmetic, the same bits.
  * - int4: per row, a group's products are added in k order from zero (one chain per row: rows are the lanes), then
  *   total = fma(s, group sum, total); total = fma(z - 8 s, xs, total), group by group from zero. M == 1 with
  *   blocks of 32 converts the codes in registers; otherwise a group's codes are converted once into a per-thread
@@ -957,7 +967,7 @@ static inline __m256 i8x8(const int8_t *p) {
 }
 
 typedef struct {
-    const float *x;
+    const float *x; /* split as for kw_bgemm */
     const int8_t *q;
     const uint16_t *s;
     uint16_t *out;
@@ -965,80 +975,41 @@ typedef struct {
     int fail;
 } q8_t;
 
-/* M == 1: rows n .. n+nr-1 (nr <= 8), codes converted in registers; inlined with nr = 8 and as is */
+/* 16 codes as float32: their 8 even then their 8 odd elements (exact), the order kw_bgemm splits bf16 weights in */
+static inline void i8x16_split(const int8_t *p, __m256 *even, __m256 *odd) {
+    __m256i v = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p)); /* lane j: element 2j | 2j+1 << 16 */
+    *even = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 16), 16));
+    *odd = _mm256_cvtepi32_ps(_mm256_srai_epi32(v, 16));
+}
+
+/* M == 1: rows n .. n+nr-1 (nr <= 8), codes converted in registers; the sums of bgemm_rows_1 on the bf16 codes.
+ * Inlined with nr = 8 and as is. */
 static inline __attribute__((always_inline)) void q8_rows_1(const q8_t *g, int64_t n, int nr) {
     const int64_t K = g->K;
     const int8_t *w = g->q + n * K;
-    __m256 a[8];
+    __m256 a[8], we, wo;
     for (int i = 0; i < 8; i++) a[i] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < K; k += 8) {
-        __m256 xv = _mm256_loadu_ps(g->x + k);
-        for (int i = 0; i < nr; i++) a[i] = _mm256_fmadd_ps(i8x8(w + i * K + k), xv, a[i]);
+    for (int64_t k = 0; k < K; k += 16) {
+        __m256 e = _mm256_loadu_ps(g->x + k), o = _mm256_loadu_ps(g->x + k + 8);
+        for (int i = 0; i < nr; i++) {
+            i8x16_split(w + i * K + k, &we, &wo);
+            a[i] = _mm256_fmadd_ps(wo, o, _mm256_fmadd_ps(we, e, a[i]));
+        }
     }
     for (int i = 0; i < nr; i++) g->out[n + i] = f32_to_bf16(hadd1(a[i]) * bf16_to_f32(g->s[n + i]));
 }
 
-#define Q8_KT 512 /* columns per tile: 4 rows of a tile in float32 (8 KB) stay in L1 while every row of x passes */
-#define Q8_LD (Q8_KT + 16) /* a tile row's stride: not a multiple of 4 KB apart, which made loads wait on stores */
-
-/* rows m (and m + 1 when two) of x over the nr (<= 4) rows of one converted tile w [4][Q8_KT] (kt columns from k0);
- * the accumulators live in acc [M][4] vectors between tiles. q8_pair4 is the hot case written out (the compiler
- * kept the general loop's accumulators on the stack); q8_over is everything else, with the same sums. */
-static void q8_over(const q8_t *g, int nr, const float *w, int64_t k0, int64_t kt, __m256 *acc, int64_t m, int two) {
-    const float *x0 = g->x + m * g->K + k0, *x1 = two ? x0 + g->K : x0;
-    __m256 *c0 = acc + m * 4, *c1 = two ? c0 + 4 : c0;
-    for (int i = 0; i < nr; i++) {
-        __m256 a0 = c0[i], a1 = c1[i];
-        for (int64_t k = 0; k < kt; k += 8) {
-            __m256 wv = _mm256_load_ps(w + i * Q8_LD + k);
-            a0 = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x0 + k), a0);
-            if (two) a1 = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x1 + k), a1);
+/* rows n .. n+nr-1 of q as bf16 (exact: |code| <= 128 fits bf16's significand) into w [nr][K] */
+static void q8_to_bf16(const q8_t *g, int64_t n, int nr, uint16_t *w) {
+    const int64_t K = g->K;
+    const int8_t *src = g->q + n * K;
+    for (int64_t k = 0; k < K; k += 16) /* the rows in lockstep, as at M == 1: nr steady streams */
+        for (int i = 0; i < nr; i++) {
+            __m256i f0 = _mm256_srli_epi32(_mm256_castps_si256(i8x8(src + i * K + k)), 16);
+            __m256i f1 = _mm256_srli_epi32(_mm256_castps_si256(i8x8(src + i * K + k + 8)), 16);
+            __m256i h = _mm256_permute4x64_epi64(_mm256_packus_epi32(f0, f1), 0xD8);
+            _mm256_storeu_si256((__m256i *)(w + i * K + k), h);
         }
-        c0[i] = a0;
-        if (two) c1[i] = a1;
-    }
-}
-
-static void q8_pair4(const q8_t *g, const float *w, int64_t k0, int64_t kt, __m256 *acc, int64_t m) {
-    const float *x0 = g->x + m * g->K + k0, *x1 = x0 + g->K;
-    __m256 *c = acc + m * 4;
-    __m256 a00 = c[0], a01 = c[1], a02 = c[2], a03 = c[3], a10 = c[4], a11 = c[5], a12 = c[6], a13 = c[7];
-    for (int64_t k = 0; k < kt; k += 8) {
-        __m256 e0 = _mm256_loadu_ps(x0 + k), e1 = _mm256_loadu_ps(x1 + k), wv;
-        wv = _mm256_load_ps(w + k);
-        a00 = _mm256_fmadd_ps(wv, e0, a00), a10 = _mm256_fmadd_ps(wv, e1, a10);
-        wv = _mm256_load_ps(w + Q8_LD + k);
-        a01 = _mm256_fmadd_ps(wv, e0, a01), a11 = _mm256_fmadd_ps(wv, e1, a11);
-        wv = _mm256_load_ps(w + 2 * Q8_LD + k);
-        a02 = _mm256_fmadd_ps(wv, e0, a02), a12 = _mm256_fmadd_ps(wv, e1, a12);
-        wv = _mm256_load_ps(w + 3 * Q8_LD + k);
-        a03 = _mm256_fmadd_ps(wv, e0, a03), a13 = _mm256_fmadd_ps(wv, e1, a13);
-    }
-    c[0] = a00, c[1] = a01, c[2] = a02, c[3] = a03, c[4] = a10, c[5] = a11, c[6] = a12, c[7] = a13;
-}
-
-/* M > 1: rows n .. n+nr-1 (nr <= 4), tile by tile converted into w, every row of x over each tile */
-static void q8_rows_m(const q8_t *g, int64_t n, int nr, float *w, __m256 *acc) {
-    const int64_t K = g->K, M = g->M;
-    for (int64_t i = 0; i < M * 4; i++) acc[i] = _mm256_setzero_ps();
-    for (int64_t k0 = 0; k0 < K; k0 += Q8_KT) {
-        int64_t kt = K - k0 < Q8_KT ? K - k0 : Q8_KT;
-        /* the rows in lockstep (as at M == 1), so the prefetcher sees nr steady streams, not 512-byte bursts */
-        const int8_t *src = g->q + n * K + k0;
-        for (int64_t k = 0; k < kt; k += 8)
-            for (int i = 0; i < nr; i++) _mm256_store_ps(w + i * Q8_LD + k, i8x8(src + i * K + k));
-        int64_t m = 0;
-        for (; m + 2 <= M; m += 2) {
-            if (nr == 4)
-                q8_pair4(g, w, k0, kt, acc, m);
-            else
-                q8_over(g, nr, w, k0, kt, acc, m, 1);
-        }
-        if (m < M) q8_over(g, nr, w, k0, kt, acc, m, 0);
-    }
-    for (int64_t m = 0; m < M; m++)
-        for (int i = 0; i < nr; i++)
-            g->out[m * g->N + n + i] = f32_to_bf16(hadd1(acc[m * 4 + i]) * bf16_to_f32(g->s[n + i]));
 }
 
 static void q8_slice(const void *arg, int t, int nthreads) {
@@ -1056,18 +1027,32 @@ static void q8_slice(const void *arg, int t, int nthreads) {
         }
         return;
     }
-    float *w = scratch_floats((size_t)(4 * Q8_LD + g->M * 4 * 8));
+    /* M > 1: 8 rows at a time converted to bf16 in a per-thread scratch, then kw_bgemm's blocks over it */
+    uint16_t *w = (uint16_t *)scratch_floats((size_t)(4 * g->K)); /* 8 bf16 rows */
     if (!w) {
         g->fail = 1; /* a benign race: every writer writes 1 */
         return;
     }
-    for (int64_t n = n0; n < n1; n += 4) q8_rows_m(g, n, n1 - n < 4 ? (int)(n1 - n) : 4, w, (__m256 *)(w + 4 * Q8_LD));
+    bgemm_t b = {g->x, w, g->out, g->M, g->N, g->K};
+    float sc[8];
+    for (int64_t n = n0; n < n1; n += 8) {
+        int nr = n1 - n < 8 ? (int)(n1 - n) : 8;
+        q8_to_bf16(g, n, nr, w);
+        for (int i = 0; i < nr; i++) sc[i] = bf16_to_f32(g->s[n + i]);
+        int64_t m = 0;
+        if (nr == 8)
+            for (; m + 2 <= g->M; m += 2) {
+                bgemm_4x2s(&b, n, m, 0, sc);
+                bgemm_4x2s(&b, n + 4, m, 4, sc + 4);
+            }
+        for (; m < g->M; m++) bgemm_8x1s(&b, n, nr, m, 0, sc);
+    }
 }
 
 /* 0, -1 on bad sizes, -2 when a thread's scratch could not be allocated. */
 int kw_q8gemm(const float *x, const int8_t *q, const uint16_t *s, uint16_t *out, int64_t M, int64_t N, int64_t K,
               int nthreads) {
-    if (M < 1 || N < 1 || K < 8 || K % 8) return -1;
+    if (M < 1 || N < 1 || K < 16 || K % 16) return -1;
     if (nthreads < 1) nthreads = 1;
     if (nthreads > MAXT) nthreads = MAXT;
     if (N < 32 * nthreads) nthreads = 1;

@@ -20,8 +20,9 @@ What:
 
 - int8 and int4 weight-only matmuls for bfloat16 x on CPUs without AVX512-BF16 (`q8_linear`, `q4_linear`, AVX2 +
   FMA), where torch's pack ops are compute-bound at one row and slower than the bf16 matmul: int8 converts codes in
-  registers at one row and through an L1 tile above; int4 reads torch's CPU "halves" pack in place and folds each
-  group's scale and zero into float32 sums. One summation order per output whatever the batch, like the bf16 one.
+  registers at one row and to bf16 for `kw_bgemm`'s blocks above (the same sums); int4 reads torch's CPU "halves"
+  pack in place and folds each group's scale and zero into float32 sums. One summation order per output whatever
+  the batch, like the bf16 one.
 
 Rules:
 - Built lazily, at the first call that could use it, with ``cc -O3`` and explicit ``-m`` flags (never
@@ -426,6 +427,12 @@ def bf16_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and x.shape[-1] == weight.shape[1] and weight.shape[1] % 16 == 0 and x.numel() > 0)
 
 
+def _split_x(x: torch.Tensor, k: int) -> torch.Tensor:
+    """x [..., k] as float32 [rows, k] (exact), converted once, not per weight row; each 16 values as their 8 even
+    then 8 odd (the C splits 16 weights that way: one load, a shift and a mask)."""
+    return x.reshape(-1, k // 16, 8, 2).transpose(-1, -2).float().contiguous().view(-1, k)
+
+
 def bf16_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x @ weight^T`` in bfloat16 (:func:`bf16_fits` inputs): float32 products and sums, one fixed summation
     order per output element whatever the batch, rounded once. Callable wherever a build loaded (tests use it on
@@ -436,9 +443,7 @@ def bf16_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"bf16_linear: x {tuple(x.shape)} {x.dtype} and weight {tuple(weight.shape)} "
                          f"{weight.dtype} do not fit (bfloat16, contiguous weight, K a multiple of 16)")
     n, k = weight.shape
-    # float32 (exact), converted once, not per weight row; each 16 values as their 8 even then 8 odd (the C splits
-    # 16 weights that way: one load, a shift and a mask)
-    xf = x.reshape(-1, k // 16, 8, 2).transpose(-1, -2).float().contiguous().view(-1, k)
+    xf = _split_x(x, k)
     out = torch.empty((xf.shape[0], n), dtype=torch.bfloat16)
     rc = lib.kw_bgemm(xf.data_ptr(), weight.data_ptr(), out.data_ptr(), xf.shape[0], n, k, torch.get_num_threads())
     if rc != 0:
@@ -455,10 +460,10 @@ def avx2_quant_on() -> bool:
 
 
 def q8_fits(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> bool:
-    """x [..., K] bfloat16, qweight int8 [N, K] contiguous, scales bfloat16 [N], K a multiple of 8, all on the CPU."""
+    """x [..., K] bfloat16, qweight int8 [N, K] contiguous, scales bfloat16 [N], K a multiple of 16, all on the CPU."""
     return (x.dtype == torch.bfloat16 and x.device.type == "cpu" and qweight.dtype == torch.int8
             and qweight.device.type == "cpu" and qweight.dim() == 2 and qweight.is_contiguous()
-            and x.numel() > 0 and x.shape[-1] == qweight.shape[1] and qweight.shape[1] % 8 == 0
+            and x.numel() > 0 and x.shape[-1] == qweight.shape[1] and qweight.shape[1] % 16 == 0
             and scales.dtype == torch.bfloat16 and tuple(scales.shape) == (qweight.shape[0],))
 
 
@@ -471,7 +476,7 @@ def q8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> t
         raise ValueError(f"q8_linear: x {tuple(x.shape)} {x.dtype}, weight {tuple(qweight.shape)} {qweight.dtype}"
                          f" and scales {tuple(scales.shape)} {scales.dtype} do not fit")
     n, k = qweight.shape
-    xf = x.reshape(-1, k).float().contiguous()
+    xf = _split_x(x, k)
     out = torch.empty((xf.shape[0], n), dtype=torch.bfloat16)
     rc = lib.kw_q8gemm(xf.data_ptr(), qweight.data_ptr(), scales.contiguous().data_ptr(), out.data_ptr(),
                        xf.shape[0], n, k, torch.get_num_threads())

@@ -2,10 +2,10 @@
 int8 / int4 linears of bfloat16 models take on CPUs without AVX512-BF16:
 - against float64 sums of the test's own dequantization (codes written here, int4 packed here by torch's
   documented "halves" rule for blocks of 16, 32 and 64 rows, independent of the project's unpack): within one bf16
-  rounding, at every blocking edge (rows of x 1-33, weight rows not a multiple of 8 or 4, K across the 512-column
-  tile, groups of 32 / 64 / 128);
+  rounding, at every blocking edge (rows of x 1-33, weight rows not a multiple of 8, groups of 32 / 64 / 128);
 - one summation order per output: each row of a batch equals that row computed alone, at 1 and 2 threads (the
-  M == 1 paths convert codes in registers, M > 1 through a scratch: the same bits);
+  M == 1 paths convert codes in registers, M > 1 through a scratch: the same bits); int8 gives kw_bgemm's bits on
+  the codes as bf16 times the scale;
 - torch's own int4 pack (the layout keepwarm's arena holds on this CPU) gives the same results as the hand pack;
 - sizes the kernels cannot run are refused with a ValueError naming them, never computed wrong;
 - routing: on a CPU without AVX512-BF16 the int8 / int4 linears of bf16 x take them, and KEEPWARM_CPU_NATIVE=0
@@ -23,9 +23,9 @@ from keepwarm.kernels import cpu_native
 pytestmark = pytest.mark.skipif(not cpu_native.attention_available(),
                                 reason=f"native kernels: {cpu_native.attention_unavailable_reason()}")
 
-# (M, N, K): N = 8 rows per M == 1 block and 4 per M > 1 block, with tails; K = 8 (one step), 520 (a 512 tile + 8)
-Q8_SHAPES = [(1, 8, 8), (1, 13, 576), (2, 8, 32), (3, 12, 520), (7, 49, 64), (32, 96, 576), (33, 17, 2048),
-             (1, 64, 1160), (5, 7, 1160)]
+# (M, N, K): N = 8 rows per block, with tails; K = 16 (one step) to 2048; M odd and even (blocks of 2 rows of x)
+Q8_SHAPES = [(1, 8, 16), (1, 13, 576), (2, 8, 32), (3, 12, 528), (7, 49, 64), (32, 96, 576), (33, 17, 2048),
+             (1, 64, 1168), (5, 7, 1168)]
 
 
 def _within_one_rounding(got: torch.Tensor, true: torch.Tensor, mag: torch.Tensor) -> None:
@@ -47,6 +47,9 @@ def test_int8_is_within_one_rounding_of_the_true_product(m, n, k) -> None:
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(k)).bfloat16()
     got = cpu_native.q8_linear(x, q, s)
     assert got.shape == (m, n) and got.dtype == torch.bfloat16
+    # with unit scales, kw_bgemm's bits on the codes as bf16 (exact): the same float32 sums in the same order
+    ones = torch.ones(n, dtype=torch.bfloat16)
+    assert torch.equal(cpu_native.q8_linear(x, q, ones), cpu_native.bf16_linear(x, q.bfloat16()))
     w = q.double() * s.double()[:, None]
     _within_one_rounding(got, x.double() @ w.T, x.double().abs() @ w.abs().T)
 
@@ -54,8 +57,8 @@ def test_int8_is_within_one_rounding_of_the_true_product(m, n, k) -> None:
 def test_int8_exact_sums_give_the_exactly_rounded_product() -> None:
     # small integers and a power-of-two scale: every float32 partial sum is exact, so the result must be exact
     g = torch.Generator().manual_seed(2)
-    x = torch.randint(-8, 9, (5, 1160), generator=g).bfloat16()
-    q = torch.randint(-128, 128, (21, 1160), generator=g, dtype=torch.int8)
+    x = torch.randint(-8, 9, (5, 1168), generator=g).bfloat16()
+    q = torch.randint(-128, 128, (21, 1168), generator=g, dtype=torch.int8)
     s = torch.full((21,), 2.0 ** -7).bfloat16()
     for rows in (x, x[:1]):
         true = (rows.double() @ q.double().T) * 2.0 ** -7
@@ -111,8 +114,8 @@ def test_torch_int4_pack_gives_the_hand_packs_results() -> None:
 def test_each_row_is_computed_as_if_alone_at_any_thread_count() -> None:
     g = torch.Generator().manual_seed(3)
     # magnitudes 2^-12 .. 2^12: float32 sums round, so another summation order would show in the bf16 results
-    x = (torch.randn(33, 1160, generator=g) * torch.exp2(torch.randint(-12, 13, (33, 1160), generator=g))).bfloat16()
-    q, s = _q8(200, 1160, 1)
+    x = (torch.randn(33, 1168, generator=g) * torch.exp2(torch.randint(-12, 13, (33, 1168), generator=g))).bfloat16()
+    q, s = _q8(200, 1168, 1)
     codes, sz, _ = _q4(256, 1152, 128, 2)
     packed = _halves(codes, 32)
     before = torch.get_num_threads()
@@ -135,7 +138,7 @@ def test_sizes_the_kernels_cannot_run_are_refused() -> None:
     with pytest.raises(ValueError, match="do not fit"):
         cpu_native.q8_linear(x.float(), q, s)  # float32 x
     with pytest.raises(ValueError, match="do not fit"):
-        cpu_native.q8_linear(torch.zeros(2, 60, dtype=torch.bfloat16), q[:, :60].contiguous(), s)  # K % 8
+        cpu_native.q8_linear(torch.zeros(2, 56, dtype=torch.bfloat16), q[:, :56].contiguous(), s)  # K % 16
     with pytest.raises(ValueError, match="do not fit"):
         cpu_native.q8_linear(x, q, s[:8])  # a scale per row
     codes, sz, _ = _q4(48, 64, 32, 0)
