@@ -18,8 +18,9 @@ What:
   element (not torch's order: bf16 outputs there differ from torch's in the last bit, where a float32 sum lands
   next to a rounding boundary), the same for every batch and thread count.
 
-- int8 and int4 weight-only matmuls for bfloat16 x on CPUs without AVX512-BF16 (`q8_linear`, `q4_linear`, AVX2 +
-  FMA), where torch's pack ops are compute-bound at one row and slower than the bf16 matmul: int8 converts codes in
+- int8, fp8 and int4 weight-only matmuls for bfloat16 x on CPUs without AVX512-BF16 (`q8_linear` for int8 and
+  float8_e4m3fn codes, `q4_linear`; AVX2 + FMA), where torch's pack ops are compute-bound at one row and slower than
+  the bf16 matmul (and fp8 had no fused op at all): int8 / fp8 convert codes in
   registers at one row and to bf16 for `kw_bgemm`'s blocks above (the same sums); int4 reads torch's CPU "halves"
   pack in place and folds each group's scale and zero into float32 sums. One summation order per output whatever
   the batch, like the bf16 one.
@@ -197,7 +198,7 @@ def _declare_glue(lib: ctypes.CDLL) -> None:
                        ("kw_rotary_neox", [p, i64, p, i64, p, p, i64, p, p, i64, i64, i64, i64]),
                        ("kw_store_kv", [p, i64, p, i64, p, p, p, i64, i64, i64, i64, i64]),
                        ("kw_bgemm", [p, p, p, i64, i64, i64, ctypes.c_int]),
-                       ("kw_q8gemm", [p, p, p, p, i64, i64, i64, ctypes.c_int]),
+                       ("kw_q8gemm", [p, p, p, p, i64, i64, i64, ctypes.c_int, ctypes.c_int]),
                        ("kw_q4gemm", [p, p, p, p, i64, i64, i64, i64, i64, ctypes.c_int])):
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = ctypes.c_int, args
@@ -460,16 +461,18 @@ def avx2_quant_on() -> bool:
 
 
 def q8_fits(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> bool:
-    """x [..., K] bfloat16, qweight int8 [N, K] contiguous, scales bfloat16 [N], K a multiple of 16, all on the CPU."""
-    return (x.dtype == torch.bfloat16 and x.device.type == "cpu" and qweight.dtype == torch.int8
+    """x [..., K] bfloat16, qweight int8 or float8_e4m3fn [N, K] contiguous, K a multiple of 16, all on the CPU;
+    scales: one per row ([N]), or one for the tensor ([] or [1])."""
+    return (x.dtype == torch.bfloat16 and x.device.type == "cpu" and qweight.dtype in (torch.int8, torch.float8_e4m3fn)
             and qweight.device.type == "cpu" and qweight.dim() == 2 and qweight.is_contiguous()
             and x.numel() > 0 and x.shape[-1] == qweight.shape[1] and qweight.shape[1] % 16 == 0
-            and scales.dtype == torch.bfloat16 and tuple(scales.shape) == (qweight.shape[0],))
+            and scales.is_floating_point() and scales.numel() in (1, qweight.shape[0]))
 
 
 def q8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """``(x @ qweight^T) * scales`` in bfloat16 (:func:`q8_fits` inputs), AVX2 + FMA: float32 products and sums in
-    one order per output element whatever the batch, times the scale, rounded once."""
+    """``(x @ qweight^T) * scales`` in bfloat16 (:func:`q8_fits` inputs: int8 or float8_e4m3fn codes), AVX2 + FMA:
+    the codes exactly as float32, products and sums in float32 in kw_bgemm's order (one per output element whatever
+    the batch), times the float32 scale, rounded once."""
     lib = _load()[0]
     assert lib is not None, "q8_linear called where no native build loaded"
     if not q8_fits(x, qweight, scales):
@@ -477,9 +480,11 @@ def q8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> t
                          f" and scales {tuple(scales.shape)} {scales.dtype} do not fit")
     n, k = qweight.shape
     xf = _split_x(x, k)
+    scale32 = scales.to(torch.float32).reshape(-1).expand(n).contiguous()
     out = torch.empty((xf.shape[0], n), dtype=torch.bfloat16)
-    rc = lib.kw_q8gemm(xf.data_ptr(), qweight.data_ptr(), scales.contiguous().data_ptr(), out.data_ptr(),
-                       xf.shape[0], n, k, torch.get_num_threads())
+    fp8 = int(qweight.dtype == torch.float8_e4m3fn)
+    rc = lib.kw_q8gemm(xf.data_ptr(), qweight.data_ptr(), scale32.data_ptr(), out.data_ptr(), xf.shape[0], n, k, fp8,
+                       torch.get_num_threads())
     if rc != 0:
         raise ValueError(f"q8_linear: the kernel refused M={xf.shape[0]} N={n} K={k} (rc {rc})")
     return out.reshape(*x.shape[:-1], n)

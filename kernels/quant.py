@@ -20,7 +20,9 @@ in float32, cast to x's dtype, F.linear), correct for every layout and device, a
         Elsewhere torch._weight_int4pack_mm_for_cpu, when the weight was packed in this process's CPU layout, for
         bfloat16 on AVX2/AVX512 (21 us vs 0.49 ms for the reference at M=1, 167 us vs 0.48 ms at M=32). Elsewhere
         it is a scalar loop (~0.65 ms per row) that loses to the reference even at M=1 (0.40 ms).
-  fp8   no fused CPU op for weight-only fp8 (torch._scaled_mm would quantize x too, and is slower), and torch's
+  fp8   On CPUs without AVX512-BF16, bfloat16 x with one scale per tensor or row takes keepwarm's AVX2 kernel (the
+        int8 one with e4m3 codes built into float32 exactly, `cpu_native.q8_linear`). Otherwise:
+        no fused CPU op for weight-only fp8 (torch._scaled_mm would quantize x too, and is slower), and torch's
         fp8 -> float cast is a slow scalar loop (1.2 ms for 0.9M weights). For bfloat16 x, keepwarm's C kernel
         (the int8 kernel with the codes converted in registers, same float16 bit trick). Otherwise the codes are
         re-read as float16 with integer ops (exact, q / 256), then matmul and one scalar scale (0.15-0.24 ms vs
@@ -200,17 +202,30 @@ def _int8_native(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None)
 def _fp8_native(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     if x.dtype != torch.bfloat16:
         raise ValueError(f"the native fp8 path takes bfloat16 x, not {x.dtype}")
-    if w.meta.scheme == "fp8":
-        scale = w.parts["scale"]  # one for the tensor
-    elif w.meta.group_size is not None and w.meta.group_size >= w.meta.shape[1]:
-        scale = w.parts["scales"][:, 0]  # one per row
-    else:
+    scale = _fp8_scale(w)
+    if scale is None:
         raise ValueError(f"the native fp8 path takes one scale per tensor or row, not blocks of {w.meta.group_size}")
     return _add_bias(cpu_native.fp8_linear(_as_2d(x), w.parts["qweight"], scale), x, bias)
 
 
 def _int8_avx2(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     return _add_bias(cpu_native.q8_linear(_as_2d(x), w.parts["qweight"], w.parts["scales"]), x, bias)
+
+
+def _fp8_scale(w: QuantizedWeight) -> torch.Tensor | None:
+    """fp8's float32 scale for a per-tensor or per-row weight (what the fused kernels take); None for blocks."""
+    if w.meta.scheme == "fp8":
+        return w.parts["scale"]
+    if w.meta.group_size is not None and w.meta.group_size >= w.meta.shape[1]:
+        return w.parts["scales"][:, 0]
+    return None
+
+
+def _fp8_avx2(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    scale = _fp8_scale(w)
+    if scale is None:
+        raise ValueError(f"the AVX2 fp8 path takes one scale per tensor or row, not blocks of {w.meta.group_size}")
+    return _add_bias(cpu_native.q8_linear(_as_2d(x), w.parts["qweight"], scale), x, bias)
 
 
 def _int4_block(meta: QuantMeta) -> int:
@@ -259,6 +274,7 @@ def _fp8_block_bits(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | No
 _INT8_NATIVE = "keepwarm C kernel (AVX512-BF16)"
 _INT8_AVX2 = "keepwarm C kernel, int8 (AVX2)"
 _INT4_AVX2 = "keepwarm C kernel, int4 (AVX2)"
+_FP8_AVX2 = "keepwarm C kernel, fp8 (AVX2)"
 _FP8_NATIVE = "keepwarm C kernel, fp8 (AVX512-BF16)"
 
 
@@ -267,8 +283,9 @@ PATHS: dict[str, dict[str, Callable[..., torch.Tensor]]] = {
     "int8": {"torch._weight_int8pack_mm": _int8_op, "int8->dtype cast + matmul, per-channel scale": _int8_cast,
              _INT8_NATIVE: _int8_native, _INT8_AVX2: _int8_avx2},
     "int4": {"torch._weight_int4pack_mm_for_cpu": _int4_op, _INT4_AVX2: _int4_avx2},
-    "fp8": {"fp8 bits->float16 + matmul, scalar scale": _fp8_bits, _FP8_NATIVE: _fp8_native},
-    "fp8_block": {"fp8 bits->float16 + matmul, channel/block scales": _fp8_block_bits, _FP8_NATIVE: _fp8_native},
+    "fp8": {"fp8 bits->float16 + matmul, scalar scale": _fp8_bits, _FP8_NATIVE: _fp8_native, _FP8_AVX2: _fp8_avx2},
+    "fp8_block": {"fp8 bits->float16 + matmul, channel/block scales": _fp8_block_bits, _FP8_NATIVE: _fp8_native,
+                  _FP8_AVX2: _fp8_avx2},
 }
 _REFERENCE = "reference dequantize+matmul"
 
@@ -305,6 +322,10 @@ def select_path(scheme: str, x: torch.Tensor, w: QuantizedWeight) -> str:
         use_op = vectorized and w.meta.layout == cpu_int4_layout()
         return "torch._weight_int4pack_mm_for_cpu" if use_op else _REFERENCE
     native = scheme in ("fp8", "fp8_block") and _native_fits(x, w)
+    if scheme in ("fp8", "fp8_block") and not native and cpu_native.avx2_quant_on():
+        scale = _fp8_scale(w)
+        if scale is not None and cpu_native.q8_fits(x, w.parts["qweight"], scale):
+            return _FP8_AVX2
     if scheme == "fp8":
         return _FP8_NATIVE if native else "fp8 bits->float16 + matmul, scalar scale"
     if scheme == "fp8_block":

@@ -1,5 +1,6 @@
-"""keepwarm's AVX2 int8 and int4 weight-only matmuls (kernels/cpu_native.c ``kw_q8gemm`` / ``kw_q4gemm``), which the
-int8 / int4 linears of bfloat16 models take on CPUs without AVX512-BF16:
+"""keepwarm's AVX2 int8, fp8 and int4 weight-only matmuls (kernels/cpu_native.c ``kw_q8gemm`` / ``kw_q4gemm``),
+which the int8 / fp8 / int4 linears of bfloat16 models take on CPUs without AVX512-BF16:
+- every float8_e4m3fn code (subnormals and the largest included) is read exactly, at one row and above;
 - against float64 sums of the test's own dequantization (codes written here, int4 packed here by torch's
   documented "halves" rule for blocks of 16, 32 and 64 rows, independent of the project's unpack): within one bf16
   rounding, at every blocking edge (rows of x 1-33, weight rows not a multiple of 8, groups of 32 / 64 / 128);
@@ -140,7 +141,7 @@ def test_sizes_the_kernels_cannot_run_are_refused() -> None:
     with pytest.raises(ValueError, match="do not fit"):
         cpu_native.q8_linear(torch.zeros(2, 56, dtype=torch.bfloat16), q[:, :56].contiguous(), s)  # K % 16
     with pytest.raises(ValueError, match="do not fit"):
-        cpu_native.q8_linear(x, q, s[:8])  # a scale per row
+        cpu_native.q8_linear(x, q, s[:8])  # neither one scale per row nor one for the tensor
     codes, sz, _ = _q4(48, 64, 32, 0)
     with pytest.raises(ValueError, match="do not fit"):
         cpu_native.q4_linear(x, _halves(codes, 16), sz, 32, 32)  # 48 rows are not whole blocks of 32
@@ -148,3 +149,33 @@ def test_sizes_the_kernels_cannot_run_are_refused() -> None:
         cpu_native.q4_linear(x, _halves(codes, 16), sz, 64, 16)  # scales for groups of 32, not 64
     with pytest.raises(ValueError, match="do not fit"):
         cpu_native.q4_linear(x, _halves(codes, 16), sz.float(), 32, 16)  # float32 scales
+
+
+def _every_e4m3_code(n: int) -> torch.Tensor:
+    """[n, 256] float8_e4m3fn codes: every code but the two NaNs in each row (rotated), zeros for them."""
+    codes = torch.arange(256, dtype=torch.int32)
+    rows = torch.stack([codes.roll(i) for i in range(n)]).to(torch.uint8)
+    rows[(rows & 0x7F) == 0x7F] = 0
+    return rows.view(torch.float8_e4m3fn)
+
+
+def test_fp8_codes_are_read_exactly() -> None:
+    # x = the identity: out[m, n] = w[n, m] * 1, exactly representable in bf16 (e4m3 has 3 mantissa bits)
+    q = _every_e4m3_code(24)
+    eye = torch.eye(256, dtype=torch.bfloat16)
+    want = q.float().T.bfloat16()
+    assert torch.equal(cpu_native.q8_linear(eye, q, torch.ones(1)), want)  # M > 1: through bf16
+    for m in (0, 1, 7, 8, 9, 127, 255):  # M == 1: in registers, subnormals (codes 1-7) and the largest included
+        assert torch.equal(cpu_native.q8_linear(eye[m:m + 1], q, torch.ones(24)), want[m:m + 1])
+
+
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 24, 256), (3, 17, 512), (33, 40, 1168)])
+def test_fp8_is_within_one_rounding_of_the_true_product(m, n, k) -> None:
+    g = torch.Generator().manual_seed(m + n)
+    q = (torch.randn(n, k, generator=g) * 100).to(torch.float8_e4m3fn)
+    s = torch.rand(n, generator=g) * 0.01 + 1e-4
+    x = torch.randn(m, k, generator=g).bfloat16()
+    w = q.double() * s.double()[:, None]
+    for scale, weight in ((s, w), (s[:1], q.double() * float(s[0]))):  # per row, per tensor
+        got = cpu_native.q8_linear(x, q, scale)
+        _within_one_rounding(got, x.double() @ weight.T, x.double().abs() @ weight.abs().T)

@@ -209,7 +209,7 @@ def test_fp8_as_float16_every_code() -> None:
 
 # ---------------------------------------------------------------------------------------------- paths vs reference
 NATIVE = (quant._INT8_NATIVE, quant._FP8_NATIVE)
-AVX2 = (quant._INT8_AVX2, quant._INT4_AVX2)  # bfloat16 only; callable wherever a native build loaded
+AVX2 = (quant._INT8_AVX2, quant._INT4_AVX2, quant._FP8_AVX2)  # bfloat16 only; callable wherever a build loaded
 
 
 def _cases() -> list[tuple[str, str]]:
@@ -248,7 +248,7 @@ def test_path_matches_reference(scheme: str, path: str, dtype: torch.dtype) -> N
     for i, (n, k) in enumerate(SHAPES):
         qw = _quantized(scheme, n, k, dtype, i)
         w = qw.dequantize(dtype)
-        if path in NATIVE and scheme == "fp8_block" and i % 2:  # blocks of 32: the C kernel refuses them
+        if path in (*NATIVE, quant._FP8_AVX2) and scheme == "fp8_block" and i % 2:  # blocks of 32: C refuses them
             with pytest.raises(ValueError, match="blocks of 32"):
                 PATHS[scheme][path](torch.zeros(1, k, dtype=dtype), qw, None)
             continue
@@ -294,11 +294,11 @@ def test_select_path(monkeypatch: pytest.MonkeyPatch) -> None:
     fp8 = QuantizedWeight.from_parts(*quantize(_weight(64, 256), "fp8", torch.bfloat16))
     blocks, channels = fp8_block_weight(_weight(64, 256), 32), fp8_block_weight(_weight(64, 256), 256)
     native = cpu_native.available()
-    assert quant.select_path("fp8", bf1, fp8) == (quant._FP8_NATIVE if native else "fp8 bits->float16 + matmul, "
-                                                                                  "scalar scale")
+    fused = quant._FP8_NATIVE if native else quant._FP8_AVX2 if avx2 else None
+    assert quant.select_path("fp8", bf1, fp8) == (fused or "fp8 bits->float16 + matmul, scalar scale")
     assert quant.select_path("fp8", f1, fp8).startswith("fp8 bits")
-    assert quant.select_path("fp8_block", bf33, channels) == (quant._FP8_NATIVE if native else
-                                                              "fp8 bits->float16 + matmul, channel/block scales")
+    assert quant.select_path("fp8_block", bf33, channels) == (fused or "fp8 bits->float16 + matmul, channel/block "
+                                                                       "scales")
     assert quant.select_path("fp8_block", bf33, blocks).startswith("fp8 bits")
     monkeypatch.setenv(cpu_native.ENV_VAR, "0")
     assert quant.select_path("fp8", bf1, fp8).startswith("fp8 bits")
