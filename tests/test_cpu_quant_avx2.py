@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _int4_pack import pack_int4
 
 from keepwarm.formats.quant import cpu_int4_layout
 from keepwarm.kernels import cpu_native
@@ -67,13 +68,8 @@ def test_int8_exact_sums_give_the_exactly_rounded_product() -> None:
 
 
 def _halves(codes: torch.Tensor, block: int) -> torch.Tensor:
-    """torch's CPU int4 "halves" pack, written from its rule: row blocks of `block`, each stored k-major, byte j of
-    a k holding row j (low nibble) and row j + block/2 (high)."""
-    n, k = codes.shape
-    h = block // 2
-    b = codes.to(torch.uint8).view(n // block, block, k)
-    packed = b[:, :h] | (b[:, h:] << 4)  # [blocks, h, k]
-    return packed.permute(0, 2, 1).contiguous().view(-1)
+    """torch's CPU int4 "halves" pack of `block` rows, flat (as the kernel reads it)."""
+    return pack_int4(codes, f"int4_cpu_halves{block}").view(-1)
 
 
 def _q4(n: int, k: int, gs: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 import torch.nn.functional as F
+from _int4_pack import pack_int4
 
 from keepwarm import kernels
 from keepwarm.formats.quant import (
@@ -365,28 +366,11 @@ def test_read_only_parts() -> None:
 
 
 # ---------------------------------------------------------------------------------------------- int4 CPU packing
-def _pack(codes: torch.Tensor, layout: str) -> torch.Tensor:
-    """The inverse of unpack_int4 written from torch's weight_to_int4pack_kernel description."""
-    n, k = codes.shape
-    if layout == "int4_canonical":
-        return codes[:, 0::2] | (codes[:, 1::2] << 4)
-    mode, block = layout.removeprefix("int4_cpu_")[:-2], int(layout[-2:])
-    out = []
-    for start in range(0, n, block):
-        blk = codes[start:start + block].t()  # [K, rows]
-        rows = blk.shape[1]
-        if mode == "halves" and rows == block:
-            out.append(blk[:, : block // 2] | (blk[:, block // 2:] << 4))
-        else:
-            out.append(blk[:, 0::2] | (blk[:, 1::2] << 4))
-    return torch.cat([o.reshape(-1) for o in out]).view(n, k // 2)
-
-
 @pytest.mark.parametrize("layout", ["int4_canonical"] + [f"int4_cpu_{m}{b}" for m in ("halves", "pairs")
                                                             for b in (16, 32, 64)])
 def test_unpack_int4_layouts(layout: str) -> None:
     codes = torch.randint(0, 16, (80, 64), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
-    assert torch.equal(unpack_int4(_pack(codes, layout), layout, (80, 64)), codes)
+    assert torch.equal(unpack_int4(pack_int4(codes, layout), layout, (80, 64)), codes)
 
 
 def test_foreign_cpu_int4_layout_uses_reference() -> None:
@@ -397,7 +381,7 @@ def test_foreign_cpu_int4_layout_uses_reference() -> None:
     codes = unpack_int4(parts["qweight"], meta.layout, meta.shape)
     sz = torch.stack((parts["scales"].t(), parts["zeros"].t()), dim=-1)
     foreign = QuantizedWeight.from_parts(QuantMeta("int4", layout, meta.group_size, meta.shape),
-                                         {"qweight": _pack(codes, layout), "scales_and_zeros": sz})
+                                         {"qweight": pack_int4(codes, layout), "scales_and_zeros": sz})
     x = torch.randn(2, 192, dtype=torch.bfloat16)
     assert quant.select_path("int4", x, foreign) == "reference dequantize+matmul"
     assert torch.equal(foreign.dequantize(), QuantizedWeight(meta, parts).dequantize())
