@@ -14,9 +14,10 @@ in float32, cast to x's dtype, F.linear), correct for every layout and device, a
         dtype (exact), matmul (for bfloat16 on a CPU where oneDNN has no bf16 matmul: keepwarm's AVX2 one,
         `cpu_native.bf16_linear`), scale the [M, N] output per channel.
         On CPUs without AVX512-BF16 (AVX2), bfloat16 x takes keepwarm's AVX2 int8 kernel at every M
-        (`cpu_native.q8_linear`; one 1B layer, 2 cores, Zen 3: M=1 3.4-4.1 ms vs 4.7-5.5 for the op and bf16).
+        (`cpu_native.q8_linear`; one 1B layer, 2 cores, Zen 3: M=1 0.78x bf16's time, M=32 1.08x; the op 0.9x and
+        1.8x; docs/quantization.md).
   int4  On CPUs without AVX512-BF16, bfloat16 x takes keepwarm's AVX2 int4 kernel (`cpu_native.q4_linear`, torch's
-        "halves" CPU pack read in place; one 1B layer, M=1: 2.0-2.6 ms vs 3.7-4.3 for the op, 4.7-5.5 bf16).
+        "halves" CPU pack read in place; one 1B layer: M=1 0.41x bf16's time, M=32 1.07x; the op 0.6-0.8x, 1.5x).
         Elsewhere torch._weight_int4pack_mm_for_cpu, when the weight was packed in this process's CPU layout, for
         bfloat16 on AVX2/AVX512 (21 us vs 0.49 ms for the reference at M=1, 167 us vs 0.48 ms at M=32). Elsewhere
         it is a scalar loop (~0.65 ms per row) that loses to the reference even at M=1 (0.40 ms).
@@ -228,16 +229,17 @@ def _fp8_avx2(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) ->
     return _add_bias(cpu_native.q8_linear(_as_2d(x), w.parts["qweight"], scale), x, bias)
 
 
-def _int4_block(meta: QuantMeta) -> int:
-    """Rows per block of an int4 "halves" CPU layout; 0 for any other layout."""
-    m = _INT4_HALVES_RE.fullmatch(meta.layout)
+@functools.cache
+def _int4_block(layout: str) -> int:
+    """Rows per block of an int4 "halves" CPU layout; 0 for any other layout. Cached: asked on every int4 call."""
+    m = _INT4_HALVES_RE.fullmatch(layout)
     return int(m.group(1)) if m else 0
 
 
 def _int4_avx2(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     assert w.meta.group_size is not None
     y = cpu_native.q4_linear(_as_2d(x), w.parts["qweight"], w.parts["scales_and_zeros"], w.meta.group_size,
-                             _int4_block(w.meta))
+                             _int4_block(w.meta.layout))
     return _add_bias(y, x, bias)
 
 
@@ -314,7 +316,7 @@ def select_path(scheme: str, x: torch.Tensor, w: QuantizedWeight) -> str:
             return _INT8_NATIVE
         return "int8->dtype cast + matmul, per-channel scale"
     if scheme == "int4":
-        block, gs = _int4_block(w.meta), w.meta.group_size or 0
+        block, gs = _int4_block(w.meta.layout), w.meta.group_size or 0
         if (block and cpu_native.avx2_quant_on()
                 and cpu_native.q4_fits(x, w.parts["qweight"], w.parts["scales_and_zeros"], gs, block)):
             return _INT4_AVX2
