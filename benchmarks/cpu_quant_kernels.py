@@ -2,6 +2,8 @@
 
     .venv/bin/python benchmarks/cpu_quant_kernels.py [--rows 1,8,32,256] [--rounds 11] [--threads 2]
 
+On a CPU without AVX512-BF16 (the AVX2 kernels):
+
 One "layer" is the 1B's four matmuls (qkv [3072, 2048], o [2048, 2048], gate_up [11264, 2048], down [2048,
 5632]), three layers' weights per scheme so that each call reads its weight from memory, not from the last-level
 cache. Each round times bf16 (``cpu_native.bf16_linear``), int8 and fp8 (``q8_linear``) and int4 groups of 128
@@ -9,6 +11,11 @@ cache. Each round times bf16 (``cpu_native.bf16_linear``), int8 and fp8 (``q8_li
 same round (this machine's speed drifts by tens of percent from minute to minute; a ratio taken within seconds
 does not). Random codes: the kernels' work does not depend on the values. Run it from the repository root on a
 quiet machine; the C library is built on first use like the server's.
+
+On an AVX512-BF16 CPU the candidates there: bf16 is oneDNN's matmul on a weight packed with batch hint 32 (what the
+arena holds), int8 / fp8 ``int8_linear`` / ``fp8_linear`` on the vector path and, with AMX, on the tiles
+(``set_amx``; at one row both are the same streaming loop), int8 also torch's ``_weight_int8pack_mm``, int4 torch's
+``_weight_int4pack_mm_for_cpu`` and, with AMX, ``q4_amx_linear``.
 """
 
 from __future__ import annotations
@@ -54,6 +61,41 @@ def _runner(scheme: str, parts: list[tuple[torch.Tensor, ...]], xs: list[torch.T
     return run
 
 
+def _avx512_runners(xs: list[torch.Tensor]) -> dict[str, Callable[[], None]]:
+    """name -> one layer set's calls on an AVX512-BF16 CPU (weights built once, cached on the function)."""
+    from keepwarm.formats.quant import cpu_int4_layout
+
+    if not hasattr(_avx512_runners, "weights"):
+        w = _weights()
+        w["bf16"] = [(torch.ops.mkldnn._reorder_linear_weight(p[0], 32),) for p in w["bf16"]]
+        _avx512_runners.weights = w  # type: ignore[attr-defined]
+    w = _avx512_runners.weights  # type: ignore[attr-defined]
+    block = int((cpu_int4_layout() or "int4_cpu_halves64")[-2:])
+    amx = cpu_native.set_amx(True)
+
+    def calls(fn: Callable[[torch.Tensor, tuple[torch.Tensor, ...]], object], scheme: str,
+              tiles: bool | None = None) -> Callable[[], None]:
+        def run() -> None:
+            if tiles is not None:
+                cpu_native.set_amx(tiles)
+            for x, p in zip(xs, w[scheme], strict=True):
+                fn(x, p)
+        return run
+
+    runs = {
+        "bf16": calls(lambda x, p: torch.ops.mkldnn._linear_pointwise(x, p[0], None, "none", [], ""), "bf16"),
+        "int8-op": calls(lambda x, p: torch._weight_int8pack_mm(x, p[0], p[1]), "int8"),
+        "int8-vec": calls(lambda x, p: cpu_native.int8_linear(x, p[0], p[1]), "int8", False),
+        "fp8-vec": calls(lambda x, p: cpu_native.fp8_linear(x, p[0], p[1]), "fp8", False),
+        "int4-op": calls(lambda x, p: torch._weight_int4pack_mm_for_cpu(x, p[0], 128, p[1]), "int4"),
+    }
+    if amx:
+        runs["int8-amx"] = calls(lambda x, p: cpu_native.int8_linear(x, p[0], p[1]), "int8", True)
+        runs["fp8-amx"] = calls(lambda x, p: cpu_native.fp8_linear(x, p[0], p[1]), "fp8", True)
+        runs["int4-amx"] = calls(lambda x, p: cpu_native.q4_amx_linear(x, p[0], p[1], 128, block), "int4", True)
+    return runs
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="1,8,32,256")
@@ -61,11 +103,14 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    weights = _weights()
+    weights = {} if cpu_native.available() else _weights()
     layers = len(SHAPES) // 4
     for m in (int(r) for r in args.rows.split(",")):
         xs = [torch.randn(m, k).bfloat16() for _, k in SHAPES]
-        runs = {s: _runner(s, parts, xs) for s, parts in weights.items()}
+        if cpu_native.available():
+            runs = _avx512_runners(xs)
+        else:
+            runs = {s: _runner(s, parts, xs) for s, parts in weights.items()}
         times: dict[str, list[float]] = {s: [] for s in runs}
         for _ in range(args.rounds):
             for s, run in runs.items():

@@ -31,6 +31,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #define NB 4        /* output channels per inner block */
 #define MAXT 64
@@ -53,6 +55,8 @@ typedef struct {
     uint16_t *out;
     int64_t M, N, K;
     int fp8; /* w holds float8_e4m3fn codes, not int8 */
+    const uint32_t *xt; /* AMX only: x's bf16 pairs transposed, [K/2][Mp], zero beyond M; NULL: no AMX */
+    int64_t Mp;         /* M rounded up to 16 */
 } job_t;
 
 static inline __mmask32 tail_mask(int64_t left) { return left >= 32 ? 0xFFFFFFFFu : ((1u << left) - 1u); }
@@ -197,6 +201,135 @@ static void gemm_rows(const job_t *j, int64_t n0, int64_t n1) {
     }
 }
 
+
+/* ---- AMX (Intel, amx-tile + amx-bf16), M > 1 and K % 32 == 0: the same sums on the tiles (tdpbf16ps).
+ * The roles are swapped so the weight needs no pair reordering: A = 16 weight rows x 32 k, converted from their
+ * codes straight into an L1 scratch in row order (each row contiguous, as stored); B = x's bf16 pairs transposed
+ * ([K/2][Mp] u32, built once per call by the calling thread); C = out^T, 16 channels x 16 rows of x. Each output
+ * is a float32 sum over k in a fixed order that does not depend on M or on the other rows, scaled in float32 and
+ * rounded to bf16 once, as above. Tile rules: every thread loads its config at the start of a slice (oneDNN may
+ * have used the tiles on the same thread in between) and releases them at the end. */
+#define AKB 512 /* k per A scratch: 32 rows x 512 bf16 = 32 KiB */
+#define AMX_MIN_ROWS 2 /* rows of x from which kw_gemm takes the tiles */
+static int g_amx; /* kw_amx_enable() succeeded: the kernel may run tile instructions */
+static atomic_long g_amx_calls; /* kw_gemm calls that took the tiles (tests ask) */
+long kw_amx_calls(void) { return atomic_load(&g_amx_calls); }
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tilecfg_t;
+
+#define AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16,avx512vbmi")))
+
+/* on: asks Linux for the tile data state (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA), 0 when granted, and the
+ * matmuls take the tiles from then on; Python asks only where /proc/cpuinfo lists amx_tile and amx_bf16. Off: the
+ * vector path again (A/B benchmarks, tests). */
+int kw_amx_enable(int on) {
+    if (!on) {
+        g_amx = 0;
+        return 0;
+    }
+    if (syscall(SYS_arch_prctl, 0x1023, 18) != 0) return -1;
+    g_amx = 1;
+    return 0;
+}
+
+/* a[c][0..kb) = row n+c's codes k0..k0+kb as bf16, c < nc; zero rows beyond (kb % 32 == 0). */
+static void pack_rows_amx(const job_t *j, int64_t n, int nc, int64_t k0, int64_t kb, uint16_t *a) {
+    for (int c = 0; c < NT; c++) {
+        uint16_t *dst = a + (int64_t)c * AKB;
+        if (c >= nc) {
+            memset(dst, 0, (size_t)kb * 2);
+            continue;
+        }
+        const int8_t *src = j->w + (n + c) * j->K + k0;
+        for (int64_t k = 0; k < kb; k += 32)
+            _mm512_storeu_si512(dst + k, (__m512i)cvt_bytes(_mm256_loadu_si256((const __m256i *)(src + k)), j->fp8));
+    }
+}
+
+/* acc (out^T, [NT][Mp] float32) += a's 32 rows x xt's columns mb..mb+16*two, over kb k. */
+AMX_TARGET static void tiles_amx(const job_t *j, const uint16_t *a, int64_t k0, int64_t kb, int64_t mb, int two,
+                                 float *acc) {
+    const int64_t Mp = j->Mp, cs = Mp * 4;
+    _tile_loadd(0, acc + mb, cs);
+    _tile_loadd(2, acc + 16 * Mp + mb, cs);
+    if (two) {
+        _tile_loadd(1, acc + mb + 16, cs);
+        _tile_loadd(3, acc + 16 * Mp + mb + 16, cs);
+    }
+    for (int64_t k = 0; k < kb; k += 32) {
+        const uint32_t *b = j->xt + (k0 + k) / 2 * Mp + mb;
+        _tile_loadd(4, a + k, AKB * 2);
+        _tile_loadd(5, a + 16 * AKB + k, AKB * 2);
+        _tile_loadd(6, b, cs);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(2, 5, 6);
+        if (two) {
+            _tile_loadd(7, b + 16, cs);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    _tile_stored(0, acc + mb, cs);
+    _tile_stored(2, acc + 16 * Mp + mb, cs);
+    if (two) {
+        _tile_stored(1, acc + mb + 16, cs);
+        _tile_stored(3, acc + 16 * Mp + mb + 16, cs);
+    }
+}
+
+AMX_TARGET static void gemm_rows_amx(const job_t *j, int64_t n0, int64_t n1) {
+    static __thread uint16_t *a;
+    static __thread float *acc;
+    static __thread int64_t acc_cap;
+    const int64_t K = j->K, M = j->M, N = j->N, Mp = j->Mp;
+    if (!a) a = aligned_alloc(64, (size_t)NT * AKB * 2);
+    if (acc_cap < Mp) {
+        free(acc);
+        acc = aligned_alloc(64, (size_t)Mp * NT * 4);
+        acc_cap = acc ? Mp : 0;
+    }
+    if (!a || !acc) { /* no memory for the scratch: the vector path */
+        gemm_rows(j, n0, n1);
+        return;
+    }
+    tilecfg_t cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+    for (int64_t n = n0; n < n1; n += NT) {
+        int nc = (int)(n1 - n < NT ? n1 - n : NT);
+        memset(acc, 0, (size_t)Mp * NT * 4);
+        for (int64_t k0 = 0; k0 < K; k0 += AKB) {
+            int64_t kb = K - k0 < AKB ? K - k0 : AKB;
+            pack_rows_amx(j, n, nc, k0, kb, a);
+            for (int64_t mb = 0; mb < Mp; mb += 32) tiles_amx(j, a, k0, kb, mb, Mp - mb >= 32, acc);
+        }
+        for (int c = 0; c < nc; c++) {
+            const float s = j->scale[n + c];
+            for (int64_t m = 0; m < M; m++) j->out[m * N + n + c] = f32_to_bf16(acc[c * Mp + m] * s);
+        }
+    }
+    _tile_release();
+}
+
+/* xt[k2][m] = x[m]'s k-pair k2 (as one u32), m < M; zero for M <= m < Mp. */
+static void transpose_pairs(const uint16_t *x, int64_t M, int64_t K, int64_t Mp, uint32_t *xt) {
+    const int64_t K2 = K / 2;
+    for (int64_t k2 = 0; k2 < K2; k2++) {
+        uint32_t *row = xt + k2 * Mp;
+        for (int64_t m = 0; m < M; m++) memcpy(row + m, x + m * K + 2 * k2, 4);
+        for (int64_t m = M; m < Mp; m++) row[m] = 0;
+    }
+}
+
 static void run_slice(const job_t *j, int t, int nthreads) {
     /* slices aligned to whole blocks (NB rows, or NT-channel tiles) so only the last slice has a partial one */
     const int64_t align = j->M == 1 ? NB : NT;
@@ -204,6 +337,10 @@ static void run_slice(const job_t *j, int t, int nthreads) {
     int64_t b0 = blocks * t / nthreads, b1 = blocks * (t + 1) / nthreads;
     int64_t n0 = b0 * align, n1 = b1 * align < j->N ? b1 * align : j->N;
     if (n0 >= n1) return;
+    if (j->xt) {
+        gemm_rows_amx(j, n0, n1);
+        return;
+    }
     if (j->M > 1 && j->K % 2 == 0 && j->K >= 4) {
         gemm_rows(j, n0, n1);
         return;
@@ -330,7 +467,21 @@ int kw_gemm(const uint16_t *x, const int8_t *w, const float *scale, uint16_t *ou
     if (nthreads < 1) nthreads = 1;
     if (nthreads > MAXT) nthreads = MAXT;
     if (N < 4 * NB * nthreads) nthreads = 1; /* tiny outputs: not worth a wake-up */
-    job_t j = {x, w, scale, out, M, N, K, fp8 != 0};
+    job_t j = {x, w, scale, out, M, N, K, fp8 != 0, NULL, (M + 15) / 16 * 16};
+    static __thread uint32_t *xt;
+    static __thread int64_t xt_cap;
+    if (g_amx && M >= AMX_MIN_ROWS && K % 32 == 0) {
+        if (xt_cap < j.Mp * K / 2) {
+            free(xt);
+            xt = aligned_alloc(64, (size_t)(j.Mp * K / 2 * 4 + 63) / 64 * 64);
+            xt_cap = xt ? j.Mp * K / 2 : 0;
+        }
+        if (xt) {
+            transpose_pairs(x, M, K, j.Mp, xt);
+            j.xt = xt;
+            atomic_fetch_add(&g_amx_calls, 1);
+        }
+    }
     run_pool(gemm_slice, &j, nthreads);
     return 0;
 }
@@ -1223,3 +1374,188 @@ int kw_q4gemm(const float *x, const uint8_t *q, const uint16_t *sz, uint16_t *ou
     free(xs);
     return a.fail ? -2 : 0;
 }
+
+#ifndef KW_ATTENTION_ONLY
+/* ---- int4 on AMX: torch's CPU "halves" pack (blocks of B = 32 or 64 rows, k-major, byte j = rows j and
+ * j + B/2) read in place. Here x is A (its bf16 rows as they lie), the codes are B: each pair of k rows of a
+ * block becomes B tile rows of (16 + code k, 16 + code k+1) bf16 pairs per channel in an L1 scratch (exact), and
+ * C = x w^T. Per group the tiles start from zero, and the group's sums enter the float32 total as
+ * total = fma(scale, sum x (16 + c), total), then fma(zero - 24 scale, sum x, total): w = (c - 8) scale + zero.
+ * One order per output whatever M. The 16 costs float32 headroom (sums of x (16 + c), not x c: ~3x the rounding
+ * error of kw_q4gemm's x c, still far inside one bf16 rounding; tests/test_cpu_amx.py bounds it). */
+typedef struct {
+    const uint16_t *x; /* bf16 [Mp][K], zero rows beyond M */
+    const uint8_t *q;
+    const uint16_t *sz; /* bf16 [K / gs][N][2]: (scale, zero) */
+    const float *xs;    /* [K / gs][Mp]: each row's sum over each group */
+    uint16_t *out;
+    int64_t M, Mp, N, K, gs, B;
+    int fail;
+} q4amx_t;
+
+#define QKC 256 /* k per code scratch: 128 pairs x 64 channels x 4 bytes = 32 KiB */
+
+/* vpermt2b's table: bytes 0..63 from the loaded codes, 64 = the constant 0x41. For 16 channels whose codes lie
+ * at bytes o0 + i (k) and o1 + i (k + 1), i < 16: each dword = the two bf16 (low byte, 0x41), k first. */
+static void q4_perm_index(int o0, int o1, uint8_t idx[64]) {
+    for (int i = 0; i < 16; i++) {
+        idx[4 * i] = (uint8_t)(o0 + i);
+        idx[4 * i + 1] = 64;
+        idx[4 * i + 2] = (uint8_t)(o1 + i);
+        idx[4 * i + 3] = 64;
+    }
+}
+
+/* s[k2][c] = (16 + code[k0 + 2 k2][c], 16 + code[k0 + 2 k2 + 1][c]) as bf16, c < B, for kc k of block b. 16 + c
+ * is bf16 0x4180 | c << 3 (16..31, step 1: exact), so a byte permute builds each tile row from the codes with no
+ * widening or conversion; the fold takes the 16 back out (q4_tiles_amx). One 64-byte load holds 2 (B = 64) or 4
+ * (B = 32) consecutive k rows of the block. */
+AMX_TARGET static void q4_pack_amx(const q4amx_t *a, int64_t b, int64_t k0, int64_t kc, uint32_t *s) {
+    const int64_t hb = a->B / 2, B = a->B;
+    uint8_t i0[64], i1[64];
+    q4_perm_index(0, B == 64 ? 32 : 16, i0);        /* B = 64: channels 0-15 (k, k+1); B = 32: the first pair */
+    q4_perm_index(B == 64 ? 16 : 32, 48, i1);       /* B = 64: channels 16-31; B = 32: the second pair */
+    const __m512i idx0 = _mm512_loadu_si512(i0), idx1 = _mm512_loadu_si512(i1);
+    const __m512i c41 = _mm512_set1_epi8(0x41), m78 = _mm512_set1_epi8(0x78), m80 = _mm512_set1_epi8((char)0x80);
+    const uint8_t *blk = a->q + b * a->K * hb;
+    for (int64_t k = k0; k < k0 + kc; k += 128 / B) {
+        __m512i v = _mm512_loadu_si512(blk + k * hb);
+        /* per byte: (low nibble << 3) | 0x80 and (high nibble << 3) | 0x80 (ternary logic: (a & b) | c) */
+        __m512i lo = _mm512_ternarylogic_epi32(_mm512_slli_epi16(v, 3), m78, m80, 0xEA);
+        __m512i hi = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 1), m78, m80, 0xEA);
+        uint32_t *dst = s + (k - k0) / 2 * B;
+        if (B == 64) { /* low nibbles: channels 0-31, high: 32-63 */
+            _mm512_storeu_si512(dst, _mm512_permutex2var_epi8(lo, idx0, c41));
+            _mm512_storeu_si512(dst + 16, _mm512_permutex2var_epi8(lo, idx1, c41));
+            _mm512_storeu_si512(dst + 32, _mm512_permutex2var_epi8(hi, idx0, c41));
+            _mm512_storeu_si512(dst + 48, _mm512_permutex2var_epi8(hi, idx1, c41));
+        } else { /* low nibbles: channels 0-15, high: 16-31; two k pairs */
+            _mm512_storeu_si512(dst, _mm512_permutex2var_epi8(lo, idx0, c41));
+            _mm512_storeu_si512(dst + 16, _mm512_permutex2var_epi8(hi, idx0, c41));
+            _mm512_storeu_si512(dst + 32, _mm512_permutex2var_epi8(lo, idx1, c41));
+            _mm512_storeu_si512(dst + 48, _mm512_permutex2var_epi8(hi, idx1, c41));
+        }
+    }
+}
+
+/* tot[m][c] for x rows mb..mb+15 and block b's channels, over the groups of k0..k0+kc; cg: float [16][64] */
+AMX_TARGET static void q4_tiles_amx(const q4amx_t *a, int64_t b, const uint32_t *s, int64_t k0, int64_t kc,
+                                    int64_t mb, float *cg, float *tot) {
+    const int64_t K = a->K, B = a->B, bs = B * 4;
+    const uint16_t *x = a->x + mb * K;
+    for (int64_t g0 = k0; g0 < k0 + kc; g0 += a->gs) {
+        _tile_zero(0);
+        _tile_zero(1);
+        if (B == 64) {
+            _tile_zero(2);
+            _tile_zero(3);
+        }
+        for (int64_t k = g0; k < g0 + a->gs; k += 32) {
+            const uint32_t *w = s + (k - k0) / 2 * B;
+            _tile_loadd(4, x + k, K * 2);
+            _tile_loadd(5, w, bs);
+            _tile_loadd(6, w + 16, bs);
+            _tile_dpbf16ps(0, 4, 5);
+            _tile_dpbf16ps(1, 4, 6);
+            if (B == 64) {
+                _tile_loadd(7, w + 32, bs);
+                _tile_loadd(5, w + 48, bs);
+                _tile_dpbf16ps(2, 4, 7);
+                _tile_dpbf16ps(3, 4, 5);
+            }
+        }
+        _tile_stored(0, cg, 256);
+        _tile_stored(1, cg + 16, 256);
+        if (B == 64) {
+            _tile_stored(2, cg + 32, 256);
+            _tile_stored(3, cg + 48, 256);
+        }
+        const int64_t g = g0 / a->gs;
+        for (int64_t c = 0; c < B; c += 16) {
+            __m512i r = _mm512_loadu_si512(a->sz + (g * a->N + b * B + c) * 2); /* 16 (scale, zero) pairs */
+            __m512 sc = _mm512_castsi512_ps(_mm512_slli_epi32(r, 16));
+            __m512 z = _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32((int)0xFFFF0000u)));
+            __m512 zf = _mm512_fnmadd_ps(_mm512_set1_ps(24.0f), sc, z); /* codes entered as 16 + c: c - 8 = (16 + c) - 24 */
+            for (int64_t i = 0; i < 16; i++) {
+                float *t = tot + (mb + i) * B + c;
+                __m512 v = _mm512_fmadd_ps(sc, _mm512_loadu_ps(cg + i * 64 + c), _mm512_loadu_ps(t));
+                _mm512_storeu_ps(t, _mm512_fmadd_ps(zf, _mm512_set1_ps(a->xs[g * a->Mp + mb + i]), v));
+            }
+        }
+    }
+}
+
+AMX_TARGET static void q4amx_slice(const void *arg, int t, int nthreads) {
+    q4amx_t *a = (q4amx_t *)arg;
+    int64_t blocks = a->N / a->B, b0 = blocks * t / nthreads, b1 = blocks * (t + 1) / nthreads;
+    if (b0 >= b1) return;
+    static __thread uint32_t *s;
+    static __thread float *cg;
+    if (!s) s = aligned_alloc(64, QKC / 2 * 64 * 4);
+    if (!cg) cg = aligned_alloc(64, 16 * 64 * 4);
+    float *tot = scratch_floats((size_t)(a->Mp * a->B));
+    if (!s || !cg || !tot) {
+        a->fail = 1;
+        return;
+    }
+    tilecfg_t cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int i = 0; i < 8; i++) {
+        cfg.rows[i] = 16;
+        cfg.colsb[i] = 64;
+    }
+    _tile_loadconfig(&cfg);
+    for (int64_t b = b0; b < b1; b++) {
+        memset(tot, 0, (size_t)(a->Mp * a->B) * 4);
+        for (int64_t k0 = 0; k0 < a->K; k0 += QKC) {
+            int64_t kc = a->K - k0 < QKC ? a->K - k0 : QKC;
+            q4_pack_amx(a, b, k0, kc, s);
+            for (int64_t mb = 0; mb < a->Mp; mb += 16) q4_tiles_amx(a, b, s, k0, kc, mb, cg, tot);
+        }
+        for (int64_t m = 0; m < a->M; m++)
+            for (int64_t c = 0; c < a->B; c++) a->out[m * a->N + b * a->B + c] = f32_to_bf16(tot[m * a->B + c]);
+    }
+    _tile_release();
+}
+
+/* out = x w^T for bf16 x [M, K] and an int4 weight in the halves pack (kw_q4gemm's), on the tiles. 0; -1 on sizes
+ * it does not take (K and gs multiples of 32, B 32 or 64, N a multiple of B) or without AMX; -2 out of memory. */
+int kw_q4amx(const uint16_t *x, const uint8_t *q, const uint16_t *sz, uint16_t *out, int64_t M, int64_t N, int64_t K,
+             int64_t gs, int64_t B, int nthreads) {
+    if (!g_amx || M < 1 || K % 32 || gs < 32 || gs % 32 || K % gs || (B != 32 && B != 64) || N < B || N % B)
+        return -1;
+    static __thread uint16_t *xp;
+    static __thread float *xs;
+    static __thread int64_t cap;
+    const int64_t Mp = (M + 15) / 16 * 16, G = K / gs;
+    if (cap < Mp * K) {
+        free(xp);
+        free(xs);
+        xp = aligned_alloc(64, (size_t)(Mp * K * 2 + 63) / 64 * 64);
+        xs = aligned_alloc(64, (size_t)(Mp * K / 32 * 4 + 63) / 64 * 64); /* G * Mp <= Mp * K / 32 */
+        cap = xp && xs ? Mp * K : 0;
+        if (!cap) return -2;
+    }
+    memcpy(xp, x, (size_t)(M * K * 2));
+    memset(xp + M * K, 0, (size_t)((Mp - M) * K * 2));
+    for (int64_t g = 0; g < G; g++)
+        for (int64_t m = 0; m < Mp; m++) {
+            float acc = 0.0f;
+            for (int64_t k = g * gs; k < (g + 1) * gs; k++) {
+                uint32_t bits = (uint32_t)xp[m * K + k] << 16;
+                float v;
+                memcpy(&v, &bits, 4);
+                acc += v;
+            }
+            xs[g * Mp + m] = acc;
+        }
+    if (nthreads < 1) nthreads = 1;
+    if (nthreads > MAXT) nthreads = MAXT;
+    q4amx_t a = {xp, q, sz, xs, out, M, Mp, N, K, gs, B, 0};
+    run_pool(q4amx_slice, &a, nthreads);
+    if (a.fail) return -2;
+    atomic_fetch_add(&g_amx_calls, 1);
+    return 0;
+}
+#endif /* KW_ATTENTION_ONLY */

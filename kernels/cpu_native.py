@@ -24,6 +24,12 @@ What:
   registers at one row and to bf16 for `kw_bgemm`'s blocks above (the same sums); int4 reads torch's CPU "halves"
   pack in place and folds each group's scale and zero into float32 sums. One summation order per output whatever
   the batch, like the bf16 one.
+- on Intel CPUs with AMX (amx_tile, amx_bf16, avx512vbmi), the int8 / fp8 matmul above one row and an int4 one
+  (`q4_amx_linear`) run on the tiles (``tdpbf16ps``): codes converted to bf16 once per call into an L1 scratch
+  (exact), float32 sums in a fixed order per output whatever the batch; the vector loops above spent 2-4x bf16's
+  time there, where oneDNN's bf16 matmul itself runs on the tiles (figures in kernels/quant.py). On where the CPU
+  has them, Linux grants the tile state and ``KEEPWARM_CPU_AMX`` is not 0 (`amx_reason`, logged once);
+  `amx_takes` says which calls take them.
 
 Rules:
 - Built lazily, at the first call that could use it, with ``cc -O3`` and explicit ``-m`` flags (never
@@ -65,10 +71,11 @@ import torch
 
 from keepwarm.formats.paths import keepwarm_home
 
-__all__ = ["ENV_VAR", "attention_available", "attention_fits", "attention_plan", "attention_switched_on",
-           "attention_unavailable_reason", "available", "avx2_quant_on", "bf16_fits", "bf16_linear", "bf16_matmul_on",
-           "decode_attention", "fp8_linear", "glue_on", "int8_linear", "q4_fits", "q4_linear", "q8_fits", "q8_linear",
-           "rms_norm", "rotary_neox", "rows_fit", "store_kv", "unavailable_reason"]
+__all__ = ["AMX_ENV_VAR", "ENV_VAR", "amx_calls", "amx_reason", "amx_takes", "attention_available", "attention_fits",
+           "attention_plan", "attention_switched_on", "attention_unavailable_reason", "available", "avx2_quant_on",
+           "bf16_fits", "bf16_linear", "bf16_matmul_on", "decode_attention", "fp8_linear", "glue_on", "int8_linear",
+           "q4_amx_fits", "q4_amx_linear", "q4_fits", "q4_linear", "q8_fits", "q8_linear", "rms_norm", "rotary_neox",
+           "rows_fit", "set_amx", "store_kv", "unavailable_reason"]
 
 logger = logging.getLogger("keepwarm.kernels")
 
@@ -159,6 +166,11 @@ def _load() -> tuple[ctypes.CDLL | None, str, str]:
         fn = lib.kw_gemm
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int, ctypes.c_int]
+        lib.kw_amx_enable.restype, lib.kw_amx_enable.argtypes = ctypes.c_int, [ctypes.c_int]
+        lib.kw_amx_calls.restype, lib.kw_amx_calls.argtypes = ctypes.c_long, []
+        lib.kw_q4amx.restype = ctypes.c_int
+        lib.kw_q4amx.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 5 + [ctypes.c_int]
+        _amx_start(lib, have)
     fn = lib.kw_decode_attention
     fn.restype = ctypes.c_int
     # q, q_stride, kc, vc, out, plan, S, Hq, Hk, D, num_blocks, block_size, scale, softcap, nthreads
@@ -167,6 +179,61 @@ def _load() -> tuple[ctypes.CDLL | None, str, str]:
     _declare_glue(lib)
     _openmp(lib)
     return lib, no_matmuls, ""
+
+
+AMX_ENV_VAR = "KEEPWARM_CPU_AMX"
+_amx_why = ["not built"]  # why the int8 / fp8 matmuls do not use AMX tiles ("" when they do)
+
+
+def _amx_start(lib: ctypes.CDLL, have: set[str]) -> None:
+    """Turn the AMX tile path of the int8 / fp8 matmuls on where the CPU has it, Linux grants the tile state and
+    ``KEEPWARM_CPU_AMX`` is not 0; say which in the log."""
+    if os.environ.get(AMX_ENV_VAR, "1") == "0":
+        why = f"{AMX_ENV_VAR}=0"
+    elif not {"amx_tile", "amx_bf16", "avx512vbmi"} <= have:
+        why = "the CPU lacks amx_tile / amx_bf16 / avx512vbmi"
+    else:
+        why = "" if lib.kw_amx_enable(1) == 0 else "Linux refused the tile state (arch_prctl ARCH_REQ_XCOMP_PERM)"
+    _amx_why[0] = why
+    if why:
+        logger.info("native int8 / fp8 matmuls: vector path above one row, no AMX tiles (%s)", why)
+    else:
+        logger.info("native int8 / fp8 matmuls: AMX tiles (tdpbf16ps) above one row")
+
+
+def amx_reason() -> str:
+    """Why the int8 / fp8 matmuls do not use AMX tiles here ("" when they do)."""
+    _load()
+    return _amx_why[0]
+
+
+def amx_takes(rows: int, k: int) -> bool:
+    """Whether an int8 / fp8 matmul of ``rows`` rows of x over K = ``k`` runs on the AMX tiles (the C side's rule:
+    tiles on, two rows or more, K a multiple of 32); at one row both paths are the same streaming loop."""
+    return rows >= 2 and k % 32 == 0 and available() and not amx_reason()
+
+
+def amx_calls() -> int:
+    """How many int8 / fp8 matmuls of this process took the AMX tiles (tests check the path really ran)."""
+    lib, no_matmuls, _ = _load()
+    return 0 if lib is None or no_matmuls else int(lib.kw_amx_calls())
+
+
+def set_amx(on: bool) -> bool:
+    """Turn the tile path on or off in this process (A/B benchmarks, tests); returns whether it is on."""
+    lib, no_matmuls, _ = _load()
+    if lib is None or no_matmuls:
+        return False
+    if not on:
+        lib.kw_amx_enable(0)
+        _amx_why[0] = "switched off in this process"
+    elif not {"amx_tile", "amx_bf16", "avx512vbmi"} <= _cpu_flags():
+        _amx_why[0] = "the CPU lacks amx_tile / amx_bf16 / avx512vbmi"
+    elif lib.kw_amx_enable(1) != 0:
+        _amx_why[0] = "Linux refused the tile state (arch_prctl ARCH_REQ_XCOMP_PERM)"
+    else:
+        _amx_why[0] = ""
+    return not _amx_why[0]
 
 
 def _openmp(lib: ctypes.CDLL) -> None:
@@ -521,4 +588,30 @@ def q4_linear(x: torch.Tensor, qweight: torch.Tensor, scales_and_zeros: torch.Te
                        xf.shape[0], n, k, group_size, block, torch.get_num_threads())
     if rc != 0:
         raise ValueError(f"q4_linear: the kernel refused M={xf.shape[0]} N={n} K={k} (rc {rc})")
+    return out.reshape(*x.shape[:-1], n)
+
+
+def q4_amx_fits(x: torch.Tensor, qweight: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int,
+                block: int) -> bool:
+    """:func:`q4_fits`, with the AMX tiles on, K and the group a multiple of 32 and blocks of 32 or 64 rows."""
+    return (available() and not amx_reason() and block in (32, 64) and group_size % 32 == 0 and x.dim() > 0
+            and x.shape[-1] % 32 == 0 and q4_fits(x, qweight, scales_and_zeros, group_size, block))
+
+
+def q4_amx_linear(x: torch.Tensor, qweight: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int,
+                  block: int) -> torch.Tensor:
+    """:func:`q4_linear` on the AMX tiles (:func:`q4_amx_fits`): x's bf16 rows times the codes as bf16 (exact),
+    float32 sums per group folded as there (``scale * sum x c + (zero - 8 scale) * sum x``), one order per output
+    whatever the batch, rounded once."""
+    lib = _load()[0]
+    if lib is None or not q4_amx_fits(x, qweight, scales_and_zeros, group_size, block):
+        raise ValueError(f"q4_amx_linear: x {tuple(x.shape)} {x.dtype}, weight {tuple(qweight.shape)}, groups of "
+                         f"{group_size} and blocks of {block} do not fit, or no AMX ({amx_reason() or 'on'})")
+    n, k = scales_and_zeros.shape[1], x.shape[-1]
+    x2 = x.reshape(-1, k).contiguous()
+    out = torch.empty((x2.shape[0], n), dtype=torch.bfloat16)
+    rc = lib.kw_q4amx(x2.data_ptr(), qweight.data_ptr(), scales_and_zeros.data_ptr(), out.data_ptr(), x2.shape[0],
+                      n, k, group_size, block, torch.get_num_threads())
+    if rc != 0:
+        raise ValueError(f"q4_amx_linear: the kernel refused M={x2.shape[0]} N={n} K={k} (rc {rc})")
     return out.reshape(*x.shape[:-1], n)

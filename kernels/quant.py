@@ -16,8 +16,12 @@ in float32, cast to x's dtype, F.linear), correct for every layout and device, a
         On CPUs without AVX512-BF16 (AVX2), bfloat16 x takes keepwarm's AVX2 int8 kernel at every M
         (`cpu_native.q8_linear`; one 1B layer, 2 cores, Zen 3: M=1 0.78x bf16's time, M=32 1.08x; the op 0.9x and
         1.8x; docs/quantization.md).
+        With AMX tiles (Intel, `cpu_native.amx_takes`): the op up to 4 rows, then the C kernel on the tiles (one 1B
+        layer against bf16's time: M=2 op 0.90x / tiles 1.20x, M=4 1.12 / 1.24, M=6 1.72 / 1.25, M=32 5.0 / 1.58).
   int4  On CPUs without AVX512-BF16, bfloat16 x takes keepwarm's AVX2 int4 kernel (`cpu_native.q4_linear`, torch's
         "halves" CPU pack read in place; one 1B layer: M=1 0.41x bf16's time, M=32 1.07x; the op 0.6-0.8x, 1.5x).
+        With AMX tiles, above 4 rows: keepwarm's int4 tile kernel (`cpu_native.q4_amx_linear`, the same pack read in
+        place; one 1B layer against bf16's time: M=6 op 1.13x / tiles 0.86x, M=32 3.97 / 0.94; M=1 op 0.47x).
         Elsewhere torch._weight_int4pack_mm_for_cpu, when the weight was packed in this process's CPU layout, for
         bfloat16 on AVX2/AVX512 (21 us vs 0.49 ms for the reference at M=1, 167 us vs 0.48 ms at M=32). Elsewhere
         it is a scalar loop (~0.65 ms per row) that loses to the reference even at M=1 (0.40 ms).
@@ -25,7 +29,8 @@ in float32, cast to x's dtype, F.linear), correct for every layout and device, a
         int8 one with e4m3 codes built into float32 exactly, `cpu_native.q8_linear`). Otherwise:
         no fused CPU op for weight-only fp8 (torch._scaled_mm would quantize x too, and is slower), and torch's
         fp8 -> float cast is a slow scalar loop (1.2 ms for 0.9M weights). For bfloat16 x, keepwarm's C kernel
-        (the int8 kernel with the codes converted in registers, same float16 bit trick). Otherwise the codes are
+        (the int8 kernel with the codes converted in registers, same float16 bit trick; on the AMX tiles from 2
+        rows: M=8 1.46x bf16's time against 2.14x without). Otherwise the codes are
         re-read as float16 with integer ops (exact, q / 256), then matmul and one scalar scale (0.15-0.24 ms vs
         1.25-1.3 ms).
   fp8_block   (pre-quantized fp8 per channel / block) per channel and bfloat16 x: the C kernel. Otherwise the same
@@ -69,6 +74,7 @@ _FAST_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _SIMD_CAPABILITIES = ("AVX2", "AVX512")
 # Above this many rows the int8 op loses to cast + matmul (AVX512: even at M=16; AVX2: before M=32).
 _INT8_OP_MAX_ROWS = 8
+_AMX_OP_MAX_ROWS = 4  # with AMX tiles: torch's int8 / int4 ops up to 4 rows, the tiles above (docs/quantization.md)
 _INT4_HALVES_RE = re.compile(r"int4_cpu_halves(\d+)")
 # (scheme, path, device type, dtype) already logged: the path choice is logged once, not per call.
 _LOGGED: set[tuple[str, str, str, torch.dtype]] = set()
@@ -243,6 +249,13 @@ def _int4_avx2(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -
     return _add_bias(y, x, bias)
 
 
+def _int4_amx(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    assert w.meta.group_size is not None
+    y = cpu_native.q4_amx_linear(_as_2d(x), w.parts["qweight"], w.parts["scales_and_zeros"], w.meta.group_size,
+                                 _int4_block(w.meta.layout))
+    return _add_bias(y, x, bias)
+
+
 def _int4_op(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     sz = w.parts["scales_and_zeros"].to(x.dtype)  # the op wants x's dtype
     y = torch._weight_int4pack_mm_for_cpu(_as_2d(x), w.parts["qweight"], w.meta.group_size, sz)
@@ -278,16 +291,20 @@ _INT8_AVX2 = "keepwarm C kernel, int8 (AVX2)"
 _INT4_AVX2 = "keepwarm C kernel, int4 (AVX2)"
 _FP8_AVX2 = "keepwarm C kernel, fp8 (AVX2)"
 _FP8_NATIVE = "keepwarm C kernel, fp8 (AVX512-BF16)"
+_INT8_AMX = "keepwarm C kernel, int8 (AMX tiles)"
+_FP8_AMX = "keepwarm C kernel, fp8 (AMX tiles)"
+_INT4_AMX = "keepwarm C kernel, int4 (AMX tiles)"
 
 
 # scheme -> path name (as logged) -> implementation; every path computes the same product as the reference.
 PATHS: dict[str, dict[str, Callable[..., torch.Tensor]]] = {
     "int8": {"torch._weight_int8pack_mm": _int8_op, "int8->dtype cast + matmul, per-channel scale": _int8_cast,
-             _INT8_NATIVE: _int8_native, _INT8_AVX2: _int8_avx2},
-    "int4": {"torch._weight_int4pack_mm_for_cpu": _int4_op, _INT4_AVX2: _int4_avx2},
-    "fp8": {"fp8 bits->float16 + matmul, scalar scale": _fp8_bits, _FP8_NATIVE: _fp8_native, _FP8_AVX2: _fp8_avx2},
+             _INT8_NATIVE: _int8_native, _INT8_AVX2: _int8_avx2, _INT8_AMX: _int8_native},
+    "int4": {"torch._weight_int4pack_mm_for_cpu": _int4_op, _INT4_AVX2: _int4_avx2, _INT4_AMX: _int4_amx},
+    "fp8": {"fp8 bits->float16 + matmul, scalar scale": _fp8_bits, _FP8_NATIVE: _fp8_native, _FP8_AVX2: _fp8_avx2,
+            _FP8_AMX: _fp8_native},
     "fp8_block": {"fp8 bits->float16 + matmul, channel/block scales": _fp8_block_bits, _FP8_NATIVE: _fp8_native,
-                  _FP8_AVX2: _fp8_avx2},
+                  _FP8_AVX2: _fp8_avx2, _FP8_AMX: _fp8_native},
 }
 _REFERENCE = "reference dequantize+matmul"
 
@@ -310,30 +327,39 @@ def select_path(scheme: str, x: torch.Tensor, w: QuantizedWeight) -> str:
     if scheme == "int8":
         if cpu_native.avx2_quant_on() and cpu_native.q8_fits(x, w.parts["qweight"], w.parts["scales"]):
             return _INT8_AVX2
-        if vectorized and rows <= _INT8_OP_MAX_ROWS:
+        tiles = _native_fits(x, w) and cpu_native.amx_takes(rows, x.shape[-1])
+        if vectorized and rows <= (_AMX_OP_MAX_ROWS if tiles else _INT8_OP_MAX_ROWS):
             return "torch._weight_int8pack_mm"
         if _native_fits(x, w):
-            return _INT8_NATIVE
+            return _INT8_AMX if tiles else _INT8_NATIVE
         return "int8->dtype cast + matmul, per-channel scale"
     if scheme == "int4":
-        block, gs = _int4_block(w.meta.layout), w.meta.group_size or 0
-        if (block and cpu_native.avx2_quant_on()
-                and cpu_native.q4_fits(x, w.parts["qweight"], w.parts["scales_and_zeros"], gs, block)):
-            return _INT4_AVX2
-        # The packed order is per CPU capability: only a weight packed as this process packs can use the op.
-        use_op = vectorized and w.meta.layout == cpu_int4_layout()
-        return "torch._weight_int4pack_mm_for_cpu" if use_op else _REFERENCE
+        return _int4_path(x, w, rows, vectorized)
     native = scheme in ("fp8", "fp8_block") and _native_fits(x, w)
     if scheme in ("fp8", "fp8_block") and not native and cpu_native.avx2_quant_on():
         scale = _fp8_scale(w)
         if scale is not None and cpu_native.q8_fits(x, w.parts["qweight"], scale):
             return _FP8_AVX2
+    fused = _FP8_AMX if native and cpu_native.amx_takes(rows, x.shape[-1]) else _FP8_NATIVE
     if scheme == "fp8":
-        return _FP8_NATIVE if native else "fp8 bits->float16 + matmul, scalar scale"
+        return fused if native else "fp8 bits->float16 + matmul, scalar scale"
     if scheme == "fp8_block":
         per_channel = w.meta.group_size is not None and w.meta.group_size >= w.meta.shape[1]
-        return _FP8_NATIVE if native and per_channel else "fp8 bits->float16 + matmul, channel/block scales"
+        return fused if native and per_channel else "fp8 bits->float16 + matmul, channel/block scales"
     return _REFERENCE
+
+
+def _int4_path(x: torch.Tensor, w: QuantizedWeight, rows: int, vectorized: bool) -> str:
+    block, gs = _int4_block(w.meta.layout), w.meta.group_size or 0
+    if block and cpu_native.avx2_quant_on() and cpu_native.q4_fits(x, w.parts["qweight"],
+                                                                   w.parts["scales_and_zeros"], gs, block):
+        return _INT4_AVX2
+    if (block and rows > _AMX_OP_MAX_ROWS
+            and cpu_native.q4_amx_fits(x, w.parts["qweight"], w.parts["scales_and_zeros"], gs, block)):
+        return _INT4_AMX
+    # The packed order is per CPU capability: only a weight packed as this process packs can use the op.
+    use_op = vectorized and w.meta.layout == cpu_int4_layout()
+    return "torch._weight_int4pack_mm_for_cpu" if use_op else _REFERENCE
 
 
 def _run(scheme: str, x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:

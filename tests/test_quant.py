@@ -209,7 +209,7 @@ def test_fp8_as_float16_every_code() -> None:
 
 
 # ---------------------------------------------------------------------------------------------- paths vs reference
-NATIVE = (quant._INT8_NATIVE, quant._FP8_NATIVE)
+NATIVE = (quant._INT8_NATIVE, quant._FP8_NATIVE, quant._INT8_AMX, quant._FP8_AMX)  # the AMX names: same function
 AVX2 = (quant._INT8_AVX2, quant._INT4_AVX2, quant._FP8_AVX2)  # bfloat16 only; callable wherever a build loaded
 
 
@@ -241,6 +241,10 @@ def test_path_matches_reference(scheme: str, path: str, dtype: torch.dtype) -> N
         with pytest.raises((ValueError, AssertionError)):  # never taken for other dtypes (test_select_path)
             PATHS[scheme][path](torch.zeros(1, 64, dtype=dtype), _quantized(scheme, 16, 64, dtype, 0), None)
         return
+    if path == quant._INT4_AMX and (dtype != torch.bfloat16 or not cpu_native.amx_takes(2, 64)):
+        with pytest.raises((ValueError, AssertionError)):
+            PATHS[scheme][path](torch.zeros(2, 64, dtype=dtype), _quantized(scheme, 64, 64, dtype, 0), None)
+        return
     if path in AVX2 and (dtype != torch.bfloat16 or not cpu_native.glue_on()):
         with pytest.raises((ValueError, AssertionError)):
             PATHS[scheme][path](torch.zeros(1, 64, dtype=dtype), _quantized(scheme, 32, 64, dtype, 0), None)
@@ -253,7 +257,8 @@ def test_path_matches_reference(scheme: str, path: str, dtype: torch.dtype) -> N
             with pytest.raises(ValueError, match="blocks of 32"):
                 PATHS[scheme][path](torch.zeros(1, k, dtype=dtype), qw, None)
             continue
-        if path == quant._INT4_AVX2 and n % quant._int4_block(qw.meta.layout):  # a short last block: refused
+        if path in (quant._INT4_AVX2, quant._INT4_AMX) and (
+                n % quant._int4_block(qw.meta.layout) or (path == quant._INT4_AMX and k % 32)):  # short: refused
             with pytest.raises(ValueError, match="do not fit"):
                 PATHS[scheme][path](torch.zeros(1, k, dtype=dtype), qw, None)
             continue
@@ -287,9 +292,15 @@ def test_select_path(monkeypatch: pytest.MonkeyPatch) -> None:
     bf1, bf33, f1, f33 = (torch.zeros(m, 256, dtype=d) for d in (torch.bfloat16, torch.float32) for m in (1, 33))
     monkeypatch.setattr(quant, "_simd", lambda: True)
     avx2 = cpu_native.avx2_quant_on()  # no AVX512-BF16 here: keepwarm's AVX2 int8 / int4 kernels for bfloat16
+    tiles = cpu_native.amx_takes(33, 256)  # AMX: the int8 / fp8 / int4 tile kernels above 4 rows (int8, int4)
     assert quant.select_path("int8", bf1, qws["int8"]) == (quant._INT8_AVX2 if avx2 else "torch._weight_int8pack_mm")
-    wide = quant._INT8_NATIVE if cpu_native.available() else "int8->dtype cast + matmul, per-channel scale"
+    wide1 = quant._INT8_NATIVE if cpu_native.available() else "int8->dtype cast + matmul, per-channel scale"
+    wide = quant._INT8_AMX if tiles else wide1
     assert quant.select_path("int8", bf33, qws["int8"]) == (quant._INT8_AVX2 if avx2 else wide)
+    if tiles:  # the op up to 4 rows, the tiles from 5
+        assert quant.select_path("int8", torch.zeros(4, 256, dtype=torch.bfloat16), qws["int8"]) == (
+            "torch._weight_int8pack_mm")
+        assert quant.select_path("int8", torch.zeros(5, 256, dtype=torch.bfloat16), qws["int8"]) == quant._INT8_AMX
     assert quant.select_path("int8", f1, qws["int8"]).startswith("int8->dtype cast")
     assert quant.select_path("int8", f33, qws["int8"]).startswith("int8->dtype cast")
     fp8 = QuantizedWeight.from_parts(*quantize(_weight(64, 256), "fp8", torch.bfloat16))
@@ -298,23 +309,27 @@ def test_select_path(monkeypatch: pytest.MonkeyPatch) -> None:
     fused = quant._FP8_NATIVE if native else quant._FP8_AVX2 if avx2 else None
     assert quant.select_path("fp8", bf1, fp8) == (fused or "fp8 bits->float16 + matmul, scalar scale")
     assert quant.select_path("fp8", f1, fp8).startswith("fp8 bits")
-    assert quant.select_path("fp8_block", bf33, channels) == (fused or "fp8 bits->float16 + matmul, channel/block "
-                                                                       "scales")
+    fused33 = quant._FP8_AMX if tiles else fused
+    assert quant.select_path("fp8_block", bf33, channels) == (fused33 or "fp8 bits->float16 + matmul, channel/block "
+                                                                         "scales")
     assert quant.select_path("fp8_block", bf33, blocks).startswith("fp8 bits")
     monkeypatch.setenv(cpu_native.ENV_VAR, "0")
     assert quant.select_path("fp8", bf1, fp8).startswith("fp8 bits")
     assert quant.select_path("int8", bf33, qws["int8"]).startswith("int8->dtype cast")
     assert quant.select_path("int8", bf1, qws["int8"]) == "torch._weight_int8pack_mm"
     assert quant.select_path("int4", bf1, qws["int4"]) == "torch._weight_int4pack_mm_for_cpu"
+    assert quant.select_path("int4", bf33, qws["int4"]) == "torch._weight_int4pack_mm_for_cpu"
     monkeypatch.delenv(cpu_native.ENV_VAR)
     int4 = quant._INT4_AVX2 if avx2 else "torch._weight_int4pack_mm_for_cpu"
-    assert quant.select_path("int4", bf33, qws["int4"]) == int4
+    int4_33 = quant._INT4_AMX if tiles else int4
+    assert quant.select_path("int4", bf33, qws["int4"]) == int4_33
     assert quant.select_path("int4", bf1, qws["int4"]) == int4
     assert quant.select_path("int4", f1, qws["int4"]) == "reference dequantize+matmul"
     assert quant.select_path("int4", f33, qws["int4"]) == "reference dequantize+matmul"
     monkeypatch.setattr(quant, "_simd", lambda: False)
-    assert quant.select_path("int8", bf1, qws["int8"]) == (quant._INT8_AVX2 if avx2 else wide)
-    assert quant.select_path("int4", bf33, qws["int4"]) == (int4 if avx2 else "reference dequantize+matmul")
+    assert quant.select_path("int8", bf1, qws["int8"]) == (quant._INT8_AVX2 if avx2 else wide1)
+    assert quant.select_path("int4", bf33, qws["int4"]) == (
+        int4 if avx2 else quant._INT4_AMX if tiles else "reference dequantize+matmul")
 
 
 def test_kernels_linear_dispatch(caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -341,7 +356,7 @@ def test_kernels_linear_plain_tensor() -> None:
 
 def test_read_only_parts() -> None:
     # The daemon's arena is shared memory mapped read-only: parts are views that must never be written.
-    w = _weight(96, 192)  # 96 rows: whole int4 CPU blocks of 32, which the AVX2 int4 kernel needs
+    w = _weight(128, 192)  # 128 rows: whole int4 CPU blocks of 32 (AVX2) and of 64 (AVX512), as the int4 kernels need
     x = torch.randn(5, 192, dtype=torch.bfloat16)
     for scheme in ("int8", "fp8", "int4"):
         meta, parts = quantize(w, scheme, torch.bfloat16)
@@ -358,6 +373,8 @@ def test_read_only_parts() -> None:
             for xx in (x, x[:1], x.float()):
                 if name in NATIVE and not (xx.dtype == torch.bfloat16 and cpu_native.available()):
                     continue  # the native path takes only bfloat16 (test_select_path)
+                if name == quant._INT4_AMX and not (xx.dtype == torch.bfloat16 and cpu_native.amx_takes(2, 64)):
+                    continue
                 if name in AVX2 and not (xx.dtype == torch.bfloat16 and cpu_native.glue_on()):
                     continue  # so do the AVX2 ones
                 fn(xx, qw, None)

@@ -1,0 +1,185 @@
+"""keepwarm's AMX tile matmuls (kernels/cpu_native.c: ``kw_gemm``'s tile path for int8 / fp8 above one row,
+``kw_q4amx`` for int4 in torch's "halves" pack), which bfloat16 models take on CPUs with amx_tile, amx_bf16 and
+avx512vbmi:
+- the path is on exactly where the CPU has the tiles and ``KEEPWARM_CPU_AMX`` is not 0, and a call counter shows
+  each checked call really ran on the tiles (or did not);
+- against float64 sums of the test's own dequantization (int4 packed by tests/_int4_pack.py from torch's
+  documented rule, not the project's): within one bf16 rounding, at the blocking edges (rows of x 1-70 across the
+  16-row tiles, channels past the 32-channel tile, K one 32-step, a 512-chunk plus a tail, groups of 32 / 64 / 128,
+  blocks of 32 and 64 rows), and int8 / fp8 also against the vector path;
+- one summation order per output: a row of a batch equals that row in any other batch, at 1 and 2 threads;
+- int4 with torch's own pack (the arena's layout here) equals the hand pack;
+- sizes the tiles cannot take are refused by the int4 entry, never computed wrong.
+Needs an AVX512-BF16 CPU with AMX; elsewhere the tile tests say what is missing (the vector paths they compare with
+are tested on every CPU by tests/test_cpu_native.py and tests/test_cpu_quant_avx2.py)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+from _int4_pack import pack_int4
+
+from keepwarm.formats.quant import cpu_int4_layout
+from keepwarm.kernels import cpu_native
+
+pytestmark = pytest.mark.skipif(not cpu_native.available(), reason=f"native kernels: {cpu_native.unavailable_reason()}")
+_HAS_AMX = {"amx_tile", "amx_bf16", "avx512vbmi"} <= cpu_native._cpu_flags()
+needs_amx = pytest.mark.skipif(not _HAS_AMX, reason="AMX tiles: the CPU lacks amx_tile / amx_bf16 / avx512vbmi")
+
+
+def test_amx_on_where_the_cpu_has_it() -> None:
+    if os.environ.get(cpu_native.AMX_ENV_VAR, "1") == "0":
+        assert cpu_native.amx_reason() == f"{cpu_native.AMX_ENV_VAR}=0"
+    elif _HAS_AMX:
+        assert cpu_native.amx_reason() == ""
+    else:
+        assert "amx" in cpu_native.amx_reason()
+
+
+@pytest.fixture
+def amx() -> Iterator[None]:
+    before = cpu_native.amx_reason() == ""
+    assert cpu_native.set_amx(True)
+    yield
+    cpu_native.set_amx(before)
+
+
+def _tiles_then_vector(fn: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """fn's result on the tiles and on the vector path, each checked to have taken its path."""
+    calls = cpu_native.amx_calls()
+    tiles = fn()
+    assert cpu_native.amx_calls() == calls + 1
+    cpu_native.set_amx(False)
+    try:
+        vector = fn()
+    finally:
+        cpu_native.set_amx(True)
+    assert cpu_native.amx_calls() == calls + 1
+    return tiles, vector
+
+
+def _within_one_rounding(got: torch.Tensor, true: torch.Tensor, mag: torch.Tensor) -> None:
+    """|got - true| <= one bf16 rounding of true plus float32 summation error (relative to sum |x w|)."""
+    err = (got.double() - true).abs()
+    bound = true.abs() * 2.0 ** -8 + 1e-5 * mag
+    assert bool((err <= bound).all()), f"max excess {float((err - bound).max()):.3g}"
+
+
+# M from 2 (the tiles' lowest) through one and two 16-row blocks and their tails; N below, at and past the
+# 32-channel tile; K one 32-step, a 512-chunk plus a tail, two whole chunks.
+@needs_amx
+@pytest.mark.parametrize(("m", "n", "k"), [(2, 37, 32), (16, 64, 576), (17, 100, 1024), (33, 33, 96),
+                                           (70, 64, 544)])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_int8_fp8_match_float64_and_the_vector_path(amx: None, m: int, n: int, k: int, fp8: bool) -> None:
+    g = torch.Generator().manual_seed(m * 7 + n + k)
+    x = torch.randn(m, k, generator=g).bfloat16()
+    if fp8:
+        q = (torch.randn(n, k, generator=g) * 40).to(torch.float8_e4m3fn)
+        s = torch.rand(n, generator=g) * 0.01 + 1e-3
+        tiles, vector = _tiles_then_vector(lambda: cpu_native.fp8_linear(x, q, s))
+    else:
+        q = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)
+        s = (torch.rand(n, generator=g) * 0.01 + 1e-3).bfloat16()
+        tiles, vector = _tiles_then_vector(lambda: cpu_native.int8_linear(x, q, s))
+    w = q.double() * s.double()[:, None]
+    for got in (tiles, vector):
+        assert got.shape == (m, n) and got.dtype == torch.bfloat16
+        _within_one_rounding(got, x.double() @ w.T, x.double().abs() @ w.abs().T)
+
+
+@needs_amx
+def test_fp8_every_code_on_the_tiles(amx: None) -> None:
+    # the 254 finite e4m3 codes in one row of the weight, picked out by one-hot rows of x (K = 256: the tiles)
+    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
+    q = torch.zeros(64, 256, dtype=torch.uint8)
+    q[:, : codes.numel()] = codes
+    x = torch.eye(256, dtype=torch.bfloat16)[: codes.numel()]
+    calls = cpu_native.amx_calls()
+    got = cpu_native.fp8_linear(x, q.view(torch.float8_e4m3fn), torch.tensor(1.0))
+    assert cpu_native.amx_calls() == calls + 1
+    assert torch.equal(got[:, 0].float(), codes.view(torch.float8_e4m3fn).float())
+
+
+def _q4(n: int, k: int, gs: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """codes [N, K] (0..15) and (scale, zero) [K/gs, N, 2] in bf16, and the float64 weight (c - 8) * s + z."""
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.int32)
+    scales = (torch.rand(k // gs, n, generator=g) * 0.02 + 1e-4).bfloat16()
+    zeros = (torch.randn(k // gs, n, generator=g) * 0.01).bfloat16()
+    sz = torch.stack((scales, zeros), dim=-1).contiguous()
+    w = (codes.double() - 8).view(n, k // gs, gs) * scales.double().T[..., None] + zeros.double().T[..., None]
+    return codes, sz, w.view(n, k)
+
+
+def _halves(codes: torch.Tensor, block: int) -> torch.Tensor:
+    return pack_int4(codes, f"int4_cpu_halves{block}").view(-1)
+
+
+@needs_amx
+@pytest.mark.parametrize(("m", "n", "k", "gs", "block"),
+                         [(1, 32, 32, 32, 32), (2, 96, 576, 64, 32), (17, 64, 256, 128, 32), (33, 96, 576, 32, 32),
+                          (1, 64, 256, 32, 64), (5, 128, 512, 128, 64), (40, 192, 1024, 64, 64)])
+def test_int4_matches_float64(amx: None, m: int, n: int, k: int, gs: int, block: int) -> None:
+    codes, sz, w = _q4(n, k, gs, m + n + k + block)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(gs)).bfloat16()
+    calls = cpu_native.amx_calls()
+    got = cpu_native.q4_amx_linear(x, _halves(codes, block), sz, gs, block)
+    assert cpu_native.amx_calls() == calls + 1
+    assert got.shape == (m, n) and got.dtype == torch.bfloat16
+    _within_one_rounding(got, x.double() @ w.T, x.double().abs() @ w.abs().T)
+
+
+@needs_amx
+def test_torch_int4_pack_gives_the_hand_packs_results(amx: None) -> None:
+    layout = cpu_int4_layout()
+    if layout is None or not layout.startswith("int4_cpu_halves"):
+        pytest.skip(f"this torch packs int4 as {layout}, not in halves")
+    block = int(layout.removeprefix("int4_cpu_halves"))
+    codes, sz, _ = _q4(3 * block, 256, 64, 11)
+    x = torch.randn(4, 256, generator=torch.Generator().manual_seed(4)).bfloat16()
+    ours = torch._convert_weight_to_int4pack_for_cpu(codes, 2)
+    assert torch.equal(cpu_native.q4_amx_linear(x, ours, sz, 64, block),
+                       cpu_native.q4_amx_linear(x, _halves(codes, block), sz, 64, block))
+
+
+@needs_amx
+def test_rows_do_not_depend_on_the_batch_or_threads(amx: None) -> None:
+    g = torch.Generator().manual_seed(3)
+    # magnitudes 2^-12 .. 2^12: float32 sums round, so another summation order would show in the bf16 results
+    x = (torch.randn(40, 1152, generator=g) * torch.exp2(torch.randint(-12, 13, (40, 1152), generator=g))).bfloat16()
+    q = torch.randint(-128, 128, (96, 1152), dtype=torch.int8, generator=g)
+    s = torch.rand(96, generator=g).bfloat16()
+    codes, sz, _ = _q4(128, 1152, 128, 2)
+    packed = _halves(codes, 64)
+    before = torch.get_num_threads()
+    try:
+        for run in (lambda a: cpu_native.int8_linear(a, q, s), lambda a: cpu_native.q4_amx_linear(a, packed, sz, 128,
+                                                                                                   64)):
+            torch.set_num_threads(2)
+            full = run(x)
+            for rows in (2, 3, 16, 17, 33):
+                assert torch.equal(run(x[:rows].contiguous()), full[:rows])
+            assert torch.equal(run(x[5:7].contiguous()), full[5:7])
+            torch.set_num_threads(1)
+            assert torch.equal(run(x), full)
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_amx
+def test_int4_sizes_the_tiles_cannot_take_are_refused(amx: None) -> None:
+    codes, sz, _ = _q4(48, 64, 32, 0)
+    x = torch.zeros(2, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="do not fit"):
+        cpu_native.q4_amx_linear(x, _halves(codes, 16), sz, 32, 16)  # blocks of 16 rows
+    codes, sz, _ = _q4(64, 48, 16, 0)
+    with pytest.raises(ValueError, match="do not fit"):
+        cpu_native.q4_amx_linear(torch.zeros(2, 48, dtype=torch.bfloat16), _halves(codes, 32), sz, 16, 32)  # K 48
+    cpu_native.set_amx(False)
+    codes, sz, _ = _q4(64, 64, 32, 0)
+    with pytest.raises(ValueError, match="no AMX"):
+        cpu_native.q4_amx_linear(x, _halves(codes, 32), sz, 32, 32)
