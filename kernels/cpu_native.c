@@ -55,7 +55,8 @@ typedef struct {
     uint16_t *out;
     int64_t M, N, K;
     int fp8; /* w holds float8_e4m3fn codes, not int8 */
-    const uint32_t *xt; /* AMX only: x's bf16 pairs transposed, [K/2][Mp], zero beyond M; NULL: no AMX */
+    const uint32_t *xt; /* AMX only: x's bf16 pairs transposed in 16-row blocks, [Mp/16][K/2][16], zero beyond M;
+                         * NULL: no AMX */
     int64_t Mp;         /* M rounded up to 16 */
 } job_t;
 
@@ -261,14 +262,14 @@ AMX_TARGET static void tiles_amx(const job_t *j, const uint16_t *a, int64_t k0, 
         _tile_loadd(3, acc + 16 * Mp + mb + 16, cs);
     }
     for (int64_t k = 0; k < kb; k += 32) {
-        const uint32_t *b = j->xt + (k0 + k) / 2 * Mp + mb;
+        const uint32_t *b = j->xt + mb / 16 * (j->K / 2 * 16) + (k0 + k) / 2 * 16; /* 1 KiB, contiguous */
         _tile_loadd(4, a + k, AKB * 2);
         _tile_loadd(5, a + 16 * AKB + k, AKB * 2);
-        _tile_loadd(6, b, cs);
+        _tile_loadd(6, b, 64);
         _tile_dpbf16ps(0, 4, 6);
         _tile_dpbf16ps(2, 5, 6);
         if (two) {
-            _tile_loadd(7, b + 16, cs);
+            _tile_loadd(7, b + j->K / 2 * 16, 64);
             _tile_dpbf16ps(1, 4, 7);
             _tile_dpbf16ps(3, 5, 7);
         }
@@ -320,13 +321,19 @@ AMX_TARGET static void gemm_rows_amx(const job_t *j, int64_t n0, int64_t n1) {
     _tile_release();
 }
 
-/* xt[k2][m] = x[m]'s k-pair k2 (as one u32), m < M; zero for M <= m < Mp. */
+/* xt[m / 16][k2][m % 16] = x[m]'s k-pair k2 (as one u32), m < M; zero for M <= m < Mp: each B tile (16 pairs of k
+ * x 16 rows of x) is 1 KiB in one piece. */
 static void transpose_pairs(const uint16_t *x, int64_t M, int64_t K, int64_t Mp, uint32_t *xt) {
     const int64_t K2 = K / 2;
-    for (int64_t k2 = 0; k2 < K2; k2++) {
-        uint32_t *row = xt + k2 * Mp;
-        for (int64_t m = 0; m < M; m++) memcpy(row + m, x + m * K + 2 * k2, 4);
-        for (int64_t m = M; m < Mp; m++) row[m] = 0;
+    for (int64_t mb = 0; mb < Mp; mb += 16) {
+        uint32_t *blk = xt + mb * K2;
+        for (int64_t k2 = 0; k2 < K2; k2++)
+            for (int64_t i = 0; i < 16; i++) {
+                if (mb + i < M)
+                    memcpy(blk + k2 * 16 + i, x + (mb + i) * K + 2 * k2, 4);
+                else
+                    blk[k2 * 16 + i] = 0;
+            }
     }
 }
 
@@ -483,6 +490,38 @@ int kw_gemm(const uint16_t *x, const int8_t *w, const float *scale, uint16_t *ou
         }
     }
     run_pool(gemm_slice, &j, nthreads);
+    return 0;
+}
+
+/* ---- codes -> bf16 for the widest matmuls (prefill chunks): out [N, K] = the codes as bf16 (int8 exact; fp8 as
+ * value / 256, exact), rows split over the threads; the caller multiplies with oneDNN's bf16 matmul, which at
+ * hundreds of rows beats every per-call conversion above (kernels/quant.py has the figures). */
+typedef struct {
+    const int8_t *w;
+    uint16_t *out;
+    int64_t N, K;
+    int fp8;
+} codes_t;
+
+static void codes_slice(const void *arg, int t, int nthreads) {
+    const codes_t *c = (const codes_t *)arg;
+    int64_t r0 = c->N * t / nthreads, r1 = c->N * (t + 1) / nthreads;
+    for (int64_t r = r0; r < r1; r++) {
+        const int8_t *src = c->w + r * c->K;
+        uint16_t *dst = c->out + r * c->K;
+        for (int64_t k = 0; k < c->K; k += 32) {
+            __mmask32 m = tail_mask(c->K - k);
+            _mm512_mask_storeu_epi16(dst + k, m, (__m512i)cvt_w(src + k, m, c->fp8));
+        }
+    }
+}
+
+int kw_codes_bf16(const int8_t *w, uint16_t *out, int64_t N, int64_t K, int fp8, int nthreads) {
+    if (N < 1 || K < 1) return -1;
+    if (nthreads < 1) nthreads = 1;
+    if (nthreads > MAXT) nthreads = MAXT;
+    codes_t c = {w, out, N, K, fp8 != 0};
+    run_pool(codes_slice, &c, N < nthreads ? 1 : nthreads);
     return 0;
 }
 #endif /* KW_ATTENTION_ONLY */

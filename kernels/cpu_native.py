@@ -73,9 +73,9 @@ from keepwarm.formats.paths import keepwarm_home
 
 __all__ = ["AMX_ENV_VAR", "ENV_VAR", "amx_calls", "amx_reason", "amx_takes", "attention_available", "attention_fits",
            "attention_plan", "attention_switched_on", "attention_unavailable_reason", "available", "avx2_quant_on",
-           "bf16_fits", "bf16_linear", "bf16_matmul_on", "decode_attention", "fp8_linear", "glue_on", "int8_linear",
-           "q4_amx_fits", "q4_amx_linear", "q4_fits", "q4_linear", "q8_fits", "q8_linear", "rms_norm", "rotary_neox",
-           "rows_fit", "set_amx", "store_kv", "unavailable_reason"]
+           "bf16_fits", "bf16_linear", "bf16_matmul_on", "codes_to_bf16", "decode_attention", "fp8_linear", "glue_on",
+           "int8_linear", "q4_amx_fits", "q4_amx_linear", "q4_fits", "q4_linear", "q8_fits", "q8_linear", "rms_norm",
+           "rotary_neox", "rows_fit", "set_amx", "store_kv", "unavailable_reason"]
 
 logger = logging.getLogger("keepwarm.kernels")
 
@@ -169,6 +169,8 @@ def _load() -> tuple[ctypes.CDLL | None, str, str]:
         lib.kw_amx_enable.restype, lib.kw_amx_enable.argtypes = ctypes.c_int, [ctypes.c_int]
         lib.kw_amx_calls.restype, lib.kw_amx_calls.argtypes = ctypes.c_long, []
         lib.kw_q4amx.restype = ctypes.c_int
+        lib.kw_codes_bf16.restype = ctypes.c_int
+        lib.kw_codes_bf16.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int] * 2
         lib.kw_q4amx.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 5 + [ctypes.c_int]
         _amx_start(lib, have)
     fn = lib.kw_decode_attention
@@ -333,6 +335,23 @@ def int8_linear(x2d: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) 
     if qweight.dtype != torch.int8:
         raise ValueError(f"int8_linear: the weight is {qweight.dtype}, not int8")
     return _gemm(x2d, qweight, scales.to(torch.float32).contiguous(), False, "int8_linear")
+
+
+def codes_to_bf16(qweight: torch.Tensor) -> torch.Tensor:
+    """An int8 or float8_e4m3fn weight [N, K] (contiguous) as bf16, exactly: int8 codes as integers, fp8 codes as
+    value / 256 (the caller's scale takes the 256). Threads as the matmuls; for the widest calls (kernels/quant.py)."""
+    lib, no_matmuls, _ = _load()
+    if lib is None or no_matmuls or qweight.dim() != 2 or not qweight.is_contiguous() or qweight.dtype not in (
+            torch.int8, torch.float8_e4m3fn):
+        raise ValueError(f"codes_to_bf16: a contiguous 2-D int8 / float8_e4m3fn weight on an AVX512-BF16 build, not "
+                         f"{tuple(qweight.shape)} {qweight.dtype} ({no_matmuls or 'built'})")
+    n, k = qweight.shape
+    out = torch.empty((n, k), dtype=torch.bfloat16)
+    rc = lib.kw_codes_bf16(qweight.data_ptr(), out.data_ptr(), n, k, int(qweight.dtype == torch.float8_e4m3fn),
+                           torch.get_num_threads())
+    if rc != 0:
+        raise ValueError(f"codes_to_bf16: the kernel refused N={n} K={k}")
+    return out
 
 
 def fp8_linear(x2d: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

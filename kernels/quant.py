@@ -17,7 +17,9 @@ in float32, cast to x's dtype, F.linear), correct for every layout and device, a
         (`cpu_native.q8_linear`; one 1B layer, 2 cores, Zen 3: M=1 0.78x bf16's time, M=32 1.08x; the op 0.9x and
         1.8x; docs/quantization.md).
         With AMX tiles (Intel, `cpu_native.amx_takes`): the op up to 4 rows, then the C kernel on the tiles (one 1B
-        layer against bf16's time: M=2 op 0.90x / tiles 1.20x, M=4 1.12 / 1.24, M=6 1.72 / 1.25, M=32 5.0 / 1.58).
+        layer against bf16's time: M=2 op 0.90x / tiles 1.20x, M=4 1.12 / 1.24, M=6 1.72 / 1.25, M=32 5.0 / 1.58);
+        above 512 rows the codes go to bf16 once per call (C, exact) for oneDNN's bf16 matmul, the scale on the
+        output (one 1B layer, ms, tiles / that / bf16: M=512 57.7 / 58.1 / 27.0, M=2048 326 / 151 / 109).
   int4  On CPUs without AVX512-BF16, bfloat16 x takes keepwarm's AVX2 int4 kernel (`cpu_native.q4_linear`, torch's
         "halves" CPU pack read in place; one 1B layer: M=1 0.41x bf16's time, M=32 1.07x; the op 0.6-0.8x, 1.5x).
         With AMX tiles, above 4 rows: keepwarm's int4 tile kernel (`cpu_native.q4_amx_linear`, the same pack read in
@@ -75,6 +77,7 @@ _SIMD_CAPABILITIES = ("AVX2", "AVX512")
 # Above this many rows the int8 op loses to cast + matmul (AVX512: even at M=16; AVX2: before M=32).
 _INT8_OP_MAX_ROWS = 8
 _AMX_OP_MAX_ROWS = 4  # with AMX tiles: torch's int8 / int4 ops up to 4 rows, the tiles above (docs/quantization.md)
+_AMX_MAX_ROWS = 512  # ... and int8 / fp8 above 512 rows: the codes to bf16 once, then oneDNN (prefill chunks)
 _INT4_HALVES_RE = re.compile(r"int4_cpu_halves(\d+)")
 # (scheme, path, device type, dtype) already logged: the path choice is logged once, not per call.
 _LOGGED: set[tuple[str, str, str, torch.dtype]] = set()
@@ -215,6 +218,19 @@ def _fp8_native(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) 
     return _add_bias(cpu_native.fp8_linear(_as_2d(x), w.parts["qweight"], scale), x, bias)
 
 
+def _codes_wide(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """int8 / fp8 (one scale per tensor or row) for hundreds of rows of bf16 x: the codes to bf16 once (C, exact),
+    oneDNN's bf16 matmul, the scale on the [M, N] output in float32 (rounded twice, as the int8 cast path)."""
+    if x.dtype != torch.bfloat16:
+        raise ValueError(f"the wide int8 / fp8 path takes bfloat16 x, not {x.dtype}")
+    fp8 = w.meta.scheme != "int8"
+    scale = _fp8_scale(w) if fp8 else w.parts["scales"]
+    if scale is None:
+        raise ValueError(f"the wide fp8 path takes one scale per tensor or row, not blocks of {w.meta.group_size}")
+    y = F.linear(x, cpu_native.codes_to_bf16(w.parts["qweight"]))
+    return _add_bias(y.float().mul_(scale.float() * (256.0 if fp8 else 1.0)).to(x.dtype), x, bias)
+
+
 def _int8_avx2(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     return _add_bias(cpu_native.q8_linear(_as_2d(x), w.parts["qweight"], w.parts["scales"]), x, bias)
 
@@ -294,17 +310,18 @@ _FP8_NATIVE = "keepwarm C kernel, fp8 (AVX512-BF16)"
 _INT8_AMX = "keepwarm C kernel, int8 (AMX tiles)"
 _FP8_AMX = "keepwarm C kernel, fp8 (AMX tiles)"
 _INT4_AMX = "keepwarm C kernel, int4 (AMX tiles)"
+_CODES_WIDE = "codes->bf16 (C) + oneDNN bf16 matmul, scale on the output"
 
 
 # scheme -> path name (as logged) -> implementation; every path computes the same product as the reference.
 PATHS: dict[str, dict[str, Callable[..., torch.Tensor]]] = {
     "int8": {"torch._weight_int8pack_mm": _int8_op, "int8->dtype cast + matmul, per-channel scale": _int8_cast,
-             _INT8_NATIVE: _int8_native, _INT8_AVX2: _int8_avx2, _INT8_AMX: _int8_native},
+             _INT8_NATIVE: _int8_native, _INT8_AVX2: _int8_avx2, _INT8_AMX: _int8_native, _CODES_WIDE: _codes_wide},
     "int4": {"torch._weight_int4pack_mm_for_cpu": _int4_op, _INT4_AVX2: _int4_avx2, _INT4_AMX: _int4_amx},
     "fp8": {"fp8 bits->float16 + matmul, scalar scale": _fp8_bits, _FP8_NATIVE: _fp8_native, _FP8_AVX2: _fp8_avx2,
-            _FP8_AMX: _fp8_native},
+            _FP8_AMX: _fp8_native, _CODES_WIDE: _codes_wide},
     "fp8_block": {"fp8 bits->float16 + matmul, channel/block scales": _fp8_block_bits, _FP8_NATIVE: _fp8_native,
-                  _FP8_AVX2: _fp8_avx2, _FP8_AMX: _fp8_native},
+                  _FP8_AVX2: _fp8_avx2, _FP8_AMX: _fp8_native, _CODES_WIDE: _codes_wide},
 }
 _REFERENCE = "reference dequantize+matmul"
 
@@ -331,7 +348,7 @@ def select_path(scheme: str, x: torch.Tensor, w: QuantizedWeight) -> str:
         if vectorized and rows <= (_AMX_OP_MAX_ROWS if tiles else _INT8_OP_MAX_ROWS):
             return "torch._weight_int8pack_mm"
         if _native_fits(x, w):
-            return _INT8_AMX if tiles else _INT8_NATIVE
+            return _CODES_WIDE if tiles and rows > _AMX_MAX_ROWS else _INT8_AMX if tiles else _INT8_NATIVE
         return "int8->dtype cast + matmul, per-channel scale"
     if scheme == "int4":
         return _int4_path(x, w, rows, vectorized)
@@ -340,7 +357,8 @@ def select_path(scheme: str, x: torch.Tensor, w: QuantizedWeight) -> str:
         scale = _fp8_scale(w)
         if scale is not None and cpu_native.q8_fits(x, w.parts["qweight"], scale):
             return _FP8_AVX2
-    fused = _FP8_AMX if native and cpu_native.amx_takes(rows, x.shape[-1]) else _FP8_NATIVE
+    tiles = native and cpu_native.amx_takes(rows, x.shape[-1])
+    fused = _CODES_WIDE if tiles and rows > _AMX_MAX_ROWS else _FP8_AMX if tiles else _FP8_NATIVE
     if scheme == "fp8":
         return fused if native else "fp8 bits->float16 + matmul, scalar scale"
     if scheme == "fp8_block":

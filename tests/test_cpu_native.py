@@ -134,3 +134,14 @@ def test_fp8_linear_matches_float64(m: int, n: int, k: int) -> None:
     want = (x.double() @ q.double().t()) * s.double()
     bound = (x.double().abs() @ q.double().abs().t()) * s.double()
     assert bool(((got.double() - want).abs() <= bound * 2.0**-8 + 1e-30).all())
+
+
+def test_codes_to_bf16_every_code() -> None:
+    # every int8 code as itself and every finite e4m3 code as value / 256, with a row tail past 32 columns
+    i8 = torch.arange(-128, 128, dtype=torch.int16).to(torch.int8).view(8, 32).repeat(1, 2)[:, :45].contiguous()
+    assert torch.equal(cpu_native.codes_to_bf16(i8), i8.bfloat16())
+    f8 = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)[:250].view(10, 25)
+    f8 = f8.view(torch.float8_e4m3fn).contiguous()
+    assert torch.equal(cpu_native.codes_to_bf16(f8).float() * 256, f8.float())
+    with pytest.raises(ValueError, match="codes_to_bf16"):
+        cpu_native.codes_to_bf16(torch.zeros(4, 4))

@@ -209,7 +209,8 @@ def test_fp8_as_float16_every_code() -> None:
 
 
 # ---------------------------------------------------------------------------------------------- paths vs reference
-NATIVE = (quant._INT8_NATIVE, quant._FP8_NATIVE, quant._INT8_AMX, quant._FP8_AMX)  # the AMX names: same function
+NATIVE = (quant._INT8_NATIVE, quant._FP8_NATIVE, quant._INT8_AMX, quant._FP8_AMX,  # the AMX names: same function
+          quant._CODES_WIDE)
 AVX2 = (quant._INT8_AVX2, quant._INT4_AVX2, quant._FP8_AVX2)  # bfloat16 only; callable wherever a build loaded
 
 
@@ -301,6 +302,9 @@ def test_select_path(monkeypatch: pytest.MonkeyPatch) -> None:
         assert quant.select_path("int8", torch.zeros(4, 256, dtype=torch.bfloat16), qws["int8"]) == (
             "torch._weight_int8pack_mm")
         assert quant.select_path("int8", torch.zeros(5, 256, dtype=torch.bfloat16), qws["int8"]) == quant._INT8_AMX
+        wide_x = torch.zeros(513, 256, dtype=torch.bfloat16)  # above 512 rows: the codes to bf16, oneDNN
+        assert quant.select_path("int8", torch.zeros(512, 256, dtype=torch.bfloat16), qws["int8"]) == quant._INT8_AMX
+        assert quant.select_path("int8", wide_x, qws["int8"]) == quant._CODES_WIDE
     assert quant.select_path("int8", f1, qws["int8"]).startswith("int8->dtype cast")
     assert quant.select_path("int8", f33, qws["int8"]).startswith("int8->dtype cast")
     fp8 = QuantizedWeight.from_parts(*quantize(_weight(64, 256), "fp8", torch.bfloat16))
