@@ -26,6 +26,7 @@ from keepwarm.daemon.client import DaemonError, ensure_daemon
 from keepwarm.formats.model_config import ModelConfigError, load_model_config, parse_dtype
 from keepwarm.formats.paths import RuntimeDirError
 from keepwarm.worker.block_manager import BlockManager
+from keepwarm.worker.cpu_malloc import keep_freed_memory
 from keepwarm.worker.detokenizer import IncrementalDetokenizer, check_stop_strings
 from keepwarm.worker.lora import LoRAAdapter, LoRAError, LoRAManager
 from keepwarm.worker.model_loader import LoadedModel, load_model
@@ -155,6 +156,8 @@ class LLMEngine:
         self.startup_phases: dict[str, float] = {}
         t = time.perf_counter()
         self.device = _resolve_device(config.device)
+        if self.device.type == "cpu":
+            keep_freed_memory()  # a step's big activations reuse pages, not fault in fresh ones (cpu_malloc.py)
         model_path = Path(config.model)
         self._model_dir = model_path.resolve() if model_path.exists() else model_path
         # The weights themselves are read only on a disk load: attaching by fingerprint needs just the config and
