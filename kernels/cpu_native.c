@@ -202,11 +202,10 @@ static void gemm_rows(const job_t *j, int64_t n0, int64_t n1) {
     }
 }
 
-
 /* ---- AMX (Intel, amx-tile + amx-bf16), M > 1 and K % 32 == 0: the same sums on the tiles (tdpbf16ps).
  * The roles are swapped so the weight needs no pair reordering: A = 16 weight rows x 32 k, converted from their
  * codes straight into an L1 scratch in row order (each row contiguous, as stored); B = x's bf16 pairs transposed
- * ([K/2][Mp] u32, built once per call by the calling thread); C = out^T, 16 channels x 16 rows of x. Each output
+ * in 16-row blocks (transpose_pairs, once per call by the calling thread); C = out^T, 16 channels x 16 rows of x. Each output
  * is a float32 sum over k in a fixed order that does not depend on M or on the other rows, scaled in float32 and
  * rounded to bf16 once, as above. Tile rules: every thread loads its config at the start of a slice (oneDNN may
  * have used the tiles on the same thread in between) and releases them at the end. */
@@ -224,9 +223,22 @@ typedef struct {
 
 #define AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16,avx512vbmi")))
 
+/* This thread's tiles, all eight as 16 rows x 64 bytes (every kernel here uses that one shape); loaded at the start
+ * of each slice, released (_tile_release) at its end. */
+AMX_TARGET static void tiles_on(void) {
+    tilecfg_t cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+
 /* on: asks Linux for the tile data state (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA), 0 when granted, and the
- * matmuls take the tiles from then on; Python asks only where /proc/cpuinfo lists amx_tile and amx_bf16. Off: the
- * vector path again (A/B benchmarks, tests). */
+ * matmuls take the tiles from then on; Python asks only where /proc/cpuinfo lists amx_tile, amx_bf16 and avx512vbmi
+ * (the int4 kernel's byte permute). Off: the vector path again (A/B benchmarks, tests). */
 int kw_amx_enable(int on) {
     if (!on) {
         g_amx = 0;
@@ -297,14 +309,7 @@ AMX_TARGET static void gemm_rows_amx(const job_t *j, int64_t n0, int64_t n1) {
         gemm_rows(j, n0, n1);
         return;
     }
-    tilecfg_t cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        cfg.rows[t] = 16;
-        cfg.colsb[t] = 64;
-    }
-    _tile_loadconfig(&cfg);
+    tiles_on();
     for (int64_t n = n0; n < n1; n += NT) {
         int nc = (int)(n1 - n < NT ? n1 - n : NT);
         memset(acc, 0, (size_t)Mp * NT * 4);
@@ -1514,7 +1519,8 @@ AMX_TARGET static void q4_tiles_amx(const q4amx_t *a, int64_t b, const uint32_t 
             __m512i r = _mm512_loadu_si512(a->sz + (g * a->N + b * B + c) * 2); /* 16 (scale, zero) pairs */
             __m512 sc = _mm512_castsi512_ps(_mm512_slli_epi32(r, 16));
             __m512 z = _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32((int)0xFFFF0000u)));
-            __m512 zf = _mm512_fnmadd_ps(_mm512_set1_ps(24.0f), sc, z); /* codes entered as 16 + c: c - 8 = (16 + c) - 24 */
+            /* the codes entered as 16 + c: c - 8 = (16 + c) - 24 */
+            __m512 zf = _mm512_fnmadd_ps(_mm512_set1_ps(24.0f), sc, z);
             for (int64_t i = 0; i < 16; i++) {
                 float *t = tot + (mb + i) * B + c;
                 __m512 v = _mm512_fmadd_ps(sc, _mm512_loadu_ps(cg + i * 64 + c), _mm512_loadu_ps(t));
@@ -1537,14 +1543,7 @@ AMX_TARGET static void q4amx_slice(const void *arg, int t, int nthreads) {
         a->fail = 1;
         return;
     }
-    tilecfg_t cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int i = 0; i < 8; i++) {
-        cfg.rows[i] = 16;
-        cfg.colsb[i] = 64;
-    }
-    _tile_loadconfig(&cfg);
+    tiles_on();
     for (int64_t b = b0; b < b1; b++) {
         memset(tot, 0, (size_t)(a->Mp * a->B) * 4);
         for (int64_t k0 = 0; k0 < a->K; k0 += QKC) {
