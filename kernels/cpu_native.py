@@ -187,15 +187,17 @@ AMX_ENV_VAR = "KEEPWARM_CPU_AMX"
 _amx_why = ["not built"]  # why the int8 / fp8 matmuls do not use AMX tiles ("" when they do)
 
 
+def _amx_try(lib: ctypes.CDLL, have: set[str]) -> str:
+    """Turn the tiles on in the library if the CPU has them and Linux grants the tile state; why not ("" when on)."""
+    if not {"amx_tile", "amx_bf16", "avx512vbmi"} <= have:
+        return "the CPU lacks amx_tile / amx_bf16 / avx512vbmi"
+    return "" if lib.kw_amx_enable(1) == 0 else "Linux refused the tile state (arch_prctl ARCH_REQ_XCOMP_PERM)"
+
+
 def _amx_start(lib: ctypes.CDLL, have: set[str]) -> None:
     """Turn the AMX tile path of the int8 / fp8 matmuls on where the CPU has it, Linux grants the tile state and
     ``KEEPWARM_CPU_AMX`` is not 0; say which in the log."""
-    if os.environ.get(AMX_ENV_VAR, "1") == "0":
-        why = f"{AMX_ENV_VAR}=0"
-    elif not {"amx_tile", "amx_bf16", "avx512vbmi"} <= have:
-        why = "the CPU lacks amx_tile / amx_bf16 / avx512vbmi"
-    else:
-        why = "" if lib.kw_amx_enable(1) == 0 else "Linux refused the tile state (arch_prctl ARCH_REQ_XCOMP_PERM)"
+    why = f"{AMX_ENV_VAR}=0" if os.environ.get(AMX_ENV_VAR, "1") == "0" else _amx_try(lib, have)
     _amx_why[0] = why
     if why:
         logger.info("native int8 / fp8 matmuls: vector path above one row, no AMX tiles (%s)", why)
@@ -226,15 +228,11 @@ def set_amx(on: bool) -> bool:
     lib, no_matmuls, _ = _load()
     if lib is None or no_matmuls:
         return False
-    if not on:
+    if on:
+        _amx_why[0] = _amx_try(lib, _cpu_flags())
+    else:
         lib.kw_amx_enable(0)
         _amx_why[0] = "switched off in this process"
-    elif not {"amx_tile", "amx_bf16", "avx512vbmi"} <= _cpu_flags():
-        _amx_why[0] = "the CPU lacks amx_tile / amx_bf16 / avx512vbmi"
-    elif lib.kw_amx_enable(1) != 0:
-        _amx_why[0] = "Linux refused the tile state (arch_prctl ARCH_REQ_XCOMP_PERM)"
-    else:
-        _amx_why[0] = ""
     return not _amx_why[0]
 
 
@@ -619,9 +617,9 @@ def q4_amx_fits(x: torch.Tensor, qweight: torch.Tensor, scales_and_zeros: torch.
 
 def q4_amx_linear(x: torch.Tensor, qweight: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int,
                   block: int) -> torch.Tensor:
-    """:func:`q4_linear` on the AMX tiles (:func:`q4_amx_fits`): x's bf16 rows times the codes as bf16 (exact),
-    float32 sums per group folded as there (``scale * sum x c + (zero - 8 scale) * sum x``), one order per output
-    whatever the batch, rounded once."""
+    """:func:`q4_linear` on the AMX tiles (:func:`q4_amx_fits`): x's bf16 rows times 16 + each code as bf16 (exact),
+    float32 sums per group folded as ``scale * sum x (16 + c) + (zero - 24 scale) * sum x`` (the same weight, (c - 8)
+    * scale + zero), one order per output whatever the batch, rounded once."""
     lib = _load()[0]
     if lib is None or not q4_amx_fits(x, qweight, scales_and_zeros, group_size, block):
         raise ValueError(f"q4_amx_linear: x {tuple(x.shape)} {x.dtype}, weight {tuple(qweight.shape)}, groups of "

@@ -344,10 +344,11 @@ def select_path(scheme: str, x: torch.Tensor, w: QuantizedWeight) -> str:
     if scheme == "int8":
         if cpu_native.avx2_quant_on() and cpu_native.q8_fits(x, w.parts["qweight"], w.parts["scales"]):
             return _INT8_AVX2
-        tiles = _native_fits(x, w) and cpu_native.amx_takes(rows, x.shape[-1])
+        native = _native_fits(x, w)
+        tiles = native and cpu_native.amx_takes(rows, x.shape[-1])
         if vectorized and rows <= (_AMX_OP_MAX_ROWS if tiles else _INT8_OP_MAX_ROWS):
             return "torch._weight_int8pack_mm"
-        if _native_fits(x, w):
+        if native:
             return _CODES_WIDE if tiles and rows > _AMX_MAX_ROWS else _INT8_AMX if tiles else _INT8_NATIVE
         return "int8->dtype cast + matmul, per-channel scale"
     if scheme == "int4":
