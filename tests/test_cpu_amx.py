@@ -20,9 +20,8 @@ from collections.abc import Callable, Iterator
 
 import pytest
 import torch
-from _int4_pack import pack_int4
+from _int4_pack import halves, q4_case, torch_pack_matches_hand_pack, within_one_rounding
 
-from keepwarm.formats.quant import cpu_int4_layout
 from keepwarm.kernels import cpu_native
 
 pytestmark = pytest.mark.skipif(not cpu_native.available(), reason=f"native kernels: {cpu_native.unavailable_reason()}")
@@ -61,11 +60,6 @@ def _tiles_then_vector(fn: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, to
     return tiles, vector
 
 
-def _within_one_rounding(got: torch.Tensor, true: torch.Tensor, mag: torch.Tensor) -> None:
-    """|got - true| <= one bf16 rounding of true plus float32 summation error (relative to sum |x w|)."""
-    err = (got.double() - true).abs()
-    bound = true.abs() * 2.0 ** -8 + 1e-5 * mag
-    assert bool((err <= bound).all()), f"max excess {float((err - bound).max()):.3g}"
 
 
 # M from 2 (the tiles' lowest) through one and two 16-row blocks and their tails; N below, at and past the
@@ -88,7 +82,7 @@ def test_int8_fp8_match_float64_and_the_vector_path(amx: None, m: int, n: int, k
     w = q.double() * s.double()[:, None]
     for got in (tiles, vector):
         assert got.shape == (m, n) and got.dtype == torch.bfloat16
-        _within_one_rounding(got, x.double() @ w.T, x.double().abs() @ w.abs().T)
+        within_one_rounding(got, x.double() @ w.T, x.double().abs() @ w.abs().T)
 
 
 @needs_amx
@@ -104,19 +98,8 @@ def test_fp8_every_code_on_the_tiles(amx: None) -> None:
     assert torch.equal(got[:, 0].float(), codes.view(torch.float8_e4m3fn).float())
 
 
-def _q4(n: int, k: int, gs: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """codes [N, K] (0..15) and (scale, zero) [K/gs, N, 2] in bf16, and the float64 weight (c - 8) * s + z."""
-    g = torch.Generator().manual_seed(seed)
-    codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.int32)
-    scales = (torch.rand(k // gs, n, generator=g) * 0.02 + 1e-4).bfloat16()
-    zeros = (torch.randn(k // gs, n, generator=g) * 0.01).bfloat16()
-    sz = torch.stack((scales, zeros), dim=-1).contiguous()
-    w = (codes.double() - 8).view(n, k // gs, gs) * scales.double().T[..., None] + zeros.double().T[..., None]
-    return codes, sz, w.view(n, k)
 
 
-def _halves(codes: torch.Tensor, block: int) -> torch.Tensor:
-    return pack_int4(codes, f"int4_cpu_halves{block}").view(-1)
 
 
 @needs_amx
@@ -124,26 +107,18 @@ def _halves(codes: torch.Tensor, block: int) -> torch.Tensor:
                          [(1, 32, 32, 32, 32), (2, 96, 576, 64, 32), (17, 64, 256, 128, 32), (33, 96, 576, 32, 32),
                           (1, 64, 256, 32, 64), (5, 128, 512, 128, 64), (40, 192, 1024, 64, 64)])
 def test_int4_matches_float64(amx: None, m: int, n: int, k: int, gs: int, block: int) -> None:
-    codes, sz, w = _q4(n, k, gs, m + n + k + block)
+    codes, sz, w = q4_case(n, k, gs, m + n + k + block)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(gs)).bfloat16()
     calls = cpu_native.amx_calls()
-    got = cpu_native.q4_amx_linear(x, _halves(codes, block), sz, gs, block)
+    got = cpu_native.q4_amx_linear(x, halves(codes, block), sz, gs, block)
     assert cpu_native.amx_calls() == calls + 1
     assert got.shape == (m, n) and got.dtype == torch.bfloat16
-    _within_one_rounding(got, x.double() @ w.T, x.double().abs() @ w.abs().T)
+    within_one_rounding(got, x.double() @ w.T, x.double().abs() @ w.abs().T)
 
 
 @needs_amx
 def test_torch_int4_pack_gives_the_hand_packs_results(amx: None) -> None:
-    layout = cpu_int4_layout()
-    if layout is None or not layout.startswith("int4_cpu_halves"):
-        pytest.skip(f"this torch packs int4 as {layout}, not in halves")
-    block = int(layout.removeprefix("int4_cpu_halves"))
-    codes, sz, _ = _q4(3 * block, 256, 64, 11)
-    x = torch.randn(4, 256, generator=torch.Generator().manual_seed(4)).bfloat16()
-    ours = torch._convert_weight_to_int4pack_for_cpu(codes, 2)
-    assert torch.equal(cpu_native.q4_amx_linear(x, ours, sz, 64, block),
-                       cpu_native.q4_amx_linear(x, _halves(codes, block), sz, 64, block))
+    torch_pack_matches_hand_pack(cpu_native.q4_amx_linear)
 
 
 @needs_amx
@@ -153,8 +128,8 @@ def test_rows_do_not_depend_on_the_batch_or_threads(amx: None) -> None:
     x = (torch.randn(40, 1152, generator=g) * torch.exp2(torch.randint(-12, 13, (40, 1152), generator=g))).bfloat16()
     q = torch.randint(-128, 128, (96, 1152), dtype=torch.int8, generator=g)
     s = torch.rand(96, generator=g).bfloat16()
-    codes, sz, _ = _q4(128, 1152, 128, 2)
-    packed = _halves(codes, 64)
+    codes, sz, _ = q4_case(128, 1152, 128, 2)
+    packed = halves(codes, 64)
     before = torch.get_num_threads()
     try:
         for run in (lambda a: cpu_native.int8_linear(a, q, s), lambda a: cpu_native.q4_amx_linear(a, packed, sz, 128,
@@ -172,14 +147,14 @@ def test_rows_do_not_depend_on_the_batch_or_threads(amx: None) -> None:
 
 @needs_amx
 def test_int4_sizes_the_tiles_cannot_take_are_refused(amx: None) -> None:
-    codes, sz, _ = _q4(48, 64, 32, 0)
+    codes, sz, _ = q4_case(48, 64, 32, 0)
     x = torch.zeros(2, 64, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="do not fit"):
-        cpu_native.q4_amx_linear(x, _halves(codes, 16), sz, 32, 16)  # blocks of 16 rows
-    codes, sz, _ = _q4(64, 48, 16, 0)
+        cpu_native.q4_amx_linear(x, halves(codes, 16), sz, 32, 16)  # blocks of 16 rows
+    codes, sz, _ = q4_case(64, 48, 16, 0)
     with pytest.raises(ValueError, match="do not fit"):
-        cpu_native.q4_amx_linear(torch.zeros(2, 48, dtype=torch.bfloat16), _halves(codes, 32), sz, 16, 32)  # K 48
+        cpu_native.q4_amx_linear(torch.zeros(2, 48, dtype=torch.bfloat16), halves(codes, 32), sz, 16, 32)  # K 48
     cpu_native.set_amx(False)
-    codes, sz, _ = _q4(64, 64, 32, 0)
+    codes, sz, _ = q4_case(64, 64, 32, 0)
     with pytest.raises(ValueError, match="no AMX"):
-        cpu_native.q4_amx_linear(x, _halves(codes, 32), sz, 32, 32)
+        cpu_native.q4_amx_linear(x, halves(codes, 32), sz, 32, 32)

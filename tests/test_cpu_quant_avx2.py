@@ -17,9 +17,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _int4_pack import pack_int4
+from _int4_pack import halves, q4_case, torch_pack_matches_hand_pack, within_one_rounding
 
-from keepwarm.formats.quant import cpu_int4_layout
 from keepwarm.kernels import cpu_native
 
 pytestmark = pytest.mark.skipif(not cpu_native.attention_available(),
@@ -30,11 +29,6 @@ Q8_SHAPES = [(1, 8, 16), (1, 13, 576), (2, 8, 32), (3, 12, 528), (7, 49, 64), (3
              (1, 64, 1168), (5, 7, 1168)]
 
 
-def _within_one_rounding(got: torch.Tensor, true: torch.Tensor, mag: torch.Tensor) -> None:
-    """|got - true| <= one bf16 rounding of true plus float32 summation error (relative to sum |x w|)."""
-    err = (got.double() - true).abs()
-    bound = true.abs() * 2.0 ** -8 + 1e-5 * mag
-    assert bool((err <= bound).all()), f"max excess {float((err - bound).max()):.3g}"
 
 
 def _q8(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,7 +47,7 @@ def test_int8_is_within_one_rounding_of_the_true_product(m, n, k) -> None:
     ones = torch.ones(n, dtype=torch.bfloat16)
     assert torch.equal(cpu_native.q8_linear(x, q, ones), cpu_native.bf16_linear(x, q.bfloat16()))
     w = q.double() * s.double()[:, None]
-    _within_one_rounding(got, x.double() @ w.T, x.double().abs() @ w.abs().T)
+    within_one_rounding(got, x.double() @ w.T, x.double().abs() @ w.abs().T)
 
 
 def test_int8_exact_sums_give_the_exactly_rounded_product() -> None:
@@ -67,20 +61,8 @@ def test_int8_exact_sums_give_the_exactly_rounded_product() -> None:
         assert torch.equal(cpu_native.q8_linear(rows, q, s), true.to(torch.bfloat16))
 
 
-def _halves(codes: torch.Tensor, block: int) -> torch.Tensor:
-    """torch's CPU int4 "halves" pack of `block` rows, flat (as the kernel reads it)."""
-    return pack_int4(codes, f"int4_cpu_halves{block}").view(-1)
 
 
-def _q4(n: int, k: int, gs: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """codes [N, K] (0..15) and (scale, zero) [K/gs, N, 2] in bf16, and the float64 weight (c - 8) * s + z."""
-    g = torch.Generator().manual_seed(seed)
-    codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.int32)
-    scales = (torch.rand(k // gs, n, generator=g) * 0.02 + 1e-4).bfloat16()
-    zeros = (torch.randn(k // gs, n, generator=g) * 0.01).bfloat16()
-    sz = torch.stack((scales, zeros), dim=-1).contiguous()
-    w = (codes.double() - 8).view(n, k // gs, gs) * scales.double().T[..., None] + zeros.double().T[..., None]
-    return codes, sz, w.view(n, k)
 
 
 @pytest.mark.parametrize(("m", "n", "k", "gs", "block"),
@@ -88,24 +70,15 @@ def _q4(n: int, k: int, gs: int, seed: int) -> tuple[torch.Tensor, torch.Tensor,
                           (33, 96, 576, 32, 32), (1, 64, 256, 32, 64), (5, 128, 512, 128, 64), (1, 48, 64, 32, 16),
                           (7, 16, 96, 32, 16)])
 def test_int4_is_within_one_rounding_of_the_true_product(m, n, k, gs, block) -> None:
-    codes, sz, w = _q4(n, k, gs, m + n + k + block)
+    codes, sz, w = q4_case(n, k, gs, m + n + k + block)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(gs)).bfloat16()
-    got = cpu_native.q4_linear(x, _halves(codes, block), sz, gs, block)
+    got = cpu_native.q4_linear(x, halves(codes, block), sz, gs, block)
     assert got.shape == (m, n) and got.dtype == torch.bfloat16
-    _within_one_rounding(got, x.double() @ w.T, x.double().abs() @ w.abs().T)
+    within_one_rounding(got, x.double() @ w.T, x.double().abs() @ w.abs().T)
 
 
 def test_torch_int4_pack_gives_the_hand_packs_results() -> None:
-    layout = cpu_int4_layout()
-    if layout is None or not layout.startswith("int4_cpu_halves"):
-        pytest.skip(f"this torch packs int4 as {layout}, not in halves")
-    block = int(layout.removeprefix("int4_cpu_halves"))
-    codes, sz, _ = _q4(3 * block, 256, 64, 11)
-    x = torch.randn(4, 256, generator=torch.Generator().manual_seed(4)).bfloat16()
-    ours = torch._convert_weight_to_int4pack_for_cpu(codes, 2)
-    assert torch.equal(ours.view(-1), _halves(codes, block))
-    assert torch.equal(cpu_native.q4_linear(x, ours, sz, 64, block), cpu_native.q4_linear(x, _halves(codes, block),
-                                                                                          sz, 64, block))
+    torch_pack_matches_hand_pack(cpu_native.q4_linear)
 
 
 def test_each_row_is_computed_as_if_alone_at_any_thread_count() -> None:
@@ -113,8 +86,8 @@ def test_each_row_is_computed_as_if_alone_at_any_thread_count() -> None:
     # magnitudes 2^-12 .. 2^12: float32 sums round, so another summation order would show in the bf16 results
     x = (torch.randn(33, 1168, generator=g) * torch.exp2(torch.randint(-12, 13, (33, 1168), generator=g))).bfloat16()
     q, s = _q8(200, 1168, 1)
-    codes, sz, _ = _q4(256, 1152, 128, 2)
-    packed = _halves(codes, 32)
+    codes, sz, _ = q4_case(256, 1152, 128, 2)
+    packed = halves(codes, 32)
     before = torch.get_num_threads()
     try:
         for run in (lambda a: cpu_native.q8_linear(a, q, s), lambda a: cpu_native.q4_linear(a[:, :1152], packed, sz,
@@ -138,13 +111,13 @@ def test_sizes_the_kernels_cannot_run_are_refused() -> None:
         cpu_native.q8_linear(torch.zeros(2, 56, dtype=torch.bfloat16), q[:, :56].contiguous(), s)  # K % 16
     with pytest.raises(ValueError, match="do not fit"):
         cpu_native.q8_linear(x, q, s[:8])  # neither one scale per row nor one for the tensor
-    codes, sz, _ = _q4(48, 64, 32, 0)
+    codes, sz, _ = q4_case(48, 64, 32, 0)
     with pytest.raises(ValueError, match="do not fit"):
-        cpu_native.q4_linear(x, _halves(codes, 16), sz, 32, 32)  # 48 rows are not whole blocks of 32
+        cpu_native.q4_linear(x, halves(codes, 16), sz, 32, 32)  # 48 rows are not whole blocks of 32
     with pytest.raises(ValueError, match="do not fit"):
-        cpu_native.q4_linear(x, _halves(codes, 16), sz, 64, 16)  # scales for groups of 32, not 64
+        cpu_native.q4_linear(x, halves(codes, 16), sz, 64, 16)  # scales for groups of 32, not 64
     with pytest.raises(ValueError, match="do not fit"):
-        cpu_native.q4_linear(x, _halves(codes, 16), sz.float(), 32, 16)  # float32 scales
+        cpu_native.q4_linear(x, halves(codes, 16), sz.float(), 32, 16)  # float32 scales
 
 
 def _every_e4m3_code(n: int) -> torch.Tensor:
@@ -174,4 +147,4 @@ def test_fp8_is_within_one_rounding_of_the_true_product(m, n, k) -> None:
     w = q.double() * s.double()[:, None]
     for scale, weight in ((s, w), (s[:1], q.double() * float(s[0]))):  # per row, per tensor
         got = cpu_native.q8_linear(x, q, scale)
-        _within_one_rounding(got, x.double() @ weight.T, x.double().abs() @ weight.abs().T)
+        within_one_rounding(got, x.double() @ weight.T, x.double().abs() @ weight.abs().T)
