@@ -95,8 +95,9 @@ def _progress_printer() -> Any:
 
 
 def preload_model(model: str | None, quantization: str = "auto", dtype: str = "auto",
-                  memory_budget: str | None = None, device: str = "cpu") -> str:
-    """Preload through the daemon (started if needed) with a progress bar on stderr; returns the model path."""
+                  memory_budget: str | None = None, device: str = "cpu", tensor_parallel_size: int = 1) -> str:
+    """Preload through the daemon (started if needed) with a progress bar on stderr; returns the model path.
+    ``tensor_parallel_size`` > 1: one shard arena per rank, built in one pass."""
     from keepwarm.daemon.client import ensure_daemon
 
     if model is None:
@@ -110,7 +111,7 @@ def preload_model(model: str | None, quantization: str = "auto", dtype: str = "a
     show = _progress_printer()
     t0 = time.perf_counter()
     try:
-        reply = client.preload(model, quantization, dtype, on_event=show)
+        reply = client.preload(model, quantization, dtype, on_event=show, tp_size=tensor_parallel_size)
     finally:
         show.finish()
         client.close()
@@ -119,6 +120,11 @@ def preload_model(model: str | None, quantization: str = "auto", dtype: str = "a
     if not reply.cached and reply.load_seconds > 0:  # the daemon's own time for reading and packing the source
         how += (f" (read {reply.source_bytes / 1e9:.3f} GB of checkpoint at "
                 f"{reply.source_bytes / reply.load_seconds / 1e9:.2f} GB/s)")
+    if reply.shards:
+        sizes = " + ".join(f"{x['bytes'] / 1e6:.1f}" for x in reply.shards)
+        typer.echo(f"{reply.name}: {how}; {len(reply.shards)} tensor-parallel shards of {sizes} MB, "
+                   f"{reply.quantization}, {reply.dtype}, fingerprint {reply.source_fingerprint[:16]}", err=True)
+        return model
     typer.echo(f"{reply.name}: {how}; {reply.bytes / 1e6:.1f} MB, {reply.quantization}, "
                f"{reply.dtype}, fingerprint {reply.fingerprint[:16]}", err=True)
     return model
@@ -137,12 +143,15 @@ def register(app: typer.Typer) -> None:
         memory_budget: Annotated[str | None, typer.Option("--memory-budget",
                                                           help="For a daemon started now.")] = None,
         device: Annotated[str, typer.Option(help="Device of a daemon started now.")] = "cpu",
+        tensor_parallel_size: Annotated[int, typer.Option(
+            "--tensor-parallel-size", "-tp", min=1,
+            help="Keep one shard per tensor-parallel rank (what `serve --tensor-parallel-size` attaches).")] = 1,
     ) -> None:
         """Make MODEL resident in the daemon (starting a daemon if none answers); returns when it is."""
         from keepwarm.daemon.client import DaemonError
 
         try:
-            preload_model(model, quantization, dtype, memory_budget, device)
+            preload_model(model, quantization, dtype, memory_budget, device, tensor_parallel_size)
         except DaemonError as e:
             _fail(e.message)
 
@@ -171,8 +180,11 @@ def register(app: typer.Typer) -> None:
             typer.echo("no resident models")
         for m in st["models"]:
             pids = ", ".join(str(x["pid"]) for x in m["leases"]) or "none"
+            shard = (f"  tensor-parallel shard {m['tp_rank']}/{m['tp_size']} of {m['source_fingerprint'][:16]}"
+                     if m.get("tp_size", 1) > 1 else "")
             typer.echo(f"  {m['name']}  {m['bytes'] / 1e6:.1f} MB  {m['quantization']}/{m['dtype']}  "
-                       f"fingerprint {m['fingerprint'][:16]}  {m['origin']}  leases: {len(m['leases'])} (pids {pids})")
+                       f"fingerprint {m['fingerprint'][:16]}{shard}  {m['origin']}  leases: {len(m['leases'])} "
+                       f"(pids {pids})")
             typer.echo(f"    {m['model']}")
         for j in st.get("loading", []):
             typer.echo(f"  loading {j['model']} ({j['quantization']}): {j['bytes_done'] / 1e6:.0f}/"

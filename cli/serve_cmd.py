@@ -145,9 +145,9 @@ def _serve_node(cfg: Any) -> int:
     import logging
 
     from keepwarm.cli.main import fail
+    from keepwarm.daemon.sharding import TensorParallelError
     from keepwarm.worker.engine import EngineConfig, _resolve_device
     from keepwarm.worker.parallel.group import serve_node
-    from keepwarm.worker.parallel.sharding import TensorParallelError
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     engine = EngineConfig(**cfg.engine_kwargs())

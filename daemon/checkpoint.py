@@ -266,7 +266,7 @@ class Checkpoint:
         projections = [(key.split(".")[0], raw, int(key.split(".")[1])) for key, raw in raws]
         return convert_gguf(meta, projections, t.dense_shapes, act_dtype, t.name)
 
-    def signature(self) -> tuple[tuple[str, int, int], ...]:
+    def signature(self) -> tuple[tuple[str, int, int, int], ...]:
         return source_signature(self.model_dir, self.files)
 
     def _plan(self) -> list[FusedTensor]:

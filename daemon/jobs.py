@@ -1,7 +1,8 @@
 """Load jobs: making a model resident off the socket loop, one thread per job.
 
-One job type for both ways in: ``preload`` (read the checkpoint, quantize, pack into a new arena) and ``load_image``
-(copy a snapshot's arena image into a new arena and check its digest; nothing is re-quantized). The socket loop
+One job type for both ways in: ``preload`` (read the checkpoint, quantize, pack into a new arena; for N
+tensor-parallel ranks, N shard arenas in the same pass: :mod:`keepwarm.daemon.shards`) and ``load_image`` (copy a
+snapshot's arena image into a new arena and check its digest; nothing is re-quantized). The socket loop
 creates a job, adds every request waiting on the same key to ``waiters``, forwards progress (``bytes_done``) and,
 once ``done`` is set, makes ``result`` resident and answers the waiters (``error`` is their answer on failure).
 
@@ -26,6 +27,8 @@ from keepwarm.daemon.image import ImageError, check_cpu_layouts, check_gaps_zero
 from keepwarm.daemon.loader import build_arena, plan_arena, resolve_dtype
 from keepwarm.daemon.protocol import ProtocolError
 from keepwarm.daemon.residency import Residency, Resident
+from keepwarm.daemon.sharding import TensorParallelError
+from keepwarm.daemon.shards import build_shards
 from keepwarm.formats import paths
 from keepwarm.formats.arena import ArenaManifest, CpuArenaFile, CudaArena
 from keepwarm.formats.model_config import ModelConfigError
@@ -33,7 +36,7 @@ from keepwarm.formats.quant import QuantizationError
 
 log = logging.getLogger("keepwarm.daemon")
 
-JobKey = tuple[str, str, str]  # (model, quantization or "image:<fingerprint>", dtype)
+JobKey = tuple[str, str, str, int]  # (model, quantization or "image:<fingerprint>", dtype, tensor-parallel size)
 Waiter = tuple[bytes, str, str, Any]  # (socket identity, request id, verb, args)
 
 
@@ -45,15 +48,17 @@ class LoadJob:
     quantization: str
     total_bytes: int  # bytes to read or copy (progress)
     arena_bytes: int  # size of the arena being built (memory budget)
-    work: Callable[[LoadJob], Resident]  # runs in the job's thread; records what it creates in `created`
+    work: Callable[[LoadJob], list[Resident]]  # in the job's thread (one arena, or one per rank); records what
+    # it creates in `created` and `created_files`
     started: float = field(default_factory=time.monotonic)
     bytes_done: int = 0
     waiters: list[Waiter] = field(default_factory=list)
-    result: Resident | None = None
+    result: list[Resident] | None = None
     error: ProtocolError | None = None
     done: threading.Event = field(default_factory=threading.Event)
     lock: threading.Lock = field(default_factory=threading.Lock)
     created: tuple[CpuArenaFile | CudaArena | None, Path | None] = (None, None)  # (storage, temporary file)
+    created_files: list[Path] = field(default_factory=list)  # shard arenas (and manifests) to remove on failure
 
     def add_bytes(self, n: int) -> None:
         with self.lock:
@@ -69,9 +74,9 @@ class LoadJob:
             self.error = e
         except ImageError as e:
             self.error = ProtocolError(e.code, e.message)
-        except (QuantizationError, ModelConfigError) as e:  # a checkpoint's bad data: one line, nothing resident
+        except (QuantizationError, ModelConfigError, TensorParallelError) as e:  # one line, nothing resident
             log.info("%s refused: %s", self.what, e)
-            self.error = ProtocolError("bad_quantization" if isinstance(e, QuantizationError) else "bad_model", str(e))
+            self.error = ProtocolError(load_error_code(e), str(e))
         except Exception as e:
             log.error("%s failed: %s\n%s", self.what, e, traceback.format_exc())
             self.error = ProtocolError("load_failed", f"{self.what} failed: {e}")
@@ -83,14 +88,23 @@ class LoadJob:
                     storage.unlink()
                 if tmp is not None:
                     tmp.unlink(missing_ok=True)
+                for f in self.created_files:
+                    f.unlink(missing_ok=True)
             self.done.set()
             on_end()
+
+
+def load_error_code(e: Exception) -> str:
+    """The protocol code of a refusal the checkpoint causes: its quantization, its model, or its sharding."""
+    if isinstance(e, QuantizationError):
+        return "bad_quantization"
+    return "tensor_parallel" if isinstance(e, TensorParallelError) else "bad_model"
 
 
 def preload_job(key: JobKey, ckpt: Checkpoint, dtype: str, arena_bytes: int, fingerprint: str | None,
                 residency: Residency, device_name: str) -> LoadJob:
     """Read ``ckpt``, quantize and pack it into a new arena (``fingerprint``: what it must turn out to be)."""
-    def work(job: LoadJob) -> Resident:
+    def work(job: LoadJob) -> list[Resident]:
         t0 = time.perf_counter()
         target = resolve_dtype(ckpt, dtype)
         planned, total = plan_arena(ckpt, job.quantization, target, residency.device.type)
@@ -117,9 +131,40 @@ def preload_job(key: JobKey, ckpt: Checkpoint, dtype: str, arena_bytes: int, fin
                  manifest.total_bytes / 1e6, seconds, job.total_bytes / max(seconds, 1e-9) / 1e9,
                  manifest.fingerprint[:16])
         now = time.time()
-        return Resident(manifest, storage, "preload", now, seconds, now, mpath, source_bytes=job.total_bytes)
+        return [Resident(manifest, storage, "preload", now, seconds, now, mpath, source_bytes=job.total_bytes)]
 
     return LoadJob(key, "preload", f"preload of {ckpt.model_dir}", key[1], ckpt.nbytes, arena_bytes, work)
+
+
+def shard_job(key: JobKey, ckpt: Checkpoint, dtype: str, arena_bytes: int, fingerprint: str | None,
+              residency: Residency) -> LoadJob:
+    """Read ``ckpt`` once and build one shard arena per tensor-parallel rank (``key[3]`` ranks); ``fingerprint``:
+    what the whole model must turn out to be."""
+    tp_size = key[3]
+
+    def work(job: LoadJob) -> list[Resident]:
+        t0 = time.perf_counter()
+        built = build_shards(ckpt, job.quantization, dtype, tp_size, residency.arena_dir, job.add_bytes,
+                             residency.threads, on_created=job.created_files.extend)
+        source = built[0][1].source_fingerprint
+        if fingerprint and source != fingerprint:
+            raise ProtocolError("fingerprint_mismatch", f"{ckpt.model_dir.name} on disk has fingerprint "
+                                                        f"{source[:16]}, not {fingerprint[:16]}")
+        seconds = time.perf_counter() - t0
+        now = time.time()
+        residents = []
+        for storage, manifest in built:
+            storage, mpath = residency.install_cpu_arena(storage, manifest)
+            job.created_files += [storage.path] + ([mpath] if mpath is not None else [])
+            residents.append(Resident(manifest, storage, "preload", now, seconds, now, mpath,
+                                      source_bytes=job.total_bytes if manifest.tp_rank == 0 else 0))
+        log.info("preloaded %s (%s, %s) as %d tensor-parallel shards: %.1f MB read, %.1f MB in %.2fs, fingerprint "
+                 "%s", ckpt.model_dir.name, job.quantization, built[0][1].dtype, tp_size, job.total_bytes / 1e6,
+                 sum(m.total_bytes for _, m in built) / 1e6, seconds, source[:16])
+        return residents
+
+    return LoadJob(key, "preload", f"preload of {ckpt.model_dir} for {tp_size} tensor-parallel ranks", key[1],
+                   ckpt.nbytes, arena_bytes, work)
 
 
 def _check_image(image: Path, sha256: str | None, file_digest: str | None, arena_digest: str,
@@ -135,7 +180,7 @@ def image_job(key: JobKey, manifest: ArenaManifest, image: Path, arena_bytes: in
               residency: Residency, sha256: str | None = None) -> LoadJob:
     """Copy the arena image at ``image`` into a new arena and check it against ``manifest`` (and, given
     ``sha256``, the file against that digest), hashing each chunk as it lands: one pass over the bytes."""
-    def work(job: LoadJob) -> Resident:
+    def work(job: LoadJob) -> list[Resident]:
         t0 = time.perf_counter()
         m = manifest
         storage: CpuArenaFile | CudaArena
@@ -160,6 +205,6 @@ def image_job(key: JobKey, manifest: ArenaManifest, image: Path, arena_bytes: in
                  m.quantization, m.dtype, arena_bytes / 1e6, seconds,
                  arena_bytes / max(seconds, 1e-9) / 1e9, m.fingerprint[:16])
         now = time.time()
-        return Resident(m, storage, "image", now, seconds, now, mpath, source_bytes=arena_bytes)
+        return [Resident(m, storage, "image", now, seconds, now, mpath, source_bytes=arena_bytes)]
 
     return LoadJob(key, "image", f"loading the image {image}", manifest.quantization, arena_bytes, arena_bytes, work)

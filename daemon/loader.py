@@ -146,6 +146,33 @@ def _read_hashed(t: FusedTensor, dest: memoryview) -> list[str]:
     return digests
 
 
+def read_tensor(p: PlannedTensor) -> tuple[torch.Tensor, list[str]]:
+    """``p``'s source bytes in this thread's scratch buffer, and each source part's sha256 (read once)."""
+    staging = _staging(p.source.nbytes)
+    return staging, _read_hashed(p.source, tensor_bytes(staging))
+
+
+def convert_tensor(ckpt: Checkpoint, p: PlannedTensor, staging: torch.Tensor, quantization: str,
+                   target: torch.dtype, device_type: str, out: torch.Tensor | None = None,
+                   ) -> tuple[dict[str, torch.Tensor], QuantMeta | None]:
+    """``p``'s arena parts made from its source bytes in ``staging`` (converted, quantized or packed; ``out``: where a
+    packed weight goes), and its QuantMeta (None for a plain tensor). A part may be a view of ``staging``."""
+    t = p.source
+    if t.roles:
+        return ckpt.convert_quantized(t, p.meta, staging, target), p.meta
+    w = staging.view(t.dtype).view(t.shape)
+    if p.quantized:
+        meta, parts = quantize(w, quantization, target, device_type)
+        return parts, meta
+    if p.packed:
+        raw, desc = pack(w.to(target), out=out)
+        if desc != packed_layout(tuple(t.shape), target)[1]:
+            # The arena was sized from the zeros probe; a data-dependent format would break that.
+            raise RuntimeError(f"{p.name}: oneDNN packed it in another format than planned")
+        return {"packed": raw}, QuantMeta("none", LAYOUT_MKLDNN_PACKED, None, (t.shape[0], t.shape[1]), desc.hex())
+    return {"": w.to(target) if w.is_floating_point() else w}, None
+
+
 def build_arena(ckpt: Checkpoint, quantization: str, dtype: str, flat: torch.Tensor, device: str,
                 progress: Progress | None = None, threads: int = 4,
                 planned: list[PlannedTensor] | None = None) -> ArenaManifest:
@@ -174,32 +201,13 @@ def build_arena(ckpt: Checkpoint, quantization: str, dtype: str, flat: torch.Ten
             # one part read straight into its place: the arena entry's bytes are that part's, already hashed
             arena_digests = src_digests[:1] if len(t.parts) == 1 else [hashlib.sha256(dest).hexdigest()]
         else:
-            staging = _staging(t.nbytes)
-            src_digests = _read_hashed(t, tensor_bytes(staging))
-            if t.roles:
-                parts = ckpt.convert_quantized(t, p.meta, staging, target)
-                if p.meta is not None:
-                    with lock:
-                        quant_meta[p.name] = p.meta.to_dict()
-            elif p.quantized:
-                w = staging.view(t.dtype).view(t.shape)
-                meta, parts = quantize(w, quantization, target, device_type)
+            staging, src_digests = read_tensor(p)
+            e = p.entries[0]
+            out = flat[e.offset:e.offset + e.nbytes] if p.packed and on_cpu else None
+            parts, meta = convert_tensor(ckpt, p, staging, quantization, target, device_type, out)
+            if meta is not None:
                 with lock:
                     quant_meta[p.name] = meta.to_dict()
-            elif p.packed:
-                w = staging.view(t.dtype).view(t.shape)
-                e = p.entries[0]
-                raw, desc = pack(w.to(target), out=flat[e.offset:e.offset + e.nbytes] if on_cpu else None)
-                if desc != packed_layout(tuple(t.shape), target)[1]:
-                    # The arena was sized from the zeros probe; a data-dependent format would break that.
-                    raise RuntimeError(f"{p.name}: oneDNN packed it in another format than planned")
-                meta = QuantMeta("none", LAYOUT_MKLDNN_PACKED, None, (t.shape[0], t.shape[1]), desc.hex())
-                with lock:
-                    quant_meta[p.name] = meta.to_dict()
-                parts = {"packed": raw}
-            else:
-                w = staging.view(t.dtype).view(t.shape)
-                parts = {"": w.to(target) if w.is_floating_point() else w}
             arena_digests = []
             for e in p.entries:
                 raw = parts[e.part].contiguous().view(torch.uint8).reshape(-1)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import typing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import msgpack
@@ -39,6 +39,7 @@ class PreloadArgs:
     quantization: str = "auto"
     dtype: str = "auto"
     fingerprint: str | None = None  # when given, the resident arena must have exactly this fingerprint
+    tp_size: int = 1  # > 1: one shard arena per tensor-parallel rank (CPU daemons), built in one pass
 
 
 @dataclass(frozen=True)
@@ -47,8 +48,10 @@ class AttachArgs:
     pid: int
     quantization: str = "auto"
     dtype: str = "auto"
-    fingerprint: str | None = None
+    fingerprint: str | None = None  # the whole model's (for a shard too)
     preload: bool = True  # preload the model when it is not resident
+    tp_rank: int = 0  # with tp_size > 1: attach this rank's shard arena
+    tp_size: int = 1
 
 
 @dataclass(frozen=True)
@@ -228,6 +231,10 @@ class LoadReply(Reply):
     leases: list[dict[str, Any]]
     source_bytes: int = 0  # read to build it (checkpoint files or the image); 0 when adopted
     arena_bytes: int = 0  # the arena's allocation
+    tp_rank: int = 0  # a shard's rank and rank count (0 and 1 for a whole arena)
+    tp_size: int = 1
+    source_fingerprint: str = ""  # a shard's whole-model fingerprint
+    shards: list[dict[str, Any]] = field(default_factory=list)  # a tensor-parallel preload: every rank's shard
 
 
 @dataclass(frozen=True)

@@ -92,13 +92,20 @@ class Residency:
     def resident_bytes(self) -> int:
         return sum(r.nbytes for r in self.residents.values()) + self.adapters.nbytes
 
-    def find(self, key: tuple[str, str, str], fingerprint: str | None) -> Resident | None:
-        """The resident of ``fingerprint``, else of (model, quantization, dtype) whose checkpoint is unchanged."""
-        if fingerprint:
+    def find(self, key: tuple[str, str, str], fingerprint: str | None, tp: tuple[int, int] = (0, 1),
+             ) -> Resident | None:
+        """The resident of ``fingerprint`` (a whole model's: under ``tp`` = (rank, size), that rank's shard of it),
+        else of (model, quantization, dtype) and ``tp`` whose checkpoint is unchanged."""
+        if fingerprint and tp == (0, 1):
             return self.residents.get(fingerprint)
         for r in self.residents.values():
             m = r.manifest
-            if (m.model, m.quantization, m.dtype) == key and not checkpoint_changed(m):
+            if (m.tp_rank, m.tp_size) != tp:
+                continue
+            if fingerprint:
+                if m.source_fingerprint == fingerprint:
+                    return r
+            elif (m.model, m.quantization, m.dtype) == key and not checkpoint_changed(m):
                 return r
         return None
 
@@ -136,15 +143,17 @@ class Residency:
         return victims
 
     # -- coming and going ----------------------------------------------------------------------------------------
-    def add_preloaded(self, r: Resident, bytes_read: int) -> Resident:
-        """Make a preload's arena resident; if the same bytes are resident already, keep that one."""
+    def add_preloaded(self, r: Resident, bytes_read: int, count: bool = True) -> Resident:
+        """Make a preload's arena resident; if the same bytes are resident already, keep that one. ``count``: the
+        first arena of a preload (the counters count preloads, not the shards of one)."""
         existing = self.residents.get(r.manifest.fingerprint)
         if existing is not None:  # same bytes already resident (e.g. files touched): keep the old one
             self._drop_duplicate(r, existing)
             return existing
         self.residents[r.manifest.fingerprint] = r
-        self.counters["preloads"] += 1
-        self.counters["preload_bytes_read"] += bytes_read
+        if count:
+            self.counters["preloads"] += 1
+            self.counters["preload_bytes_read"] += bytes_read
         self._drop_stale(r)
         return r
 
@@ -174,12 +183,14 @@ class Residency:
             r.storage.unlink()
 
     def _drop_stale(self, fresh: Resident) -> None:
-        """An older arena of the same model/quantization whose checkpoint changed on disk: evict it if unleased."""
+        """An older arena of the same model/quantization (and shard) whose checkpoint changed on disk: evict it if
+        unleased. A sibling shard (the same source fingerprint) is not stale."""
         m = fresh.manifest
         for fp, r in list(self.residents.items()):
             o = r.manifest
-            same_model = (o.model, o.quantization, o.dtype) == (m.model, m.quantization, m.dtype)
-            if fp != m.fingerprint and same_model and not self.leases.held(fp):
+            same_model = (o.model, o.quantization, o.dtype, o.tp_rank, o.tp_size) == \
+                (m.model, m.quantization, m.dtype, m.tp_rank, m.tp_size)
+            if o.model_fingerprint != m.model_fingerprint and same_model and not self.leases.held(fp):
                 self.evict(fp, reason="checkpoint changed on disk")
 
     def evict(self, fingerprint: str, reason: str) -> None:

@@ -35,7 +35,7 @@ import zmq
 from keepwarm.daemon.adapters import AdapterStore
 from keepwarm.daemon.checkpoint import Checkpoint
 from keepwarm.daemon.image import ImageError, check_device, image_size
-from keepwarm.daemon.jobs import JobKey, LoadJob, image_job, preload_job
+from keepwarm.daemon.jobs import JobKey, LoadJob, image_job, load_error_code, preload_job, shard_job
 from keepwarm.daemon.leases import Leases
 from keepwarm.daemon.loader import plan_arena, resolve_dtype
 from keepwarm.daemon.protocol import (
@@ -58,6 +58,7 @@ from keepwarm.daemon.protocol import (
     reply_ok,
 )
 from keepwarm.daemon.residency import Residency, Resident, parse_memory_budget
+from keepwarm.daemon.sharding import TensorParallelError, check_supported
 from keepwarm.formats import paths
 from keepwarm.formats.adapter import LoRAError
 from keepwarm.formats.arena import (
@@ -247,7 +248,8 @@ class Daemon:
                 "dtype": m.dtype, "device": m.device, "bytes": m.total_bytes, "origin": r.origin,
                 "load_seconds": round(r.load_seconds, 4), "loaded_at": r.loaded_at, "last_used": r.last_used,
                 "leases": [{"lease_id": x.lease_id, "pid": x.pid} for x in leases],
-                "source_bytes": r.source_bytes, "arena_bytes": r.arena_bytes}
+                "source_bytes": r.source_bytes, "arena_bytes": r.arena_bytes, "tp_rank": m.tp_rank,
+                "tp_size": m.tp_size, "source_fingerprint": m.source_fingerprint}
 
     def _verb_status(self, _identity: bytes, rid: str, _args: Any) -> dict:
         return reply_ok(rid, pid=os.getpid(), version=__version__, socket=str(paths.socket_path(self.runtime_dir)),
@@ -291,22 +293,33 @@ class Daemon:
 
     def _verb_preload(self, identity: bytes, rid: str, args: PreloadArgs) -> dict | None:
         return self._load_or_wait(identity, rid, "preload", args, args.model, args.quantization, args.dtype,
-                                  args.fingerprint)
+                                  args.fingerprint, self._tp(0, args.tp_size))
+
+    def _tp(self, rank: int, size: int) -> tuple[int, int]:
+        """(rank, size) checked: shard arenas are built by CPU daemons only."""
+        if size < 1 or not 0 <= rank < size:
+            raise ProtocolError("bad_request", f"tensor-parallel rank {rank} of {size}: need 0 <= rank < size")
+        if size > 1 and self.device.type != "cpu":
+            raise ProtocolError("unsupported", f"tensor-parallel shard arenas are built by CPU daemons only (this "
+                                               f"daemon holds {self.device_name}); attach the whole arena instead")
+        return rank, size
 
     def _verb_attach(self, identity: bytes, rid: str, args: AttachArgs) -> dict | None:
         if args.pid <= 0:
             raise ProtocolError("bad_request", "attach: pid must be positive")
+        tp = self._tp(args.tp_rank, args.tp_size)
         if not args.preload:
             if args.fingerprint:  # no checkpoint needed (a snapshot's restored model directory has no weights)
-                r = self.residency.residents.get(args.fingerprint)
+                r = self.residency.find(("", "", ""), args.fingerprint, tp)
             else:
                 _, key = self._resolve_model(args.model, args.quantization, args.dtype)
-                r = self.residency.find(key, None)
+                r = self.residency.find(key, None, tp)
             if r is None:
-                raise ProtocolError("not_resident", f"{args.model} ({args.quantization}) is not resident")
+                shard = f", rank {tp[0]} of {tp[1]}" if tp[1] > 1 else ""
+                raise ProtocolError("not_resident", f"{args.model} ({args.quantization}{shard}) is not resident")
             return self._attach_reply(rid, r, args, cached=True)
         return self._load_or_wait(identity, rid, "attach", args, args.model, args.quantization, args.dtype,
-                                  args.fingerprint)
+                                  args.fingerprint, tp)
 
     def _attach_reply(self, rid: str, r: Resident, args: AttachArgs, cached: bool) -> dict:
         lease = self.leases.grant(args.pid, r.manifest.fingerprint)
@@ -340,7 +353,8 @@ class Daemon:
         residents = self.residency.residents
         matches = [fp for fp, r in residents.items()
                    if r.manifest.model == resolved or r.manifest.model_name == target
-                   or (len(target) >= 8 and fp.startswith(target))]
+                   or (len(target) >= 8 and (fp.startswith(target) or
+                                             r.manifest.model_fingerprint.startswith(target)))]
         if not matches:
             raise ProtocolError("not_resident", f"no resident model matches {target!r}")
         for fp in matches:
@@ -370,7 +384,7 @@ class Daemon:
             size = image_size(manifest, image)
         except ImageError as e:
             raise ProtocolError(e.code, e.message) from None
-        key = (manifest.model, f"image:{manifest.fingerprint}", manifest.dtype)
+        key = (manifest.model, f"image:{manifest.fingerprint}", manifest.dtype, 1)
         job = self.jobs.get(key)
         if job is None:
             arena_bytes = size if self.device.type == "cpu" else manifest.total_bytes
@@ -383,59 +397,95 @@ class Daemon:
 
     # -- loading ---------------------------------------------------------------------------------------------------
     def _load_or_wait(self, identity: bytes, rid: str, verb: str, args: Any, model: str, quantization: str,
-                      dtype: str, fingerprint: str | None) -> dict | None:
-        residents = self.residency.residents
-        if fingerprint and fingerprint in residents:
-            return self._done_reply(rid, verb, args, residents[fingerprint], cached=True)
-        ckpt, key = self._resolve_model(model, quantization, dtype)
-        r = self.residency.find(key, fingerprint)
+                      dtype: str, fingerprint: str | None, tp: tuple[int, int] = (0, 1)) -> dict | None:
+        """Answer from a resident arena (``tp``: that rank's shard), or wait on the job that builds it."""
+        if fingerprint:
+            r = self.residency.find(("", "", ""), fingerprint, tp)
+            if r is not None:
+                return self._done_reply(rid, verb, args, r, cached=True)
+        try:
+            ckpt, model_key = self._resolve_model(model, quantization, dtype)
+        except ProtocolError as e:  # e.g. a restored snapshot's directory: the weights exist only as its arenas
+            other = self._resident_layouts(fingerprint) if fingerprint else ""
+            if e.code != "bad_model" or not other or not fingerprint:
+                raise
+            wanted = "one arena" if tp[1] == 1 else f"rank {tp[0]} of {tp[1]}'s shard"
+            raise ProtocolError("tensor_parallel", f"{Path(model).name} (fingerprint {fingerprint[:16]}) is "
+                                                   f"resident as {other}, not as {wanted}, and its checkpoint cannot "
+                                                   f"be read to cut that ({e.message}); serve it with the "
+                                                   "tensor-parallel size it was preloaded or snapshotted with"
+                                ) from None
+        r = self.residency.find(model_key, fingerprint, tp)
         if r is not None:
             return self._done_reply(rid, verb, args, r, cached=True)
+        key: JobKey = (*model_key, tp[1])
         job = self.jobs.get(key)
         if job is None:
             try:
                 _, total = plan_arena(ckpt, key[1], resolve_dtype(ckpt, dtype), self.device.type)
-            except (QuantizationError, ModelConfigError) as e:
-                raise ProtocolError("bad_quantization" if isinstance(e, QuantizationError) else "bad_model",
-                                    str(e)) from None
+                if tp[1] > 1:
+                    check_supported(ckpt.config, tp[1])
+            except (QuantizationError, ModelConfigError, TensorParallelError) as e:
+                raise ProtocolError(load_error_code(e), str(e)) from None
             self.residency.make_room(total, ckpt.model_dir.name)
-            job = preload_job(key, ckpt, dtype, total, fingerprint, self.residency, self.device_name)
+            if tp[1] > 1:
+                job = shard_job(key, ckpt, dtype, total, fingerprint, self.residency)
+            else:
+                job = preload_job(key, ckpt, dtype, total, fingerprint, self.residency, self.device_name)
             self.jobs[key] = job
             job.start(f"preload-{ckpt.model_dir.name}", self._job_ended)
         job.waiters.append((identity, rid, verb, args))
         return None  # answered when the job finishes
 
+    def _resident_layouts(self, fingerprint: str) -> str:
+        """How the model of ``fingerprint`` is resident ("one arena", "2 tensor-parallel shards"), or ""."""
+        sizes = sorted({r.manifest.tp_size for r in self.residency.residents.values()
+                        if r.manifest.model_fingerprint == fingerprint})
+        return " and ".join("one arena" if n == 1 else f"{n} tensor-parallel shards" for n in sizes)
+
     def _done_reply(self, rid: str, verb: str, args: Any, r: Resident, cached: bool) -> dict:
-        if getattr(args, "fingerprint", None) and r.manifest.fingerprint != args.fingerprint:
+        m = r.manifest
+        if getattr(args, "fingerprint", None) and m.model_fingerprint != args.fingerprint:
             raise ProtocolError("fingerprint_mismatch",
-                                f"{r.manifest.model_name} is resident with fingerprint {r.manifest.fingerprint[:16]}, "
+                                f"{m.model_name} is resident with fingerprint {m.model_fingerprint[:16]}, "
                                 f"not the requested {args.fingerprint[:16]}")
         r.last_used = time.time()
         if verb == "attach":
             return self._attach_reply(rid, r, args, cached)
-        return reply_ok(rid, **LoadReply(cached=cached, **self._model_info(r)).to_dict())
+        shards = []
+        if m.tp_size > 1:  # a tensor-parallel preload: every rank's shard
+            siblings = [x for x in self.residency.residents.values()
+                        if x.manifest.source_fingerprint == m.source_fingerprint and x.manifest.tp_size == m.tp_size]
+            shards = [self._model_info(x) for x in sorted(siblings, key=lambda x: x.manifest.tp_rank)]
+        return reply_ok(rid, **LoadReply(cached=cached, shards=shards, **self._model_info(r)).to_dict())
 
     def _finish_jobs(self, router: zmq.Socket) -> None:
         for key, job in list(self.jobs.items()):
             if not job.done.is_set():
                 continue
             del self.jobs[key]
-            r = job.result
+            made: list[Resident] = []
             try:
-                if r is not None and job.kind == "image":
-                    r = self.residency.add_image(r, job.arena_bytes)
-                elif r is not None:
-                    r = self.residency.add_preloaded(r, job.total_bytes)
+                for i, r in enumerate(job.result or []):
+                    if job.kind == "image":
+                        made.append(self.residency.add_image(r, job.arena_bytes))
+                    else:
+                        made.append(self.residency.add_preloaded(r, job.total_bytes, count=i == 0))
             except ProtocolError as e:  # the image no longer fits the budget (its arena is dropped)
                 job.error = e
             for identity, rid, verb, args in job.waiters:
                 try:
                     if job.error is not None:
                         raise job.error
-                    assert r is not None  # a job without an error has a result
+                    # a shard job's waiters each get their rank's arena (a preload's waiter: rank 0's)
+                    rank = getattr(args, "tp_rank", 0)
+                    r = made[0] if len(made) == 1 else next(x for x in made if x.manifest.tp_rank == rank)
                     reply = self._done_reply(rid, verb, args, r, cached=False)
                 except ProtocolError as e:
                     reply = reply_error(rid, e.code, e.message)
+                except Exception as e:  # a bug answers its waiter; it must not leave it waiting
+                    log.error("internal error answering %s: %s\n%s", verb, e, traceback.format_exc())
+                    reply = reply_error(rid, "internal", f"{type(e).__name__}: {e}")
                 router.send_multipart([identity, encode(reply)])
 
     def _send_progress(self, router: zmq.Socket) -> None:

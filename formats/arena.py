@@ -91,10 +91,21 @@ class ArenaManifest:
     created_at: float = field(default_factory=time.time)
     keepwarm_version: str = ""
     arena_digest_scheme: str = ARENA_DIGEST_SCHEME
+    # A tensor-parallel shard holds rank ``tp_rank``'s part of every weight for ``tp_size`` ranks (the rules of
+    # ``keepwarm.daemon.sharding``); ``source_fingerprint`` is then the whole model's fingerprint, and
+    # ``fingerprint`` is :func:`shard_fingerprint` of it. A whole arena: 0, 1 and "".
+    tp_rank: int = 0
+    tp_size: int = 1
+    source_fingerprint: str = ""
 
     @property
     def model_name(self) -> str:
         return Path(self.model).name
+
+    @property
+    def model_fingerprint(self) -> str:
+        """The whole model's fingerprint: a shard's source, else the arena's own."""
+        return self.source_fingerprint or self.fingerprint
 
     def to_json(self) -> str:
         d = asdict(self)
@@ -120,7 +131,7 @@ class ArenaManifest:
         return out
 
 
-def source_signature(model_dir: Path, files: list[Path]) -> tuple[tuple[str, int, int], ...]:
+def source_signature(model_dir: Path, files: list[Path]) -> tuple[tuple[str, int, int, int], ...]:
     """Size, mtime and inode of every weight file and config.json: a cheap check that the checkpoint did not
     change since preload (a rewrite or a replacement changes mtime or inode). A GGUF `model_dir` is the file."""
     single = model_dir.suffix == ".gguf" and not model_dir.is_dir()
@@ -158,6 +169,12 @@ def fingerprint_of(quantization: str, dtype: str, part_digests: list[tuple[str, 
     for name, digest in part_digests:
         h.update(name.encode() + b"\0" + bytes.fromhex(digest))
     return h.hexdigest()
+
+
+def shard_fingerprint(model_fingerprint: str, tp_rank: int, tp_size: int) -> str:
+    """The fingerprint of rank ``tp_rank``'s shard of the model whose fingerprint is ``model_fingerprint``."""
+    text = f"keepwarm-shard-v{LAYOUT_VERSION}|{model_fingerprint}|{tp_rank}/{tp_size}"
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def tensor_byte_view(flat: torch.Tensor, entry: TensorEntry) -> torch.Tensor:

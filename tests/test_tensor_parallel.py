@@ -11,11 +11,13 @@
   to it (row-parallel); TP=2, and PP=2, with two adapters and the base model in one batch give one process's greedy
   tokens.
 - Greedy tokens with TP=2 equal to one process: tiny Llama with 2 KV heads (split) with prefix caching, chunked
-  prefill and preemption on; tiny Llama with 1 KV head (replicated, tied embeddings) from an int8 arena; tiny
-  Qwen2 (q/k/v biases, tied embeddings).
+  prefill and preemption on; tiny Llama with 1 KV head (replicated, tied embeddings) from the daemon's int8 shard
+  arenas (one per rank, one preload, each rank's mapping of its shard without a private byte); tiny Qwen2 (q/k/v
+  biases, tied embeddings).
 - Two "nodes" on localhost: node 1 started on its own joins node 0's engine through MASTER_ADDR / MASTER_PORT.
-- A real `keepwarm serve --tensor-parallel-size 2`: it reports its ranks, answers, and exits non-zero when a rank
-  is killed with SIGKILL (no hang: a generous bound, not a speed assert).
+- A real `keepwarm serve --tensor-parallel-size 2` on a daemon: it reports its ranks (each leasing its shard),
+  answers, and exits non-zero when a rank is killed with SIGKILL (no hang: a generous bound, not a speed assert);
+  the restarted server attaches the same shards (no second preload) and answers the same.
 """
 
 from __future__ import annotations
@@ -39,19 +41,19 @@ import torch
 from _serve import ServeProcess
 
 from keepwarm import LLM, SamplingParams
-from keepwarm.formats import paths
-from keepwarm.formats.model_config import load_model_config
-from keepwarm.formats.quant import quantize
-from keepwarm.kernels.cpu_packed import PackedWeight, pack, packing_available
-from keepwarm.kernels.quant import QuantizedWeight
-from keepwarm.worker.parallel import messages
-from keepwarm.worker.parallel.sharding import (
+from keepwarm.daemon.sharding import (
     Shard,
     TensorParallelError,
     plan_cut,
     shard_weight,
     vocab_block,
 )
+from keepwarm.formats import paths
+from keepwarm.formats.model_config import load_model_config
+from keepwarm.formats.quant import quantize
+from keepwarm.kernels.cpu_packed import PackedWeight, pack, packing_available
+from keepwarm.kernels.quant import QuantizedWeight
+from keepwarm.worker.parallel import messages
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
@@ -85,7 +87,7 @@ def test_quantized_shards_are_exact_slices(scheme: str, device_type: str, kind: 
     full = QuantizedWeight.from_parts(meta, parts)
     segs = [(0, 16), (32, 32)] if kind == "rows" else [(64, 64)]
     name = "model.layers.0.self_attn.qkv_proj.weight" if kind == "rows" else "model.layers.0.mlp.down_proj.weight"
-    from keepwarm.worker.parallel import sharding
+    from keepwarm.daemon import sharding
 
     part = sharding._cut_quantized(name, full, kind, segs)
     axis = 0 if kind == "rows" else 1
@@ -97,7 +99,7 @@ def test_a_group_that_would_straddle_a_shard_is_refused_naming_the_shape() -> No
     w = torch.randn(64, 128, generator=torch.Generator().manual_seed(0))
     meta, parts = quantize(w, "int4", torch.float32, "cpu")  # groups of 128: all of K
     full = QuantizedWeight.from_parts(meta, parts)
-    from keepwarm.worker.parallel import sharding
+    from keepwarm.daemon import sharding
 
     with pytest.raises(TensorParallelError, match=r"down_proj.weight \[64, 128\].*groups of 128.*64 columns"):
         sharding._cut_quantized("model.layers.0.mlp.down_proj.weight", full, "cols", [(64, 64)])
@@ -110,7 +112,7 @@ def test_packed_weights_are_repacked_exactly() -> None:
     from keepwarm.formats.quant import LAYOUT_MKLDNN_PACKED, QuantMeta
 
     full = PackedWeight(QuantMeta("none", LAYOUT_MKLDNN_PACKED, None, (96, 64), desc.hex()), raw, torch.bfloat16)
-    from keepwarm.worker.parallel import sharding
+    from keepwarm.daemon import sharding
 
     part = sharding._cut_packed("model.layers.0.mlp.down_proj.weight", full, "cols", [(32, 32)])
     assert isinstance(part, PackedWeight) and torch.equal(part.dequantize(torch.bfloat16), w[:, 32:64])
@@ -162,8 +164,8 @@ def test_step_message_round_trips_and_bad_fields_are_named() -> None:
 def test_lora_shards_give_the_full_delta(tiny_model_factory, model: str) -> None:
     """Column-parallel: each rank's LoRA output is its rows of the full one (replicated KV heads: all of them);
     row-parallel: the ranks' partial outputs sum to the full one."""
+    from keepwarm.daemon.sharding import shard_lora
     from keepwarm.worker.lora import module_dims
-    from keepwarm.worker.parallel.sharding import shard_lora
 
     mc = load_model_config(tiny_model_factory(model))
     g = torch.Generator().manual_seed(0)
@@ -209,8 +211,8 @@ def test_refusals_name_the_cause_before_starting_ranks(tiny_model_factory, model
 TP_CASES = {
     # 2 KV heads split; prefix caching, chunked prefill (24-token budget) and preemption (12 blocks) on.
     "llama_split_kv": ("llama", dict(max_num_batched_tokens=24, num_gpu_blocks=12, max_model_len=160)),
-    # 1 KV head replicated on both ranks, tied embeddings, both ranks attached to the daemon's int8 arena
-    # (per-channel scales); the one-process reference builds the same arena from disk.
+    # 1 KV head replicated on both ranks, tied embeddings, each rank attached to its own shard of the daemon's int8
+    # arena (per-channel scales; the daemon cut both in one pass); the one-process reference loads from disk.
     "llama_replicated_kv_int8_daemon": ("llama3_tied", dict(quantization="int8")),
     # q/k/v biases (column side: sliced), tied embeddings.
     "qwen2_bias_tied": ("qwen2", {}),
@@ -256,14 +258,11 @@ def test_tp2_greedy_tokens_equal_one_process(tiny_model_factory, tmp_path_factor
 
 def _check_tp2(llm: LLM, case: str, prompts: list[list[int]], expected: list[list[int]], daemon) -> None:
     try:
-        if daemon is not None:  # each rank attached (a lease each) and cut its shard from the one arena
-            (resident,) = daemon.status()["models"]
-            assert llm.weights_source == "daemon" and resident["quantization"] == "int8"
-            assert {x["pid"] for x in resident["leases"]} == set(llm.llm_engine.effective_config()[
-                "tensor_parallel_pids"])
         engine = llm.llm_engine
         assert engine.effective_config()["tensor_parallel_size"] == 2 and len(_children()) >= 1
         assert _tokens(llm, prompts) == expected
+        if daemon is not None:
+            _check_shards_attached(llm, daemon)
         if case == "llama_split_kv":
             assert engine.scheduler.num_preemptions > 0
             hits = engine.block_manager.prefix_cache_hits
@@ -274,6 +273,26 @@ def _check_tp2(llm: LLM, case: str, prompts: list[list[int]], expected: list[lis
             assert engine.effective_config()["quantization"] == "int8"
     finally:
         llm.close()
+
+
+def _check_shards_attached(llm: LLM, daemon) -> None:
+    """Each rank holds a lease on its own shard arena, built in one preload, and maps it shared: zero private bytes
+    (no private copy of the weights); rank 0's bound weights are views of its shard."""
+    st = daemon.status()
+    shards = sorted(st["models"], key=lambda m: m["tp_rank"])
+    pids = llm.llm_engine.effective_config()["tensor_parallel_pids"]
+    assert llm.weights_source == "daemon" and st["counters"]["preloads"] == 1
+    assert [(m["tp_rank"], m["tp_size"], m["quantization"]) for m in shards] == [(0, 2, "int8"), (1, 2, "int8")]
+    assert [[x["pid"] for x in m["leases"]] for m in shards] == [[pids[0]], [pids[1]]]
+    assert llm.llm_engine.loaded.fingerprint == shards[0]["source_fingerprint"] == shards[1]["source_fingerprint"]
+    for pid, m in zip(pids, shards, strict=True):
+        path = str(Path(st["arena_dir"]) / f"{m['fingerprint']}.arena")
+        (mapping,) = [x for x in psutil.Process(pid).memory_maps(grouped=True) if x.path == path]
+        assert mapping.private_clean + mapping.private_dirty == 0 and mapping.rss > 0, (pid, mapping)
+    engine = llm.llm_engine
+    arena = engine.loaded.attachment
+    qkv = engine.loaded.model.model.layers[0].self_attn.qkv_proj.weight
+    assert arena is not None and arena.tensors["model.layers.0.self_attn.qkv_proj.weight"] is qkv
 
 
 _BUSY = dict(max_num_batched_tokens=24, num_gpu_blocks=12, max_model_len=160)
@@ -425,34 +444,59 @@ def _kill_a_rank_mid_request(llm: LLM) -> None:
     killer.join(timeout=5)
 
 
-# -- a real server: reports its ranks, dies with one ----------------------------------------------------------------
+# -- a real server: reports its ranks, dies with one, restarts warm --------------------------------------------------
 @pytest.mark.slow
-def test_serve_tp_answers_and_exits_nonzero_when_a_rank_is_killed(tiny_llama) -> None:
-    from openai import OpenAI
+def test_serve_tp_dies_with_a_killed_rank_and_restarts_warm(tiny_llama) -> None:
+    """`keepwarm serve -tp 2` on a daemon: each rank attaches its shard; SIGKILL of rank 1 takes the server down
+    (non-zero, bounded); a restart attaches both shards again without a preload."""
 
     single = LLM(model=tiny_llama, dtype="float32", daemon=False)
     expected = single.generate("The quick brown fox", SamplingParams(temperature=0.0, max_tokens=8))[0]
     single.close()
-    server = ServeProcess(tiny_llama, "--no-daemon", "--dtype", "float32", "--tensor-parallel-size", "2",
-                          env={"OMP_NUM_THREADS": "2"})
-    try:
-        engine = httpx.get(server.base + "/keepwarm/config").json()["engine"]
-        assert engine["tensor_parallel_size"] == 2
-        pids = engine["tensor_parallel_pids"]
-        assert pids[0] == server.proc.pid and psutil.pid_exists(pids[1])
-        client = OpenAI(base_url=server.base + "/v1", api_key="none")
-        out = client.completions.create(model=tiny_llama, prompt="The quick brown fox", max_tokens=8, temperature=0)
-        assert out.choices[0].text == expected.outputs[0].text
-        os.kill(pids[1], signal.SIGKILL)
-        t0 = time.monotonic()
+    common: dict = {}
+    with _daemon_if(True, common) as daemon:
+        env = {"OMP_NUM_THREADS": "2", "KEEPWARM_RUNTIME_DIR": common["runtime_dir"]}
+        args = (tiny_llama, "--dtype", "float32", "--tensor-parallel-size", "2")
+        server = ServeProcess(*args, env=env)
         try:
-            code = server.proc.wait(timeout=120)  # generous: a bound on the hang, not a speed figure
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"the server still runs {time.monotonic() - t0:.0f}s after a rank was killed")
-        assert code != 0
-        assert "rank 1" in server.output() and "exited" in server.output()
-    finally:
-        server.stop(signal.SIGKILL)
+            pids = _serve_tp_answers(server, tiny_llama, expected.outputs[0].text)
+            shards = daemon.status()["models"]
+            assert sorted((m["tp_rank"], m["tp_size"]) for m in shards) == [(0, 2), (1, 2)]
+            assert sorted(x["pid"] for m in shards for x in m["leases"]) == sorted(pids)
+            os.kill(pids[1], signal.SIGKILL)
+            t0 = time.monotonic()
+            try:
+                code = server.proc.wait(timeout=120)  # generous: a bound on the hang, not a speed figure
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"the server still runs {time.monotonic() - t0:.0f}s after a rank was killed")
+            assert code != 0
+            assert "rank 1" in server.output() and "exited" in server.output()
+        finally:
+            server.stop(signal.SIGKILL)
+        restarted = ServeProcess(*args, env=env)
+        try:
+            pids = _serve_tp_answers(restarted, tiny_llama, expected.outputs[0].text)
+            st = daemon.status()
+            assert st["counters"]["preloads"] == 1  # warm: the same two shards, no second preload
+            assert sorted(m["fingerprint"] for m in st["models"]) == sorted(m["fingerprint"] for m in shards)
+            held = {x["pid"] for m in st["models"] for x in m["leases"]}
+            assert set(pids) <= held
+        finally:
+            restarted.stop()
+
+
+def _serve_tp_answers(server: ServeProcess, model: str, expected: str) -> list[int]:
+    """The server's rank pids, after checking it reports two ranks on the daemon and answers ``expected``."""
+    from openai import OpenAI
+
+    engine = httpx.get(server.base + "/keepwarm/config").json()["engine"]
+    assert engine["tensor_parallel_size"] == 2
+    pids = engine["tensor_parallel_pids"]
+    assert pids[0] == server.proc.pid and psutil.pid_exists(pids[1])
+    client = OpenAI(base_url=server.base + "/v1", api_key="none")
+    out = client.completions.create(model=model, prompt="The quick brown fox", max_tokens=8, temperature=0)
+    assert out.choices[0].text == expected
+    return pids
 
 
 # -- CUDA: NCCL between two GPUs (the CPU twin is test_tp2_greedy_tokens_equal_one_process) ------------------------

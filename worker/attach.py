@@ -79,11 +79,12 @@ def model_tensors(manifest: ArenaManifest, flat: torch.Tensor) -> dict[str, Any]
 
 def attach_weights(model: str, quantization: str = "auto", dtype: str = "auto", fingerprint: str | None = None,
                    runtime_dir: Path | None = None, preload: bool = True, on_event: ProgressCallback | None = None,
-                   keep_lease: bool = True) -> Attachment:
-    """Ask the daemon for ``model`` (preloading it if needed) and build views into its arena."""
+                   keep_lease: bool = True, tp: tuple[int, int] = (0, 1)) -> Attachment:
+    """Ask the daemon for ``model`` (preloading it if needed) and build views into its arena (``tp`` = (rank, size),
+    size > 1: into that tensor-parallel rank's shard arena)."""
     t0 = time.perf_counter()
     with DaemonClient(runtime_dir) as client:
-        reply = client.attach(model, quantization, dtype, fingerprint, preload=preload, on_event=on_event)
+        reply = client.attach(model, quantization, dtype, fingerprint, preload=preload, on_event=on_event, tp=tp)
     manifest = ArenaManifest.from_json(reply.manifest)
     arena = reply.arena
     storage: CpuArenaFile | torch.Tensor

@@ -12,7 +12,7 @@ request finishes or is preempted; a slot is rewritten only when its reference co
 never served with another adapter's weights. Pickled adapter files are refused.
 
 Under tensor parallelism (``shard``) each rank's buffers have its local widths and hold its part of every pair
-(``parallel.sharding.shard_lora``); a pipeline stage (``layers``) has buffers for its own layers only; rank 0 tells
+(``daemon.sharding.shard_lora``); a pipeline stage (``layers``) has buffers for its own layers only; rank 0 tells
 the other ranks of every slot write (``on_write``) so all ranks hold the same adapter in the same slot before a
 step reads it.
 """
@@ -30,9 +30,9 @@ from typing import Any, cast
 import torch
 
 from keepwarm import kernels
+from keepwarm.daemon.sharding import Shard, local_config, shard_lora
 from keepwarm.formats.adapter import LoRAError, adapter_digest, read_adapter_dir
 from keepwarm.formats.model_config import ModelConfig
-from keepwarm.worker.parallel.sharding import Shard, local_config, shard_lora
 
 # PEFT module name -> (module path inside a decoder layer, index of the output slice in the fused projection)
 LORA_MODULES: dict[str, tuple[str, int]] = {

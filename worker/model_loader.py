@@ -3,11 +3,13 @@
 Both paths produce the same tensors: a disk load builds a private arena with the daemon's own code
 (``daemon.loader.build_arena``: fuse, convert, quantize), so a worker serves identical numbers either way.
 
-Under tensor parallelism (``tp`` given) each rank loads the same way, then keeps only its part of every weight
-(``worker.parallel.sharding``: copies; a disk load's full arena is dropped, a daemon attachment is kept for its
-lease) and builds its decoder from the rank's local config. A pipeline stage (``tp.pp_size > 1``) binds its own
-layers' weights whole (``worker.parallel.pipeline``: views into the arena, no copy; a disk load's arena stays
-alive under them).
+Under tensor parallelism (``tp`` given) a rank on a CPU daemon attaches its own shard arena (the daemon cut it
+with ``daemon.sharding``, all ranks' shards in one pass over the checkpoint) and binds views into it: no copy. A
+rank that loads from disk (or from a CUDA daemon, which keeps one whole arena) loads the whole model, then keeps only
+its part of every weight (``daemon.sharding``: copies; a disk load's full arena is dropped). Either way it builds
+its decoder from the rank's local config. A pipeline stage (``tp.pp_size > 1``) binds its own layers' weights
+(``worker.parallel.pipeline``: views into the arena or the rank's shard, no copy; a disk load's arena stays alive
+under them).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 from keepwarm.daemon.checkpoint import Checkpoint
 from keepwarm.daemon.client import DaemonClient, DaemonError, ensure_daemon
 from keepwarm.daemon.loader import build_arena, plan_arena, resolve_dtype
+from keepwarm.daemon.sharding import Shard, local_config, shard_weights, vocab_block
 from keepwarm.formats.model_config import ModelConfig, parse_model_config
 from keepwarm.formats.paths import RuntimeDirError
 from keepwarm.worker.attach import Attachment, attach_weights, model_tensors
@@ -29,7 +32,6 @@ from keepwarm.worker.models.llama import LlamaForCausalLM
 from keepwarm.worker.models.registry import build_model
 from keepwarm.worker.parallel.group import TensorParallelGroup
 from keepwarm.worker.parallel.pipeline import make_stage, stage_of, stage_tensors
-from keepwarm.worker.parallel.sharding import Shard, local_config, shard_weights, vocab_block
 
 log = logging.getLogger("keepwarm.worker")
 
@@ -56,9 +58,9 @@ def _nbytes(w: object) -> int:
 
 
 def bind_model(config: ModelConfig, tensors: dict, max_position: int, device: torch.device,
-               tp: TensorParallelGroup | None = None) -> tuple[LlamaForCausalLM, int]:
-    """The family's model with ``tensors`` bound (one rank's part of them under ``tp``); returns it and the bytes
-    its weights take."""
+               tp: TensorParallelGroup | None = None, presharded: bool = False) -> tuple[LlamaForCausalLM, int]:
+    """The family's model with ``tensors`` bound (one rank's part of them under ``tp``: cut here, or already cut
+    when ``presharded``); returns it and the bytes its weights take."""
     if tp is None:
         model = build_model(config, max_position, device)
         model.load_weights(tensors)
@@ -70,7 +72,8 @@ def bind_model(config: ModelConfig, tensors: dict, max_position: int, device: to
         model = build_model(config, max_position, device)
     else:
         shard = Shard(tp.tp_rank, tp.tp_size)
-        tensors = shard_weights(tensors, config, shard)
+        if not presharded:
+            tensors = shard_weights(tensors, config, shard)
         model = build_model(local_config(config, tp.tp_size), max_position, device)
         model.make_tensor_parallel(*vocab_block(config.vocab_size, shard), tp.all_reduce)
     if stage is not None:
@@ -97,7 +100,10 @@ def load_from_daemon(model_dir: str, dtype: str, quantization: str, device: torc
                      runtime_dir: Path | None = None, fingerprint: str | None = None,
                      tp: TensorParallelGroup | None = None) -> LoadedModel:
     t0 = time.perf_counter()
-    att = attach_weights(model_dir, quantization, dtype, fingerprint, runtime_dir)
+    # A tensor-parallel rank on CPU attaches its shard arena; on CUDA the daemon keeps one arena, cut here.
+    sharded = tp is not None and tp.tp_size > 1 and device.type == "cpu"
+    att = attach_weights(model_dir, quantization, dtype, fingerprint, runtime_dir,
+                         tp=(tp.tp_rank, tp.tp_size) if sharded and tp is not None else (0, 1))
     t1 = time.perf_counter()
     m = att.manifest
     if (m.device == "cpu") != (device.type == "cpu"):
@@ -106,11 +112,15 @@ def load_from_daemon(model_dir: str, dtype: str, quantization: str, device: torc
                                              f"runs on {device}")
     config = parse_model_config(m.config_json, m.generation_config_json, source=f"{m.model}/config.json")
     t2 = time.perf_counter()
-    if tp is not None:  # this rank's slices, cut from the whole arena (copies; the attachment keeps the lease)
-        model, nbytes = bind_model(config, att.tensors, max_position, device, tp)
+    if tp is not None:  # this rank's shard arena (views), or its slices cut from the whole arena (copies)
+        if sharded and (m.tp_rank, m.tp_size) != (tp.tp_rank, tp.tp_size):
+            att.close()
+            raise DaemonError("bad_reply", f"asked for rank {tp.tp_rank} of {tp.tp_size}'s shard, the daemon "
+                                           f"answered with rank {m.tp_rank} of {m.tp_size}'s")
+        model, nbytes = bind_model(config, att.tensors, max_position, device, tp, presharded=sharded)
         t4 = time.perf_counter()
-        return LoadedModel(model, config, "daemon", t4 - t0, nbytes, m.fingerprint, att,
-                           phases={"attach": att.seconds, "shard_and_bind": t4 - t2})
+        return LoadedModel(model, config, "daemon", t4 - t0, nbytes, m.model_fingerprint, att,
+                           phases={"attach": att.seconds, "shard_and_bind" if not sharded else "bind": t4 - t2})
     model = build_model(config, max_position, device)
     t3 = time.perf_counter()
     model.load_weights(att.tensors)
@@ -145,8 +155,9 @@ def load_model(model_dir: Path, dtype: str, quantization: str, device: torch.dev
         return load_from_daemon(str(model_dir), dtype, quantization, device, max_position, runtime_dir, fingerprint,
                                 tp)
     except (DaemonError, RuntimeDirError) as e:
-        # A fingerprint asked for is exactly those weights: the checkpoint on disk does not have it.
-        if daemon is True or daemon == "on" or getattr(e, "code", None) == "fingerprint_mismatch":
+        # A fingerprint asked for is exactly those weights: the checkpoint on disk does not have it; a model
+        # resident in another tensor-parallel layout than asked for cannot be read from disk either.
+        if daemon is True or daemon == "on" or getattr(e, "code", None) in ("fingerprint_mismatch", "tensor_parallel"):
             raise
         reason = getattr(e, "message", str(e))
     log.warning("weights from disk, not the daemon: %s", reason)

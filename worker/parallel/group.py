@@ -33,9 +33,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from keepwarm.daemon.sharding import TensorParallelError
 from keepwarm.worker.parallel import messages
 from keepwarm.worker.parallel.messages import Message
-from keepwarm.worker.parallel.sharding import TensorParallelError
 
 log = logging.getLogger("keepwarm.worker")
 

@@ -26,11 +26,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from keepwarm.daemon.sharding import SUPPORTED_FAMILIES, TensorParallelError
 from keepwarm.formats.model_config import ModelConfig
 from keepwarm.worker.models.layers import BoundModule
 from keepwarm.worker.models.llama import AttentionMetadata, KVCache, LlamaForCausalLM
 from keepwarm.worker.parallel.messages import Step
-from keepwarm.worker.parallel.sharding import SUPPORTED_FAMILIES, TensorParallelError
 
 _TENSOR_FIELDS = ("input_ids", "positions", "slot_mapping")  # per token
 

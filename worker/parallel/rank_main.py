@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from keepwarm.daemon.sharding import Shard, local_config
 from keepwarm.formats.model_config import parse_dtype
 from keepwarm.worker.lora import LoRAAdapter, LoRAManager
 from keepwarm.worker.model_loader import load_model
@@ -29,7 +30,6 @@ from keepwarm.worker.model_runner import CacheConfig, ModelRunner, allocate_kv_c
 from keepwarm.worker.parallel.group import TensorParallelGroup
 from keepwarm.worker.parallel.messages import CacheSpec, LoRASlot, Ping, Setup, Shutdown, Step, lora_tensors
 from keepwarm.worker.parallel.pipeline import stage_of
-from keepwarm.worker.parallel.sharding import Shard, local_config
 
 log = logging.getLogger("keepwarm.worker")
 

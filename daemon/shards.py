@@ -1,0 +1,183 @@
+"""Tensor-parallel shard arenas: a preload for N ranks builds N arenas, one per rank, in one pass over the checkpoint.
+
+Rules:
+- Each tensor is read once (and hashed for the model's fingerprint, exactly as :func:`loader.build_arena` does),
+  made into its arena form by the same code (:func:`loader.convert_tensor`: converted or quantized), then cut for
+  every rank by :mod:`keepwarm.daemon.sharding` (vLLM's column / row / vocab rules) and written into that rank's
+  arena file. A weight stored packed for oneDNN is cut plain, then each slice is packed (packing is exact, so this
+  is the unpack, cut and re-pack that ``sharding`` does to a packed weight, at a third of the reorders). No
+  whole-model copy exists at any time: a thread holds one tensor and its N slices.
+- A rank's arena holds exactly what a worker that cut its shard from the whole arena would bind (the same function
+  cuts both), so tokens do not depend on which way a rank got its weights.
+- Each shard is an arena like any other (its own manifest, sealed read-only, adopted after a daemon restart, leased
+  and evicted on its own), with ``tp_rank``, ``tp_size`` and ``source_fingerprint`` (the whole model's
+  fingerprint) in its manifest; its fingerprint is :func:`formats.arena.shard_fingerprint` of the source's.
+- CPU daemons only: a CUDA rank lives on its own device, which one daemon does not hold (refused in one line).
+- Entries are written as tensors finish (threads), so offsets vary from one build to the next; the manifest lists
+  them in plan order, and ``arena_digest`` (over entries in manifest order) does not depend on the offsets.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import secrets
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from keepwarm.daemon.checkpoint import Checkpoint
+from keepwarm.daemon.loader import PlannedTensor, Progress, convert_tensor, plan_arena, read_tensor, resolve_dtype
+from keepwarm.daemon.sharding import Shard, check_supported, shard_weight
+from keepwarm.formats.arena import (
+    LAYOUT_VERSION,
+    ArenaManifest,
+    CpuArenaFile,
+    TensorEntry,
+    align,
+    combine_digests,
+    dtype_name,
+    fingerprint_of,
+    shard_fingerprint,
+)
+from keepwarm.formats.quant import LAYOUT_MKLDNN_PACKED, QuantMeta
+from keepwarm.formats.version import __version__
+from keepwarm.kernels.cpu_packed import PackedWeight, pack
+from keepwarm.kernels.quant import QuantizedWeight
+
+
+def as_weight(parts: dict[str, torch.Tensor], meta: QuantMeta | None, dtype: torch.dtype) -> Any:
+    """The object a worker binds for these arena parts (as ``worker.attach.model_tensors`` builds it)."""
+    if meta is None:
+        return parts[""]
+    if meta.layout == LAYOUT_MKLDNN_PACKED:
+        return PackedWeight(meta, parts["packed"], dtype)
+    return QuantizedWeight.from_parts(meta, parts)
+
+
+def as_parts(w: Any) -> tuple[dict[str, torch.Tensor], QuantMeta | None]:
+    """The inverse of :func:`as_weight`: arena parts and QuantMeta of a weight."""
+    if isinstance(w, PackedWeight):
+        return {"packed": w.raw}, w.meta
+    if isinstance(w, QuantizedWeight):
+        return w.parts, w.meta
+    return {"": w}, None
+
+
+def _packed(w: torch.Tensor) -> tuple[dict[str, torch.Tensor], QuantMeta]:
+    """A plain [N, K] slice packed for oneDNN, as arena parts and QuantMeta (``sharding._cut_packed``'s result)."""
+    raw, desc = pack(w)
+    shape = (int(w.shape[0]), int(w.shape[1]))
+    return {"packed": raw}, QuantMeta("none", LAYOUT_MKLDNN_PACKED, None, shape, desc.hex())
+
+
+@dataclass
+class ShardFile:
+    """One rank's arena file while it is written: entries are appended at aligned offsets by several threads."""
+
+    path: Path
+    fd: int
+    end: int = 0
+    entries: dict[tuple[int, str], tuple[TensorEntry, str]] = field(default_factory=dict)  # (plan index, part)
+    quant: dict[str, dict] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def write(self, index: int, name: str, parts: dict[str, torch.Tensor], meta: QuantMeta | None) -> None:
+        for part, t in parts.items():
+            raw = t.detach().contiguous().view(torch.uint8).reshape(-1)
+            data = raw.numpy().data  # a memoryview of the tensor's bytes
+            with self.lock:
+                offset = self.end
+                self.end = align(offset + len(data))
+            written = os.pwrite(self.fd, data, offset) if len(data) else 0
+            if written != len(data):
+                raise OSError(f"short write to {self.path}: {written} of {len(data)} bytes")
+            entry = TensorEntry(name, part, offset, len(data), dtype_name(t.dtype), tuple(t.shape))
+            digest = hashlib.sha256(data).hexdigest()
+            with self.lock:
+                self.entries[(index, part)] = (entry, digest)
+                if meta is not None:
+                    self.quant[name] = meta.to_dict()
+
+    def ordered(self, planned: list[PlannedTensor]) -> list[tuple[TensorEntry, str]]:
+        """The entries in plan order (each weight's parts in the order they were written)."""
+        order = {name: i for i, name in enumerate(p.name for p in planned)}
+        return sorted(self.entries.values(), key=lambda ed: (order[ed[0].weight], ed[0].offset))
+
+
+def build_shards(ckpt: Checkpoint, quantization: str, dtype: str, tp_size: int, arena_dir: Path,
+                 progress: Progress | None = None, threads: int = 4,
+                 on_created: Callable[[list[Path]], None] | None = None,
+                 ) -> list[tuple[CpuArenaFile, ArenaManifest]]:
+    """Read ``ckpt`` once and write one arena per rank of ``tp_size`` into ``arena_dir`` (temporary names; the
+    caller installs them). ``on_created`` learns the files first, so a failure can remove them."""
+    check_supported(ckpt.config, tp_size)
+    target = resolve_dtype(ckpt, dtype)
+    quantization = ckpt.resolve_quantization(quantization)
+    planned, _ = plan_arena(ckpt, quantization, target, "cpu")
+    token = secrets.token_hex(6)
+    files: list[ShardFile] = []
+    try:
+        for r in range(tp_size):
+            path = arena_dir / f".building-{token}-tp{r}.arena"
+            files.append(ShardFile(path, os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)))
+        if on_created is not None:
+            on_created([f.path for f in files])
+        shards = [Shard(r, tp_size) for r in range(tp_size)]
+
+        def process(item: tuple[int, PlannedTensor]) -> list[str]:
+            index, p = item
+            staging, digests = read_tensor(p)
+            if p.packed:  # cut the plain weight, then pack each slice: what unpack, cut, re-pack gives, once
+                dense = staging.view(p.source.dtype).view(p.source.shape).to(target)
+                for f, shard in zip(files, shards, strict=True):
+                    f.write(index, p.name, *_packed(shard_weight(p.name, dense, ckpt.config, shard)))
+            else:
+                parts, meta = convert_tensor(ckpt, p, staging, quantization, target, "cpu")
+                whole = as_weight(parts, meta, target)
+                for f, shard in zip(files, shards, strict=True):
+                    f.write(index, p.name, *as_parts(shard_weight(p.name, whole, ckpt.config, shard)))
+            if progress is not None and not p.derived:
+                progress(p.source.nbytes)
+            return digests
+
+        with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
+            results = list(pool.map(process, enumerate(planned)))
+    finally:
+        for f in files:
+            os.close(f.fd)
+    part_digests = [(p.source.name, d) for p, src in zip(planned, results, strict=True) if not p.derived for d in src]
+    source = fingerprint_of(quantization, dtype_name(target), part_digests, ckpt.config_json)
+    return [_finish(f, planned, ckpt, quantization, target, source, r, tp_size) for r, f in enumerate(files)]
+
+
+def _finish(f: ShardFile, planned: list[PlannedTensor], ckpt: Checkpoint, quantization: str, target: torch.dtype,
+            source: str, rank: int, tp_size: int) -> tuple[CpuArenaFile, ArenaManifest]:
+    ordered = f.ordered(planned)
+    total = f.end
+    os.truncate(f.path, max(total, 1))  # the padding after the last entry (zeros)
+    manifest = ArenaManifest(
+        layout_version=LAYOUT_VERSION,
+        fingerprint=shard_fingerprint(source, rank, tp_size),
+        arena_digest=combine_digests("arena", [d for _, d in ordered]),
+        model=str(ckpt.model_dir),
+        quantization=quantization,
+        dtype=dtype_name(target),
+        device="cpu",
+        total_bytes=max((e.offset + e.nbytes for e, _ in ordered), default=0),
+        tensors=tuple(e for e, _ in ordered),
+        quant=f.quant,
+        config_json=ckpt.config_json,
+        generation_config_json=ckpt.generation_config_json,
+        source_files=ckpt.signature(),
+        keepwarm_version=__version__,
+        tp_rank=rank,
+        tp_size=tp_size,
+        source_fingerprint=source,
+    )
+    return CpuArenaFile.open_readonly(f.path, total), manifest

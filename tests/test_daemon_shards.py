@@ -1,0 +1,126 @@
+"""Tensor-parallel shard arenas (daemon/shards.py): one arena per rank, built by the daemon in one pass.
+
+- Exactness, no processes: every weight of rank r's shard arena is, part for part and byte for byte, what rank r
+  cuts from the whole arena (``daemon.sharding.shard_weights``, the path whose tokens the TP tests compare with one
+  process): an int8 model with one KV head (replicated) and tied embeddings, an int4 model, and a bf16 Qwen2 with
+  biases whose linear weights and derived head are oneDNN-packed. The shard's fingerprint derives from the whole
+  model's, which it records.
+- A real daemon: `keepwarm preload --tensor-parallel-size 2` writes two shards (`keepwarm status` shows them), a
+  second preload is answered from them, a rank attaches its own shard, a size that does not divide the heads is
+  refused in one line, a SIGKILLed daemon's successor re-adopts both shards, and `evict` by name drops both.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+from test_daemon import DaemonProc
+
+from keepwarm.daemon.checkpoint import Checkpoint
+from keepwarm.daemon.client import DaemonError
+from keepwarm.daemon.loader import build_arena, plan_arena, resolve_dtype
+from keepwarm.daemon.sharding import Shard, shard_weights
+from keepwarm.daemon.shards import as_parts, build_shards
+from keepwarm.formats import paths
+from keepwarm.formats.arena import shard_fingerprint
+from keepwarm.kernels.cpu_packed import packing_available
+from keepwarm.worker.attach import model_tensors
+
+CASES = {  # (tiny model, quantization, dtype)
+    "llama_tied_kv1_int8": ("llama3_tied", "int8", "float32"),
+    "llama_int4": ("llama", "int4-g32", "float32"),
+    "qwen2_bias_packed_bf16": ("qwen2", "none", "bfloat16"),
+}
+
+
+def _bytes(t: torch.Tensor) -> bytes:
+    return t.detach().contiguous().view(torch.uint8).reshape(-1).numpy().tobytes()
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_each_shard_arena_is_exactly_what_its_rank_cuts_from_the_whole_arena(tiny_model_factory, tmp_path,
+                                                                             case: str) -> None:
+    name, quantization, dtype = CASES[case]
+    ckpt = Checkpoint(tiny_model_factory(name))
+    _, total = plan_arena(ckpt, quantization, resolve_dtype(ckpt, dtype), "cpu")
+    flat = torch.empty(total, dtype=torch.uint8)
+    whole = build_arena(ckpt, quantization, dtype, flat, "cpu")
+    shards = build_shards(ckpt, quantization, dtype, 2, tmp_path, threads=2)
+    if quantization == "none" and packing_available(torch.bfloat16):
+        assert "mkldnn_packed" in {q["layout"] for q in whole.quant.values()}  # the packed path ran
+    for rank, (storage, m) in enumerate(shards):
+        assert (m.tp_rank, m.tp_size, m.source_fingerprint) == (rank, 2, whole.fingerprint)
+        assert m.fingerprint == shard_fingerprint(whole.fingerprint, rank, 2) != whole.fingerprint
+        assert storage.path.stat().st_size >= m.total_bytes and oct(storage.path.stat().st_mode & 0o777) == "0o600"
+        expected = shard_weights(model_tensors(whole, flat), ckpt.config, Shard(rank, 2))
+        got = model_tensors(m, storage.flat)
+        assert sorted(got) == sorted(expected)
+        for weight, want in expected.items():
+            assert type(got[weight]) is type(want), weight
+            want_parts, want_meta = as_parts(want)
+            got_parts, got_meta = as_parts(got[weight])
+            assert got_meta == want_meta, weight
+            assert {p: (t.dtype, tuple(t.shape), _bytes(t)) for p, t in got_parts.items()} == \
+                {p: (t.dtype, tuple(t.shape), _bytes(t)) for p, t in want_parts.items()}, weight
+        storage.close()
+
+
+# -- a real daemon -------------------------------------------------------------------------------------------------
+@pytest.fixture
+def daemon():
+    d = DaemonProc(Path(tempfile.mkdtemp(prefix="kwsh-", dir="/tmp"))).start()
+    yield d
+    d.stop()
+    shutil.rmtree(paths.shm_dir(d.runtime_dir), ignore_errors=True)
+    shutil.rmtree(d.runtime_dir, ignore_errors=True)
+
+
+def _cli(d: DaemonProc, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "keepwarm.cli.main", *args], env=d.env, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_preload_for_two_ranks_keeps_two_shards_that_ranks_attach(daemon, tiny_model_factory) -> None:
+    model = tiny_model_factory("llama3_tied")
+    out = _cli(daemon, "preload", model, "-q", "int8", "--tensor-parallel-size", "2")
+    assert out.returncode == 0, out.stderr
+    assert "2 tensor-parallel shards of" in out.stderr
+    st = daemon.status()
+    shards = sorted(st["models"], key=lambda m: m["tp_rank"])
+    assert [(m["tp_rank"], m["tp_size"], m["quantization"], m["origin"]) for m in shards] == \
+        [(0, 2, "int8", "preload"), (1, 2, "int8", "preload")]
+    source = shards[0]["source_fingerprint"]
+    assert shards[1]["source_fingerprint"] == source and len(source) == 64
+    assert st["counters"]["preloads"] == 1  # one pass over the checkpoint, two arenas
+    arena_dir = Path(st["arena_dir"])
+    assert {p.name for p in arena_dir.glob("*.arena")} == {f"{m['fingerprint']}.arena" for m in shards}
+    text = _cli(daemon, "status").stdout
+    assert f"tensor-parallel shard 0/2 of {source[:16]}" in text and f"shard 1/2 of {source[:16]}" in text
+
+    with daemon.client() as c:
+        again = c.preload(model, "int8", tp_size=2)
+        assert again.cached and [x["fingerprint"] for x in again.shards] == [m["fingerprint"] for m in shards]
+        reply = c.attach(model, "int8", fingerprint=source, tp=(1, 2), pid=os.getpid())
+        m1 = json.loads(reply.manifest)
+        assert (m1["tp_rank"], m1["tp_size"], m1["fingerprint"]) == (1, 2, shards[1]["fingerprint"])
+        c.detach(reply.lease_id)
+        with pytest.raises(DaemonError, match="tensor-parallel size 3 does not divide num_attention_heads") as e:
+            c.preload(model, "int8", tp_size=3)
+        assert e.value.code == "tensor_parallel" and "\n" not in e.value.message
+        assert daemon.status()["counters"]["preloads"] == 1
+
+    daemon.kill9()  # a successor re-adopts both shards (their bytes still hash to their manifests)
+    daemon.start()
+    adopted = sorted(daemon.status()["models"], key=lambda m: m["tp_rank"])
+    assert [(m["fingerprint"], m["origin"]) for m in adopted] == [(m["fingerprint"], "adopted") for m in shards]
+    out = _cli(daemon, "evict", Path(model).name)
+    assert out.returncode == 0, out.stderr
+    assert daemon.status()["models"] == [] and not list(arena_dir.glob("*.arena"))
