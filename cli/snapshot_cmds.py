@@ -146,24 +146,26 @@ def verify(name: Annotated[str, typer.Argument()]) -> None:
 
     def run():
         from keepwarm.formats.arena import ArenaHasher, ArenaManifest
+        from keepwarm.snapshot import manifest as mf
         from keepwarm.snapshot.manifest import SnapshotError
 
         store = _store()
         t0 = time.perf_counter()
         with store.lock():
             m = store.load(name)
-            images = {mod["image"]["digest"]: mod["image"]["size"] for mod in m["models"]}
+            every = [(mod, img) for mod in m["models"] for img in mf.images(mod)]  # a shard per rank, or one
+            images = {img["image"]["digest"]: img["image"]["size"] for _, img in every}
             n, nbytes = store.verify(m, skip=frozenset(images))
-            for mod in m["models"]:
-                arena = ArenaManifest.from_json(store.read_blob(mod["image_manifest"]["digest"]).decode())
-                if (arena.fingerprint, arena.arena_digest) != (mod["fingerprint"], mod["arena_digest"]):
-                    raise SnapshotError(f"blob {mod['image_manifest']['digest']} (model {mod['name']}: arena "
+            for mod, img in every:
+                arena = ArenaManifest.from_json(store.read_blob(img["image_manifest"]["digest"]).decode())
+                if (arena.fingerprint, arena.arena_digest) != (img["fingerprint"], img["arena_digest"]):
+                    raise SnapshotError(f"blob {img['image_manifest']['digest']} (model {mod['name']}: arena "
                                         "manifest) does not match the snapshot's model entry")
                 hasher = ArenaHasher(arena.tensors)  # the blob's sha256 and the arena digest in one pass
-                store.verify_blob(mod["image"]["digest"], mod["image"]["size"], f"model {mod['name']}: arena image",
+                store.verify_blob(img["image"]["digest"], img["image"]["size"], f"model {mod['name']}: arena image",
                                   also=hasher.feed)
                 if hasher.hexdigest() != arena.arena_digest:
-                    raise SnapshotError(f"blob {mod['image']['digest']} (model {mod['name']}: arena image) does "
+                    raise SnapshotError(f"blob {img['image']['digest']} (model {mod['name']}: arena image) does "
                                         "not match its arena_digest")
         return n + len(images), nbytes + sum(images.values()), time.perf_counter() - t0
 

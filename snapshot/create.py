@@ -161,8 +161,9 @@ def capture_arena(store: Store, manifest_json: str, arena: dict[str, Any]) -> tu
     return ref, layouts
 
 
-def _attach(source: Source, rt: Path | None, preload: bool, say: Say):
-    """Lease the model in the daemon: (Attachment without tensors, attach reply, daemon status)."""
+def _attach(source: Source, rt: Path | None, preload: bool, say: Say, tp: tuple[int, int] = (0, 1)):
+    """Lease the model (``tp`` = (rank, size): that rank's shard) in the daemon: (Attachment without tensors,
+    attach reply, daemon status)."""
     from keepwarm.daemon.client import DaemonClient, DaemonError, ensure_daemon
     from keepwarm.worker.attach import Attachment, LeaseKeeper
 
@@ -179,7 +180,7 @@ def _attach(source: Source, rt: Path | None, preload: bool, say: Say):
         status = client.status()
         try:
             reply = client.attach(str(source.model_dir), quant, dtype, source.fingerprint, preload=preload,
-                                  on_event=lambda ev: None)
+                                  on_event=lambda ev: None, tp=tp)
         except DaemonError as e:
             fp = f", fingerprint {source.fingerprint[:16]}" if source.fingerprint else ""
             if e.code == "not_resident":
@@ -197,6 +198,35 @@ def _attach(source: Source, rt: Path | None, preload: bool, say: Say):
     att.keeper = LeaseKeeper(att, rt, reply.lease_ttl, quant, dtype)
     att.keeper.start()
     return att, reply, status
+
+
+def _daemon_device(rt: Path | None) -> str:
+    """"cpu" or "cuda" for the daemon at ``rt`` ("cpu" when none answers: the daemon ``--preload`` starts)."""
+    from keepwarm.daemon.client import DaemonClient
+
+    with DaemonClient(rt) as client:
+        st = client.ping(timeout=2.0)
+    return "cpu" if st is None else str(st.get("device", "cpu")).split(":", 1)[0]
+
+
+def _capture(store: Store, source: Source, rt: Path | None, preload: bool, say: Say, tp: tuple[int, int]):
+    """Store one arena (a rank's shard under ``tp``) as an image: (its manifest, its model-entry fields, its
+    layouts, the daemon's status)."""
+    from keepwarm.formats.arena import ArenaManifest
+
+    att, reply, status = _attach(source, rt, preload, say, tp)
+    try:
+        m = ArenaManifest.from_json(reply.manifest)
+        shard = f", tensor-parallel rank {tp[0]} of {tp[1]}" if tp[1] > 1 else ""
+        say(f"capturing {m.model_name} ({m.quantization}/{m.dtype}, {m.total_bytes / 1e6:.1f} MB arena{shard}, "
+            f"fingerprint {m.fingerprint[:16]})")
+        image, layouts = capture_arena(store, reply.manifest, reply.arena)
+        image_manifest = store.put_bytes(reply.manifest.encode())
+    finally:
+        att.close()
+    entry = {"tp_rank": tp[0], "fingerprint": m.fingerprint, "arena_digest": m.arena_digest,
+             "arena_bytes": m.total_bytes, "image": image.ref(), "image_manifest": image_manifest.ref()}
+    return m, entry, layouts, status
 
 
 # -- adapters ----------------------------------------------------------------------------------------------------------
@@ -246,26 +276,26 @@ def create(name: str, *, server: str | None = None, config_path: str | None = No
     rt_cfg = source.config.get("runtime_dir")
     rt = Path(rt_cfg) if rt_cfg else paths.runtime_dir()
     before = store.stored_bytes()
+    # A tensor-parallel deployment on a CPU daemon runs on per-rank shard arenas; a CUDA daemon keeps one arena.
+    tp_size = int(source.config.get("tensor_parallel_size") or 1) if _daemon_device(rt) == "cpu" else 1
     with store.lock():
-        att, reply, status = _attach(source, rt, preload, say)
-        try:
-            m = att.manifest
-            say(f"capturing {m.model_name} ({m.quantization}/{m.dtype}, {m.total_bytes / 1e6:.1f} MB arena, "
-                f"fingerprint {m.fingerprint[:16]})")
-            ti = time.perf_counter()
-            image, layouts = capture_arena(store, reply.manifest, reply.arena)
-            image_seconds = time.perf_counter() - ti
-            image_manifest = store.put_bytes(reply.manifest.encode())
-        finally:
-            att.close()
+        ti = time.perf_counter()
+        shards, layouts, status = [], set(), {}
+        for rank in range(tp_size):  # a tensor-parallel deployment: each rank's shard arena
+            m, shard, shard_layouts, status = _capture(store, source, rt, preload, say, (rank, tp_size))
+            shards.append(shard)
+            layouts |= set(shard_layouts)
+        image_seconds = time.perf_counter() - ti
         files = {p.name: store.put_file(p).ref() for p in model_files(source.model_dir)}
         if "config.json" not in files:
             raise SnapshotError(f"{source.model_dir} has no config.json")
-        model = {"role": "base", "name": m.model_name, "source": m.model, "fingerprint": m.fingerprint,
+        model = {"role": "base", "name": m.model_name, "source": m.model, "fingerprint": m.model_fingerprint,
                  "quantization": m.quantization, "dtype": m.dtype, "device": m.device,
-                 "layout_version": m.layout_version, "layouts": layouts, "arena_digest": m.arena_digest,
-                 "arena_bytes": m.total_bytes, "image": image.ref(), "image_manifest": image_manifest.ref(),
+                 "layout_version": m.layout_version, "layouts": sorted(layouts),
+                 **{k: shards[0][k] for k in ("arena_digest", "arena_bytes", "image", "image_manifest")},
                  "files": files}
+        if tp_size > 1:
+            model.update(tensor_parallel_size=tp_size, shards=shards)
         tok = source.config.get("tokenizer")
         if tok and Path(tok).is_dir() and Path(tok).resolve() != source.model_dir.resolve():
             model["tokenizer_files"] = {p.name: store.put_file(p).ref() for p in model_files(Path(tok))}

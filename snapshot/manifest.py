@@ -19,7 +19,12 @@ path or a config: names, digests and file names are checked against strict patte
       "image": BLOB,               # the packed arena, byte for byte (<fingerprint>.arena)
       "image_manifest": BLOB,      # the daemon's arena manifest (<fingerprint>.json)
       "files": {"config.json": BLOB, "tokenizer.json": BLOB, ...},
-      "tokenizer_files": {...}     # only when the config's `tokenizer` was another directory
+      "tokenizer_files": {...},    # only when the config's `tokenizer` was another directory
+      # a tensor-parallel deployment (server_config tensor_parallel_size N > 1, CPU daemon): each rank's shard
+      # arena; "fingerprint" above is then the whole model's, "image" / "image_manifest" / "arena_digest" rank 0's
+      "tensor_parallel_size": N,
+      "shards": [{"tp_rank": 0, "fingerprint": "<the shard's>", "arena_digest": "...", "arena_bytes": ...,
+                  "image": BLOB, "image_manifest": BLOB}, ...]
   }],
   "adapters": [{"name": "a", "digest": "<adapter digest>", "rank": 8, "source": "/path",
                 "files": {"adapter_config.json": BLOB, "adapter_model.safetensors": BLOB}}],
@@ -125,6 +130,8 @@ def validate(m: Any) -> dict[str, Any]:
             raise SnapshotError(f"manifest: {w}.files has no config.json")
         if mod.get("tokenizer_files") is not None:
             _files(f"{w}.tokenizer_files", mod["tokenizer_files"])
+        if "shards" in mod:
+            _shards(w, mod)
     adapters = m.get("adapters")
     if not isinstance(adapters, list):
         raise SnapshotError("manifest: adapters must be a list")
@@ -146,6 +153,28 @@ def validate(m: Any) -> dict[str, Any]:
     return m
 
 
+def _shards(w: str, mod: dict[str, Any]) -> None:
+    shards, n = mod["shards"], mod.get("tensor_parallel_size")
+    if not isinstance(n, int) or isinstance(n, bool) or n < 2 or not isinstance(shards, list) or len(shards) != n:
+        raise SnapshotError(f"manifest: {w}.shards must list one shard per rank of tensor_parallel_size (>= 2)")
+    for r, sh in enumerate(shards):
+        ws = f"{w}.shards[{r}]"
+        if not isinstance(sh, dict) or sh.get("tp_rank") != r:
+            raise SnapshotError(f"manifest: {ws} must be a map with tp_rank {r}")
+        _str(f"{ws}.fingerprint", sh.get("fingerprint"), DIGEST_RE)
+        _str(f"{ws}.arena_digest", sh.get("arena_digest"), DIGEST_RE)
+        _blob(f"{ws}.image", sh.get("image"))
+        _blob(f"{ws}.image_manifest", sh.get("image_manifest"))
+    if (shards[0]["image"], shards[0]["arena_digest"]) != (mod["image"], mod["arena_digest"]):
+        raise SnapshotError(f"manifest: {w}.image must be rank 0's shard image")
+
+
+def images(mod: dict[str, Any]) -> list[dict[str, Any]]:
+    """A model entry's arena images, each with its ``fingerprint``, ``arena_digest``, ``image`` and
+    ``image_manifest``: the one arena, or one shard per tensor-parallel rank (in rank order)."""
+    return mod.get("shards") or [mod]
+
+
 def loads(text: str | bytes) -> dict[str, Any]:
     if len(text) > MAX_MANIFEST_BYTES:
         raise SnapshotError(f"manifest: {len(text)} bytes, more than {MAX_MANIFEST_BYTES}")
@@ -165,8 +194,11 @@ def blob_refs(m: dict[str, Any]) -> list[tuple[str, int, str]]:
     out = []
     for mod in m["models"]:
         label = f"model {mod['name']}"
-        out.append((mod["image"]["digest"], mod["image"]["size"], f"{label}: arena image"))
-        out.append((mod["image_manifest"]["digest"], mod["image_manifest"]["size"], f"{label}: arena manifest"))
+        for img in images(mod):
+            shard = f" (rank {img['tp_rank']})" if "tp_rank" in img else ""
+            out.append((img["image"]["digest"], img["image"]["size"], f"{label}: arena image{shard}"))
+            out.append((img["image_manifest"]["digest"], img["image_manifest"]["size"],
+                        f"{label}: arena manifest{shard}"))
         for fname, b in sorted(mod["files"].items()):
             out.append((b["digest"], b["size"], f"{label}: {fname}"))
         for fname, b in sorted((mod.get("tokenizer_files") or {}).items()):

@@ -38,6 +38,7 @@ from typing import Any
 
 from keepwarm.formats import paths
 from keepwarm.formats.paths import keepwarm_home
+from keepwarm.snapshot import manifest as mf
 from keepwarm.snapshot.manifest import SnapshotError
 from keepwarm.snapshot.store import Store, fsync_dir, hash_file
 from keepwarm.worker.api.config import ConfigError, ServerConfig, build_config, to_toml
@@ -186,12 +187,12 @@ def restore(name: str, *, store: Store | None = None, server_config: str | None 
         m = store.load(name)
         # 1. every blob, before anything else; the arena image is checked by the daemon as it loads it (one pass),
         # or here if the daemon turns out to hold that model already (step 4)
-        images = frozenset(mod["image"]["digest"] for mod in m["models"])
+        images = frozenset(img["image"]["digest"] for mod in m["models"] for img in mf.images(mod))
         n, nbytes = store.verify(m, skip=images)
         verify_seconds = time.perf_counter() - t0
         say(f"verified {n} blobs ({nbytes / 1e6:.1f} MB) in {verify_seconds:.2f}s; the arena image is checked "
             "as the daemon loads it")
-        model, arena_json = _arena_manifest(store, name, m)
+        model, arena_jsons = _arena_manifests(store, name, m)
 
         # 2. up-front checks: the server config's target, the API key, the daemon's device
         unit, target = _config_target(server_config, restart_server)
@@ -216,7 +217,7 @@ def restore(name: str, *, store: Store | None = None, server_config: str | None 
             # 3. files
             staged = _stage_files(store, root, m, adapter_dirs, created)
             # 4. the daemon
-            load_seconds = _load_into_daemon(client, store, m, arena_json, adapter_dirs, loaded_images,
+            load_seconds = _load_into_daemon(client, store, m, arena_jsons, adapter_dirs, loaded_images,
                                              loaded_adapters, say)
             # 5. commit
             if not model.get("tokenizer_files") and _dir_matches(model_dir, model["files"]):
@@ -247,21 +248,27 @@ def restore(name: str, *, store: Store | None = None, server_config: str | None 
     return result
 
 
-def _arena_manifest(store: Store, name: str, m: dict[str, Any]) -> tuple[dict[str, Any], str]:
-    """The snapshot's one model entry and its arena manifest (JSON), after checking the two agree."""
+def _arena_manifests(store: Store, name: str, m: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """The snapshot's one model entry and its arena manifests (JSON; one per tensor-parallel rank for a sharded
+    deployment), after checking they agree with it."""
     if len(m["models"]) != 1:
         raise SnapshotError(f"snapshot {name} holds {len(m['models'])} models; this keepwarm restores one")
     model = m["models"][0]
-    arena_json = store.read_blob(model["image_manifest"]["digest"]).decode()
-    try:  # only what must match here; the daemon parses and checks the whole manifest (this needs no torch)
-        arena = json.loads(arena_json)
-        arena_ids = (arena["fingerprint"], arena["arena_digest"])
-    except (ValueError, KeyError, TypeError) as e:
-        raise SnapshotError(f"the arena manifest of {model['name']} does not parse: {e}") from None
-    if arena_ids != (model["fingerprint"], model["arena_digest"]):
-        raise SnapshotError(f"snapshot {name}: its arena manifest does not match the model entry "
-                            "(fingerprint or arena_digest differ)")
-    return model, arena_json
+    out = []
+    for img in mf.images(model):
+        arena_json = store.read_blob(img["image_manifest"]["digest"]).decode()
+        try:  # only what must match here; the daemon parses and checks the whole manifest (this needs no torch)
+            arena = json.loads(arena_json)
+            arena_ids = (arena["fingerprint"], arena["arena_digest"], arena.get("source_fingerprint") or
+                         arena["fingerprint"], arena.get("tp_rank", 0), arena.get("tp_size", 1))
+        except (ValueError, KeyError, TypeError) as e:
+            raise SnapshotError(f"the arena manifest of {model['name']} does not parse: {e}") from None
+        if arena_ids != (img["fingerprint"], img["arena_digest"], model["fingerprint"], img.get("tp_rank", 0),
+                         model.get("tensor_parallel_size", 1)):
+            raise SnapshotError(f"snapshot {name}: its arena manifest does not match the model entry "
+                                "(fingerprint, arena_digest or tensor-parallel rank differ)")
+        out.append(arena_json)
+    return model, out
 
 
 def _config_target(server_config: str | None, restart_server: bool) -> tuple[dict[str, Any] | None, Path]:
@@ -333,29 +340,35 @@ def _stage_files(store: Store, root: Path, m: dict[str, Any], adapter_dirs: dict
     return staged
 
 
-def _load_into_daemon(client: Any, store: Store, m: dict[str, Any], arena_json: str, adapter_dirs: dict[str, Path],
-                      loaded_images: list[str], loaded_adapters: list[str], say: Say) -> float:
-    """Load the model's arena image and the adapters into the daemon; what it newly loaded is appended to
-    ``loaded_images`` / ``loaded_adapters`` (undone if the restore fails). Returns the image's load time."""
+def _load_into_daemon(client: Any, store: Store, m: dict[str, Any], arena_jsons: list[str],
+                      adapter_dirs: dict[str, Path], loaded_images: list[str], loaded_adapters: list[str],
+                      say: Say) -> float:
+    """Load the model's arena images (one, or a shard per tensor-parallel rank) and the adapters into the daemon;
+    what it newly loaded is appended to ``loaded_images`` / ``loaded_adapters`` (undone if the restore fails).
+    Returns the images' load time."""
     from keepwarm.daemon.client import DaemonError
 
     model = m["models"][0]
     tl = time.perf_counter()
-    say(f"loading the image of {model['name']} ({model['quantization']}/{model['dtype']}, "
-        f"{model['image']['size'] / 1e6:.1f} MB) into the daemon")
-    image = model["image"]
-    try:
-        # no sha256 over the file: the daemon checks every tensor byte against the arena digest and every other
-        # byte for zero as it copies, which pins the image to the blob the snapshot names (daemon/image.py)
-        reply = client.load_image(arena_json, store.blob_path(image["digest"]))
-    except DaemonError as e:
-        raise SnapshotError(f"the daemon cannot hold the image of {model['name']}: {e.message}") from None
-    if not reply.cached:
-        loaded_images.append(model["fingerprint"])
-    else:  # resident already, so the daemon did not read the image: a corrupt snapshot is refused all the same
-        store.verify_blob(image["digest"], image["size"], f"model {model['name']}: arena image")
+    cached = True
+    for img, arena_json in zip(mf.images(model), arena_jsons, strict=True):
+        shard = f", tensor-parallel rank {img['tp_rank']}" if "tp_rank" in img else ""
+        say(f"loading the image of {model['name']} ({model['quantization']}/{model['dtype']}, "
+            f"{img['image']['size'] / 1e6:.1f} MB{shard}) into the daemon")
+        image = img["image"]
+        try:
+            # no sha256 over the file: the daemon checks every tensor byte against the arena digest and every other
+            # byte for zero as it copies, which pins the image to the blob the snapshot names (daemon/image.py)
+            reply = client.load_image(arena_json, store.blob_path(image["digest"]))
+        except DaemonError as e:
+            raise SnapshotError(f"the daemon cannot hold the image of {model['name']}{shard}: {e.message}") from None
+        if not reply.cached:
+            loaded_images.append(img["fingerprint"])
+            cached = False
+        else:  # resident already, so the daemon did not read the image: a corrupt snapshot is refused all the same
+            store.verify_blob(image["digest"], image["size"], f"model {model['name']}: arena image{shard}")
     load_seconds = time.perf_counter() - tl
-    say(f"{model['name']}: " + ("already resident, kept as is" if reply.cached else
+    say(f"{model['name']}: " + ("already resident, kept as is" if cached else
                                 f"image loaded in {load_seconds:.2f}s (no re-quantization)"))
     for a in m["adapters"]:
         try:

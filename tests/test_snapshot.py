@@ -688,6 +688,53 @@ def test_packed_bfloat16_image_restores_and_generates_the_same(tiny_llama, tmp_p
         g.stop()
 
 
+@pytest.mark.slow
+def test_tensor_parallel_snapshot_keeps_each_ranks_image_and_refuses_another_size(tiny_llama, tmp_path) -> None:
+    """A TP=2 config's snapshot holds both ranks' shard images; after both are evicted, restore loads the two
+    images (no preload) and a TP=2 engine on the restored directory gives one process's tokens; serving the
+    restored config at TP=1 is refused in one line naming the sizes."""
+    from keepwarm import LLM, SamplingParams
+    from keepwarm.worker.api.config import ServerConfig, to_toml
+
+    g = Side(tmp_path / "T").start_daemon()
+    try:
+        toml = tmp_path / "server.toml"
+        toml.write_text(to_toml(ServerConfig(model=tiny_llama, dtype="float32", quantization="int8",
+                                             tensor_parallel_size=2)))
+        kw(g.env, "snapshot", "create", "tp2", "--from-config", toml, "--preload")
+        mod = g.store.load("tp2")["models"][0]
+        shards = mod["shards"]
+        assert mod["tensor_parallel_size"] == 2 and [x["tp_rank"] for x in shards] == [0, 1]
+        assert len({x["image"]["digest"] for x in shards}) == 2 and mod["image"] == shards[0]["image"]
+        resident = sorted(g.status()["models"], key=lambda m: m["tp_rank"])
+        assert [m["fingerprint"] for m in resident] == [x["fingerprint"] for x in shards]
+        assert {m["source_fingerprint"] for m in resident} == {mod["fingerprint"]}
+        assert "tp2: ok" in kw(g.env, "snapshot", "verify", "tp2").stdout  # both images checked
+        kw(g.env, "evict", mod["fingerprint"])  # the whole model's fingerprint: both shards
+        assert g.status()["models"] == []
+        kw(g.env, "snapshot", "restore", "tp2")
+        st = g.status()
+        assert (st["counters"]["images_loaded"], st["counters"]["preloads"]) == (2, 1)
+        assert sorted((m["tp_rank"], m["origin"]) for m in st["models"]) == [(0, "image"), (1, "image")]
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        restored = LLM(model=str(g.home / "restored" / mod["fingerprint"]), dtype="float32", quantization="int8",
+                       max_model_len=128, tensor_parallel_size=2, daemon=True, runtime_dir=str(g.rt),
+                       fingerprint=mod["fingerprint"])
+        assert restored.llm_engine.weights_source == "daemon"
+        got = [o.outputs[0].token_ids for o in restored.generate(PROMPTS, params)]
+        restored.close()
+        disk = LLM(model=tiny_llama, dtype="float32", quantization="int8", max_model_len=128, daemon=False)
+        assert got == [o.outputs[0].token_ids for o in disk.generate(PROMPTS, params)]
+        disk.close()
+        r = kw(g.env, "serve", "--config", g.home / "server.toml", "--tensor-parallel-size", "1", check=False,
+               timeout=120)
+        err = one_line_error(r)
+        assert "resident as 2 tensor-parallel shards, not as one arena" in err, err
+        assert g.status()["counters"]["preloads"] == 1
+    finally:
+        g.stop()
+
+
 # -- 6. what README.md and docs/snapshots.md claim for the CLI ------------------------------------------------------
 @pytest.mark.slow
 def test_cli_create_force_show_import_name_force_restore_prev_and_no_api_key_stored(prod, tmp_path) -> None:
