@@ -95,10 +95,12 @@ def _progress_printer() -> Any:
 
 
 def preload_model(model: str | None, quantization: str = "auto", dtype: str = "auto",
-                  memory_budget: str | None = None, device: str = "cpu", tensor_parallel_size: int = 1) -> str:
+                  memory_budget: str | None = None, device: str = "cpu", tensor_parallel_size: int = 1,
+                  pipeline_parallel_size: int = 1) -> str:
     """Preload through the daemon (started if needed) with a progress bar on stderr; returns the model path.
-    ``tensor_parallel_size`` > 1: one shard arena per rank, built in one pass."""
+    Parallel sizes > 1: one shard arena per (pipeline stage, tensor-parallel rank), built in one pass."""
     from keepwarm.daemon.client import ensure_daemon
+    from keepwarm.formats.layout import describe_sizes
 
     if model is None:
         from keepwarm.worker.default_model import default_model
@@ -111,7 +113,8 @@ def preload_model(model: str | None, quantization: str = "auto", dtype: str = "a
     show = _progress_printer()
     t0 = time.perf_counter()
     try:
-        reply = client.preload(model, quantization, dtype, on_event=show, tp_size=tensor_parallel_size)
+        reply = client.preload(model, quantization, dtype, on_event=show, tp_size=tensor_parallel_size,
+                               pp_size=pipeline_parallel_size)
     finally:
         show.finish()
         client.close()
@@ -122,7 +125,8 @@ def preload_model(model: str | None, quantization: str = "auto", dtype: str = "a
                 f"{reply.source_bytes / reply.load_seconds / 1e9:.2f} GB/s)")
     if reply.shards:
         sizes = " + ".join(f"{x['bytes'] / 1e6:.1f}" for x in reply.shards)
-        typer.echo(f"{reply.name}: {how}; {len(reply.shards)} tensor-parallel shards of {sizes} MB, "
+        split = describe_sizes(reply.tp_size, reply.pp_size)
+        typer.echo(f"{reply.name}: {how}; {split} ({len(reply.shards)} arenas) of {sizes} MB, "
                    f"{reply.quantization}, {reply.dtype}, fingerprint {reply.source_fingerprint[:16]}", err=True)
         return model
     typer.echo(f"{reply.name}: {how}; {reply.bytes / 1e6:.1f} MB, {reply.quantization}, "
@@ -146,12 +150,16 @@ def register(app: typer.Typer) -> None:
         tensor_parallel_size: Annotated[int, typer.Option(
             "--tensor-parallel-size", "-tp", min=1,
             help="Keep one shard per tensor-parallel rank (what `serve --tensor-parallel-size` attaches).")] = 1,
+        pipeline_parallel_size: Annotated[int, typer.Option(
+            "--pipeline-parallel-size", "-pp", min=1,
+            help="Keep one arena per pipeline stage (times the tensor-parallel size).")] = 1,
     ) -> None:
         """Make MODEL resident in the daemon (starting a daemon if none answers); returns when it is."""
         from keepwarm.daemon.client import DaemonError
 
         try:
-            preload_model(model, quantization, dtype, memory_budget, device, tensor_parallel_size)
+            preload_model(model, quantization, dtype, memory_budget, device, tensor_parallel_size,
+                          pipeline_parallel_size)
         except DaemonError as e:
             _fail(e.message)
 
@@ -180,8 +188,11 @@ def register(app: typer.Typer) -> None:
             typer.echo("no resident models")
         for m in st["models"]:
             pids = ", ".join(str(x["pid"]) for x in m["leases"]) or "none"
-            shard = (f"  tensor-parallel shard {m['tp_rank']}/{m['tp_size']} of {m['source_fingerprint'][:16]}"
-                     if m.get("tp_size", 1) > 1 else "")
+            shard = ""
+            if m.get("source_fingerprint"):
+                stage = f"pipeline stage {m['pp_stage']}/{m['pp_size']} " if m.get("pp_size", 1) > 1 else ""
+                rank = f"tensor-parallel shard {m['tp_rank']}/{m['tp_size']} " if m["tp_size"] > 1 else ""
+                shard = f"  {stage}{rank}of {m['source_fingerprint'][:16]}"
             typer.echo(f"  {m['name']}  {m['bytes'] / 1e6:.1f} MB  {m['quantization']}/{m['dtype']}  "
                        f"fingerprint {m['fingerprint'][:16]}{shard}  {m['origin']}  leases: {len(m['leases'])} "
                        f"(pids {pids})")

@@ -25,6 +25,7 @@ from keepwarm.daemon.protocol import (
     encode,
 )
 from keepwarm.formats import paths
+from keepwarm.formats.layout import Layout
 
 ProgressCallback = Callable[[dict[str, Any]], None]
 
@@ -126,26 +127,30 @@ class DaemonClient:
         return self.request("status")
 
     def preload(self, model: str, quantization: str = "auto", dtype: str = "auto", fingerprint: str | None = None,
-                on_event: ProgressCallback | None = None, tp_size: int = 1) -> LoadReply:
-        """``tp_size`` > 1: one shard arena per tensor-parallel rank (the reply's ``shards``)."""
+                on_event: ProgressCallback | None = None, tp_size: int = 1, pp_size: int = 1) -> LoadReply:
+        """``tp_size`` / ``pp_size`` > 1: one shard arena per (pipeline stage, tensor-parallel rank) (the reply's
+        ``shards``)."""
         args: dict[str, Any] = {"model": model, "quantization": quantization, "dtype": dtype}
         if fingerprint:
             args["fingerprint"] = fingerprint
         if tp_size != 1:
             args["tp_size"] = tp_size
+        if pp_size != 1:
+            args["pp_size"] = pp_size
         return self.typed(LoadReply, "preload", args, timeout=60.0, on_event=on_event)
 
     def attach(self, model: str, quantization: str = "auto", dtype: str = "auto", fingerprint: str | None = None,
                preload: bool = True, on_event: ProgressCallback | None = None,
-               pid: int | None = None, tp: tuple[int, int] = (0, 1)) -> AttachReply:
-        """Lease ``model`` for ``pid`` (default: this process; a lease keeper attaches for its worker); ``tp`` =
-        (rank, size) with size > 1: that rank's shard arena (``fingerprint`` is the whole model's)."""
+               pid: int | None = None, layout: Layout | None = None) -> AttachReply:
+        """Lease ``model`` for ``pid`` (default: this process; a lease keeper attaches for its worker); a split
+        ``layout``: that (stage, rank)'s shard arena (``fingerprint`` is the whole model's)."""
         args: dict[str, Any] = {"model": model, "quantization": quantization, "dtype": dtype,
                                 "pid": pid or os.getpid(), "preload": preload}
         if fingerprint:
             args["fingerprint"] = fingerprint
-        if tp != (0, 1):
-            args["tp_rank"], args["tp_size"] = tp
+        if layout is not None and not layout.whole:
+            args.update(tp_rank=layout.tp_rank, tp_size=layout.tp_size, pp_stage=layout.pp_stage,
+                        pp_size=layout.pp_size)
         return self.typed(AttachReply, "attach", args, timeout=60.0, on_event=on_event)
 
     def load_image(self, manifest_json: str, image: str | Path, sha256: str | None = None,

@@ -31,12 +31,13 @@ from keepwarm.daemon.sharding import TensorParallelError
 from keepwarm.daemon.shards import build_shards
 from keepwarm.formats import paths
 from keepwarm.formats.arena import ArenaManifest, CpuArenaFile, CudaArena
+from keepwarm.formats.layout import describe_sizes
 from keepwarm.formats.model_config import ModelConfigError
 from keepwarm.formats.quant import QuantizationError
 
 log = logging.getLogger("keepwarm.daemon")
 
-JobKey = tuple[str, str, str, int]  # (model, quantization or "image:<fingerprint>", dtype, tensor-parallel size)
+JobKey = tuple[str, str, str, int, int]  # (model, quantization or "image:<fingerprint>", dtype, tp size, pp size)
 Waiter = tuple[bytes, str, str, Any]  # (socket identity, request id, verb, args)
 
 
@@ -138,13 +139,14 @@ def preload_job(key: JobKey, ckpt: Checkpoint, dtype: str, arena_bytes: int, fin
 
 def shard_job(key: JobKey, ckpt: Checkpoint, dtype: str, arena_bytes: int, fingerprint: str | None,
               residency: Residency) -> LoadJob:
-    """Read ``ckpt`` once and build one shard arena per tensor-parallel rank (``key[3]`` ranks); ``fingerprint``:
-    what the whole model must turn out to be."""
-    tp_size = key[3]
+    """Read ``ckpt`` once and build one shard arena per pipeline stage and tensor-parallel rank (``key[3]`` ranks,
+    ``key[4]`` stages); ``fingerprint``: what the whole model must turn out to be."""
+    tp_size, pp_size = key[3], key[4]
+    split = describe_sizes(tp_size, pp_size)
 
     def work(job: LoadJob) -> list[Resident]:
         t0 = time.perf_counter()
-        built = build_shards(ckpt, job.quantization, dtype, tp_size, residency.arena_dir, job.add_bytes,
+        built = build_shards(ckpt, job.quantization, dtype, tp_size, pp_size, residency.arena_dir, job.add_bytes,
                              residency.threads, on_created=job.created_files.extend)
         source = built[0][1].source_fingerprint
         if fingerprint and source != fingerprint:
@@ -152,19 +154,18 @@ def shard_job(key: JobKey, ckpt: Checkpoint, dtype: str, arena_bytes: int, finge
                                                         f"{source[:16]}, not {fingerprint[:16]}")
         seconds = time.perf_counter() - t0
         now = time.time()
-        residents = []
+        residents: list[Resident] = []
         for storage, manifest in built:
             storage, mpath = residency.install_cpu_arena(storage, manifest)
             job.created_files += [storage.path] + ([mpath] if mpath is not None else [])
             residents.append(Resident(manifest, storage, "preload", now, seconds, now, mpath,
-                                      source_bytes=job.total_bytes if manifest.tp_rank == 0 else 0))
-        log.info("preloaded %s (%s, %s) as %d tensor-parallel shards: %.1f MB read, %.1f MB in %.2fs, fingerprint "
-                 "%s", ckpt.model_dir.name, job.quantization, built[0][1].dtype, tp_size, job.total_bytes / 1e6,
+                                      source_bytes=job.total_bytes if not residents else 0))
+        log.info("preloaded %s (%s, %s) as %s: %.1f MB read, %.1f MB in %.2fs, fingerprint %s", ckpt.model_dir.name,
+                 job.quantization, built[0][1].dtype, split, job.total_bytes / 1e6,
                  sum(m.total_bytes for _, m in built) / 1e6, seconds, source[:16])
         return residents
 
-    return LoadJob(key, "preload", f"preload of {ckpt.model_dir} for {tp_size} tensor-parallel ranks", key[1],
-                   ckpt.nbytes, arena_bytes, work)
+    return LoadJob(key, "preload", f"preload of {ckpt.model_dir} as {split}", key[1], ckpt.nbytes, arena_bytes, work)
 
 
 def _check_image(image: Path, sha256: str | None, file_digest: str | None, arena_digest: str,

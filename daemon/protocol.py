@@ -40,6 +40,7 @@ class PreloadArgs:
     dtype: str = "auto"
     fingerprint: str | None = None  # when given, the resident arena must have exactly this fingerprint
     tp_size: int = 1  # > 1: one shard arena per tensor-parallel rank (CPU daemons), built in one pass
+    pp_size: int = 1  # > 1: one per pipeline stage (times tp_size), in the same pass
 
 
 @dataclass(frozen=True)
@@ -50,8 +51,10 @@ class AttachArgs:
     dtype: str = "auto"
     fingerprint: str | None = None  # the whole model's (for a shard too)
     preload: bool = True  # preload the model when it is not resident
-    tp_rank: int = 0  # with tp_size > 1: attach this rank's shard arena
+    tp_rank: int = 0  # with tp_size or pp_size > 1: attach this (stage, rank)'s shard arena
     tp_size: int = 1
+    pp_stage: int = 0
+    pp_size: int = 1
 
 
 @dataclass(frozen=True)
@@ -231,10 +234,12 @@ class LoadReply(Reply):
     leases: list[dict[str, Any]]
     source_bytes: int = 0  # read to build it (checkpoint files or the image); 0 when adopted
     arena_bytes: int = 0  # the arena's allocation
-    tp_rank: int = 0  # a shard's rank and rank count (0 and 1 for a whole arena)
+    tp_rank: int = 0  # a shard's layout (0, 1, 0, 1 for a whole arena)
     tp_size: int = 1
+    pp_stage: int = 0
+    pp_size: int = 1
     source_fingerprint: str = ""  # a shard's whole-model fingerprint
-    shards: list[dict[str, Any]] = field(default_factory=list)  # a tensor-parallel preload: every rank's shard
+    shards: list[dict[str, Any]] = field(default_factory=list)  # a split preload: every shard, stage-major
 
 
 @dataclass(frozen=True)

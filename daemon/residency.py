@@ -28,7 +28,16 @@ from keepwarm.daemon.adapters import AdapterStore
 from keepwarm.daemon.leases import Leases
 from keepwarm.daemon.loader import checkpoint_changed
 from keepwarm.daemon.protocol import ProtocolError
-from keepwarm.formats.arena import ArenaManifest, CpuArenaFile, CudaArena, arena_digest_of, iter_manifest_files
+from keepwarm.formats.arena import (
+    ArenaManifest,
+    CpuArenaFile,
+    CudaArena,
+    arena_digest_of,
+    iter_manifest_files,
+)
+from keepwarm.formats.layout import Layout
+
+WHOLE = Layout()
 
 log = logging.getLogger("keepwarm.daemon")
 
@@ -92,15 +101,14 @@ class Residency:
     def resident_bytes(self) -> int:
         return sum(r.nbytes for r in self.residents.values()) + self.adapters.nbytes
 
-    def find(self, key: tuple[str, str, str], fingerprint: str | None, tp: tuple[int, int] = (0, 1),
-             ) -> Resident | None:
-        """The resident of ``fingerprint`` (a whole model's: under ``tp`` = (rank, size), that rank's shard of it),
-        else of (model, quantization, dtype) and ``tp`` whose checkpoint is unchanged."""
-        if fingerprint and tp == (0, 1):
+    def find(self, key: tuple[str, str, str], fingerprint: str | None, layout: Layout = WHOLE) -> Resident | None:
+        """The resident of ``fingerprint`` (a whole model's: for a ``layout`` part of it, that shard), else of
+        (model, quantization, dtype) and ``layout`` whose checkpoint is unchanged."""
+        if fingerprint and layout.whole:
             return self.residents.get(fingerprint)
         for r in self.residents.values():
             m = r.manifest
-            if (m.tp_rank, m.tp_size) != tp:
+            if m.layout != layout:
                 continue
             if fingerprint:
                 if m.source_fingerprint == fingerprint:
@@ -188,8 +196,7 @@ class Residency:
         m = fresh.manifest
         for fp, r in list(self.residents.items()):
             o = r.manifest
-            same_model = (o.model, o.quantization, o.dtype, o.tp_rank, o.tp_size) == \
-                (m.model, m.quantization, m.dtype, m.tp_rank, m.tp_size)
+            same_model = (o.model, o.quantization, o.dtype, o.layout) == (m.model, m.quantization, m.dtype, m.layout)
             if o.model_fingerprint != m.model_fingerprint and same_model and not self.leases.held(fp):
                 self.evict(fp, reason="checkpoint changed on disk")
 

@@ -57,8 +57,8 @@ from keepwarm.daemon.protocol import (
     reply_error,
     reply_ok,
 )
-from keepwarm.daemon.residency import Residency, Resident, parse_memory_budget
-from keepwarm.daemon.sharding import TensorParallelError, check_supported
+from keepwarm.daemon.residency import WHOLE, Residency, Resident, parse_memory_budget
+from keepwarm.daemon.sharding import TensorParallelError, check_pipeline, check_supported
 from keepwarm.formats import paths
 from keepwarm.formats.adapter import LoRAError
 from keepwarm.formats.arena import (
@@ -68,6 +68,7 @@ from keepwarm.formats.arena import (
     cuda_uuid,
     dtype_name,
 )
+from keepwarm.formats.layout import Layout, describe_sizes
 from keepwarm.formats.model_config import ModelConfigError
 from keepwarm.formats.quant import QuantizationError
 from keepwarm.formats.version import __version__
@@ -249,7 +250,8 @@ class Daemon:
                 "load_seconds": round(r.load_seconds, 4), "loaded_at": r.loaded_at, "last_used": r.last_used,
                 "leases": [{"lease_id": x.lease_id, "pid": x.pid} for x in leases],
                 "source_bytes": r.source_bytes, "arena_bytes": r.arena_bytes, "tp_rank": m.tp_rank,
-                "tp_size": m.tp_size, "source_fingerprint": m.source_fingerprint}
+                "tp_size": m.tp_size, "pp_stage": m.pp_stage, "pp_size": m.pp_size,
+                "source_fingerprint": m.source_fingerprint}
 
     def _verb_status(self, _identity: bytes, rid: str, _args: Any) -> dict:
         return reply_ok(rid, pid=os.getpid(), version=__version__, socket=str(paths.socket_path(self.runtime_dir)),
@@ -293,33 +295,35 @@ class Daemon:
 
     def _verb_preload(self, identity: bytes, rid: str, args: PreloadArgs) -> dict | None:
         return self._load_or_wait(identity, rid, "preload", args, args.model, args.quantization, args.dtype,
-                                  args.fingerprint, self._tp(0, args.tp_size))
+                                  args.fingerprint, self._layout(Layout(0, args.tp_size, 0, args.pp_size)))
 
-    def _tp(self, rank: int, size: int) -> tuple[int, int]:
-        """(rank, size) checked: shard arenas are built by CPU daemons only."""
-        if size < 1 or not 0 <= rank < size:
-            raise ProtocolError("bad_request", f"tensor-parallel rank {rank} of {size}: need 0 <= rank < size")
-        if size > 1 and self.device.type != "cpu":
-            raise ProtocolError("unsupported", f"tensor-parallel shard arenas are built by CPU daemons only (this "
-                                               f"daemon holds {self.device_name}); attach the whole arena instead")
-        return rank, size
+    def _layout(self, layout: Layout) -> Layout:
+        """``layout`` checked: shard arenas are built by CPU daemons only."""
+        try:
+            layout.check()
+        except ValueError as e:
+            raise ProtocolError("bad_request", str(e)) from None
+        if not layout.whole and self.device.type != "cpu":
+            raise ProtocolError("unsupported", f"shard arenas (tensor or pipeline parallel) are built by CPU daemons "
+                                               f"only (this daemon holds {self.device_name}); attach the whole arena")
+        return layout
 
     def _verb_attach(self, identity: bytes, rid: str, args: AttachArgs) -> dict | None:
         if args.pid <= 0:
             raise ProtocolError("bad_request", "attach: pid must be positive")
-        tp = self._tp(args.tp_rank, args.tp_size)
+        layout = self._layout(Layout(args.tp_rank, args.tp_size, args.pp_stage, args.pp_size))
         if not args.preload:
             if args.fingerprint:  # no checkpoint needed (a snapshot's restored model directory has no weights)
-                r = self.residency.find(("", "", ""), args.fingerprint, tp)
+                r = self.residency.find(("", "", ""), args.fingerprint, layout)
             else:
                 _, key = self._resolve_model(args.model, args.quantization, args.dtype)
-                r = self.residency.find(key, None, tp)
+                r = self.residency.find(key, None, layout)
             if r is None:
-                shard = f", rank {tp[0]} of {tp[1]}" if tp[1] > 1 else ""
+                shard = "" if layout.whole else f", {layout}"
                 raise ProtocolError("not_resident", f"{args.model} ({args.quantization}{shard}) is not resident")
             return self._attach_reply(rid, r, args, cached=True)
         return self._load_or_wait(identity, rid, "attach", args, args.model, args.quantization, args.dtype,
-                                  args.fingerprint, tp)
+                                  args.fingerprint, layout)
 
     def _attach_reply(self, rid: str, r: Resident, args: AttachArgs, cached: bool) -> dict:
         lease = self.leases.grant(args.pid, r.manifest.fingerprint)
@@ -384,7 +388,7 @@ class Daemon:
             size = image_size(manifest, image)
         except ImageError as e:
             raise ProtocolError(e.code, e.message) from None
-        key = (manifest.model, f"image:{manifest.fingerprint}", manifest.dtype, 1)
+        key = (manifest.model, f"image:{manifest.fingerprint}", manifest.dtype, 1, 1)
         job = self.jobs.get(key)
         if job is None:
             arena_bytes = size if self.device.type == "cpu" else manifest.total_bytes
@@ -397,10 +401,10 @@ class Daemon:
 
     # -- loading ---------------------------------------------------------------------------------------------------
     def _load_or_wait(self, identity: bytes, rid: str, verb: str, args: Any, model: str, quantization: str,
-                      dtype: str, fingerprint: str | None, tp: tuple[int, int] = (0, 1)) -> dict | None:
-        """Answer from a resident arena (``tp``: that rank's shard), or wait on the job that builds it."""
+                      dtype: str, fingerprint: str | None, layout: Layout = WHOLE) -> dict | None:
+        """Answer from a resident arena (a split ``layout``: that shard), or wait on the job that builds it."""
         if fingerprint:
-            r = self.residency.find(("", "", ""), fingerprint, tp)
+            r = self.residency.find(("", "", ""), fingerprint, layout)
             if r is not None:
                 return self._done_reply(rid, verb, args, r, cached=True)
         try:
@@ -409,26 +413,27 @@ class Daemon:
             other = self._resident_layouts(fingerprint) if fingerprint else ""
             if e.code != "bad_model" or not other or not fingerprint:
                 raise
-            wanted = "one arena" if tp[1] == 1 else f"rank {tp[0]} of {tp[1]}'s shard"
+            wanted = "one arena" if layout.whole else f"the shard of {layout}"
             raise ProtocolError("tensor_parallel", f"{Path(model).name} (fingerprint {fingerprint[:16]}) is "
                                                    f"resident as {other}, not as {wanted}, and its checkpoint cannot "
                                                    f"be read to cut that ({e.message}); serve it with the "
                                                    "tensor-parallel size it was preloaded or snapshotted with"
                                 ) from None
-        r = self.residency.find(model_key, fingerprint, tp)
+        r = self.residency.find(model_key, fingerprint, layout)
         if r is not None:
             return self._done_reply(rid, verb, args, r, cached=True)
-        key: JobKey = (*model_key, tp[1])
+        key: JobKey = (*model_key, *layout.sizes)
         job = self.jobs.get(key)
         if job is None:
             try:
                 _, total = plan_arena(ckpt, key[1], resolve_dtype(ckpt, dtype), self.device.type)
-                if tp[1] > 1:
-                    check_supported(ckpt.config, tp[1])
+                if layout.tp_size > 1:
+                    check_supported(ckpt.config, layout.tp_size)
+                check_pipeline(ckpt.config, layout.pp_size)
             except (QuantizationError, ModelConfigError, TensorParallelError) as e:
                 raise ProtocolError(load_error_code(e), str(e)) from None
             self.residency.make_room(total, ckpt.model_dir.name)
-            if tp[1] > 1:
+            if not layout.whole:
                 job = shard_job(key, ckpt, dtype, total, fingerprint, self.residency)
             else:
                 job = preload_job(key, ckpt, dtype, total, fingerprint, self.residency, self.device_name)
@@ -439,9 +444,9 @@ class Daemon:
 
     def _resident_layouts(self, fingerprint: str) -> str:
         """How the model of ``fingerprint`` is resident ("one arena", "2 tensor-parallel shards"), or ""."""
-        sizes = sorted({r.manifest.tp_size for r in self.residency.residents.values()
+        sizes = sorted({r.manifest.layout.sizes for r in self.residency.residents.values()
                         if r.manifest.model_fingerprint == fingerprint})
-        return " and ".join("one arena" if n == 1 else f"{n} tensor-parallel shards" for n in sizes)
+        return " and ".join(describe_sizes(*n) for n in sizes)
 
     def _done_reply(self, rid: str, verb: str, args: Any, r: Resident, cached: bool) -> dict:
         m = r.manifest
@@ -453,10 +458,11 @@ class Daemon:
         if verb == "attach":
             return self._attach_reply(rid, r, args, cached)
         shards = []
-        if m.tp_size > 1:  # a tensor-parallel preload: every rank's shard
-            siblings = [x for x in self.residency.residents.values()
-                        if x.manifest.source_fingerprint == m.source_fingerprint and x.manifest.tp_size == m.tp_size]
-            shards = [self._model_info(x) for x in sorted(siblings, key=lambda x: x.manifest.tp_rank)]
+        if not m.layout.whole:  # a split preload: every shard, stage-major
+            siblings = [x for x in self.residency.residents.values() if x.manifest.source_fingerprint ==
+                        m.source_fingerprint and x.manifest.layout.sizes == m.layout.sizes]
+            shards = [self._model_info(x) for x in sorted(siblings, key=lambda x: (x.manifest.pp_stage,
+                                                                                    x.manifest.tp_rank))]
         return reply_ok(rid, **LoadReply(cached=cached, shards=shards, **self._model_info(r)).to_dict())
 
     def _finish_jobs(self, router: zmq.Socket) -> None:
@@ -477,9 +483,10 @@ class Daemon:
                 try:
                     if job.error is not None:
                         raise job.error
-                    # a shard job's waiters each get their rank's arena (a preload's waiter: rank 0's)
-                    rank = getattr(args, "tp_rank", 0)
-                    r = made[0] if len(made) == 1 else next(x for x in made if x.manifest.tp_rank == rank)
+                    # a shard job's waiters each get their (stage, rank)'s arena (a preload's waiter: the first)
+                    want = (getattr(args, "pp_stage", 0), getattr(args, "tp_rank", 0))
+                    r = made[0] if len(made) == 1 else \
+                        next(x for x in made if (x.manifest.pp_stage, x.manifest.tp_rank) == want)
                     reply = self._done_reply(rid, verb, args, r, cached=False)
                 except ProtocolError as e:
                     reply = reply_error(rid, e.code, e.message)

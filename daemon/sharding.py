@@ -13,6 +13,9 @@ Rules (``N`` ranks, rank ``r``):
   cut must fall on a group boundary; otherwise a one-line error names the weight, its shape and the group size.
   oneDNN-packed weights are unpacked (exact), cut and packed again. Layouts with a group index are refused.
 - The result is a new tensor per weight (a copy): the full tensors can be dropped after the cut.
+- Pipeline stages (``stage_of``, ``stage_tensors``): stage s of P holds the contiguous layers
+  ``stage_layers(L, P, s)``, stage 0 also the embedding, the last stage the final norm and the head (a tied head
+  takes the embedding's tensor there). Under TP x PP a stage's weights are cut over its T ranks as above.
 - LoRA (vLLM's column / row rules, ``shard_lora``): on a column-parallel projection A is whole and B is cut like
   the weight's rows (per q / k / v, gate / up slice); on a row-parallel one A is cut like the weight's columns and
   B is whole, and the rank's ``x_r A_r^T B^T`` joins its partial output before the one all-reduce (the sum over
@@ -255,3 +258,69 @@ def shard_weight(name: str, w: Any, config: ModelConfig, shard: Shard) -> Any:
 def shard_weights(tensors: dict[str, Any], config: ModelConfig, shard: Shard) -> dict[str, Any]:
     """Every weight cut for ``shard`` (see the module rules); the input tensors are not modified."""
     return {name: shard_weight(name, w, config, shard) for name, w in tensors.items()}
+
+
+# -- pipeline stages -------------------------------------------------------------------------------------------
+def stage_layers(num_layers: int, stages: int, stage: int) -> range:
+    """The contiguous layers stage ``stage`` of ``stages`` runs."""
+    base, extra = divmod(num_layers, stages)
+    start = stage * base + min(stage, extra)
+    return range(start, start + base + (1 if stage < extra else 0))
+
+
+def check_pipeline(config: ModelConfig, stages: int) -> None:
+    """Refuse (one line) what pipeline parallelism cannot run, before any process is started."""
+    if stages < 1:
+        raise TensorParallelError(f"pipeline_parallel_size must be at least 1, got {stages}")
+    if stages == 1:
+        return
+    if config.family not in SUPPORTED_FAMILIES:
+        raise TensorParallelError(f"pipeline parallelism supports the Llama family (Llama, Mistral, Qwen2, Qwen3, "
+                                  f"Phi-3); {config.architecture} is not supported yet")
+    if config.num_hidden_layers < stages:
+        raise TensorParallelError(f"pipeline-parallel size {stages} is more than the model's "
+                                  f"{config.num_hidden_layers} layers")
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    """This process's place in the pipeline."""
+
+    index: int
+    stages: int
+    layers: range
+
+    @property
+    def first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def last(self) -> bool:
+        return self.index == self.stages - 1
+
+
+def stage_of(config: ModelConfig, stages: int, index: int) -> Stage:
+    return Stage(index, stages, stage_layers(config.num_hidden_layers, stages, index))
+
+
+def _layer_of(name: str) -> int | None:
+    parts = name.split(".")
+    return int(parts[2]) if len(parts) > 3 and parts[0] == "model" and parts[1] == "layers" else None
+
+
+def stage_holds(name: str, stage: Stage) -> bool:
+    """Whether ``stage`` binds weight ``name``: its layers', the embedding on the first stage, the rest (final norm,
+    head) on the last."""
+    layer = _layer_of(name)
+    if layer is not None:
+        return layer in stage.layers
+    return stage.first if name == "model.embed_tokens.weight" else stage.last
+
+
+def stage_tensors(tensors: dict[str, Any], stage: Stage) -> dict[str, Any]:
+    """The weights ``stage`` binds: its layers', the embedding on the first stage, the norm and head on the last
+    (a tied head takes the embedding's tensor there)."""
+    out = {name: w for name, w in tensors.items() if stage_holds(name, stage)}
+    if stage.last and "lm_head.weight" not in tensors:
+        out["lm_head.weight"] = tensors["model.embed_tokens.weight"]
+    return out

@@ -1,17 +1,20 @@
-"""Tensor-parallel shard arenas: a preload for N ranks builds N arenas, one per rank, in one pass over the checkpoint.
+"""Shard arenas: a preload for P pipeline stages of N tensor-parallel ranks builds P x N arenas in one pass.
 
 Rules:
 - Each tensor is read once (and hashed for the model's fingerprint, exactly as :func:`loader.build_arena` does),
-  made into its arena form by the same code (:func:`loader.convert_tensor`: converted or quantized), then cut for
-  every rank by :mod:`keepwarm.daemon.sharding` (vLLM's column / row / vocab rules) and written into that rank's
-  arena file. A weight stored packed for oneDNN is cut plain, then each slice is packed (packing is exact, so this
-  is the unpack, cut and re-pack that ``sharding`` does to a packed weight, at a third of the reorders). No
-  whole-model copy exists at any time: a thread holds one tensor and its N slices.
-- A rank's arena holds exactly what a worker that cut its shard from the whole arena would bind (the same function
-  cuts both), so tokens do not depend on which way a rank got its weights.
+  made into its arena form by the same code (:func:`loader.convert_tensor`: converted or quantized), then, for
+  every stage that binds it (``sharding.stage_holds``: its layers, the embedding on the first, the final norm and
+  head on the last, a tied head as ``lm_head.weight`` there), cut for every rank by :mod:`keepwarm.daemon.sharding`
+  (vLLM's column / row / vocab rules) and written into that (stage, rank)'s arena file. A weight stored packed for
+  oneDNN is cut plain, then each slice is packed (packing is exact, so this is the unpack, cut and re-pack that
+  ``sharding`` does to a packed weight, at a third of the reorders). No whole-model copy exists at any time: a
+  thread holds one tensor and its slices.
+- A shard holds exactly what a worker that cut its part from the whole arena would bind (the same functions cut
+  both: ``stage_tensors`` then ``shard_weights``), so tokens do not depend on which way a rank got its weights.
 - Each shard is an arena like any other (its own manifest, sealed read-only, adopted after a daemon restart, leased
-  and evicted on its own), with ``tp_rank``, ``tp_size`` and ``source_fingerprint`` (the whole model's
-  fingerprint) in its manifest; its fingerprint is :func:`formats.arena.shard_fingerprint` of the source's.
+  and evicted on its own), with its ``Layout`` (``tp_rank``, ``tp_size``, ``pp_stage``, ``pp_size``) and
+  ``source_fingerprint`` (the whole model's fingerprint) in its manifest; its fingerprint is
+  :func:`formats.arena.shard_fingerprint` of the source's.
 - CPU daemons only: a CUDA rank lives on its own device, which one daemon does not hold (refused in one line).
 - Entries are written as tensors finish (threads), so offsets vary from one build to the next; the manifest lists
   them in plan order, and ``arena_digest`` (over entries in manifest order) does not depend on the offsets.
@@ -33,7 +36,14 @@ import torch
 
 from keepwarm.daemon.checkpoint import Checkpoint
 from keepwarm.daemon.loader import PlannedTensor, Progress, convert_tensor, plan_arena, read_tensor, resolve_dtype
-from keepwarm.daemon.sharding import Shard, check_supported, shard_weight
+from keepwarm.daemon.sharding import (
+    Shard,
+    check_pipeline,
+    check_supported,
+    shard_weight,
+    stage_holds,
+    stage_of,
+)
 from keepwarm.formats.arena import (
     LAYOUT_VERSION,
     ArenaManifest,
@@ -45,10 +55,14 @@ from keepwarm.formats.arena import (
     fingerprint_of,
     shard_fingerprint,
 )
+from keepwarm.formats.layout import Layout
 from keepwarm.formats.quant import LAYOUT_MKLDNN_PACKED, QuantMeta
 from keepwarm.formats.version import __version__
 from keepwarm.kernels.cpu_packed import PackedWeight, pack
 from keepwarm.kernels.quant import QuantizedWeight
+
+_LM_HEAD = "lm_head.weight"
+_EMBED = "model.embed_tokens.weight"
 
 
 def as_weight(parts: dict[str, torch.Tensor], meta: QuantMeta | None, dtype: torch.dtype) -> Any:
@@ -83,7 +97,8 @@ class ShardFile:
     path: Path
     fd: int
     end: int = 0
-    entries: dict[tuple[int, str], tuple[TensorEntry, str]] = field(default_factory=dict)  # (plan index, part)
+    entries: dict[tuple[int, str, str], tuple[TensorEntry, str]] = field(default_factory=dict)  # (plan index,
+    # weight, part) -> (entry, sha256)
     quant: dict[str, dict] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -100,48 +115,63 @@ class ShardFile:
             entry = TensorEntry(name, part, offset, len(data), dtype_name(t.dtype), tuple(t.shape))
             digest = hashlib.sha256(data).hexdigest()
             with self.lock:
-                self.entries[(index, part)] = (entry, digest)
+                self.entries[(index, name, part)] = (entry, digest)
                 if meta is not None:
                     self.quant[name] = meta.to_dict()
 
-    def ordered(self, planned: list[PlannedTensor]) -> list[tuple[TensorEntry, str]]:
+    def ordered(self) -> list[tuple[TensorEntry, str]]:
         """The entries in plan order (each weight's parts in the order they were written)."""
-        order = {name: i for i, name in enumerate(p.name for p in planned)}
-        return sorted(self.entries.values(), key=lambda ed: (order[ed[0].weight], ed[0].offset))
+        return [self.entries[k] for k in sorted(self.entries, key=lambda k: (k[0], k[1], self.entries[k][0].offset))]
 
 
-def build_shards(ckpt: Checkpoint, quantization: str, dtype: str, tp_size: int, arena_dir: Path,
+def build_shards(ckpt: Checkpoint, quantization: str, dtype: str, tp_size: int, pp_size: int, arena_dir: Path,
                  progress: Progress | None = None, threads: int = 4,
                  on_created: Callable[[list[Path]], None] | None = None,
                  ) -> list[tuple[CpuArenaFile, ArenaManifest]]:
-    """Read ``ckpt`` once and write one arena per rank of ``tp_size`` into ``arena_dir`` (temporary names; the
-    caller installs them). ``on_created`` learns the files first, so a failure can remove them."""
-    check_supported(ckpt.config, tp_size)
+    """Read ``ckpt`` once and write one arena per (pipeline stage, tensor-parallel rank) into ``arena_dir``
+    (temporary names; the caller installs them), stage-major. ``on_created`` learns the files first, so a failure
+    can remove them."""
+    if tp_size > 1:
+        check_supported(ckpt.config, tp_size)
+    check_pipeline(ckpt.config, pp_size)
     target = resolve_dtype(ckpt, dtype)
     quantization = ckpt.resolve_quantization(quantization)
     planned, _ = plan_arena(ckpt, quantization, target, "cpu")
+    layouts = [Layout(r, tp_size, st, pp_size) for st in range(pp_size) for r in range(tp_size)]
+    stages = [stage_of(ckpt.config, pp_size, st) for st in range(pp_size)]
+    # A tied head with no stored lm_head (not packed): the last stage takes the embedding's rows as its head.
+    tied_head = pp_size > 1 and all(p.name != _LM_HEAD for p in planned)
     token = secrets.token_hex(6)
     files: list[ShardFile] = []
     try:
-        for r in range(tp_size):
-            path = arena_dir / f".building-{token}-tp{r}.arena"
+        for lay in layouts:
+            path = arena_dir / f".building-{token}-pp{lay.pp_stage}-tp{lay.tp_rank}.arena"
             files.append(ShardFile(path, os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)))
         if on_created is not None:
             on_created([f.path for f in files])
-        shards = [Shard(r, tp_size) for r in range(tp_size)]
+
+        def destinations(name: str) -> list[tuple[ShardFile, Shard, str]]:
+            out = []
+            for f, lay in zip(files, layouts, strict=True):
+                stage = stages[lay.pp_stage]
+                names = [name] if stage_holds(name, stage) else []
+                if tied_head and stage.last and name == _EMBED:
+                    names.append(_LM_HEAD)
+                out += [(f, Shard(lay.tp_rank, tp_size), n) for n in names]
+            return out
 
         def process(item: tuple[int, PlannedTensor]) -> list[str]:
             index, p = item
             staging, digests = read_tensor(p)
             if p.packed:  # cut the plain weight, then pack each slice: what unpack, cut, re-pack gives, once
                 dense = staging.view(p.source.dtype).view(p.source.shape).to(target)
-                for f, shard in zip(files, shards, strict=True):
-                    f.write(index, p.name, *_packed(shard_weight(p.name, dense, ckpt.config, shard)))
+                for f, shard, name in destinations(p.name):
+                    f.write(index, name, *_packed(shard_weight(name, dense, ckpt.config, shard)))
             else:
                 parts, meta = convert_tensor(ckpt, p, staging, quantization, target, "cpu")
                 whole = as_weight(parts, meta, target)
-                for f, shard in zip(files, shards, strict=True):
-                    f.write(index, p.name, *as_parts(shard_weight(p.name, whole, ckpt.config, shard)))
+                for f, shard, name in destinations(p.name):
+                    f.write(index, name, *as_parts(shard_weight(name, whole, ckpt.config, shard)))
             if progress is not None and not p.derived:
                 progress(p.source.nbytes)
             return digests
@@ -153,17 +183,17 @@ def build_shards(ckpt: Checkpoint, quantization: str, dtype: str, tp_size: int, 
             os.close(f.fd)
     part_digests = [(p.source.name, d) for p, src in zip(planned, results, strict=True) if not p.derived for d in src]
     source = fingerprint_of(quantization, dtype_name(target), part_digests, ckpt.config_json)
-    return [_finish(f, planned, ckpt, quantization, target, source, r, tp_size) for r, f in enumerate(files)]
+    return [_finish(f, ckpt, quantization, target, source, lay) for f, lay in zip(files, layouts, strict=True)]
 
 
-def _finish(f: ShardFile, planned: list[PlannedTensor], ckpt: Checkpoint, quantization: str, target: torch.dtype,
-            source: str, rank: int, tp_size: int) -> tuple[CpuArenaFile, ArenaManifest]:
-    ordered = f.ordered(planned)
+def _finish(f: ShardFile, ckpt: Checkpoint, quantization: str, target: torch.dtype, source: str, layout: Layout,
+            ) -> tuple[CpuArenaFile, ArenaManifest]:
+    ordered = f.ordered()
     total = f.end
     os.truncate(f.path, max(total, 1))  # the padding after the last entry (zeros)
     manifest = ArenaManifest(
         layout_version=LAYOUT_VERSION,
-        fingerprint=shard_fingerprint(source, rank, tp_size),
+        fingerprint=shard_fingerprint(source, layout),
         arena_digest=combine_digests("arena", [d for _, d in ordered]),
         model=str(ckpt.model_dir),
         quantization=quantization,
@@ -176,8 +206,10 @@ def _finish(f: ShardFile, planned: list[PlannedTensor], ckpt: Checkpoint, quanti
         generation_config_json=ckpt.generation_config_json,
         source_files=ckpt.signature(),
         keepwarm_version=__version__,
-        tp_rank=rank,
-        tp_size=tp_size,
+        tp_rank=layout.tp_rank,
+        tp_size=layout.tp_size,
         source_fingerprint=source,
+        pp_stage=layout.pp_stage,
+        pp_size=layout.pp_size,
     )
     return CpuArenaFile.open_readonly(f.path, total), manifest

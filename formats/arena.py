@@ -35,6 +35,8 @@ from typing import Any
 
 import torch
 
+from keepwarm.formats.layout import Layout
+
 LAYOUT_VERSION = 1
 ARENA_DIGEST_SCHEME = "sha256-tensors"
 # 256 bytes: covers every dtype's alignment, AVX-512 loads and GPU coalescing, at negligible padding cost.
@@ -91,16 +93,22 @@ class ArenaManifest:
     created_at: float = field(default_factory=time.time)
     keepwarm_version: str = ""
     arena_digest_scheme: str = ARENA_DIGEST_SCHEME
-    # A tensor-parallel shard holds rank ``tp_rank``'s part of every weight for ``tp_size`` ranks (the rules of
-    # ``keepwarm.daemon.sharding``); ``source_fingerprint`` is then the whole model's fingerprint, and
-    # ``fingerprint`` is :func:`shard_fingerprint` of it. A whole arena: 0, 1 and "".
+    # A shard holds tensor-parallel rank ``tp_rank``'s part (of ``tp_size``) of pipeline stage ``pp_stage``'s weights
+    # (of ``pp_size``), by the rules of ``keepwarm.daemon.sharding``; ``source_fingerprint`` is then the whole
+    # model's fingerprint, and ``fingerprint`` is :func:`shard_fingerprint` of it. A whole arena: 0, 1, 0, 1, "".
     tp_rank: int = 0
     tp_size: int = 1
     source_fingerprint: str = ""
+    pp_stage: int = 0
+    pp_size: int = 1
 
     @property
     def model_name(self) -> str:
         return Path(self.model).name
+
+    @property
+    def layout(self) -> Layout:
+        return Layout(self.tp_rank, self.tp_size, self.pp_stage, self.pp_size)
 
     @property
     def model_fingerprint(self) -> str:
@@ -171,9 +179,11 @@ def fingerprint_of(quantization: str, dtype: str, part_digests: list[tuple[str, 
     return h.hexdigest()
 
 
-def shard_fingerprint(model_fingerprint: str, tp_rank: int, tp_size: int) -> str:
-    """The fingerprint of rank ``tp_rank``'s shard of the model whose fingerprint is ``model_fingerprint``."""
-    text = f"keepwarm-shard-v{LAYOUT_VERSION}|{model_fingerprint}|{tp_rank}/{tp_size}"
+def shard_fingerprint(model_fingerprint: str, layout: Layout) -> str:
+    """The fingerprint of the ``layout`` part of the model whose fingerprint is ``model_fingerprint``."""
+    text = f"keepwarm-shard-v{LAYOUT_VERSION}|{model_fingerprint}|{layout.tp_rank}/{layout.tp_size}"
+    if layout.pp_size > 1:
+        text += f"|stage {layout.pp_stage}/{layout.pp_size}"
     return hashlib.sha256(text.encode()).hexdigest()
 
 

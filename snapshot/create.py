@@ -22,6 +22,7 @@ from typing import Any
 
 from keepwarm.formats import paths
 from keepwarm.formats.adapter import LoRAError, adapter_digest, read_adapter_dir
+from keepwarm.formats.layout import Layout
 from keepwarm.snapshot import manifest as mf
 from keepwarm.snapshot.manifest import SnapshotError
 from keepwarm.snapshot.store import CHUNK, BlobRef, Store
@@ -161,9 +162,9 @@ def capture_arena(store: Store, manifest_json: str, arena: dict[str, Any]) -> tu
     return ref, layouts
 
 
-def _attach(source: Source, rt: Path | None, preload: bool, say: Say, tp: tuple[int, int] = (0, 1)):
-    """Lease the model (``tp`` = (rank, size): that rank's shard) in the daemon: (Attachment without tensors,
-    attach reply, daemon status)."""
+def _attach(source: Source, rt: Path | None, preload: bool, say: Say, layout: Layout | None = None):
+    """Lease the model (a split ``layout``: that shard) in the daemon: (Attachment without tensors, attach reply,
+    daemon status)."""
     from keepwarm.daemon.client import DaemonClient, DaemonError, ensure_daemon
     from keepwarm.worker.attach import Attachment, LeaseKeeper
 
@@ -180,7 +181,7 @@ def _attach(source: Source, rt: Path | None, preload: bool, say: Say, tp: tuple[
         status = client.status()
         try:
             reply = client.attach(str(source.model_dir), quant, dtype, source.fingerprint, preload=preload,
-                                  on_event=lambda ev: None, tp=tp)
+                                  on_event=lambda ev: None, layout=layout)
         except DaemonError as e:
             fp = f", fingerprint {source.fingerprint[:16]}" if source.fingerprint else ""
             if e.code == "not_resident":
@@ -209,22 +210,23 @@ def _daemon_device(rt: Path | None) -> str:
     return "cpu" if st is None else str(st.get("device", "cpu")).split(":", 1)[0]
 
 
-def _capture(store: Store, source: Source, rt: Path | None, preload: bool, say: Say, tp: tuple[int, int]):
-    """Store one arena (a rank's shard under ``tp``) as an image: (its manifest, its model-entry fields, its
+def _capture(store: Store, source: Source, rt: Path | None, preload: bool, say: Say, layout: Layout):
+    """Store one arena (the shard of a split ``layout``) as an image: (its manifest, its model-entry fields, its
     layouts, the daemon's status)."""
     from keepwarm.formats.arena import ArenaManifest
 
-    att, reply, status = _attach(source, rt, preload, say, tp)
+    att, reply, status = _attach(source, rt, preload, say, layout)
     try:
         m = ArenaManifest.from_json(reply.manifest)
-        shard = f", tensor-parallel rank {tp[0]} of {tp[1]}" if tp[1] > 1 else ""
+        shard = "" if layout.whole else f", {layout}"
         say(f"capturing {m.model_name} ({m.quantization}/{m.dtype}, {m.total_bytes / 1e6:.1f} MB arena{shard}, "
             f"fingerprint {m.fingerprint[:16]})")
         image, layouts = capture_arena(store, reply.manifest, reply.arena)
         image_manifest = store.put_bytes(reply.manifest.encode())
     finally:
         att.close()
-    entry = {"tp_rank": tp[0], "fingerprint": m.fingerprint, "arena_digest": m.arena_digest,
+    entry = {"tp_rank": layout.tp_rank, "pp_stage": layout.pp_stage, "fingerprint": m.fingerprint,
+             "arena_digest": m.arena_digest,
              "arena_bytes": m.total_bytes, "image": image.ref(), "image_manifest": image_manifest.ref()}
     return m, entry, layouts, status
 
@@ -276,15 +278,20 @@ def create(name: str, *, server: str | None = None, config_path: str | None = No
     rt_cfg = source.config.get("runtime_dir")
     rt = Path(rt_cfg) if rt_cfg else paths.runtime_dir()
     before = store.stored_bytes()
-    # A tensor-parallel deployment on a CPU daemon runs on per-rank shard arenas; a CUDA daemon keeps one arena.
-    tp_size = int(source.config.get("tensor_parallel_size") or 1) if _daemon_device(rt) == "cpu" else 1
+    # A parallel deployment on a CPU daemon runs on per-(stage, rank) shard arenas; a CUDA daemon keeps one arena.
+    tp_size = int(source.config.get("tensor_parallel_size") or 1)
+    pp_size = int(source.config.get("pipeline_parallel_size") or 1)
+    if _daemon_device(rt) != "cpu":
+        tp_size = pp_size = 1
     with store.lock():
         ti = time.perf_counter()
         shards, layouts, status = [], set(), {}
-        for rank in range(tp_size):  # a tensor-parallel deployment: each rank's shard arena
-            m, shard, shard_layouts, status = _capture(store, source, rt, preload, say, (rank, tp_size))
-            shards.append(shard)
-            layouts |= set(shard_layouts)
+        for stage in range(pp_size):
+            for rank in range(tp_size):
+                m, shard, shard_layouts, status = _capture(store, source, rt, preload, say,
+                                                           Layout(rank, tp_size, stage, pp_size))
+                shards.append(shard)
+                layouts |= set(shard_layouts)
         image_seconds = time.perf_counter() - ti
         files = {p.name: store.put_file(p).ref() for p in model_files(source.model_dir)}
         if "config.json" not in files:
@@ -294,8 +301,8 @@ def create(name: str, *, server: str | None = None, config_path: str | None = No
                  "layout_version": m.layout_version, "layouts": sorted(layouts),
                  **{k: shards[0][k] for k in ("arena_digest", "arena_bytes", "image", "image_manifest")},
                  "files": files}
-        if tp_size > 1:
-            model.update(tensor_parallel_size=tp_size, shards=shards)
+        if len(shards) > 1:
+            model.update(tensor_parallel_size=tp_size, pipeline_parallel_size=pp_size, shards=shards)
         tok = source.config.get("tokenizer")
         if tok and Path(tok).is_dir() and Path(tok).resolve() != source.model_dir.resolve():
             model["tokenizer_files"] = {p.name: store.put_file(p).ref() for p in model_files(Path(tok))}

@@ -20,11 +20,12 @@ path or a config: names, digests and file names are checked against strict patte
       "image_manifest": BLOB,      # the daemon's arena manifest (<fingerprint>.json)
       "files": {"config.json": BLOB, "tokenizer.json": BLOB, ...},
       "tokenizer_files": {...},    # only when the config's `tokenizer` was another directory
-      # a tensor-parallel deployment (server_config tensor_parallel_size N > 1, CPU daemon): each rank's shard
-      # arena; "fingerprint" above is then the whole model's, "image" / "image_manifest" / "arena_digest" rank 0's
-      "tensor_parallel_size": N,
-      "shards": [{"tp_rank": 0, "fingerprint": "<the shard's>", "arena_digest": "...", "arena_bytes": ...,
-                  "image": BLOB, "image_manifest": BLOB}, ...]
+      # a parallel deployment (server_config tensor_parallel_size N or pipeline_parallel_size P > 1, CPU daemon):
+      # each (stage, rank)'s shard arena, stage-major; "fingerprint" above is then the whole model's, and "image" /
+      # "image_manifest" / "arena_digest" the first shard's
+      "tensor_parallel_size": N, "pipeline_parallel_size": P,
+      "shards": [{"pp_stage": 0, "tp_rank": 0, "fingerprint": "<the shard's>", "arena_digest": "...",
+                  "arena_bytes": ..., "image": BLOB, "image_manifest": BLOB}, ...]
   }],
   "adapters": [{"name": "a", "digest": "<adapter digest>", "rank": 8, "source": "/path",
                 "files": {"adapter_config.json": BLOB, "adapter_model.safetensors": BLOB}}],
@@ -153,14 +154,20 @@ def validate(m: Any) -> dict[str, Any]:
     return m
 
 
+def _size(mod: dict[str, Any], key: str) -> int:
+    n = mod.get(key, 1)
+    return n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else 0
+
+
 def _shards(w: str, mod: dict[str, Any]) -> None:
-    shards, n = mod["shards"], mod.get("tensor_parallel_size")
-    if not isinstance(n, int) or isinstance(n, bool) or n < 2 or not isinstance(shards, list) or len(shards) != n:
-        raise SnapshotError(f"manifest: {w}.shards must list one shard per rank of tensor_parallel_size (>= 2)")
-    for r, sh in enumerate(shards):
-        ws = f"{w}.shards[{r}]"
-        if not isinstance(sh, dict) or sh.get("tp_rank") != r:
-            raise SnapshotError(f"manifest: {ws} must be a map with tp_rank {r}")
+    shards, tp, pp = mod["shards"], _size(mod, "tensor_parallel_size"), _size(mod, "pipeline_parallel_size")
+    if not tp or not pp or tp * pp < 2 or not isinstance(shards, list) or len(shards) != tp * pp:
+        raise SnapshotError(f"manifest: {w}.shards must list one shard per (pipeline stage, tensor-parallel rank) "
+                            "of its sizes (at least 2)")
+    for i, sh in enumerate(shards):
+        ws = f"{w}.shards[{i}]"
+        if not isinstance(sh, dict) or (sh.get("pp_stage", 0), sh.get("tp_rank")) != divmod(i, tp):
+            raise SnapshotError(f"manifest: {ws} must be a map with pp_stage {i // tp} and tp_rank {i % tp}")
         _str(f"{ws}.fingerprint", sh.get("fingerprint"), DIGEST_RE)
         _str(f"{ws}.arena_digest", sh.get("arena_digest"), DIGEST_RE)
         _blob(f"{ws}.image", sh.get("image"))
@@ -195,7 +202,7 @@ def blob_refs(m: dict[str, Any]) -> list[tuple[str, int, str]]:
     for mod in m["models"]:
         label = f"model {mod['name']}"
         for img in images(mod):
-            shard = f" (rank {img['tp_rank']})" if "tp_rank" in img else ""
+            shard = f" (stage {img.get('pp_stage', 0)}, rank {img['tp_rank']})" if "tp_rank" in img else ""
             out.append((img["image"]["digest"], img["image"]["size"], f"{label}: arena image{shard}"))
             out.append((img["image_manifest"]["digest"], img["image_manifest"]["size"],
                         f"{label}: arena manifest{shard}"))

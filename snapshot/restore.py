@@ -260,11 +260,13 @@ def _arena_manifests(store: Store, name: str, m: dict[str, Any]) -> tuple[dict[s
         try:  # only what must match here; the daemon parses and checks the whole manifest (this needs no torch)
             arena = json.loads(arena_json)
             arena_ids = (arena["fingerprint"], arena["arena_digest"], arena.get("source_fingerprint") or
-                         arena["fingerprint"], arena.get("tp_rank", 0), arena.get("tp_size", 1))
+                         arena["fingerprint"], arena.get("tp_rank", 0), arena.get("tp_size", 1),
+                         arena.get("pp_stage", 0), arena.get("pp_size", 1))
         except (ValueError, KeyError, TypeError) as e:
             raise SnapshotError(f"the arena manifest of {model['name']} does not parse: {e}") from None
         if arena_ids != (img["fingerprint"], img["arena_digest"], model["fingerprint"], img.get("tp_rank", 0),
-                         model.get("tensor_parallel_size", 1)):
+                         model.get("tensor_parallel_size", 1), img.get("pp_stage", 0),
+                         model.get("pipeline_parallel_size", 1)):
             raise SnapshotError(f"snapshot {name}: its arena manifest does not match the model entry "
                                 "(fingerprint, arena_digest or tensor-parallel rank differ)")
         out.append(arena_json)
@@ -352,7 +354,7 @@ def _load_into_daemon(client: Any, store: Store, m: dict[str, Any], arena_jsons:
     tl = time.perf_counter()
     cached = True
     for img, arena_json in zip(mf.images(model), arena_jsons, strict=True):
-        shard = f", tensor-parallel rank {img['tp_rank']}" if "tp_rank" in img else ""
+        shard = f", stage {img.get('pp_stage', 0)} rank {img['tp_rank']}" if "tp_rank" in img else ""
         say(f"loading the image of {model['name']} ({model['quantization']}/{model['dtype']}, "
             f"{img['image']['size'] / 1e6:.1f} MB{shard}) into the daemon")
         image = img["image"]

@@ -1,10 +1,11 @@
-"""Tensor-parallel shard arenas (daemon/shards.py): one arena per rank, built by the daemon in one pass.
+"""Shard arenas (daemon/shards.py): one arena per (pipeline stage, tensor-parallel rank), built in one pass.
 
-- Exactness, no processes: every weight of rank r's shard arena is, part for part and byte for byte, what rank r
-  cuts from the whole arena (``daemon.sharding.shard_weights``, the path whose tokens the TP tests compare with one
-  process): an int8 model with one KV head (replicated) and tied embeddings, an int4 model, and a bf16 Qwen2 with
-  biases whose linear weights and derived head are oneDNN-packed. The shard's fingerprint derives from the whole
-  model's, which it records.
+- Exactness, no processes: every weight of a (stage, rank)'s shard arena is, part for part and byte for byte, what
+  that rank binds when it cuts its part from the whole arena (``stage_tensors`` then ``shard_weights``, the path
+  whose tokens the TP / PP tests compare with one process): an int8 model with one KV head (replicated) and tied
+  embeddings (as TP=2, and as TP=2 x PP=2, where the last stage's head is the embedding's rows), an int4 model,
+  and a bf16 Qwen2 with biases whose linear weights and derived head are oneDNN-packed (TP=2, and PP=2). The
+  shard's fingerprint derives from the whole model's, which it records.
 - A real daemon: `keepwarm preload --tensor-parallel-size 2` writes two shards (`keepwarm status` shows them), a
   second preload is answered from them, a rank attaches its own shard, a size that does not divide the heads is
   refused in one line, a SIGKILLed daemon's successor re-adopts both shards, and `evict` by name drops both.
@@ -27,17 +28,20 @@ from test_daemon import DaemonProc
 from keepwarm.daemon.checkpoint import Checkpoint
 from keepwarm.daemon.client import DaemonError
 from keepwarm.daemon.loader import build_arena, plan_arena, resolve_dtype
-from keepwarm.daemon.sharding import Shard, shard_weights
+from keepwarm.daemon.sharding import Shard, shard_weights, stage_of, stage_tensors
 from keepwarm.daemon.shards import as_parts, build_shards
 from keepwarm.formats import paths
 from keepwarm.formats.arena import shard_fingerprint
+from keepwarm.formats.layout import Layout
 from keepwarm.kernels.cpu_packed import packing_available
 from keepwarm.worker.attach import model_tensors
 
-CASES = {  # (tiny model, quantization, dtype)
-    "llama_tied_kv1_int8": ("llama3_tied", "int8", "float32"),
-    "llama_int4": ("llama", "int4-g32", "float32"),
-    "qwen2_bias_packed_bf16": ("qwen2", "none", "bfloat16"),
+CASES = {  # (tiny model, quantization, dtype, tensor-parallel size, pipeline-parallel size)
+    "llama_tied_kv1_int8_tp2": ("llama3_tied", "int8", "float32", 2, 1),
+    "llama_tied_kv1_int8_tp2_pp2": ("llama3_tied", "int8", "float32", 2, 2),
+    "llama_int4_tp2": ("llama", "int4-g32", "float32", 2, 1),
+    "qwen2_bias_packed_bf16_tp2": ("qwen2", "none", "bfloat16", 2, 1),
+    "qwen2_bias_packed_bf16_pp2": ("qwen2", "none", "bfloat16", 1, 2),
 }
 
 
@@ -48,19 +52,24 @@ def _bytes(t: torch.Tensor) -> bytes:
 @pytest.mark.parametrize("case", list(CASES))
 def test_each_shard_arena_is_exactly_what_its_rank_cuts_from_the_whole_arena(tiny_model_factory, tmp_path,
                                                                              case: str) -> None:
-    name, quantization, dtype = CASES[case]
+    name, quantization, dtype, tp, pp = CASES[case]
     ckpt = Checkpoint(tiny_model_factory(name))
     _, total = plan_arena(ckpt, quantization, resolve_dtype(ckpt, dtype), "cpu")
     flat = torch.empty(total, dtype=torch.uint8)
     whole = build_arena(ckpt, quantization, dtype, flat, "cpu")
-    shards = build_shards(ckpt, quantization, dtype, 2, tmp_path, threads=2)
+    shards = build_shards(ckpt, quantization, dtype, tp, pp, tmp_path, threads=2)
     if quantization == "none" and packing_available(torch.bfloat16):
         assert "mkldnn_packed" in {q["layout"] for q in whole.quant.values()}  # the packed path ran
-    for rank, (storage, m) in enumerate(shards):
-        assert (m.tp_rank, m.tp_size, m.source_fingerprint) == (rank, 2, whole.fingerprint)
-        assert m.fingerprint == shard_fingerprint(whole.fingerprint, rank, 2) != whole.fingerprint
+    assert [m.layout for _, m in shards] == [Layout(r, tp, s, pp) for s in range(pp) for r in range(tp)]
+    for storage, m in shards:
+        assert m.source_fingerprint == whole.fingerprint
+        assert m.fingerprint == shard_fingerprint(whole.fingerprint, m.layout) != whole.fingerprint
         assert storage.path.stat().st_size >= m.total_bytes and oct(storage.path.stat().st_mode & 0o777) == "0o600"
-        expected = shard_weights(model_tensors(whole, flat), ckpt.config, Shard(rank, 2))
+        expected = model_tensors(whole, flat)
+        if pp > 1:  # as bind_model: the stage's weights, then the rank's cut of them
+            expected = stage_tensors(expected, stage_of(ckpt.config, pp, m.pp_stage))
+        if tp > 1:
+            expected = shard_weights(expected, ckpt.config, Shard(m.tp_rank, tp))
         got = model_tensors(m, storage.flat)
         assert sorted(got) == sorted(expected)
         for weight, want in expected.items():
@@ -92,7 +101,7 @@ def test_preload_for_two_ranks_keeps_two_shards_that_ranks_attach(daemon, tiny_m
     model = tiny_model_factory("llama3_tied")
     out = _cli(daemon, "preload", model, "-q", "int8", "--tensor-parallel-size", "2")
     assert out.returncode == 0, out.stderr
-    assert "2 tensor-parallel shards of" in out.stderr
+    assert "2 tensor-parallel shards (2 arenas) of" in out.stderr
     st = daemon.status()
     shards = sorted(st["models"], key=lambda m: m["tp_rank"])
     assert [(m["tp_rank"], m["tp_size"], m["quantization"], m["origin"]) for m in shards] == \
@@ -108,7 +117,7 @@ def test_preload_for_two_ranks_keeps_two_shards_that_ranks_attach(daemon, tiny_m
     with daemon.client() as c:
         again = c.preload(model, "int8", tp_size=2)
         assert again.cached and [x["fingerprint"] for x in again.shards] == [m["fingerprint"] for m in shards]
-        reply = c.attach(model, "int8", fingerprint=source, tp=(1, 2), pid=os.getpid())
+        reply = c.attach(model, "int8", fingerprint=source, layout=Layout(1, 2), pid=os.getpid())
         m1 = json.loads(reply.manifest)
         assert (m1["tp_rank"], m1["tp_size"], m1["fingerprint"]) == (1, 2, shards[1]["fingerprint"])
         c.detach(reply.lease_id)

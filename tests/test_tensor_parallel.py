@@ -299,8 +299,8 @@ _BUSY = dict(max_num_batched_tokens=24, num_gpu_blocks=12, max_model_len=160)
 PP_CASES = {  # (tiny model, engine settings, tensor-parallel size per stage)
     # Two stages of one layer each; prefix caching, chunked prefill (24-token budget) and preemption (12 blocks) on.
     "llama_pp2": ("llama", _BUSY, 1),
-    # Tied embeddings (the last stage's head is the embedding's tensor) from the daemon's int8 arena: each stage
-    # binds views into it (no copy).
+    # Tied embeddings (the last stage's head is the embedding's rows) from the daemon's int8 arenas, one per stage
+    # (one preload): each stage binds views into its own (no copy).
     "llama_tied_int8_daemon_pp2": ("llama3_tied", dict(quantization="int8"), 1),
     # TP=2 x PP=2, four processes: each stage all-reduces and gathers its logits within its own group.
     "llama_tp2_pp2": ("llama", _BUSY, 2),
@@ -321,9 +321,12 @@ def test_pp2_greedy_tokens_equal_one_process(tiny_model_factory, case: str) -> N
             assert engine.runner.stage is not None and engine.runner.stage.layers == range(0, 1)
             assert _tokens(llm, prompts) == expected
             assert engine.tp is not None and engine.tp.stats.steps > engine.stats.steps  # micro-batches were sent
-            if daemon is not None:  # both stages attached (a lease each); this one's layer is a view of the arena
-                (resident,) = daemon.status()["models"]
-                assert {x["pid"] for x in resident["leases"]} == set(cfg["tensor_parallel_pids"])
+            if daemon is not None:  # each stage attached its own arena (a lease each); this one's layer is a view
+                st = daemon.status()
+                stages = sorted(st["models"], key=lambda m: m["pp_stage"])
+                assert [(m["pp_stage"], m["pp_size"], m["tp_size"]) for m in stages] == [(0, 2, 1), (1, 2, 1)]
+                assert [[x["pid"] for x in m["leases"]] for m in stages] == [[p] for p in cfg["tensor_parallel_pids"]]
+                assert st["counters"]["preloads"] == 1
                 arena = engine.loaded.attachment
                 qkv = engine.loaded.model.model.layers[0].self_attn.qkv_proj.weight
                 assert arena is not None and arena.tensors["model.layers.0.self_attn.qkv_proj.weight"] is qkv

@@ -25,6 +25,7 @@ from keepwarm.formats.arena import (
     tensor_byte_view,
     view_tensor,
 )
+from keepwarm.formats.layout import Layout
 from keepwarm.formats.quant import LAYOUT_MKLDNN_PACKED, QuantMeta
 from keepwarm.kernels.cpu_packed import PackedWeight
 from keepwarm.kernels.quant import QuantizedWeight
@@ -79,12 +80,13 @@ def model_tensors(manifest: ArenaManifest, flat: torch.Tensor) -> dict[str, Any]
 
 def attach_weights(model: str, quantization: str = "auto", dtype: str = "auto", fingerprint: str | None = None,
                    runtime_dir: Path | None = None, preload: bool = True, on_event: ProgressCallback | None = None,
-                   keep_lease: bool = True, tp: tuple[int, int] = (0, 1)) -> Attachment:
-    """Ask the daemon for ``model`` (preloading it if needed) and build views into its arena (``tp`` = (rank, size),
-    size > 1: into that tensor-parallel rank's shard arena)."""
+                   keep_lease: bool = True, layout: Layout | None = None) -> Attachment:
+    """Ask the daemon for ``model`` (preloading it if needed) and build views into its arena (a split ``layout``:
+    into that (pipeline stage, tensor-parallel rank)'s shard arena)."""
     t0 = time.perf_counter()
     with DaemonClient(runtime_dir) as client:
-        reply = client.attach(model, quantization, dtype, fingerprint, preload=preload, on_event=on_event, tp=tp)
+        reply = client.attach(model, quantization, dtype, fingerprint, preload=preload, on_event=on_event,
+                              layout=layout)
     manifest = ArenaManifest.from_json(reply.manifest)
     arena = reply.arena
     storage: CpuArenaFile | torch.Tensor

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from keepwarm.daemon.client import DaemonError, ensure_daemon
-from keepwarm.daemon.sharding import Shard, TensorParallelError, check_supported, local_config
+from keepwarm.daemon.sharding import Shard, TensorParallelError, check_pipeline, check_supported, local_config, stage_of
 from keepwarm.formats.model_config import ModelConfigError, load_model_config, parse_dtype
 from keepwarm.formats.paths import RuntimeDirError
 from keepwarm.worker.block_manager import BlockManager
@@ -41,7 +41,6 @@ from keepwarm.worker.model_runner import (
 from keepwarm.worker.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from keepwarm.worker.parallel.group import Nodes, TensorParallelGroup
 from keepwarm.worker.parallel.messages import CacheSpec, LoRASlot, Setup, lora_weights
-from keepwarm.worker.parallel.pipeline import check_pipeline, stage_of
 from keepwarm.worker.sampler import Sampler
 from keepwarm.worker.sampling_params import SamplingParams
 from keepwarm.worker.scheduler import Scheduler, SchedulerConfig

@@ -3,13 +3,12 @@
 Both paths produce the same tensors: a disk load builds a private arena with the daemon's own code
 (``daemon.loader.build_arena``: fuse, convert, quantize), so a worker serves identical numbers either way.
 
-Under tensor parallelism (``tp`` given) a rank on a CPU daemon attaches its own shard arena (the daemon cut it
-with ``daemon.sharding``, all ranks' shards in one pass over the checkpoint) and binds views into it: no copy. A
-rank that loads from disk (or from a CUDA daemon, which keeps one whole arena) loads the whole model, then keeps only
-its part of every weight (``daemon.sharding``: copies; a disk load's full arena is dropped). Either way it builds
-its decoder from the rank's local config. A pipeline stage (``tp.pp_size > 1``) binds its own layers' weights
-(``worker.parallel.pipeline``: views into the arena or the rank's shard, no copy; a disk load's arena stays alive
-under them).
+Under tensor or pipeline parallelism (``tp`` given) a rank on a CPU daemon attaches its own shard arena (its
+pipeline stage's weights, cut for its tensor-parallel rank: the daemon cuts every (stage, rank)'s shard with
+``daemon.sharding`` in one pass over the checkpoint) and binds views into it: no copy. A rank that loads from disk
+(or from a CUDA daemon, which keeps one whole arena) loads the whole model, then binds its stage's weights (views)
+and, under tensor parallelism, keeps only its part of each (``daemon.sharding``: copies; a disk load's full arena is
+dropped, unless a stage's views hold it). Either way it builds its decoder from the rank's local config.
 """
 
 from __future__ import annotations
@@ -24,14 +23,15 @@ import torch
 from keepwarm.daemon.checkpoint import Checkpoint
 from keepwarm.daemon.client import DaemonClient, DaemonError, ensure_daemon
 from keepwarm.daemon.loader import build_arena, plan_arena, resolve_dtype
-from keepwarm.daemon.sharding import Shard, local_config, shard_weights, vocab_block
+from keepwarm.daemon.sharding import Shard, local_config, shard_weights, stage_of, stage_tensors, vocab_block
+from keepwarm.formats.layout import Layout
 from keepwarm.formats.model_config import ModelConfig, parse_model_config
 from keepwarm.formats.paths import RuntimeDirError
 from keepwarm.worker.attach import Attachment, attach_weights, model_tensors
 from keepwarm.worker.models.llama import LlamaForCausalLM
 from keepwarm.worker.models.registry import build_model
 from keepwarm.worker.parallel.group import TensorParallelGroup
-from keepwarm.worker.parallel.pipeline import make_stage, stage_of, stage_tensors
+from keepwarm.worker.parallel.pipeline import make_stage
 
 log = logging.getLogger("keepwarm.worker")
 
@@ -66,7 +66,7 @@ def bind_model(config: ModelConfig, tensors: dict, max_position: int, device: to
         model.load_weights(tensors)
         return model, sum(_nbytes(w) for w in tensors.values())
     stage = stage_of(config, tp.pp_size, tp.stage_index) if tp.pp_size > 1 else None
-    if stage is not None:  # a pipeline stage: its own layers' weights (whole ones are views: no copy)
+    if stage is not None and not presharded:  # a pipeline stage: its own layers' weights (views: no copy)
         tensors = stage_tensors(tensors, stage)
     if tp.tp_size == 1:
         model = build_model(config, max_position, device)
@@ -100,10 +100,11 @@ def load_from_daemon(model_dir: str, dtype: str, quantization: str, device: torc
                      runtime_dir: Path | None = None, fingerprint: str | None = None,
                      tp: TensorParallelGroup | None = None) -> LoadedModel:
     t0 = time.perf_counter()
-    # A tensor-parallel rank on CPU attaches its shard arena; on CUDA the daemon keeps one arena, cut here.
-    sharded = tp is not None and tp.tp_size > 1 and device.type == "cpu"
+    # A parallel rank on CPU attaches its (stage, rank)'s shard arena; on CUDA the daemon keeps one arena, cut here.
+    layout = Layout(tp.tp_rank, tp.tp_size, tp.stage_index, tp.pp_size) if tp is not None else Layout()
+    sharded = not layout.whole and device.type == "cpu"
     att = attach_weights(model_dir, quantization, dtype, fingerprint, runtime_dir,
-                         tp=(tp.tp_rank, tp.tp_size) if sharded and tp is not None else (0, 1))
+                         layout=layout if sharded else None)
     t1 = time.perf_counter()
     m = att.manifest
     if (m.device == "cpu") != (device.type == "cpu"):
@@ -113,10 +114,9 @@ def load_from_daemon(model_dir: str, dtype: str, quantization: str, device: torc
     config = parse_model_config(m.config_json, m.generation_config_json, source=f"{m.model}/config.json")
     t2 = time.perf_counter()
     if tp is not None:  # this rank's shard arena (views), or its slices cut from the whole arena (copies)
-        if sharded and (m.tp_rank, m.tp_size) != (tp.tp_rank, tp.tp_size):
+        if sharded and m.layout != layout:
             att.close()
-            raise DaemonError("bad_reply", f"asked for rank {tp.tp_rank} of {tp.tp_size}'s shard, the daemon "
-                                           f"answered with rank {m.tp_rank} of {m.tp_size}'s")
+            raise DaemonError("bad_reply", f"asked for the shard of {layout}, the daemon answered with {m.layout}'s")
         model, nbytes = bind_model(config, att.tensors, max_position, device, tp, presharded=sharded)
         t4 = time.perf_counter()
         return LoadedModel(model, config, "daemon", t4 - t0, nbytes, m.model_fingerprint, att,

@@ -15,11 +15,12 @@ from dataclasses import dataclass
 import torch
 
 from keepwarm import kernels
+from keepwarm.daemon.sharding import Stage
 from keepwarm.formats.model_config import ModelConfig
 from keepwarm.worker.models.llama import AttentionMetadata, KVCache, LlamaForCausalLM
 from keepwarm.worker.parallel.group import TensorParallelGroup
 from keepwarm.worker.parallel.messages import Step
-from keepwarm.worker.parallel.pipeline import Stage, irecv, isend, split_step, stage_forward
+from keepwarm.worker.parallel.pipeline import irecv, isend, split_step, stage_forward
 from keepwarm.worker.scheduler import ScheduledBatch
 
 log = logging.getLogger("keepwarm.worker")

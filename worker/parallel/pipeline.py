@@ -3,9 +3,10 @@
 Rules (``P`` stages of ``T`` tensor-parallel ranks each: rank ``s * T + t`` is stage ``s``'s rank ``t``; each stage
 cuts its weights over its ranks as ``sharding.py`` says and all-reduces within its own process group):
 - Stage ``s`` holds layers ``stage_layers(L, P, s)`` (contiguous; the first ``L % P`` stages one layer more),
-  stage 0 also the embedding, the last stage the final norm and the head. A stage's model keeps placeholders for
-  the rest (``make_stage``) and binds only its own weights (``stage_tensors``): views into the daemon's arena,
-  no copy. Its KV cache holds its own layers.
+  stage 0 also the embedding, the last stage the final norm and the head (``keepwarm.daemon.sharding``, where the
+  daemon cuts per-stage arenas with the same rules). A stage's model keeps placeholders for the rest
+  (``make_stage``) and binds only its own weights (``stage_tensors``): views into its arena, no copy. Its KV cache
+  holds its own layers.
 - Stage 0 is rank 0: the engine, its scheduler and sampler. Each step is split into up to ``P`` micro-batches by
   sequence (``split_step``); for each, rank 0 broadcasts the micro-batch's ``Step`` (the typed message tensor
   parallelism uses), runs its layers and sends the hidden state and residual on without waiting (``isend``), so
@@ -19,86 +20,18 @@ cuts its weights over its ranks as ``sharding.py`` says and all-reduces within i
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from keepwarm.daemon.sharding import SUPPORTED_FAMILIES, TensorParallelError
-from keepwarm.formats.model_config import ModelConfig
+from keepwarm.daemon.sharding import Stage
 from keepwarm.worker.models.layers import BoundModule
 from keepwarm.worker.models.llama import AttentionMetadata, KVCache, LlamaForCausalLM
 from keepwarm.worker.parallel.messages import Step
 
 _TENSOR_FIELDS = ("input_ids", "positions", "slot_mapping")  # per token
-
-
-def stage_layers(num_layers: int, stages: int, stage: int) -> range:
-    """The contiguous layers stage ``stage`` of ``stages`` runs."""
-    base, extra = divmod(num_layers, stages)
-    start = stage * base + min(stage, extra)
-    return range(start, start + base + (1 if stage < extra else 0))
-
-
-def check_pipeline(config: ModelConfig, stages: int) -> None:
-    """Refuse (one line) what pipeline parallelism cannot run, before any process is started."""
-    if stages < 1:
-        raise TensorParallelError(f"pipeline_parallel_size must be at least 1, got {stages}")
-    if stages == 1:
-        return
-    if config.family not in SUPPORTED_FAMILIES:
-        raise TensorParallelError(f"pipeline parallelism supports the Llama family (Llama, Mistral, Qwen2, Qwen3, "
-                                  f"Phi-3); {config.architecture} is not supported yet")
-    if config.num_hidden_layers < stages:
-        raise TensorParallelError(f"pipeline-parallel size {stages} is more than the model's "
-                                  f"{config.num_hidden_layers} layers")
-
-
-@dataclass(frozen=True)
-class Stage:
-    """This process's place in the pipeline."""
-
-    index: int
-    stages: int
-    layers: range
-
-    @property
-    def first(self) -> bool:
-        return self.index == 0
-
-    @property
-    def last(self) -> bool:
-        return self.index == self.stages - 1
-
-
-def stage_of(config: ModelConfig, stages: int, index: int) -> Stage:
-    return Stage(index, stages, stage_layers(config.num_hidden_layers, stages, index))
-
-
-def _layer_of(name: str) -> int | None:
-    parts = name.split(".")
-    return int(parts[2]) if len(parts) > 3 and parts[0] == "model" and parts[1] == "layers" else None
-
-
-def stage_tensors(tensors: dict[str, Any], stage: Stage) -> dict[str, Any]:
-    """The weights ``stage`` binds: its layers', the embedding on the first stage, the norm and head on the last
-    (a tied head takes the embedding's tensor there)."""
-    out: dict[str, Any] = {}
-    for name, w in tensors.items():
-        layer = _layer_of(name)
-        if layer is not None:
-            keep = layer in stage.layers
-        elif name == "model.embed_tokens.weight":
-            keep = stage.first
-        else:
-            keep = stage.last  # model.norm.weight, lm_head.weight
-        if keep:
-            out[name] = w
-    if stage.last and "lm_head.weight" not in tensors:
-        out["lm_head.weight"] = tensors["model.embed_tokens.weight"]
-    return out
 
 
 def make_stage(model: LlamaForCausalLM, stage: Stage) -> None:

@@ -22,14 +22,13 @@ from pathlib import Path
 
 import torch
 
-from keepwarm.daemon.sharding import Shard, local_config
+from keepwarm.daemon.sharding import Shard, local_config, stage_of
 from keepwarm.formats.model_config import parse_dtype
 from keepwarm.worker.lora import LoRAAdapter, LoRAManager
 from keepwarm.worker.model_loader import load_model
 from keepwarm.worker.model_runner import CacheConfig, ModelRunner, allocate_kv_cache
 from keepwarm.worker.parallel.group import TensorParallelGroup
 from keepwarm.worker.parallel.messages import CacheSpec, LoRASlot, Ping, Setup, Shutdown, Step, lora_tensors
-from keepwarm.worker.parallel.pipeline import stage_of
 
 log = logging.getLogger("keepwarm.worker")
 
