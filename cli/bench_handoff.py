@@ -6,10 +6,13 @@ Restarts (`keepwarm restart`'s request on the control socket), first idle, as th
   over a new connection (by then only the new worker accepts; a kept-alive one would still reach the old worker),
   so it is the figure comparable to the cold and warm rows; the first request's own part of it, and the new
   worker's startup phases (its /health "startup", a median per phase);
-then as many under load: LOAD_CLIENTS clients stream greedy completions back to back; the handoff under load and
-the longest gap any client saw, i.e. the longest time between two tokens a client received (across request
-boundaries, so a refused, reset or queued request shows), beside the same measure over STEADY_S seconds of the
-same load without restarts. On a machine with few cores, old and new worker share them during a handoff.
+with ``--standby`` (the same rows, ``standby_`` first), each idle restart waits until the supervisor reports a new
+standby warmed (the time since the previous restart answered is the row's re-arm time: restarts closer together
+than that wait for the standby's warm-up); then as many under load: LOAD_CLIENTS clients stream greedy completions
+back to back; the handoff under load and the longest gap any client saw, i.e. the longest time between two tokens a
+client received (across request boundaries, so a refused, reset or queued request shows), beside the same measure
+over STEADY_S seconds of the same load without restarts. On a machine with few cores, old and new worker share them
+during a handoff.
 Nothing is asserted; failed or cut-short load requests are counted in the row. The server runs with
 ``--shutdown-timeout 600``, so an old worker's drain is not cut short on a slow machine.
 """
@@ -93,15 +96,30 @@ async def _restart(port: int, rt: Path) -> Any:
     return reply
 
 
-async def _handoffs(base: str, port: int, rt: Path, prompt_ids: list[int], repeats: int) -> dict:
+async def _standby_pid(client: Any, base: str, previous: int | None, timeout: float = 300.0) -> int:
+    """The pid of a warmed standby other than ``previous``, once /health reports one."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        pid = (await client.get(base + "/health")).json().get("restarts", {}).get("standby_pid")
+        if pid is not None and pid != previous:
+            return int(pid)
+        await asyncio.sleep(0.02)
+    raise RuntimeError(f"no standby worker warmed within {timeout:.0f}s")
+
+
+async def _handoffs(base: str, port: int, rt: Path, prompt_ids: list[int], repeats: int, standby: bool) -> dict:
     import httpx
 
     # 1. idle (as the warm restart row): the restart request to the first token of a request sent after it
     # A fresh client each time: a connection kept alive from the previous request would reach the old worker,
     # which answers what arrives over open connections while it drains.
-    handoff, to_first_token, first_request, phases = [], [], [], []
+    handoff, to_first_token, first_request, phases, rearm = [], [], [], [], []
+    pid, t_prev = None, time.monotonic()
     for _ in range(repeats):
         async with httpx.AsyncClient(timeout=httpx.Timeout(120, connect=10)) as probe:
+            if standby:
+                pid = await _standby_pid(probe, base, pid)
+                rearm.append(time.monotonic() - t_prev)
             t0 = time.monotonic()
             reply = await _restart(port, rt)
             t1 = time.monotonic()
@@ -110,6 +128,7 @@ async def _handoffs(base: str, port: int, rt: Path, prompt_ids: list[int], repea
             first_request.append(times[0] - t1)
             handoff.append(reply.handoff_s)
             phases.append((await probe.get(base + "/health")).json().get("startup", {}))
+            t_prev = t1
     # 2. under load: the longest a client waited for a token, beside the same load without restarts
     load = _Load(base, prompt_ids)
     runner = asyncio.create_task(load.run())
@@ -124,7 +143,7 @@ async def _handoffs(base: str, port: int, rt: Path, prompt_ids: list[int], repea
     t_end = time.monotonic()
     load.stop.set()
     await runner
-    return {"zygote_restart_to_first_token_s": to_first_token, "handoff_s": handoff,
+    return {"standby_rearm_s": rearm, "zygote_restart_to_first_token_s": to_first_token, "handoff_s": handoff,
             "zygote_first_request_s": first_request, "zygote_phases_s": median_phases(phases),
             "handoff_under_load_s": loaded,
             "max_gap_under_restarts_s": load.max_gap(t_restarts, t_end),
@@ -134,13 +153,14 @@ async def _handoffs(base: str, port: int, rt: Path, prompt_ids: list[int], repea
 
 def zygote_rows(cmd: list[str], env: dict[str, str], port: int, rt: Path, prompt_ids: list[int], repeats: int,
                 start: Any, kill: Any) -> dict:
-    """Start `serve --zygote` (``cmd``), restart it ``repeats`` times under load; the row's figures."""
+    """Start `serve --zygote` (``cmd``), restart it ``repeats`` times under load; the row's figures (a ``--standby``
+    in ``cmd``: restarts that take over a warmed standby)."""
     import logging
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per load request otherwise
     first_start_s, proc = start(cmd, env, port, "bench", prompt_ids)
     try:
-        row = asyncio.run(_handoffs(f"http://127.0.0.1:{port}", port, rt, prompt_ids, repeats))
+        row = asyncio.run(_handoffs(f"http://127.0.0.1:{port}", port, rt, prompt_ids, repeats, "--standby" in cmd))
     finally:
         kill(proc, 15)
     row["zygote_first_start_s"] = first_start_s
@@ -157,11 +177,14 @@ def describe_phases(phases: dict[str, float]) -> str:
     return " ".join(f"{k} {v * 1e3:.0f}" for k, v in phases.items())
 
 
-def describe(row: dict) -> str:
-    return (f"  zygote restart to first token:    {statistics.median(row['zygote_restart_to_first_token_s']):.2f}s  "
+def describe(row: dict, label: str = "zygote") -> str:
+    rearm = (f"; a new standby warmed {statistics.median(row['standby_rearm_s']):.2f}s after the previous restart"
+             if row.get("standby_rearm_s") else "")
+    median = statistics.median(row["zygote_restart_to_first_token_s"])
+    return (f"  {label + ' restart to first token:':<34}{median:.2f}s  "
             f"{[round(x, 3) for x in row['zygote_restart_to_first_token_s']]} (handoff "
             f"{statistics.median(row['handoff_s']):.3f}s, first request to its first token "
-            f"{statistics.median(row['zygote_first_request_s']):.3f}s)\n"
+            f"{statistics.median(row['zygote_first_request_s']):.3f}s{rearm})\n"
             f"  new worker's phases (ms, median): {describe_phases(row['zygote_phases_s'])}\n"
             f"  under load ({LOAD_CLIENTS} streaming clients): handoff "
             f"{statistics.median(row['handoff_under_load_s']):.2f}s, longest gap a client saw "

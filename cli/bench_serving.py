@@ -150,7 +150,8 @@ def restart(
 ) -> None:
     """Restart-to-first-token: process start to the first streamed token, for a warm restart (attach to the daemon),
     a cold start (--no-daemon, page cache dropped), the import floor, and vLLM's api_server; and `serve --zygote`
-    restarted under load (restart to first token, handoff, the longest gap a client saw: cli/bench_handoff.py)."""
+    restarted under load (restart to first token, handoff, the longest gap a client saw: cli/bench_handoff.py), then
+    the same with ``--standby``."""
     if smoke:
         smoke_start(vllm_python)
         models, repeats, vllm_python = str(smoke_model()), 1, None
@@ -200,6 +201,9 @@ def restart(
             port = _free_port()
             cmd = _keepwarm_cmd(model, port, dtype, threads, "--zygote", "--shutdown-timeout", "600")
             zygote = zygote_rows(cmd, env, port, rt, prompt_ids, repeats, _start_to_first_token, _kill)
+            port = _free_port()
+            cmd = _keepwarm_cmd(model, port, dtype, threads, "--zygote", "--standby", "--shutdown-timeout", "600")
+            standby = zygote_rows(cmd, env, port, rt, prompt_ids, repeats, _start_to_first_token, _kill)
         finally:
             client.shutdown()
             client.close()
@@ -209,7 +213,9 @@ def restart(
                    f"(daemon preloads {counters['preloads']}, attaches {counters['attaches']})\n"
                    f"  its phases (ms, median): {describe_phases(row['warm_phases_s'])}")
         row.update(zygote)
+        row.update({f"standby_{k}": v for k, v in standby.items()})
         typer.echo(describe(zygote))
+        typer.echo(describe(standby, "standby"))
 
         if vllm_python:
             venv_env = vllm_env(vllm_python)

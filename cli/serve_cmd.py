@@ -117,6 +117,10 @@ def register(app: typer.Typer) -> None:
         except ConfigError as e:
             fail(str(e), code=2)
             return
+        if cfg.standby and not cfg.zygote:
+            fail("--standby needs --zygote (the standby is a worker the supervisor keeps warm beside the one "
+                 "serving)", code=2)
+            return
         if cfg.zygote:
             _supervise(config, flags)
             return

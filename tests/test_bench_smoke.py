@@ -78,6 +78,10 @@ def test_bench_restart_smoke(bench_env, tmp_path) -> None:
     assert "to_serve" in row["warm_phases_s"] and "warm_prefill" not in row["warm_phases_s"]
     assert 0 < row["zygote_first_request_s"][0] < row["zygote_restart_to_first_token_s"][0]
     assert "new worker's phases" in out
+    # the same with --standby: the restart took over a warmed standby (its phases say it waited for Go)
+    assert len(row["standby_zygote_restart_to_first_token_s"]) == 1 and len(row["standby_standby_rearm_s"]) == 1
+    assert row["standby_load_requests"] > 0 and row["standby_load_failed"] == 0
+    assert "standby_wait" in row["standby_zygote_phases_s"] and "standby restart to first token" in out
 
 
 def test_bench_serving_smoke(bench_env, tmp_path) -> None:

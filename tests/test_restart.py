@@ -10,10 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -22,11 +19,9 @@ import openai
 import pytest
 import torch
 from _serve import ServeProcess, free_port, metric, parse_metrics
+from _supervised import PROMPTS, Load, ask, engine_config, health, restart
 
 pytestmark = pytest.mark.slow
-
-PROMPTS = ["The quick brown fox", "Once upon a time", "In the beginning", "A restart that nobody notices"]
-MAX_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
@@ -58,87 +53,6 @@ def supervised(tiny_llama, tmp_path_factory):
         client.close()
 
 
-def _restart(server, *flags: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "keepwarm.cli.main", "restart", "--port", str(server.port),
-                           *flags], env=server.env, capture_output=True, text=True, timeout=300)
-
-
-def _health(server) -> dict:
-    return httpx.get(server.base + "/health", timeout=10).json()
-
-
-def _engine(server) -> dict:
-    return httpx.get(server.base + "/keepwarm/config", timeout=10).json()["engine"]
-
-
-class Load:
-    """Client threads sending greedy requests without pause (streaming and not, completions and chat) through the
-    official openai client with retries off: any refused, reset, failed or cut-short request is recorded."""
-
-    def __init__(self, base: str, references: dict[tuple[str, str], str], threads: int = 3) -> None:
-        self.base, self.references = base, references
-        self.stop = threading.Event()
-        self.errors: list[str] = []
-        self.done = 0
-        self._lock = threading.Lock()
-        self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(threads)]
-
-    def __enter__(self) -> Load:
-        for t in self._threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-        for t in self._threads:
-            t.join(120)
-
-    def _run(self, i: int) -> None:
-        client = openai.OpenAI(base_url=self.base + "/v1", api_key="unused", max_retries=0, timeout=60)
-        n = i
-        while not self.stop.is_set():
-            prompt, kind = PROMPTS[n % len(PROMPTS)], ("stream", "plain", "chat")[n % 3]
-            n += 1
-            try:
-                text, finish = ask(client, prompt, kind)
-            except Exception as e:  # noqa: BLE001  (every failure is what this test counts)
-                with self._lock:
-                    self.errors.append(f"{kind} {prompt!r}: {type(e).__name__}: {e}")
-                continue
-            with self._lock:
-                if finish != "length":
-                    self.errors.append(f"{kind} {prompt!r}: finish_reason {finish!r} (truncated)")
-                elif text != self.references[(prompt, kind)]:
-                    self.errors.append(f"{kind} {prompt!r}: {text!r} != {self.references[(prompt, kind)]!r}")
-                self.done += 1
-
-    def wait_for(self, n: int, timeout: float = 120) -> None:
-        target = self.done + n
-        deadline = time.monotonic() + timeout
-        while self.done < target and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert self.done >= target, f"the load stalled at {self.done} requests; errors: {self.errors[:5]}"
-
-
-def ask(client: openai.OpenAI, prompt: str, kind: str) -> tuple[str, str | None]:
-    extra = {"ignore_eos": True}
-    if kind == "chat":
-        r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": prompt}],
-                                           max_tokens=MAX_TOKENS, temperature=0, extra_body=extra)
-        return r.choices[0].message.content or "", r.choices[0].finish_reason
-    if kind == "plain":
-        c = client.completions.create(model="tiny", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
-                                      extra_body=extra)
-        return c.choices[0].text, c.choices[0].finish_reason
-    text, finish = "", None
-    for chunk in client.completions.create(model="tiny", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
-                                           stream=True, extra_body=extra):
-        if chunk.choices:
-            text += chunk.choices[0].text
-            finish = chunk.choices[0].finish_reason or finish
-    return text, finish
-
-
 # (flags of each restart, what the engine must report after it); the fifth is SIGHUP with server.toml changed.
 RESTARTS = [
     (["--max-num-seqs", "3"], {"max_num_seqs": 3}),
@@ -154,26 +68,26 @@ def test_restarts_under_load(supervised) -> None:
     new worker attached to the daemon's arena and runs the new flags."""
     client = openai.OpenAI(base_url=supervised.base + "/v1", api_key="unused", max_retries=0)
     references = {(p, k): ask(client, p, k)[0] for p in PROMPTS for k in ("stream", "plain", "chat")}
-    pids = [_health(supervised)["restarts"]["worker_pid"]]
+    pids = [health(supervised)["restarts"]["worker_pid"]]
     with Load(supervised.base, references) as load:
         load.wait_for(6)
         for flags, expected in RESTARTS:
-            r = _restart(supervised, *flags)
+            r = restart(supervised, *flags)
             assert r.returncode == 0, r.stdout + r.stderr
             assert "handoff in" in r.stdout and "(zygote)" in r.stdout, r.stdout
-            engine = _engine(supervised)
+            engine = engine_config(supervised)
             assert {k: engine[k] for k in expected} == expected, (flags, engine)
             assert engine["weights_source"] == "daemon"
-            pids.append(_health(supervised)["restarts"]["worker_pid"])
+            pids.append(health(supervised)["restarts"]["worker_pid"])
             load.wait_for(6)
         supervised.toml.write_text("max_num_batched_tokens = 384\n")
         supervised.proc.send_signal(signal.SIGHUP)  # systemd's ExecReload
         deadline = time.monotonic() + 120
-        while _engine(supervised)["max_num_batched_tokens"] != 384 and time.monotonic() < deadline:
+        while engine_config(supervised)["max_num_batched_tokens"] != 384 and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert _engine(supervised)["max_num_batched_tokens"] == 384
-        assert _engine(supervised)["max_num_seqs"] == 5  # the flags given by restarts stay
-        pids.append(_health(supervised)["restarts"]["worker_pid"])
+        assert engine_config(supervised)["max_num_batched_tokens"] == 384
+        assert engine_config(supervised)["max_num_seqs"] == 5  # the flags given by restarts stay
+        pids.append(health(supervised)["restarts"]["worker_pid"])
         load.wait_for(6)
     assert not load.errors, load.errors[:10]
     assert len(set(pids)) == 6, pids  # six workers served in turn
@@ -188,44 +102,44 @@ def test_restarts_under_load(supervised) -> None:
     from keepwarm.worker.api.grpc_gen import keepwarm_pb2_grpc as pb_grpc
 
     with grpc.insecure_channel(f"127.0.0.1:{supervised.grpc_port}") as channel:
-        health = pb_grpc.KeepwarmStub(channel).Health(pb.HealthRequest(), timeout=30)
-    assert health.status == pb.HealthResponse.SERVING
+        grpc_health = pb_grpc.KeepwarmStub(channel).Health(pb.HealthRequest(), timeout=30)
+    assert grpc_health.status == pb.HealthResponse.SERVING
 
 
 def test_a_restart_that_fails_its_warm_up_leaves_the_old_worker_serving(supervised) -> None:
-    before = _health(supervised)["restarts"]
-    r = _restart(supervised, "--kv-cache-dtype", "int3")
+    before = health(supervised)["restarts"]
+    r = restart(supervised, "--kv-cache-dtype", "int3")
     assert r.returncode == 1
     line = r.stderr.strip().splitlines()[-1]
     assert "failed its warm-up" in line and "int3" in line and "keeps serving" in line, r.stderr
-    after = _health(supervised)["restarts"]
+    after = health(supervised)["restarts"]
     assert after["worker_pid"] == before["worker_pid"]
     assert after["failed"] == before["failed"] + 1
     client = openai.OpenAI(base_url=supervised.base + "/v1", api_key="unused", max_retries=0)
     assert ask(client, PROMPTS[0], "plain")[1] == "length"
     # the refused flag was not adopted: the next restart runs without it
-    r = _restart(supervised)
+    r = restart(supervised)
     assert r.returncode == 0, r.stderr
-    assert _engine(supervised)["kv_cache_dtype"] != "int3"
+    assert engine_config(supervised)["kv_cache_dtype"] != "int3"
 
 
 def test_a_restart_after_the_zygote_was_killed_is_a_cold_start_and_says_so(supervised) -> None:
-    zygote = _health(supervised)["restarts"]["zygote_pid"]
+    zygote = health(supervised)["restarts"]["zygote_pid"]
     os.kill(zygote, signal.SIGKILL)
     deadline = time.monotonic() + 10
     while Path(f"/proc/{zygote}").exists() and time.monotonic() < deadline:
         time.sleep(0.05)
-    r = _restart(supervised, "--max-num-seqs", "4")
+    r = restart(supervised, "--max-num-seqs", "4")
     assert r.returncode == 0, r.stderr
     assert "(cold)" in r.stdout and f"the zygote (pid {zygote}) was gone" in r.stdout, r.stdout
     assert "cold start" in r.stderr, r.stderr
-    restarts = _health(supervised)["restarts"]
+    restarts = health(supervised)["restarts"]
     assert restarts["last"]["mode"] == "cold" and str(zygote) in restarts["last"]["reason"]
     assert restarts["zygote_pid"] not in (None, zygote)
     assert f"the zygote (pid {zygote}) was gone" in supervised.output()
-    assert _engine(supervised)["max_num_seqs"] == 4
+    assert engine_config(supervised)["max_num_seqs"] == 4
     assert metric(supervised.metrics(), "keepwarm:restarts_total", mode="cold") == 1
-    r = _restart(supervised)  # the new zygote serves the next restart warm
+    r = restart(supervised)  # the new zygote serves the next restart warm
     assert r.returncode == 0 and "(zygote)" in r.stdout, r.stdout + r.stderr
 
 
@@ -233,14 +147,14 @@ def test_an_upgrade_forks_from_a_zygote_of_the_other_python_prepared_ahead(super
     """`restart --prepare --python P` starts P's zygote in the background; `restart --python P` then forks from it
     (warm), and it serves the restarts after. P here is the venv's other name for its interpreter: another
     environment works the same way when its keepwarm speaks the same ipc version."""
-    current = _health(supervised)["restarts"]["python"]
+    current = health(supervised)["restarts"]["python"]
     other = str(Path(current).with_name("python3" if Path(current).name != "python3" else "python"))
     assert Path(other).exists() and other != current
-    r = _restart(supervised, "--prepare", "--python", other)
+    r = restart(supervised, "--prepare", "--python", other)
     assert r.returncode == 0 and f"zygote from {other} ready" in r.stdout, r.stdout + r.stderr
-    r = _restart(supervised, "--python", other)
+    r = restart(supervised, "--python", other)
     assert r.returncode == 0 and "(zygote)" in r.stdout, r.stdout + r.stderr
-    restarts = _health(supervised)["restarts"]
+    restarts = health(supervised)["restarts"]
     assert restarts["python"] == other and restarts["last"]["mode"] == "zygote"
 
 
@@ -249,17 +163,17 @@ def test_a_worker_that_dies_is_replaced_warm_from_the_zygote(supervised) -> None
     sent meanwhile waits in the listening socket's queue and gets its answer; /health, /metrics and the log say so."""
     client = openai.OpenAI(base_url=supervised.base + "/v1", api_key="unused", max_retries=0, timeout=120)
     reference = ask(client, PROMPTS[1], "plain")
-    before, engine = _health(supervised)["restarts"], _engine(supervised)
+    before, engine = health(supervised)["restarts"], engine_config(supervised)
     dead = before["worker_pid"]
     os.kill(dead, signal.SIGKILL)
     deadline = time.monotonic() + 10
     while Path(f"/proc/{dead}").exists() and time.monotonic() < deadline:  # the zygote reaps it
         time.sleep(0.01)
     assert ask(client, PROMPTS[1], "plain") == reference
-    after = _health(supervised)["restarts"]
+    after = health(supervised)["restarts"]
     assert after["worker_pid"] != dead and after["replaced"] == before["replaced"] + 1
     assert after["last_replacement"]["old_pid"] == dead and after["last_replacement"]["mode"] == "zygote"
-    assert _engine(supervised) == engine  # the running config, not the command line's
+    assert engine_config(supervised) == engine  # the running config, not the command line's
     assert metric(supervised.metrics(), "keepwarm:worker_replacements_total") == before["replaced"] + 1
     assert f"the worker (pid {dead}) exited on its own" in supervised.output()
 
@@ -301,10 +215,10 @@ def test_the_zygote_never_builds_an_engine_or_starts_a_thread(supervised) -> Non
     own, and maps no arena; its worker maps the daemon's arena. What it does hold: the server's tokenizer, loaded
     once for every worker it forks (prepare)."""
     probe = _probe(supervised)
-    restarts = _health(supervised)["restarts"]
+    restarts = health(supervised)["restarts"]
     assert probe.pid == restarts["zygote_pid"]
     assert (probe.engines, probe.modules, probe.event_loop, probe.threads) == (0, 0, False, 1)
-    assert probe.tokenizers == [str(Path(_engine(supervised)["tokenizer"]).resolve())]
+    assert probe.tokenizers == [str(Path(engine_config(supervised)["tokenizer"]).resolve())]
     assert not probe.cuda_initialized
     assert ".arena" not in _maps(probe.pid)
     assert ".arena" in _maps(restarts["worker_pid"])
@@ -322,10 +236,10 @@ def test_the_zygote_never_holds_cuda_state(tiny_llama, tmp_path) -> None:
         probe = _probe(s)
         assert not probe.cuda_initialized and probe.engines == 0
         assert "libcuda" not in _maps(probe.pid)
-        worker = _health(s)["restarts"]["worker_pid"]
+        worker = health(s)["restarts"]["worker_pid"]
         assert "libcuda" in _maps(worker)
-        assert _engine(s)["device"].startswith("cuda")
-        r = _restart(s, "--max-num-seqs", "3")
+        assert engine_config(s)["device"].startswith("cuda")
+        r = restart(s, "--max-num-seqs", "3")
         assert r.returncode == 0 and "(zygote)" in r.stdout, r.stdout + r.stderr
         assert "libcuda" not in _maps(_probe(s).pid)
     finally:

@@ -70,6 +70,7 @@ EFFECT_TESTS = {
     "enable_auto_tool_choice": "test_tool_calls::test_tool_choice_rules",
     "tool_call_parser": "test_tool_calls::test_tool_choice_rules",
     "zygote": "test_restart::test_restarts_under_load",
+    "standby": "test_standby::test_restarts_take_over_the_warmed_standby_under_load",
     "tensor_parallel_size": "test_tensor_parallel::test_serve_tp_dies_with_a_killed_rank_and_restarts_warm",
     "pipeline_parallel_size": "test_tensor_parallel::test_pp2_greedy_tokens_equal_one_process",
     "nnodes": "test_tensor_parallel::test_two_nodes_on_localhost_give_one_process_tokens",

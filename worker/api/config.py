@@ -107,6 +107,10 @@ class ServerConfig:
     # a supervisor that owns the listening socket and forks workers from a pre-imported zygote (keepwarm restart)
     zygote: bool = setting(False, Flag("Serve from a supervisor: workers forked from a pre-imported zygote, "
                                        "restarted with no downtime by `keepwarm restart` or SIGHUP."))
+    # with zygote: one more worker kept forked, attached and warmed but not accepting, taken over by the next restart
+    standby: bool = setting(False, Flag("With --zygote: keep a standby worker forked, attached and warmed (not "
+                                        "accepting), so a restart with unchanged flags or a crashed worker's "
+                                        "replacement takes it over at once; costs one idle worker and its KV pool."))
     uvicorn_log_level: str = "warning"
     # limits (docs/reliability.md)
     trust_request_chat_template: bool = setting(False, Flag(

@@ -49,6 +49,7 @@ class Fork:
     config: dict[str, Any]
     restarts: dict[str, Any]  # the supervisor's restart history (shown in /metrics and /health)
     log_level: str = "INFO"
+    standby: bool = False  # warm up, say Standing, and accept only once told Go (``serve --standby``)
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,20 @@ class Ready:
     weights_source: str
     cuda_initialized: bool
     phases: dict[str, float] = field(default_factory=dict)  # seconds per startup phase (server.serve)
+
+
+@dataclass(frozen=True)
+class Standing:
+    """A standby worker attached and warmed its first step; it does not accept until Go (then it says Ready)."""
+
+    pid: int
+    ready_s: float  # fork to standing
+    phases: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Go:
+    """Supervisor -> standby worker: start accepting on the listening socket and say Ready."""
 
 
 @dataclass(frozen=True)
@@ -129,15 +144,16 @@ class RestartRequest:
 class RestartReply:
     ok: bool
     message: str
-    mode: str = ""  # "zygote" (forked from a warm zygote) or "cold" (a zygote had to be started first)
+    mode: str = ""  # "standby" (the standby took over), "zygote" (forked from a warm zygote) or "cold" (a zygote had
+    # to be started first)
     handoff_s: float = 0.0  # the request to the new worker accepting
     old_pid: int = 0
     new_pid: int = 0
 
 
 TYPES: dict[str, type] = {cls.__name__.lower(): cls for cls in (
-    Hello, Fork, Forked, Probe, ProbeReply, Ready, Failed, Drain, Draining, Exit, Restarts, RestartRequest,
-    RestartReply)}
+    Hello, Fork, Forked, Probe, ProbeReply, Ready, Standing, Go, Failed, Drain, Draining, Exit, Restarts,
+    RestartRequest, RestartReply)}
 
 
 def send(sock: socket.socket, message: Any, fds: tuple[int, ...] = ()) -> None:

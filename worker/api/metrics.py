@@ -86,9 +86,9 @@ class _RestartCollector(Collector):
     def collect(self) -> Iterator:
         h = self._history() or {}
         total = CounterMetricFamily("keepwarm:restarts", "Restarts handed over to a new worker, by how it started "
-                                    "(zygote: forked warm; cold: a zygote had to be started first).",
-                                    labels=["mode"])
-        for mode in ("zygote", "cold"):
+                                    "(standby: the standby worker took over; zygote: forked warm; cold: a zygote "
+                                    "had to be started first).", labels=["mode"])
+        for mode in ("standby", "zygote", "cold"):
             total.add_metric([mode], h.get("total", {}).get(mode, 0))
         yield total
         yield CounterMetricFamily("keepwarm:restarts_failed", "Restarts whose new worker failed; the old one kept "

@@ -129,6 +129,9 @@ def serve(config: ServerConfig, process_start: float | None = None, listener: so
     startup["app"] = time.perf_counter() - t_app
     if link is not None:
         _wait_warm(async_engine, startup)
+        if link.standby and not _standby_wait(link, startup):
+            log.info("standby worker %d dropped by the supervisor before serving: exiting", os.getpid())
+            return 0
     grpc_server = None
     if config.grpc:
         from keepwarm.worker.api.grpc_server import start_grpc_server
@@ -166,6 +169,14 @@ def _wait_warm(async_engine: AsyncEngine, startup: dict[str, float]) -> None:
         raise async_engine.errored
     assert async_engine.engine is not None
     startup.update({k: v for k, v in async_engine.engine.startup_phases.items() if k.startswith("warm_")})
+
+
+def _standby_wait(link: WorkerLink, startup: dict[str, float]) -> bool:
+    """``serve --standby``: warmed, wait (not accepting) until the supervisor says Go; False if it dropped us."""
+    t = time.perf_counter()
+    go = link.await_go(startup)
+    startup["standby_wait"] = time.perf_counter() - t
+    return go
 
 
 def _uvicorn_server(uv_config: Any, state: ServerState, link: WorkerLink | None, grpc_server: Any) -> Any:

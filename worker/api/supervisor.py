@@ -20,6 +20,12 @@ A restart (``restart``):
    per-socket queues drop what is queued on the socket that closes) and finishes its in-flight requests;
 5. a new worker that fails (Failed, exits, or is not ready within the timeout) is killed; the old one never
    stopped serving, and the restart answers why.
+With ``--standby`` one more worker is kept forked (``Fork(standby=True)``): it attaches, builds its engine, warms
+one step, says Standing and waits, not accepting, for Go. A restart whose config and Python are the standby's (and
+a dead worker's replacement) sends it Go instead of forking in step 3: it starts accepting and says Ready (mode
+"standby"). Other flags or another Python drop it (Drain: it exits without serving) and fork as above. The next
+standby is forked once no old worker drains, so besides the current worker at most one more holds a KV pool (the
+draining one or the standby); a standby that dies is logged, and the next restart forks and brings one back.
 A worker that exits on its own (a crash, ``kill -9``, 70: the engine failed) is replaced (``_replace``): the
 zygote forks a new one with the running config while the listening socket stays open in the supervisor, so new
 connections wait in the kernel's queue (the dead worker's in-flight requests are lost with it). Bounded: a
@@ -100,6 +106,8 @@ class Worker:
     ready_at: float = field(default_factory=time.monotonic)
     fork_s: float = 0.0  # the Fork request to the zygote's Forked (its prepare() and fork())
     phases: dict[str, float] = field(default_factory=dict)  # its startup phases (Ready)
+    python: str = ""  # the zygote's Python it was forked from
+    standing: bool = False  # a standby that said Standing: warmed, waiting for Go
 
     def kill(self) -> None:
         with contextlib.suppress(ProcessLookupError):
@@ -142,7 +150,7 @@ def start_zygote(python: str, log_level: str) -> Zygote:
 class History:
     """What /health and /metrics show (handed to every new worker)."""
 
-    total: dict[str, int] = field(default_factory=lambda: {"zygote": 0, "cold": 0})
+    total: dict[str, int] = field(default_factory=lambda: {"standby": 0, "zygote": 0, "cold": 0})
     failed: int = 0
     durations: list[float] = field(default_factory=list)
     last: dict[str, Any] | None = None
@@ -151,8 +159,9 @@ class History:
     last_replacement: dict[str, Any] | None = None
 
     def to_dict(self, supervisor: Supervisor) -> dict[str, Any]:
-        z = supervisor.zygote
+        z, standby = supervisor.zygote, supervisor.standby
         return {"supervisor_pid": os.getpid(), "zygote_pid": z.hello.pid if z and z.alive else None,
+                "standby_pid": standby.pid if standby is not None and standby.standing else None,
                 "python": z.hello.python if z else None, "total": dict(self.total), "failed": self.failed,
                 "durations": list(self.durations[-1000:]), "last": self.last, "replaced": self.replaced,
                 "replace_failed": self.replace_failed, "last_replacement": self.last_replacement}
@@ -191,6 +200,8 @@ class Supervisor:
         self.prepared: dict[str, Zygote] = {}  # zygotes started ahead of an upgrade, by python
         self.worker: Worker | None = None
         self.old: list[Worker] = []  # draining
+        self.standby: Worker | None = None  # ``--standby``: forked and warmed, not accepting (pending until Standing)
+        self.standby_due = True  # fork a standby once no old worker drains (set again by each restart)
         self.history = History()
         self.replace_policy = ReplacePolicy()
         self.listener: socket.socket | None = None
@@ -231,39 +242,52 @@ class Supervisor:
         self.control_path = path
         return sock
 
-    def _spawn(self, zygote: Zygote, config: ServerConfig, timeout: float) -> Worker:
-        """Fork a worker from ``zygote`` and wait until it says Ready; RestartFailed (it is killed) otherwise."""
+    def _fork(self, zygote: Zygote, config: ServerConfig, standby: bool = False) -> Worker:
+        """Ask ``zygote`` for a worker (a standby: one that waits for Go); returns once it is forked."""
         assert self.listener is not None
         ours, theirs = ipc.pair()
         t0 = time.monotonic()
         try:
             ipc.send(zygote.sock, ipc.Fork(config=config.to_dict(), restarts=self.history.to_dict(self),
-                                           log_level=self.log_level), fds=(self.listener.fileno(), theirs.fileno()))
+                                           log_level=self.log_level, standby=standby),
+                     fds=(self.listener.fileno(), theirs.fileno()))
             forked = ipc.expect(zygote.sock, ipc.Forked, timeout=FORK_TIMEOUT_S)
         except (OSError, EOFError, TimeoutError, ProtocolError) as e:
             ours.close()
             raise RestartFailed(f"the zygote (pid {zygote.hello.pid}) did not fork: {e}") from None
         finally:
             theirs.close()
-        worker = Worker(forked.pid, ours, config, fork_s=time.monotonic() - t0)
+        return Worker(forked.pid, ours, config, fork_s=time.monotonic() - t0, python=zygote.hello.python)
+
+    def _spawn(self, zygote: Zygote, config: ServerConfig, timeout: float) -> Worker:
+        """Fork a worker from ``zygote`` and wait until it says Ready; RestartFailed (it is killed) otherwise."""
+        worker = self._fork(zygote, config)
+        self._await(worker, ipc.Ready, timeout, "failed its warm-up")
+        return worker
+
+    def _await(self, worker: Worker, expected: type, timeout: float, failure: str) -> None:
+        """Wait for ``worker``'s Ready (or a standby's Standing): RestartFailed (it is killed) on anything else."""
         deadline = time.monotonic() + timeout
         try:
-            msg, fds = ipc.recv(ours, timeout=timeout)
+            msg, fds = ipc.recv(worker.sock, timeout=timeout)
             for fd in fds:
                 os.close(fd)
-            why = msg.error if isinstance(msg, ipc.Failed) else "" if isinstance(msg, ipc.Ready) else \
+            why = msg.error if isinstance(msg, ipc.Failed) else "" if isinstance(msg, expected) else \
                 f"it sent {type(msg).__name__}"
-        except (EOFError, TimeoutError, ProtocolError) as e:
-            why = "it exited" if isinstance(e, EOFError) else \
+        except (EOFError, TimeoutError, ProtocolError, OSError) as e:
+            why = "it exited" if isinstance(e, EOFError | OSError) else \
                 f"not ready after {timeout:.0f}s" if time.monotonic() >= deadline else str(e)
         if why:
             worker.kill()
-            ours.close()
-            raise RestartFailed(f"the new worker (pid {forked.pid}) failed its warm-up: {why}")
+            with contextlib.suppress(OSError):
+                worker.sock.close()
+            raise RestartFailed(f"the new worker (pid {worker.pid}) {failure}: {why}")
+        if isinstance(msg, ipc.Standing):
+            worker.standing, worker.phases = True, msg.phases
+            return
         worker.ready_at, worker.phases = time.monotonic(), msg.phases
         log.info("worker %d ready %.3fs after its fork (weights from %s); phases (s): %s", msg.pid, msg.ready_s,
                  msg.weights_source, " ".join(f"{k} {v:.3f}" for k, v in msg.phases.items()))
-        return worker
 
     def _loop(self) -> int:
         rfd, wfd = os.pipe()
@@ -274,7 +298,8 @@ class Supervisor:
         assert self.control is not None
         try:
             while True:
-                watched = {w.sock: w for w in [self.worker, *self.old] if w is not None and w.sock.fileno() >= 0}
+                watched = {w.sock: w for w in [self.worker, *self.old, self.standby]
+                           if w is not None and w.sock.fileno() >= 0}
                 waits: list[Any] = [rfd, self.control, *watched]
                 ready, _, _ = select.select(waits, [], [], 1.0)
                 for obj in ready:
@@ -297,6 +322,7 @@ class Supervisor:
                     if code is not None:
                         self._stop()
                         return code
+                self._tend_standby()
         finally:
             signal.set_wakeup_fd(-1)
             os.close(rfd)
@@ -317,9 +343,13 @@ class Supervisor:
                 self.worker = None
                 return None
             time.sleep(policy.backoff_s)
+            self.standby_due = True
+            python = dead.python or sys.executable
             try:
-                zygote, mode, reason = self._zygote_for(self.zygote.hello.python if self.zygote else sys.executable)
-                self.worker = self._spawn(zygote, self.config, timeout=600.0)
+                self.worker, mode, reason = self._take_standby(self.config, python, 600.0), "standby", ""
+                if self.worker is None:
+                    zygote, mode, reason = self._zygote_for(python)
+                    self.worker = self._spawn(zygote, self.config, timeout=600.0)
             except RestartFailed as e:
                 policy.attempt_failed()
                 self.history.replace_failed += 1
@@ -366,10 +396,21 @@ class Supervisor:
         elif isinstance(msg, ipc.Failed):
             worker.code = 1
             log.error("worker %d: %s", worker.pid, msg.error)
+        elif isinstance(msg, ipc.Standing) and worker is self.standby:
+            worker.standing, worker.phases = True, msg.phases
+            log.info("standby worker %d warmed %.3fs after its fork; phases (s): %s", msg.pid, msg.ready_s,
+                     " ".join(f"{k} {v:.3f}" for k, v in msg.phases.items()))
+            self._send_history()  # /health shows its pid
+        elif isinstance(msg, ipc.Ready) and worker is self.standby:  # a zygote whose keepwarm predates --standby
+            log.error("standby worker %d accepts without Go (its zygote's keepwarm knows no standby): killed",
+                      worker.pid)
+            worker.kill()
+            worker.code = 1
         return False
 
     def _stop(self) -> int:
         """SIGTERM the workers (they drain) and wait for them; stop the zygotes. The current worker's status."""
+        self._drop_standby("the server stops")
         workers = [w for w in [self.worker, *self.old] if w is not None]
         for w in workers:
             with contextlib.suppress(ProcessLookupError):
@@ -466,9 +507,12 @@ class Supervisor:
         self._wait_old_drained()
         t_fork = time.monotonic()
         old = self.worker
+        self.standby_due = True  # whatever happens, a standby (of the config that ends up serving) follows
         try:
-            zygote, mode, reason = self._zygote_for(python)
-            new = self._spawn(zygote, config, timeout)
+            new, mode, reason = self._take_standby(config, python, timeout), "standby", ""
+            if new is None:
+                zygote, mode, reason = self._zygote_for(python)
+                new = self._spawn(zygote, config, timeout)
         except RestartFailed as e:
             self.history.failed += 1
             log.error("restart failed: %s; the old worker (pid %d) keeps serving", e, old.pid)
@@ -503,6 +547,61 @@ class Supervisor:
         return ipc.RestartReply(ok=True, message=f"handoff in {ready_s:.3f}s: worker {old.pid} -> {new.pid} "
                                                  f"({mode}){note}", mode=mode, handoff_s=ready_s,
                                 old_pid=old.pid, new_pid=new.pid)
+
+    # -- the standby (``serve --standby``) ------------------------------------------------------------------------
+    def _tend_standby(self) -> None:
+        """Forget a standby that died; fork one when due, ``--standby`` is on and no old worker drains (so at most
+        one worker besides the current one holds a KV pool: the draining one or the standby)."""
+        s = self.standby
+        if s is not None and s.code is not None:
+            log.warning("standby worker %d exited (status %d); the next restart forks its worker", s.pid, s.code)
+            self.standby = None
+            self._send_history()
+        if not (self.config.standby and self.standby_due and self.standby is None and not self.old
+                and self.worker is not None and self.worker.code is None):
+            return
+        self.standby_due = False
+        try:
+            zygote, _, _ = self._zygote_for(self.worker.python or sys.executable)
+            self.standby = self._fork(zygote, self.config, standby=True)
+        except RestartFailed as e:
+            log.error("no standby worker: %s", e)
+            return
+        log.info("standby worker %d forked", self.standby.pid)
+
+    def _take_standby(self, config: ServerConfig, python: str, timeout: float) -> Worker | None:
+        """The standby, told Go, as the new worker once it says Ready. None (the caller forks one) when there is
+        none, when it was forked for another config or Python (it is dropped), or when it fails (logged)."""
+        s = self.standby
+        if s is None:
+            return None
+        if s.code is not None or s.python != python or s.config.to_dict() != config.to_dict():
+            self._drop_standby("the restart's config or Python differ from its own")
+            return None
+        self.standby = None
+        try:
+            if not s.standing:
+                self._await(s, ipc.Standing, timeout, "failed its warm-up")
+            ipc.send(s.sock, ipc.Go())
+            self._await(s, ipc.Ready, timeout, "did not start accepting")
+        except (RestartFailed, OSError) as e:
+            s.kill()
+            log.error("the standby worker (pid %d) failed (%s): forking a new worker instead", s.pid, e)
+            return None
+        s.fork_s = 0.0
+        return s
+
+    def _drop_standby(self, why: str) -> None:
+        """Tell the standby to go (Drain, then EOF: it exits without having served)."""
+        s, self.standby = self.standby, None
+        if s is None:
+            return
+        log.info("standby worker %d dropped: %s", s.pid, why)
+        self._send_history()
+        with contextlib.suppress(OSError):
+            ipc.send(s.sock, ipc.Drain())
+        with contextlib.suppress(OSError):
+            s.sock.close()
 
     def _zygote_for(self, python: str) -> tuple[Zygote, str, str]:
         """The zygote to fork from, and whether the restart is warm ("zygote") or had to start one ("cold")."""

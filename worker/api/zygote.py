@@ -22,7 +22,8 @@ Copy-on-write (Python's documented recipe for fork without exec): the zygote run
 child then never walks (and so never writes, copying page after page) the hundreds of thousands of objects the
 imports made; measured before this: the child's engine setup took ~0.3 s against ~0.02 s in a fresh process.
 The child resets the signals the zygote changed, attaches to the daemon's weights, builds its engine and warms
-one step (``server.warm_up``, in the engine thread while the app is built) before it says ``Ready``.
+one step (``server.warm_up``, in the engine thread while the app is built) before it says ``Ready`` (a standby,
+``Fork.standby``: says ``Standing`` and accepts only once told ``Go``, ``WorkerLink.await_go``).
 """
 
 from __future__ import annotations
@@ -115,10 +116,12 @@ class WorkerLink:
 
     The supervisor going away (EOF) drains the worker (SIGTERM to itself), so no worker outlives its server."""
 
-    def __init__(self, sock: socket.socket, restarts: dict[str, Any], fork_time: float) -> None:
+    def __init__(self, sock: socket.socket, restarts: dict[str, Any], fork_time: float,
+                 standby: bool = False) -> None:
         self.sock = sock
         self.restarts = restarts  # replaced whole by the reader thread; the event loop reads it
         self.fork_time = fork_time
+        self.standby = standby
         self._lock = threading.Lock()
 
     def say(self, message: Any) -> None:
@@ -127,10 +130,31 @@ class WorkerLink:
         with self._lock, contextlib.suppress(OSError):  # the supervisor is gone: the reader drains us
             ipc.send(self.sock, message)
 
+    def await_go(self, phases: dict[str, float]) -> bool:
+        """A standby's wait, warmed and not accepting: say Standing, then block until Go (True) or until the
+        supervisor drops it (Drain or EOF: False, the worker exits without serving). Runs before ``listen``."""
+        from keepwarm.worker.api import ipc
+
+        self.say(ipc.Standing(pid=os.getpid(), ready_s=time.time() - self.fork_time, phases=dict(phases)))
+        while (msg := self._next()) is not None:
+            if isinstance(msg, ipc.Go | ipc.Drain):
+                return isinstance(msg, ipc.Go)
+        return False
+
     def listen(self, on_drain: Callable[[], None]) -> None:
         threading.Thread(target=self._read, args=(on_drain,), name="keepwarm-link", daemon=True).start()
 
     def _read(self, on_drain: Callable[[], None]) -> None:
+        from keepwarm.worker.api import ipc
+
+        while (msg := self._next()) is not None:
+            if isinstance(msg, ipc.Drain):
+                on_drain()
+        log.warning("the server's supervisor is gone: draining")
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    def _next(self) -> Any:
+        """The supervisor's next message (Restarts taken in passing), or None once it is gone (EOF)."""
         from keepwarm.daemon.protocol import ProtocolError
         from keepwarm.worker.api import ipc
 
@@ -138,18 +162,15 @@ class WorkerLink:
             try:
                 msg, fds = ipc.recv(self.sock)
             except (EOFError, OSError):
-                log.warning("the server's supervisor is gone: draining")
-                os.kill(os.getpid(), signal.SIGTERM)
-                return
+                return None
             except ProtocolError as e:
                 log.warning("supervisor link: %s", e)
                 continue
             for fd in fds:
                 os.close(fd)
-            if isinstance(msg, ipc.Drain):
-                on_drain()
-            elif isinstance(msg, ipc.Restarts):
+            if isinstance(msg, ipc.Restarts):
                 self.restarts = msg.history
+            return msg
 
 
 def _child(request: Any, fds: list[int], fork_time: float) -> int:
@@ -161,7 +182,7 @@ def _child(request: Any, fds: list[int], fork_time: float) -> int:
     listen_fd, status_fd = fds
     listener = socket.socket(fileno=listen_fd)
     listener.setblocking(False)
-    link = WorkerLink(socket.socket(fileno=status_fd), request.restarts, fork_time)
+    link = WorkerLink(socket.socket(fileno=status_fd), request.restarts, fork_time, standby=request.standby)
     logging.getLogger().setLevel(request.log_level)
     try:
         config = ServerConfig(**from_mapping(request.config, "restart"))

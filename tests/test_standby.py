@@ -1,0 +1,134 @@
+"""`keepwarm serve --zygote --standby`: a worker kept forked, attached and warmed, not accepting, for the next restart.
+
+Real processes and sockets, as test_restart.py: a daemon of its own, the supervisor, `keepwarm restart`, the official
+openai client as the load. One server is shared by the module's tests, in order.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from _serve import ServeProcess, metric
+from _supervised import PROMPTS, Load, ask, engine_config, health, restart
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama):
+    from keepwarm.daemon.client import start_daemon
+
+    rt = Path(tempfile.mkdtemp(prefix="kws-", dir="/tmp"))
+    client = start_daemon(rt)
+    s = None
+    try:
+        client.preload(tiny_llama, "none", "float32")
+        env = {"KEEPWARM_RUNTIME_DIR": str(rt)}
+        s = ServeProcess(tiny_llama, "--zygote", "--standby", "--dtype", "float32", "--max-model-len", "256",
+                         "--threads", "1", "--served-model-name", "tiny", "--shutdown-timeout", "120", env=env,
+                         timeout=180)
+        s.env = {**os.environ, **env}
+        yield s
+    finally:
+        if s is not None:
+            code = s.stop()
+            assert code == 0, s.output()[-3000:]
+        client.shutdown()
+        client.close()
+
+
+def standby_pid(server, other_than: int | None = None, timeout: float = 120.0) -> int:
+    """The warmed standby's pid (one other than ``other_than``) once /health reports it."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        pid = health(server)["restarts"]["standby_pid"]
+        if pid is not None and pid != other_than:
+            return pid
+        time.sleep(0.05)
+    raise AssertionError(f"no standby after {timeout:.0f}s: {server.output()[-2000:]}")
+
+
+def gone(pid: int, timeout: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:  # the zygote reaps its children
+        time.sleep(0.05)
+    return not Path(f"/proc/{pid}").exists()
+
+
+def test_restarts_take_over_the_warmed_standby_under_load(server) -> None:
+    """The standby maps the daemon's arena and accepts nothing; a restart with the same flags hands the socket to
+    it (mode standby) with no failed or wrong answer, and a new standby follows; changed flags drop the standby
+    (its config is stale), fork a worker with them, and the next standby carries them."""
+    spare = standby_pid(server)
+    assert ".arena" in Path(f"/proc/{spare}/maps").read_text()
+    worker = health(server)["restarts"]["worker_pid"]
+    # on fresh connections only the serving worker answers: the standby has not started accepting
+    assert {httpx.get(server.base + "/health", timeout=10).json()["restarts"]["worker_pid"] for _ in range(20)} \
+        == {worker}
+    client = openai.OpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0)
+    references = {(p, k): ask(client, p, k)[0] for p in PROMPTS for k in ("stream", "plain", "chat")}
+    with Load(server.base, references) as load:
+        load.wait_for(6)
+        for _ in range(2):
+            r = restart(server)
+            assert r.returncode == 0 and "(standby)" in r.stdout, r.stdout + r.stderr
+            assert health(server)["restarts"]["worker_pid"] == spare
+            load.wait_for(6)
+            spare = standby_pid(server, other_than=spare)
+        r = restart(server, "--max-num-seqs", "3")
+        assert r.returncode == 0 and "(zygote)" in r.stdout, r.stdout + r.stderr
+        assert gone(spare), f"the stale standby {spare} still runs"
+        load.wait_for(6)
+        spare = standby_pid(server, other_than=spare)
+        r = restart(server)
+        assert r.returncode == 0 and "(standby)" in r.stdout, r.stdout + r.stderr
+        assert engine_config(server)["max_num_seqs"] == 3 and engine_config(server)["weights_source"] == "daemon"
+        load.wait_for(6)
+    assert not load.errors, load.errors[:10]
+    samples = server.metrics()
+    assert metric(samples, "keepwarm:restarts_total", mode="standby") == 3
+    assert metric(samples, "keepwarm:restarts_total", mode="zygote") == 1
+    assert "standby_wait" in health(server)["startup"]
+
+
+def test_a_dead_worker_is_replaced_by_the_standby(server) -> None:
+    client = openai.OpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0, timeout=120)
+    reference = ask(client, PROMPTS[1], "plain")
+    spare = standby_pid(server)
+    dead = health(server)["restarts"]["worker_pid"]
+    os.kill(dead, signal.SIGKILL)
+    assert gone(dead)
+    assert ask(client, PROMPTS[1], "plain") == reference
+    after = health(server)["restarts"]
+    assert after["worker_pid"] == spare and after["last_replacement"]["mode"] == "standby"
+    standby_pid(server, other_than=spare)  # and another standby follows
+
+
+def test_a_dead_standby_is_said_and_the_next_restart_forks(server) -> None:
+    spare = standby_pid(server)
+    os.kill(spare, signal.SIGKILL)
+    assert gone(spare)
+    deadline = time.monotonic() + 30
+    while f"standby worker {spare} exited" not in server.output() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert f"standby worker {spare} exited" in server.output()
+    assert health(server)["restarts"]["standby_pid"] is None
+    r = restart(server)
+    assert r.returncode == 0 and "(zygote)" in r.stdout, r.stdout + r.stderr
+    standby_pid(server, other_than=spare)
+
+
+def test_standby_without_zygote_is_refused_in_one_line(tiny_llama) -> None:
+    r = subprocess.run([sys.executable, "-m", "keepwarm.cli.main", "serve", tiny_llama, "--standby"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines()[-1].startswith("error: --standby needs --zygote"), r.stderr
