@@ -126,7 +126,7 @@ def plan_arena(ckpt: Checkpoint, quantization: str, dtype: torch.dtype, device_t
 _THREAD = threading.local()
 
 
-def _staging(n: int) -> torch.Tensor:
+def scratch(n: int) -> torch.Tensor:
     """A per-thread scratch buffer of ``n`` bytes, reused across tensors: a fresh large allocation page-faults all
     of its pages again. Whatever is made from it is copied into the arena before the thread's next tensor."""
     buf = getattr(_THREAD, "staging", None)
@@ -148,7 +148,7 @@ def _read_hashed(t: FusedTensor, dest: memoryview) -> list[str]:
 
 def read_tensor(p: PlannedTensor) -> tuple[torch.Tensor, list[str]]:
     """``p``'s source bytes in this thread's scratch buffer, and each source part's sha256 (read once)."""
-    staging = _staging(p.source.nbytes)
+    staging = scratch(p.source.nbytes)
     return staging, _read_hashed(p.source, tensor_bytes(staging))
 
 

@@ -1,9 +1,11 @@
 """Shard arenas: a preload for P pipeline stages of N tensor-parallel ranks builds P x N arenas in one pass.
 
 Rules:
-- Each tensor is read once (and hashed for the model's fingerprint, exactly as :func:`loader.build_arena` does),
-  made into its arena form by the same code (:func:`loader.convert_tensor`: converted or quantized), then, for
-  every stage that binds it (``sharding.stage_holds``: its layers, the embedding on the first, the final norm and
+- A plain tensor (kept, converted or packed; not quantized) is read straight from the file into each (stage, rank)
+  slice (:mod:`keepwarm.daemon.slices`: each byte once, hashed in file order), then converted and packed per slice.
+- Any other tensor is read once (and hashed for the model's fingerprint, exactly as :func:`loader.build_arena`
+  does), made into its arena form by the same code (:func:`loader.convert_tensor`: converted or quantized), then,
+  for every stage that binds it (``sharding.stage_holds``: its layers, the embedding on the first, the final norm and
   head on the last, a tied head as ``lm_head.weight`` there), cut for every rank by :mod:`keepwarm.daemon.sharding`
   (vLLM's column / row / vocab rules) and written into that (stage, rank)'s arena file. A weight stored packed for
   oneDNN is cut plain, then each slice is packed (packing is exact, so this is the unpack, cut and re-pack that
@@ -35,15 +37,25 @@ from typing import Any
 import torch
 
 from keepwarm.daemon.checkpoint import Checkpoint
-from keepwarm.daemon.loader import PlannedTensor, Progress, convert_tensor, plan_arena, read_tensor, resolve_dtype
+from keepwarm.daemon.loader import (
+    PlannedTensor,
+    Progress,
+    convert_tensor,
+    plan_arena,
+    read_tensor,
+    resolve_dtype,
+    scratch,
+)
 from keepwarm.daemon.sharding import (
     Shard,
     check_pipeline,
     check_supported,
+    plan_cut,
     shard_weight,
     stage_holds,
     stage_of,
 )
+from keepwarm.daemon.slices import read_slices, slice_shape
 from keepwarm.formats.arena import (
     LAYOUT_VERSION,
     ArenaManifest,
@@ -162,6 +174,15 @@ def build_shards(ckpt: Checkpoint, quantization: str, dtype: str, tp_size: int, 
 
         def process(item: tuple[int, PlannedTensor]) -> list[str]:
             index, p = item
+            dests = destinations(p.name)
+            if not p.quantized and not p.source.roles and dests:
+                straight = _read_straight(p, dests, ckpt.config, target)
+                if straight is not None:
+                    for (f, _, name), (parts, meta) in zip(dests, straight[0], strict=True):
+                        f.write(index, name, parts, meta)
+                    if progress is not None and not p.derived:
+                        progress(p.source.nbytes)
+                    return straight[1]
             staging, digests = read_tensor(p)
             if p.packed:  # cut the plain weight, then pack each slice: what unpack, cut, re-pack gives, once
                 dense = staging.view(p.source.dtype).view(p.source.shape).to(target)
@@ -184,6 +205,24 @@ def build_shards(ckpt: Checkpoint, quantization: str, dtype: str, tp_size: int, 
     part_digests = [(p.source.name, d) for p, src in zip(planned, results, strict=True) if not p.derived for d in src]
     source = fingerprint_of(quantization, dtype_name(target), part_digests, ckpt.config_json)
     return [_finish(f, ckpt, quantization, target, source, lay) for f, lay in zip(files, layouts, strict=True)]
+
+
+def _read_straight(p: PlannedTensor, dests: list[tuple[ShardFile, Shard, str]], config: Any, target: torch.dtype,
+                   ) -> tuple[list[tuple[dict[str, torch.Tensor], QuantMeta | None]], list[str]] | None:
+    """A plain tensor's slices read straight from the file for each destination (:mod:`keepwarm.daemon.slices`),
+    converted to ``target`` and packed where planned; with the source parts' sha256. None: read it whole."""
+    cuts = [plan_cut(name, config, shard) for _, shard, name in dests]
+    item = torch.empty((), dtype=p.source.dtype).element_size()
+    need = sum(item * torch.Size(slice_shape(p.source, c)).numel() for c in cuts)
+    got = read_slices(p.source, cuts, scratch(need))
+    if got is None:
+        return None
+    slices, digests = got
+    out: list[tuple[dict[str, torch.Tensor], QuantMeta | None]] = []
+    for t in slices:
+        t = t.to(target) if t.is_floating_point() else t
+        out.append(_packed(t) if p.packed else ({"": t}, None))
+    return out, digests
 
 
 def _finish(f: ShardFile, ckpt: Checkpoint, quantization: str, target: torch.dtype, source: str, layout: Layout,

@@ -27,7 +27,7 @@ from test_daemon import DaemonProc
 
 from keepwarm.daemon.checkpoint import Checkpoint
 from keepwarm.daemon.client import DaemonError
-from keepwarm.daemon.loader import build_arena, plan_arena, resolve_dtype
+from keepwarm.daemon.loader import build_arena, plan_arena, read_tensor, resolve_dtype
 from keepwarm.daemon.sharding import Shard, shard_weights, stage_of, stage_tensors
 from keepwarm.daemon.shards import as_parts, build_shards
 from keepwarm.formats import paths
@@ -51,13 +51,19 @@ def _bytes(t: torch.Tensor) -> bytes:
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_each_shard_arena_is_exactly_what_its_rank_cuts_from_the_whole_arena(tiny_model_factory, tmp_path,
-                                                                             case: str) -> None:
+                                                                             monkeypatch, case: str) -> None:
+    import keepwarm.daemon.shards as shards_module
+
     name, quantization, dtype, tp, pp = CASES[case]
     ckpt = Checkpoint(tiny_model_factory(name))
     _, total = plan_arena(ckpt, quantization, resolve_dtype(ckpt, dtype), "cpu")
     flat = torch.empty(total, dtype=torch.uint8)
     whole = build_arena(ckpt, quantization, dtype, flat, "cpu")
+    read_whole = []  # the tensors read whole: only quantized ones (plain ones are read slice by slice)
+    monkeypatch.setattr(shards_module, "read_tensor", lambda p: (read_whole.append(p), read_tensor(p))[1])
     shards = build_shards(ckpt, quantization, dtype, tp, pp, tmp_path, threads=2)
+    assert all(p.quantized for p in read_whole), [p.name for p in read_whole if not p.quantized]
+    assert len(read_whole) < len(plan_arena(ckpt, quantization, resolve_dtype(ckpt, dtype), "cpu")[0])
     if quantization == "none" and packing_available(torch.bfloat16):
         assert "mkldnn_packed" in {q["layout"] for q in whole.quant.values()}  # the packed path ran
     assert [m.layout for _, m in shards] == [Layout(r, tp, s, pp) for s in range(pp) for r in range(tp)]
@@ -83,6 +89,36 @@ def test_each_shard_arena_is_exactly_what_its_rank_cuts_from_the_whole_arena(tin
 
 
 # -- a real daemon -------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["llama3_tied", "qwen2"])
+def test_slices_read_straight_from_the_file_are_the_cuts_of_the_whole_tensor(tiny_model_factory, name) -> None:
+    """Every (stage, rank) destination of every plain tensor, read straight from the file (daemon/slices.py: rows,
+    cols and vocab cuts, KV heads replicated over ranks, the tied head a second holder of the embedding's rows),
+    equals the plain cut of the whole tensor, zero padding included, and the parts' digests are the whole read's;
+    cuts that leave bytes unread are refused (None), not hashed short."""
+    from keepwarm.daemon.loader import scratch
+    from keepwarm.daemon.sharding import plan_cut, shard_weight
+    from keepwarm.daemon.slices import read_slices
+
+    ckpt = Checkpoint(tiny_model_factory(name))
+    planned, _ = plan_arena(ckpt, "none", torch.float32, "cpu")
+    shards = [Shard(r, 2) for r in range(2)]
+    kinds = set()
+    for p in planned:
+        names = [p.name, "lm_head.weight"] if p.name == "model.embed_tokens.weight" else [p.name]
+        dests = [(n, s) for n in names for s in shards]
+        cuts = [plan_cut(n, ckpt.config, s) for n, s in dests]
+        kinds |= {c[0] if c else None for c in cuts}
+        slices, digests = read_slices(p.source, cuts, torch.empty(p.source.nbytes * 4, dtype=torch.uint8))
+        staging, whole_digests = read_tensor(p)
+        whole = staging.view(p.source.dtype).view(p.source.shape).clone()
+        assert digests == whole_digests, p.name
+        for (n, s), got in zip(dests, slices, strict=True):
+            assert torch.equal(got, shard_weight(n, whole, ckpt.config, s)), (p.name, n, s)
+        if any(cuts):
+            assert read_slices(p.source, cuts[:1], scratch(p.source.nbytes * 2)) is None, p.name
+    assert kinds == {"rows", "cols", "vocab", None}
+
+
 @pytest.fixture
 def daemon():
     d = DaemonProc(Path(tempfile.mkdtemp(prefix="kwsh-", dir="/tmp"))).start()
