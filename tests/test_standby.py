@@ -57,6 +57,15 @@ def standby_pid(server, other_than: int | None = None, timeout: float = 120.0) -
     raise AssertionError(f"no standby after {timeout:.0f}s: {server.output()[-2000:]}")
 
 
+def policies(pid: int) -> set[int]:
+    """The scheduling policies of every thread of ``pid`` and of its child processes (the lease keeper)."""
+    pids = [pid]
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        pids += [int(c) for c in Path(f"/proc/{pid}/task/{tid}/children").read_text().split()]
+    assert len(pids) > 1, "no lease keeper found"
+    return {os.sched_getscheduler(int(t)) for p in pids for t in os.listdir(f"/proc/{p}/task")}
+
+
 def gone(pid: int, timeout: float = 30.0) -> bool:
     deadline = time.monotonic() + timeout
     while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:  # the zygote reaps its children
@@ -70,6 +79,11 @@ def test_restarts_take_over_the_warmed_standby_under_load(server) -> None:
     (its config is stale), fork a worker with them, and the next standby carries them."""
     spare = standby_pid(server)
     assert ".arena" in Path(f"/proc/{spare}/maps").read_text()
+    # it warmed (and waits) at SCHED_IDLE where it may return from it (root here in CI), else it says why not
+    if os.geteuid() == 0:
+        assert policies(spare) == {os.SCHED_IDLE}
+    else:
+        assert policies(spare) == {os.SCHED_IDLE} or f"standby worker {spare} warms at normal" in server.output()
     worker = health(server)["restarts"]["worker_pid"]
     # on fresh connections only the serving worker answers: the standby has not started accepting
     assert {httpx.get(server.base + "/health", timeout=10).json()["restarts"]["worker_pid"] for _ in range(20)} \
@@ -82,6 +96,7 @@ def test_restarts_take_over_the_warmed_standby_under_load(server) -> None:
             r = restart(server)
             assert r.returncode == 0 and "(standby)" in r.stdout, r.stdout + r.stderr
             assert health(server)["restarts"]["worker_pid"] == spare
+            assert policies(spare) == {os.SCHED_OTHER}  # serving: every thread and the lease keeper back
             load.wait_for(6)
             spare = standby_pid(server, other_than=spare)
         r = restart(server, "--max-num-seqs", "3")

@@ -38,6 +38,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 log = logging.getLogger("keepwarm.zygote")
@@ -122,6 +123,7 @@ class WorkerLink:
         self.restarts = restarts  # replaced whole by the reader thread; the event loop reads it
         self.fork_time = fork_time
         self.standby = standby
+        self.idle_priority = False  # a standby warming at SCHED_IDLE (``idle_priority``), restored on Go
         self._lock = threading.Lock()
 
     def say(self, message: Any) -> None:
@@ -138,6 +140,8 @@ class WorkerLink:
         self.say(ipc.Standing(pid=os.getpid(), ready_s=time.time() - self.fork_time, phases=dict(phases)))
         while (msg := self._next()) is not None:
             if isinstance(msg, ipc.Go | ipc.Drain):
+                if isinstance(msg, ipc.Go) and self.idle_priority:
+                    normal_priority()
                 return isinstance(msg, ipc.Go)
         return False
 
@@ -173,6 +177,43 @@ class WorkerLink:
             return msg
 
 
+def idle_priority() -> str:
+    """A standby warms up at SCHED_IDLE, so it takes only CPU time the serving worker leaves (on 2 cores its
+    warm-up beside the worker's first requests doubled their time). Set on this thread before any other starts (new
+    threads inherit it); only where this process may return to SCHED_OTHER on Go (root, or RLIMIT_NICE allowing
+    nice 0: tried first on a throwaway thread). Returns why not ("" when set)."""
+    why: list[str] = ["no SCHED_IDLE here"] if not hasattr(os, "SCHED_IDLE") else []
+
+    def probe() -> None:
+        try:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+            os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+        except OSError as e:
+            why.append(f"cannot return from SCHED_IDLE ({e.strerror})")
+
+    if not why:
+        t = threading.Thread(target=probe, name="keepwarm-sched-probe")
+        t.start()
+        t.join()
+    if not why:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    return why[0] if why else ""
+
+
+def normal_priority() -> None:
+    """Every thread of this process and of its children (the lease keeper, which inherited SCHED_IDLE at its
+    start) back to SCHED_OTHER: a standby told Go."""
+    pids = [os.getpid()]
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError):  # a thread that just ended
+            pids += [int(c) for c in Path(f"/proc/self/task/{tid}/children").read_text().split()]
+    for pid in pids:
+        with contextlib.suppress(OSError):  # a child that just ended
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                with contextlib.suppress(ProcessLookupError):
+                    os.sched_setscheduler(int(tid), os.SCHED_OTHER, os.sched_param(0))
+
+
 def _child(request: Any, fds: list[int], fork_time: float) -> int:
     """The forked worker: serve ``request.config`` on the listening socket; say Failed or Exit at the end."""
     from keepwarm.worker.api import ipc
@@ -184,6 +225,12 @@ def _child(request: Any, fds: list[int], fork_time: float) -> int:
     listener.setblocking(False)
     link = WorkerLink(socket.socket(fileno=status_fd), request.restarts, fork_time, standby=request.standby)
     logging.getLogger().setLevel(request.log_level)
+    if request.standby:
+        why = idle_priority()
+        link.idle_priority = not why
+        if why:
+            log.warning("standby worker %d warms at normal priority (%s): its warm-up shares the CPU with the "
+                        "serving worker", os.getpid(), why)
     try:
         config = ServerConfig(**from_mapping(request.config, "restart"))
         code = serve(config, process_start=fork_time, listener=listener, link=link)
