@@ -57,12 +57,15 @@ def standby_pid(server, other_than: int | None = None, timeout: float = 120.0) -
     raise AssertionError(f"no standby after {timeout:.0f}s: {server.output()[-2000:]}")
 
 
+def _children(pid: int) -> list[int]:
+    return [int(c) for tid in os.listdir(f"/proc/{pid}/task")
+            for c in Path(f"/proc/{pid}/task/{tid}/children").read_text().split()]
+
+
 def policies(pid: int) -> set[int]:
-    """The scheduling policies of every thread of ``pid`` and of its child processes (the lease keeper)."""
-    pids = [pid]
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        pids += [int(c) for c in Path(f"/proc/{pid}/task/{tid}/children").read_text().split()]
-    assert len(pids) > 1, "no lease keeper found"
+    """The scheduling policies of every thread of ``pid`` and of its child processes (a worker's lease keeper)."""
+    pids = [pid, *_children(pid)]
+    assert len(pids) > 1, "no child process found"
     return {os.sched_getscheduler(int(t)) for p in pids for t in os.listdir(f"/proc/{p}/task")}
 
 
@@ -147,3 +150,24 @@ def test_standby_without_zygote_is_refused_in_one_line(tiny_llama) -> None:
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2
     assert r.stderr.strip().splitlines()[-1].startswith("error: --standby needs --zygote"), r.stderr
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="leaving SCHED_IDLE needs root or an RLIMIT_NICE allowing nice 0")
+def test_normal_priority_lifts_a_process_its_threads_and_children_out_of_sched_idle() -> None:
+    """What the supervisor does to a standby still warming when a restart needs it (its warm-up may get no CPU
+    under load at SCHED_IDLE): every thread of the process and of its children back to SCHED_OTHER."""
+    from keepwarm.worker.api.zygote import normal_priority
+
+    code = ("import subprocess, sys, threading, time; threading.Thread(target=time.sleep, args=(60,)).start(); "
+            "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); print(c.pid, flush=True); "
+            "time.sleep(60)")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0)))
+    try:
+        child = int(proc.stdout.readline())
+        assert policies(proc.pid) == {os.SCHED_IDLE} and child in _children(proc.pid)
+        normal_priority(proc.pid)
+        assert policies(proc.pid) == {os.SCHED_OTHER}
+    finally:
+        proc.kill()
+        proc.wait()

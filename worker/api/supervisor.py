@@ -24,7 +24,8 @@ With ``--standby`` one more worker is kept forked (``Fork(standby=True)``): it a
 one step, says Standing and waits, not accepting, for Go. A restart whose config and Python are the standby's (and
 a dead worker's replacement) sends it Go instead of forking in step 3: it starts accepting and says Ready (mode
 "standby"). Other flags or another Python drop it (Drain: it exits without serving) and fork as above. The next
-standby is forked once no old worker drains, so besides the current worker at most one more holds a KV pool (the
+standby is forked ``STANDBY_DELAY_S`` after the handoff (the new worker's first requests have the machine to
+themselves) and once no old worker drains, so besides the current worker at most one more holds a KV pool (the
 draining one or the standby); a standby that dies is logged, and the next restart forks and brings one back.
 A worker that exits on its own (a crash, ``kill -9``, 70: the engine failed) is replaced (``_replace``): the
 zygote forks a new one with the running config while the listening socket stays open in the supervisor, so new
@@ -64,6 +65,9 @@ DRAIN_NOTICE_TIMEOUT_S = 5.0
 REPLACE_MAX_FAILURES = 3  # failed replacements (or workers dead within REPLACE_STABLE_S) in a row before giving up
 REPLACE_STABLE_S = 30.0  # a worker that served this long before dying resets the count
 REPLACE_BACKOFF_S = (0.0, 0.5, 1.0, 2.0, 4.0)  # the wait before attempt 1, 2, ... (the last one repeats)
+# After a handoff, the next standby is forked this much later: even at SCHED_IDLE its warm-up (page population,
+# memory traffic) beside the new worker's first requests made them slower on 2 cores.
+STANDBY_DELAY_S = 3.0
 
 
 # EX_SOFTWARE (the worker's own status for a failed engine, keepwarm.worker.api.server; not imported: no torch
@@ -201,7 +205,7 @@ class Supervisor:
         self.worker: Worker | None = None
         self.old: list[Worker] = []  # draining
         self.standby: Worker | None = None  # ``--standby``: forked and warmed, not accepting (pending until Standing)
-        self.standby_due = True  # fork a standby once no old worker drains (set again by each restart)
+        self.standby_due: float | None = 0.0  # when (monotonic) to fork a standby, once no old worker drains
         self.history = History()
         self.replace_policy = ReplacePolicy()
         self.listener: socket.socket | None = None
@@ -343,7 +347,7 @@ class Supervisor:
                 self.worker = None
                 return None
             time.sleep(policy.backoff_s)
-            self.standby_due = True
+            self.standby_due = time.monotonic() + STANDBY_DELAY_S
             python = dead.python or sys.executable
             try:
                 self.worker, mode, reason = self._take_standby(self.config, python, 600.0), "standby", ""
@@ -507,7 +511,8 @@ class Supervisor:
         self._wait_old_drained()
         t_fork = time.monotonic()
         old = self.worker
-        self.standby_due = True  # whatever happens, a standby (of the config that ends up serving) follows
+        # whatever happens, a standby (of the config that ends up serving) follows, after the first requests
+        self.standby_due = time.monotonic() + STANDBY_DELAY_S
         try:
             new, mode, reason = self._take_standby(config, python, timeout), "standby", ""
             if new is None:
@@ -557,10 +562,11 @@ class Supervisor:
             log.warning("standby worker %d exited (status %d); the next restart forks its worker", s.pid, s.code)
             self.standby = None
             self._send_history()
-        if not (self.config.standby and self.standby_due and self.standby is None and not self.old
+        if not (self.config.standby and self.standby_due is not None and time.monotonic() >= self.standby_due
+                and self.standby is None and not self.old
                 and self.worker is not None and self.worker.code is None):
             return
-        self.standby_due = False
+        self.standby_due = None
         try:
             zygote, _, _ = self._zygote_for(self.worker.python or sys.executable)
             self.standby = self._fork(zygote, self.config, standby=True)
@@ -580,7 +586,11 @@ class Supervisor:
             return None
         self.standby = None
         try:
-            if not s.standing:
+            if not s.standing:  # still warming at SCHED_IDLE (under load it may get no CPU): at full priority now
+                from keepwarm.worker.api.zygote import normal_priority
+
+                with contextlib.suppress(OSError):
+                    normal_priority(s.pid)
                 self._await(s, ipc.Standing, timeout, "failed its warm-up")
             ipc.send(s.sock, ipc.Go())
             self._await(s, ipc.Ready, timeout, "did not start accepting")

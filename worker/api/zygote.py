@@ -200,16 +200,18 @@ def idle_priority() -> str:
     return why[0] if why else ""
 
 
-def normal_priority() -> None:
-    """Every thread of this process and of its children (the lease keeper, which inherited SCHED_IDLE at its
-    start) back to SCHED_OTHER: a standby told Go."""
-    pids = [os.getpid()]
-    for tid in os.listdir("/proc/self/task"):
+def normal_priority(pid: int | None = None) -> None:
+    """Every thread of process ``pid`` (this one) and of its children (the lease keeper, which inherited
+    SCHED_IDLE at its start) back to SCHED_OTHER: a standby told Go, or one still warming when a restart needs it
+    (done by the supervisor, same user and limits)."""
+    pid = os.getpid() if pid is None else pid
+    pids = [pid]
+    for tid in os.listdir(f"/proc/{pid}/task"):
         with contextlib.suppress(OSError):  # a thread that just ended
-            pids += [int(c) for c in Path(f"/proc/self/task/{tid}/children").read_text().split()]
-    for pid in pids:
+            pids += [int(c) for c in Path(f"/proc/{pid}/task/{tid}/children").read_text().split()]
+    for p in pids:
         with contextlib.suppress(OSError):  # a child that just ended
-            for tid in os.listdir(f"/proc/{pid}/task"):
+            for tid in os.listdir(f"/proc/{p}/task"):
                 with contextlib.suppress(ProcessLookupError):
                     os.sched_setscheduler(int(tid), os.SCHED_OTHER, os.sched_param(0))
 
