@@ -65,24 +65,28 @@ def check_device(manifest: ArenaManifest, device: torch.device) -> None:
 
 def check_cpu_layouts(manifest: ArenaManifest) -> None:
     """The CPU-specific layouts (oneDNN packing, torch's int4 pack) must be what this CPU and torch produce. May
-    pack a zero weight per distinct shape (as planning a preload does): run it off the daemon's socket loop."""
+    pack a zero weight per distinct shape and hint (as planning a preload does; the legacy hints only for a
+    descriptor the current one does not give): run it off the daemon's socket loop."""
     dtype = dtype_from_name(manifest.dtype)
-    checked: dict[tuple[int, int], set[str]] = {}
+    known: dict[tuple[tuple[int, int], int], str] = {}  # (shape, hint) -> this CPU's descriptor
+
+    def descriptor(shape: tuple[int, int], hint: int) -> str:
+        if (shape, hint) not in known:
+            try:
+                known[shape, hint] = packed_layout(shape, dtype, hint)[1].hex()
+            except Exception as e:  # oneDNN / shim missing, bf16 unsupported on this CPU
+                raise ImageError("incompatible_image",
+                                 f"the image holds oneDNN-packed {manifest.dtype} weights, which this CPU cannot "
+                                 f"use ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
+        return known[shape, hint]
+
     for weight, q in manifest.quant.items():
         try:
             meta = QuantMeta.from_dict(q)
         except QuantizationError as e:
             raise ImageError("incompatible_image", f"{weight}: {e}") from None
         if meta.layout == LAYOUT_MKLDNN_PACKED:
-            if meta.shape not in checked:
-                try:
-                    checked[meta.shape] = {packed_layout(meta.shape, dtype, hint)[1].hex()
-                                           for hint in (BATCH_HINT, *LEGACY_HINTS)}
-                except Exception as e:  # oneDNN / shim missing, bf16 unsupported on this CPU
-                    raise ImageError("incompatible_image",
-                                     f"the image holds oneDNN-packed {manifest.dtype} weights, which this CPU "
-                                     f"cannot use ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
-            if meta.descriptor not in checked[meta.shape]:
+            if not any(meta.descriptor == descriptor(meta.shape, hint) for hint in (BATCH_HINT, *LEGACY_HINTS)):
                 raise ImageError("incompatible_image",
                                  f"{weight}: the image's oneDNN packed layout differs from this CPU's (it was packed "
                                  f"on a CPU with other instruction sets); preload the model from its checkpoint here")
@@ -105,36 +109,51 @@ def image_size(manifest: ArenaManifest, path: Path) -> int:
     return max(st.st_size, 1)
 
 
+RING = 8  # chunks in flight: a buffer is read into again only once its chunk is hashed
+
+
 def fill_cpu(storage: CpuArenaFile, path: Path, size: int, manifest: ArenaManifest, file_digest: bool = False,
              progress: Callable[[int], None] | None = None) -> tuple[str | None, str]:
-    """Copy ``size`` bytes of the image into a writable CPU arena in one pass: each chunk is read straight into
-    its place in the mapping and, while it is in cache, fed to the arena digest (a second thread) and, with
-    ``file_digest``, to the file's sha256 (here). Returns (the file's sha256 or None, the arena digest)."""
-    view = memoryview(storage.flat.numpy())
+    """Copy ``size`` bytes of the image into a CPU arena in one pass, as `cp` does: each chunk is read into one of
+    RING small buffers, written into the arena's file (``pwrite``: through the mapping, every page would first be
+    faulted in) and, while it is in cache, fed to the arena digest (a second thread) and, with ``file_digest``, to
+    the file's sha256 (here). Returns (the file's sha256 or None, the arena digest)."""
     hasher = ArenaHasher(manifest.tensors)
     h = hashlib.sha256() if file_digest else None
+    bufs = [memoryview(bytearray(CHUNK)) for _ in range(RING)]
+    fed: list[Future | None] = [None] * RING
+    fd = os.open(storage.path, os.O_WRONLY)
     try:
         with open(path, "rb", buffering=0) as f, ThreadPoolExecutor(max_workers=1) as pool:
             # the whole file asynchronously now: the disk streams while the chunks already read are hashed
             os.posix_fadvise(f.fileno(), 0, size, os.POSIX_FADV_WILLNEED)
-            off = 0
-            fed: list[Future] = []
+            off, slot = 0, 0
             while off < size:
-                chunk = view[off:min(off + CHUNK, size)]
+                if (prev := fed[slot]) is not None:
+                    prev.result()
+                chunk = bufs[slot][:min(CHUNK, size - off)]
                 n = f.readinto(chunk)
                 if not n:
                     raise ImageError("bad_image", f"the image {path} ended after {off} of {size} bytes")
-                fed.append(pool.submit(hasher.feed, off, chunk[:n]))
+                _pwrite_all(fd, chunk[:n], off)
+                fed[slot] = pool.submit(hasher.feed, off, chunk[:n])
                 if h is not None:
                     h.update(chunk[:n])
-                off += n
+                off, slot = off + n, (slot + 1) % RING
                 if progress is not None:
                     progress(n)
             for fut in fed:
-                fut.result()
+                if fut is not None:
+                    fut.result()
     finally:
-        view.release()
+        os.close(fd)
     return (h.hexdigest() if h is not None else None), hasher.hexdigest()
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    while data:
+        n = os.pwrite(fd, data, offset)
+        data, offset = data[n:], offset + n
 
 
 def gaps(manifest: ArenaManifest, size: int) -> list[tuple[int, int]]:

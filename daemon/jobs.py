@@ -18,6 +18,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -186,12 +187,19 @@ def image_job(key: JobKey, manifest: ArenaManifest, image: Path, arena_bytes: in
         m = manifest
         storage: CpuArenaFile | CudaArena
         if residency.device.type == "cpu":
-            check_cpu_layouts(m)
             paths.ensure_private_dir(residency.arena_dir)
             tmp = residency.arena_dir / f".image-{secrets.token_hex(6)}.arena"
-            storage = CpuArenaFile.create(tmp, arena_bytes)
+            storage = CpuArenaFile.create(tmp, arena_bytes, reserve=False)  # fill_cpu writes every byte
             job.created = (storage, tmp)
-            file_digest, arena_digest = fill_cpu(storage, image, arena_bytes, m, sha256 is not None, job.add_bytes)
+            with ThreadPoolExecutor(max_workers=1) as pool:
+                # the layout check packs zero weights (1 s for the 1B in a fresh daemon) while the image streams in;
+                # an image this CPU cannot use is refused as that, first
+                layouts = pool.submit(check_cpu_layouts, m)
+                try:
+                    file_digest, arena_digest = fill_cpu(storage, image, arena_bytes, m, sha256 is not None,
+                                                         job.add_bytes)
+                finally:
+                    layouts.result()
             _check_image(image, sha256, file_digest, arena_digest, m)
             check_gaps_zero(storage, m, arena_bytes, image)
             storage, mpath = residency.install_cpu_arena(storage, m)

@@ -249,10 +249,16 @@ class CpuArenaFile:
         self.flat = _tensor_over(mapping, size)
 
     @classmethod
-    def create(cls, path: Path, size: int) -> CpuArenaFile:
+    def create(cls, path: Path, size: int, reserve: bool = True) -> CpuArenaFile:
+        """A new arena file of ``size`` bytes, mapped writable. ``reserve``: allocate (and zero) its tmpfs pages now,
+        so a full tmpfs fails here and not as a SIGBUS on a write through the mapping; a caller that fills every
+        byte with ``pwrite`` (which fails with ENOSPC instead) passes False and skips the zeroing."""
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            os.posix_fallocate(fd, 0, max(size, 1))  # reserve tmpfs pages now: fail early, not on a page fault
+            if reserve:
+                os.posix_fallocate(fd, 0, max(size, 1))
+            else:
+                os.ftruncate(fd, max(size, 1))
             mapping = mmap.mmap(fd, max(size, 1), flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             os.close(fd)

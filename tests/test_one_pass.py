@@ -123,6 +123,35 @@ def test_image_fill_checks_file_and_arena_in_one_read(tmp_path) -> None:
         storage.close()
 
 
+def test_image_fill_into_an_unreserved_arena_over_more_chunks_than_buffers(tmp_path) -> None:
+    """The image path's arena is not fallocated (fill_cpu writes every byte): an image of more chunks than fill_cpu
+    has buffers comes out byte-equal with the right digests; a short image is refused naming where it ended."""
+    from keepwarm.daemon.image import CHUNK, RING, ImageError, fill_cpu
+
+    entries, total = _entries([3000, (RING + 2) * CHUNK + 12345, 17])
+    image = tmp_path / "image"
+    image.write_bytes(os.urandom(total))
+    flat = torch.frombuffer(bytearray(image.read_bytes()), dtype=torch.uint8)
+    m = ArenaManifest(1, "f" * 64, arena_digest_of(flat, entries), "/m", "none", "float32", "cpu", total, entries,
+                      {}, "{}", None, ())
+    storage = CpuArenaFile.create(tmp_path / "arena", total, reserve=False)
+    try:
+        file_digest, arena_digest = fill_cpu(storage, image, total, m, file_digest=True)
+        assert file_digest == hashlib.sha256(image.read_bytes()).hexdigest()
+        assert arena_digest == m.arena_digest
+        assert bytes(storage.flat.numpy()) == image.read_bytes()
+    finally:
+        storage.close()
+    short = tmp_path / "short"
+    short.write_bytes(image.read_bytes()[:total - 100])
+    storage = CpuArenaFile.create(tmp_path / "arena2", total, reserve=False)
+    try:
+        with pytest.raises(ImageError, match=f"ended after {total - 100} of {total} bytes"):
+            fill_cpu(storage, short, total, m)
+    finally:
+        storage.close()
+
+
 def test_image_bytes_between_tensors_must_be_zero(tmp_path) -> None:
     from keepwarm.daemon.image import ImageError, check_gaps_zero, gaps
 
