@@ -4,6 +4,7 @@ asserted."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
@@ -27,7 +28,7 @@ from keepwarm.cli.bench import (
     smoke_model,
     smoke_start,
 )
-from keepwarm.cli.bench_serving import _free_port, _kill, _resolve_model, _start_to_first_token
+from keepwarm.cli.bench_serving import _first_token, _free_port, _kill, _resolve_model, _start_to_first_token
 from keepwarm.formats import paths
 from keepwarm.formats.paths import keepwarm_home
 
@@ -85,6 +86,8 @@ def snapshot_bench(
     """Per model: snapshot create (cold store; then a config-only second snapshot) vs `cp` of the arena file to
     the store's disk (+ fsync); restore into an empty daemon (verify + image load) vs `cp` of the image to
     /dev/shm; restore + server start to first token vs a cold start (preload from the checkpoint) to first token;
+    the same two into a running `serve --zygote` server (`keepwarm restart` onto the restored config, or onto the
+    checkpoint);
     with ``--registry``, push to a new repository and pull into an empty store. Page caches of the files read are
     dropped before each cold measurement."""
     if smoke:
@@ -95,7 +98,7 @@ def snapshot_bench(
     for spec in models.split(","):
         path = _resolve_model(spec, dtype)
         work = Path(tempfile.mkdtemp(prefix="bench-snapshot-", dir=keepwarm_home()))  # the store's real disk
-        rts = [Path(tempfile.mkdtemp(prefix="kwbs-", dir="/tmp")) for _ in range(4)]
+        rts = [Path(tempfile.mkdtemp(prefix="kwbs-", dir="/tmp")) for _ in range(6)]
         try:
             rows.append(_bench_model(path, dtype, threads, work, rts, registry))
         finally:
@@ -110,7 +113,7 @@ def snapshot_bench(
 def _bench_model(path: Path, dtype: str, threads: int, work: Path, rts: list[Path],
                  registry: str | None = None) -> dict[str, Any]:
     """One model's row: create, restore, then restore-to-first-token against a cold start; each in its own daemon
-    (runtime dirs ``rts[0..3]``), the store under ``work``; then push / pull through ``registry``."""
+    (runtime dirs ``rts[0..5]``), the store under ``work``; then push / pull through ``registry``."""
     from keepwarm.daemon.checkpoint import Checkpoint
     from keepwarm.snapshot.restore import restore
 
@@ -150,7 +153,8 @@ def _bench_model(path: Path, dtype: str, threads: int, work: Path, rts: list[Pat
                f"(verify {row['restore_verify_s']:.2f}s, image load {row['restore_load_s']:.2f}s)")
     typer.echo(f"  cp image -> /dev/shm         {row['cp_image_to_shm_s']:7.2f} s  "
                f"{file_bytes / row['cp_image_to_shm_s'] / 1e6:8.1f} MB/s")
-    _bench_first_token(path, dtype, threads, home, base_env, rts[2:], files, blobs, row)
+    _bench_first_token(path, dtype, threads, home, base_env, rts[2:4], files, blobs, row)
+    _bench_zygote(path, dtype, threads, home, base_env, rts[4:6], files, blobs, row)
     if registry:
         _bench_registry(store, registry, work, blobs, row)
     return row
@@ -255,3 +259,77 @@ def _bench_first_token(path: Path, dtype: str, threads: int, home: Path, base_en
     typer.echo(f"  restore -> first token       {row['restore_to_first_token_s']:7.2f} s  (restore "
                f"{restore_cli:.2f}s + server start {serve:.2f}s)")
     typer.echo(f"  cold preload -> first token  {cold:7.2f} s  (checkpoint read + pack through the daemon)")
+
+
+def _placeholder_model() -> Path:
+    """A tiny random Llama other than the smoke model (another fingerprint): what a zygote server serves before
+    the benchmark restarts it onto the model measured."""
+    from keepwarm.worker.models.random_model import make_random_model
+
+    out = keepwarm_home() / "bench-models" / "placeholder-llama"
+    if not (out / "config.json").is_file():
+        tmp = out.with_name(f".placeholder-llama.{os.getpid()}")
+        make_random_model(tmp, "llama", seed=7, hidden_size=64, intermediate_size=128, num_hidden_layers=1)
+        tmp.rename(out)
+    return out
+
+
+def _bench_zygote(path: Path, dtype: str, threads: int, home: Path, base_env: dict[str, str], rts: list[Path],
+                  files: list[Path], blobs: list[Path], row: dict[str, Any]) -> None:
+    """Into a running `serve --zygote` server (serving a placeholder model, its imports done): `snapshot restore`
+    then `keepwarm restart --config` the restored server.toml, to the first token (daemon ``rts[0]``), against
+    `keepwarm restart CHECKPOINT`, a cold preload through the daemon, to the first token (daemon
+    ``rts[1]``); each a fresh daemon and server, the page cache of what is read dropped first; fills ``row``."""
+    from transformers import AutoTokenizer
+
+    prompt = bench_prompts(AutoTokenizer.from_pretrained(str(path)), 1)[0]
+    kw = [sys.executable, "-m", "keepwarm.cli.main", "--log-level", "warning"]
+    port = _free_port()
+    restart = [*kw, "restart", "--port", str(port), "--threads", str(threads)]
+    restore = [*kw, "snapshot", "restore", "bench"]
+    cold = [*restart, str(path), "--dtype", dtype, "--max-model-len", "2048"]
+    for key, rt, steps, cached in (("zygote_restore", rts[0], [restore, [*restart, "--config",
+                                                                          str(home / "server.toml")]], blobs),
+                                   ("zygote_cold", rts[1], [cold], files)):
+        env = {**os.environ, **base_env, "KEEPWARM_RUNTIME_DIR": str(rt)}
+        client = _daemon(rt)
+        proc = _zygote_server(kw, env, rt, port, threads, dtype)
+        try:
+            drop_page_cache(cached)
+            t0 = time.monotonic()
+            for cmd in steps:
+                r = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=tempfile.gettempdir())
+                if r.returncode != 0 or "cold start" in r.stderr:
+                    raise RuntimeError(f"{' '.join(cmd[5:8])}... exit {r.returncode}: {r.stderr.strip()[-300:]}")
+                row[f"{key}_{cmd[5]}_s"] = time.monotonic() - t0
+            deadline = time.monotonic() + 600
+            row[f"{key}_to_first_token_s"] = asyncio.run(
+                _first_token(f"http://127.0.0.1:{port}", str(path), prompt, deadline, proc)) - t0
+        finally:
+            _kill(proc, signal.SIGTERM)
+            _stop(client)
+    ratio = row["zygote_restore_to_first_token_s"] / row["zygote_cold_to_first_token_s"]
+    typer.echo(f"  into a running serve --zygote:\n"
+               f"    restore + restart -> first token   {row['zygote_restore_to_first_token_s']:7.2f} s  (restore "
+               f"{row['zygote_restore_snapshot_s']:.2f}s, then restart answered at "
+               f"{row['zygote_restore_restart_s']:.2f}s)\n"
+               f"    restart onto the checkpoint -> first token {row['zygote_cold_to_first_token_s']:7.2f} s  "
+               f"(cold preload through the daemon; restart answered at {row['zygote_cold_restart_s']:.2f}s); "
+               f"ratio {ratio:.2f}")
+
+
+def _zygote_server(kw: list[str], env: dict[str, str], rt: Path, port: int, threads: int, dtype: str
+                   ) -> subprocess.Popen:
+    """`serve --zygote` on the placeholder model, started and answering (its config file names no flags the
+    restarts would then keep)."""
+    from transformers import AutoTokenizer
+
+    from keepwarm.worker.api.config import ServerConfig, to_toml
+
+    model = _placeholder_model()
+    toml = rt / "placeholder.toml"
+    toml.write_text(to_toml(ServerConfig(model=str(model), dtype=dtype, runtime_dir=str(rt), port=port,
+                                         threads=threads, max_model_len=1024, shutdown_timeout=30)))
+    prompt = bench_prompts(AutoTokenizer.from_pretrained(str(model)), 1)[0]
+    _, proc = _start_to_first_token([*kw, "serve", "--zygote", "--config", str(toml)], env, port, str(model), prompt)
+    return proc
