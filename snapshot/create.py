@@ -149,12 +149,12 @@ def capture_arena(store: Store, manifest_json: str, arena: dict[str, Any]) -> tu
         if found is not None:
             return found, layouts
         if f is not None:
-            from keepwarm.snapshot.store import file_chunks
+            from keepwarm.snapshot.store import COPY_DEPTH, file_chunks
 
-            chunks = file_chunks(f)
+            chunks = file_chunks(f, depth=COPY_DEPTH)
         else:
-            chunks = _cuda_chunks(CudaArena.import_handle(arena))
-        ref = store.put_chunks(chunks, also=hasher.feed, check=check)
+            chunks = _cuda_chunks(CudaArena.import_handle(arena))  # a new host array per chunk: any depth
+        ref = store.put_chunks(chunks, also=hasher.feed, check=check, depth=COPY_DEPTH)
     finally:
         if f is not None:
             f.close()

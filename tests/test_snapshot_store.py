@@ -72,10 +72,11 @@ def test_gc_drops_unnamed_blobs_stale_index_entries_and_staging(store: Store) ->
     assert list(store.index_dir.iterdir()) == [] and list(store.tmp_dir.iterdir()) == []
 
 
-@pytest.mark.parametrize("limit", [None, 5 * 4096 + 123])
-def test_chunks_written_intact_by_a_slow_writer(tmp_path, monkeypatch: pytest.MonkeyPatch, limit) -> None:
-    """file_chunks reads ahead into its second buffer while pipe_hashing's thread still writes the first: with a
-    writer slower than the reader, one shared buffer (or no wait for the previous write) corrupts the copy."""
+@pytest.mark.parametrize(("limit", "depth"), [(None, 2), (5 * 4096 + 123, 2), (None, 4), (5 * 4096 + 123, 4)])
+def test_chunks_written_intact_by_a_slow_writer(tmp_path, monkeypatch: pytest.MonkeyPatch, limit, depth) -> None:
+    """file_chunks reads ahead into its other buffers while pipe_hashing's thread still writes the first: with a
+    writer slower than the reader, too few buffers (or no wait for the oldest write) corrupt the copy. With
+    writeback every 2 chunks, the kernel is asked to write each finished stretch, in order, once."""
     import time
 
     from keepwarm.snapshot import store as store_mod
@@ -91,15 +92,27 @@ def test_chunks_written_intact_by_a_slow_writer(tmp_path, monkeypatch: pytest.Mo
         real_write(fd, mv)
 
     monkeypatch.setattr(store_mod, "_write_all", slow_write)
+    kicks: list[tuple[int, int]] = []
+    real_kick = store_mod._start_writeback()
+    assert real_kick is not None  # Linux: libc has sync_file_range
+
+    def kick(fd: int, off: int, n: int) -> int:
+        kicks.append((off, n))
+        return real_kick(fd, off, n)
+
+    monkeypatch.setattr(store_mod, "_start_writeback", lambda: kick)
+    writeback = 2 * 4096 if depth > 2 else 0
     fd = os.open(tmp_path / "dst", os.O_WRONLY | os.O_CREAT, 0o600)
     try:
         with open(src, "rb", buffering=0) as f:
-            digest, size = store_mod.pipe_hashing(store_mod.file_chunks(f, limit), fd)
+            digest, size = store_mod.pipe_hashing(store_mod.file_chunks(f, limit, depth), fd, depth=depth,
+                                                  writeback=writeback)
     finally:
         os.close(fd)
     want = data if limit is None else data[:limit]
     assert (digest, size) == (hashlib.sha256(want).hexdigest(), len(want))
     assert (tmp_path / "dst").read_bytes() == want
+    assert kicks == ([(off, 2 * 4096) for off in range(0, len(want) - 2 * 4096 + 1, 2 * 4096)] if writeback else [])
 
 
 def test_file_chunks_refuses_short_data(tmp_path) -> None:
