@@ -50,7 +50,11 @@ def _first_step_sees(tiny_llama: str) -> int:
     return next(n for n in waiting if n)
 
 
-def test_a_burst_is_scheduled_in_one_first_step(tiny_llama: str) -> None:
+def test_a_burst_is_scheduled_in_one_first_step(tiny_llama: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rule is the round trip; _BURST_WAIT_S only bounds it. The six handlers hold the loop for 18 ms plus their
+    own Python, which under coverage on a slow 2-core VM took past the 20 ms bound (the burst split once in a
+    `make test`): with a bound far above that, only the round trip decides."""
+    monkeypatch.setattr(async_engine_module, "_BURST_WAIT_S", 2.0)
     assert _first_step_sees(tiny_llama) == 6
 
 
