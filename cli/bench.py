@@ -10,7 +10,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -43,17 +43,23 @@ SMOKE_HELP = "CI form: a tiny random model, a few tokens, one repeat; the code p
 SMOKE_NOTE = "# smoke run: tiny random model, a few tokens; the figures are meaningless"
 
 
-def smoke_model() -> Path:
-    """A tiny random Llama (with tokenizer and chat template) under $KEEPWARM_HOME/bench-models, built once."""
+def tiny_bench_model(name: str, **config: Any) -> Path:
+    """A tiny random Llama (with tokenizer and chat template) under $KEEPWARM_HOME/bench-models/<name>, built once
+    from ``config`` (make_random_model's arguments) and renamed into place whole."""
     from keepwarm.formats.paths import keepwarm_home
     from keepwarm.worker.models.random_model import make_random_model
 
-    out = keepwarm_home() / "bench-models" / "smoke-llama"
+    out = keepwarm_home() / "bench-models" / name
     if not (out / "config.json").is_file():
-        tmp = out.with_name(f".smoke-llama.{os.getpid()}")
-        make_random_model(tmp, "llama", head_dim=32, max_position_embeddings=4096)
+        tmp = out.with_name(f".{name}.{os.getpid()}")
+        make_random_model(tmp, "llama", **config)
         tmp.rename(out)
     return out
+
+
+def smoke_model() -> Path:
+    """The smoke runs' model (see tiny_bench_model)."""
+    return tiny_bench_model("smoke-llama", head_dim=32, max_position_embeddings=4096)
 
 
 _SMOKE = {"on": False}  # a smoke run evicts only its own files from the page cache, never the whole machine's

@@ -27,6 +27,7 @@ from keepwarm.cli.bench import (
     machine_line,
     smoke_model,
     smoke_start,
+    tiny_bench_model,
 )
 from keepwarm.cli.bench_serving import _first_token, _free_port, _kill, _resolve_model, _start_to_first_token
 from keepwarm.formats import paths
@@ -153,8 +154,11 @@ def _bench_model(path: Path, dtype: str, threads: int, work: Path, rts: list[Pat
                f"(verify {row['restore_verify_s']:.2f}s, image load {row['restore_load_s']:.2f}s)")
     typer.echo(f"  cp image -> /dev/shm         {row['cp_image_to_shm_s']:7.2f} s  "
                f"{file_bytes / row['cp_image_to_shm_s'] / 1e6:8.1f} MB/s")
-    _bench_first_token(path, dtype, threads, home, base_env, rts[2:4], files, blobs, row)
-    _bench_zygote(path, dtype, threads, home, base_env, rts[4:6], files, blobs, row)
+    from transformers import AutoTokenizer
+
+    prompt = bench_prompts(AutoTokenizer.from_pretrained(str(path)), 1)[0]
+    _bench_first_token(path, dtype, threads, home, base_env, rts[2:4], files, blobs, prompt, row)
+    _bench_zygote(path, dtype, threads, home, base_env, rts[4:6], files, blobs, prompt, row)
     if registry:
         _bench_registry(store, registry, work, blobs, row)
     return row
@@ -218,12 +222,9 @@ def _bench_create(path: Path, dtype: str, work: Path, home: Path, rt: Path, file
 
 
 def _bench_first_token(path: Path, dtype: str, threads: int, home: Path, base_env: dict[str, str], rts: list[Path],
-                       files: list[Path], blobs: list[Path], row: dict[str, Any]) -> None:
-    """`snapshot restore` + server start to the first token (daemon ``rts[0]``) against a cold start that
-    preloads from the checkpoint (daemon ``rts[1]``); fills ``row``."""
-    from transformers import AutoTokenizer
-
-    prompt = bench_prompts(AutoTokenizer.from_pretrained(str(path)), 1)[0]
+                       files: list[Path], blobs: list[Path], prompt: list[int], row: dict[str, Any]) -> None:
+    """`snapshot restore` + server start to the first token of ``prompt`` (daemon ``rts[0]``) against a cold start
+    that preloads from the checkpoint (daemon ``rts[1]``); fills ``row``."""
     # The native CPU kernels are built once per KEEPWARM_HOME (~2.4 s on a Zen 3): built here first, as on any
     # machine that ran keepwarm before, so that neither start below pays it (the first one in this fresh home did).
     subprocess.run([sys.executable, "-c", "from keepwarm.kernels import cpu_native; cpu_native.glue_on()"],
@@ -262,27 +263,17 @@ def _bench_first_token(path: Path, dtype: str, threads: int, home: Path, base_en
 
 
 def _placeholder_model() -> Path:
-    """A tiny random Llama other than the smoke model (another fingerprint): what a zygote server serves before
-    the benchmark restarts it onto the model measured."""
-    from keepwarm.worker.models.random_model import make_random_model
-
-    out = keepwarm_home() / "bench-models" / "placeholder-llama"
-    if not (out / "config.json").is_file():
-        tmp = out.with_name(f".placeholder-llama.{os.getpid()}")
-        make_random_model(tmp, "llama", seed=7, hidden_size=64, intermediate_size=128, num_hidden_layers=1)
-        tmp.rename(out)
-    return out
+    """What a zygote server serves before the benchmark restarts it onto the model measured (not the smoke model:
+    another fingerprint)."""
+    return tiny_bench_model("placeholder-llama", seed=7, hidden_size=64, intermediate_size=128, num_hidden_layers=1)
 
 
 def _bench_zygote(path: Path, dtype: str, threads: int, home: Path, base_env: dict[str, str], rts: list[Path],
-                  files: list[Path], blobs: list[Path], row: dict[str, Any]) -> None:
+                  files: list[Path], blobs: list[Path], prompt: list[int], row: dict[str, Any]) -> None:
     """Into a running `serve --zygote` server (serving a placeholder model, its imports done): `snapshot restore`
     then `keepwarm restart --config` the restored server.toml, to the first token (daemon ``rts[0]``), against
     `keepwarm restart CHECKPOINT`, a cold preload through the daemon, to the first token (daemon
     ``rts[1]``); each a fresh daemon and server, the page cache of what is read dropped first; fills ``row``."""
-    from transformers import AutoTokenizer
-
-    prompt = bench_prompts(AutoTokenizer.from_pretrained(str(path)), 1)[0]
     kw = [sys.executable, "-m", "keepwarm.cli.main", "--log-level", "warning"]
     port = _free_port()
     restart = [*kw, "restart", "--port", str(port), "--threads", str(threads)]
