@@ -161,7 +161,8 @@ def verify(name: Annotated[str, typer.Argument()]) -> None:
                 if (arena.fingerprint, arena.arena_digest) != (img["fingerprint"], img["arena_digest"]):
                     raise SnapshotError(f"blob {img['image_manifest']['digest']} (model {mod['name']}: arena "
                                         "manifest) does not match the snapshot's model entry")
-                hasher = ArenaHasher(arena.tensors)  # the blob's sha256 and the arena digest in one pass
+                # the blob's sha256 and the arena digest in one pass
+                hasher = ArenaHasher(arena.tensors, arena.arena_digest_scheme)
                 store.verify_blob(img["image"]["digest"], img["image"]["size"], f"model {mod['name']}: arena image",
                                   also=hasher.feed)
                 if hasher.hexdigest() != arena.arena_digest:

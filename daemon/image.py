@@ -118,7 +118,7 @@ def fill_cpu(storage: CpuArenaFile, path: Path, size: int, manifest: ArenaManife
     RING small buffers, written into the arena's file (``pwrite``: through the mapping, every page would first be
     faulted in) and, while it is in cache, fed to the arena digest (a second thread) and, with ``file_digest``, to
     the file's sha256 (here). Returns (the file's sha256 or None, the arena digest)."""
-    hasher = ArenaHasher(manifest.tensors)
+    hasher = ArenaHasher(manifest.tensors, manifest.arena_digest_scheme)
     h = hashlib.sha256() if file_digest else None
     bufs = [memoryview(bytearray(CHUNK)) for _ in range(RING)]
     fed: list[Future | None] = [None] * RING
@@ -189,7 +189,7 @@ def fill_cuda(storage: CudaArena, path: Path, size: int, manifest: ArenaManifest
             got = hashlib.sha256(memoryview(src.flat.numpy())).hexdigest()
             if got != sha256:
                 raise ImageError("bad_image", f"the image {path} is corrupt: it hashes to {got}, not {sha256}")
-        if arena_digest_of(src.flat, manifest.tensors, threads) != manifest.arena_digest:
+        if arena_digest_of(src.flat, manifest.tensors, threads, manifest.arena_digest_scheme) != manifest.arena_digest:
             raise ImageError("bad_image", f"the image {path} does not match its manifest's arena_digest")
         check_gaps_zero(src, manifest, manifest.total_bytes, path)  # as on the CPU: the two pin the image
         for off in range(0, manifest.total_bytes, CHUNK):

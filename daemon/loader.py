@@ -1,9 +1,10 @@
 """Preload: read a checkpoint, fuse, quantize and pack it into an arena, fingerprinting the bytes as read.
 
-Tensors are processed by a few threads at once (``preadv``, sha256 and the packing ops release the GIL). Each
-byte is read once and hashed while it is in cache (1 MiB reads, ``checkpoint.read_into``). A plain tensor whose
-checkpoint dtype is the arena dtype is read straight into its arena slice (no intermediate copy), and when it is
-one source part its arena digest is that part's digest (the same bytes: not hashed twice). Others are read into a
+Tensors are processed by a few threads at once (``preadv``, the hashes and the packing ops release the GIL). Each
+byte is read once and hashed while it is in cache (1 MiB reads, ``checkpoint.read_into``): sha256 for the
+fingerprint, and the arena's leaf hash (BLAKE3, a third of sha256's cost: ``keepwarm.formats.arena``) for what
+lands in the arena. A plain tensor whose checkpoint dtype is the arena dtype is read straight into its arena slice
+(no intermediate copy), both hashes fed from each chunk as it is read. Others are read into a
 per-thread scratch buffer (reused: no page faults per tensor), converted or quantized and copied in; oneDNN-packed
 weights are moved by the pack straight into their arena slice.
 
@@ -27,6 +28,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -39,6 +41,7 @@ from keepwarm.formats.arena import (
     combine_digests,
     dtype_name,
     fingerprint_of,
+    leaf_hasher,
     source_signature,
 )
 from keepwarm.formats.model_config import parse_dtype
@@ -135,12 +138,18 @@ def scratch(n: int) -> torch.Tensor:
     return buf[:n]
 
 
-def _read_hashed(t: FusedTensor, dest: memoryview) -> list[str]:
-    """Read every part of ``t`` into ``dest`` back to back; return each part's sha256."""
+def _read_hashed(t: FusedTensor, dest: memoryview, leaf: Any = None) -> list[str]:
+    """Read every part of ``t`` into ``dest`` back to back; return each part's sha256 (the fingerprint's). With
+    ``leaf`` (an arena leaf hasher), every byte also goes to it while in cache: then it hashes ``dest``."""
     digests, off = [], 0
     for part in t.parts:
         h = hashlib.sha256()
-        read_into(part, dest[off:off + part.nbytes], on_bytes=h.update)
+
+        def both(b: memoryview, h: Any = h) -> None:
+            h.update(b)
+            leaf.update(b)
+
+        read_into(part, dest[off:off + part.nbytes], on_bytes=h.update if leaf is None else both)
         digests.append(h.hexdigest())
         off += part.nbytes
     return digests
@@ -197,9 +206,9 @@ def build_arena(ckpt: Checkpoint, quantization: str, dtype: str, flat: torch.Ten
         if not p.quantized and not p.packed and on_cpu and p.entries[0].dtype == dtype_name(t.dtype):
             e = p.entries[0]
             dest = tensor_bytes(flat[e.offset:e.offset + e.nbytes])
-            src_digests = _read_hashed(t, dest)
-            # one part read straight into its place: the arena entry's bytes are that part's, already hashed
-            arena_digests = src_digests[:1] if len(t.parts) == 1 else [hashlib.sha256(dest).hexdigest()]
+            leaf = leaf_hasher()  # the entry's arena leaf, fed as the parts are read straight into their place
+            src_digests = _read_hashed(t, dest, leaf)
+            arena_digests = [leaf.hexdigest()]
         else:
             staging, src_digests = read_tensor(p)
             e = p.entries[0]
@@ -214,7 +223,9 @@ def build_arena(ckpt: Checkpoint, quantization: str, dtype: str, flat: torch.Ten
                 if raw.numel() != e.nbytes:
                     raise RuntimeError(f"{p.name}{'.' + e.part if e.part else ''}: {raw.numel()} bytes, "
                                        f"planned {e.nbytes}")
-                arena_digests.append(hashlib.sha256(memoryview(raw.numpy())).hexdigest())
+                leaf = leaf_hasher()
+                leaf.update(memoryview(raw.numpy()))
+                arena_digests.append(leaf.hexdigest())
                 dest_t = flat[e.offset:e.offset + e.nbytes]
                 if raw.data_ptr() != dest_t.data_ptr():  # a packed weight is already in its place
                     dest_t.copy_(raw, non_blocking=not on_cpu)

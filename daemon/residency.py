@@ -267,7 +267,7 @@ class Residency:
                     raise ValueError(f"arena was on {manifest.device}")
                 t0 = time.perf_counter()
                 storage = CpuArenaFile.open_readonly(apath, manifest.total_bytes, populate=True)
-                digest = arena_digest_of(storage.flat, manifest.tensors, self.threads)
+                digest = arena_digest_of(storage.flat, manifest.tensors, self.threads, manifest.arena_digest_scheme)
                 if digest != manifest.arena_digest:
                     storage.close()
                     raise ValueError("arena bytes do not match the manifest's digest")

@@ -24,7 +24,6 @@ Rules:
 
 from __future__ import annotations
 
-import hashlib
 import os
 import secrets
 import threading
@@ -65,6 +64,7 @@ from keepwarm.formats.arena import (
     combine_digests,
     dtype_name,
     fingerprint_of,
+    leaf_hasher,
     shard_fingerprint,
 )
 from keepwarm.formats.layout import Layout
@@ -110,7 +110,7 @@ class ShardFile:
     fd: int
     end: int = 0
     entries: dict[tuple[int, str, str], tuple[TensorEntry, str]] = field(default_factory=dict)  # (plan index,
-    # weight, part) -> (entry, sha256)
+    # weight, part) -> (entry, arena leaf digest)
     quant: dict[str, dict] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -125,7 +125,9 @@ class ShardFile:
             if written != len(data):
                 raise OSError(f"short write to {self.path}: {written} of {len(data)} bytes")
             entry = TensorEntry(name, part, offset, len(data), dtype_name(t.dtype), tuple(t.shape))
-            digest = hashlib.sha256(data).hexdigest()
+            leaf = leaf_hasher()
+            leaf.update(data)
+            digest = leaf.hexdigest()
             with self.lock:
                 self.entries[(index, name, part)] = (entry, digest)
                 if meta is not None:

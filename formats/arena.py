@@ -6,13 +6,14 @@ offset, dtype and shape, the quantization metadata, the model's config files, an
 
 - ``fingerprint``: sha256 over the checkpoint's tensor bytes as read from disk (per-part digests, in plan
   order), the quantization scheme, the dtype and ``LAYOUT_VERSION``. It identifies *what* is resident.
-- ``arena_digest``: a tree hash of the arena's own bytes, scheme ``arena_digest_scheme`` =
-  :data:`ARENA_DIGEST_SCHEME` ("sha256-tensors": sha256 over the label ``arena`` and each entry's sha256, in
-  manifest order; manifests written before the field existed used the same scheme and read as it; another scheme
-  is refused). Per-entry leaves let every entry hash on its own thread, a preload hash each entry as it is placed
-  (and reuse a part's digest read straight into place), and a copy or download feed it chunk by chunk
-  (:class:`ArenaHasher`), so no one re-reads an arena to hash it. A restarted daemon re-adopts an arena only when
-  its bytes still hash to this.
+- ``arena_digest``: a tree hash of the arena's own bytes, scheme ``arena_digest_scheme``: sha256 over the label
+  ``arena`` and each entry's leaf digest, in manifest order. The leaves are BLAKE3 (``blake3-tensors``, what this
+  keepwarm writes: 3x sha256's speed on one core, so the arena pass of a preload, a snapshot create and an image
+  load costs a third) or sha256 (``sha256-tensors``: arenas and snapshot images written before; manifests without
+  the field are these). Both are read and checked; any other scheme is refused, naming it. Per-entry leaves let
+  every entry hash on its own thread, a preload hash each entry as its bytes are read or placed, and a copy or
+  download feed it chunk by chunk (:class:`ArenaHasher`), so no one re-reads an arena to hash it. A restarted
+  daemon re-adopts an arena only when its bytes still hash to this.
 
 CPU arenas are files in a 0700 tmpfs directory, mapped read-only by workers. CUDA arenas are one device
 allocation exported as one IPC handle (see ``CudaArena``).
@@ -27,7 +28,7 @@ import mmap
 import os
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -38,7 +39,8 @@ import torch
 from keepwarm.formats.layout import Layout
 
 LAYOUT_VERSION = 1
-ARENA_DIGEST_SCHEME = "sha256-tensors"
+ARENA_DIGEST_SCHEME = "blake3-tensors"  # what new arenas are hashed with (module docstring)
+LEGACY_ARENA_DIGEST_SCHEME = "sha256-tensors"  # manifests written before the field existed
 # 256 bytes: covers every dtype's alignment, AVX-512 loads and GPU coalescing, at negligible padding cost.
 ALIGN = 256
 
@@ -124,9 +126,9 @@ class ArenaManifest:
         d = json.loads(text)
         if d.get("layout_version") != LAYOUT_VERSION:
             raise ValueError(f"arena layout version {d.get('layout_version')!r}, expected {LAYOUT_VERSION}")
-        scheme = d.setdefault("arena_digest_scheme", ARENA_DIGEST_SCHEME)  # older manifests: the same scheme
-        if scheme != ARENA_DIGEST_SCHEME:
-            raise ValueError(f"arena digest scheme {scheme!r}: this keepwarm computes {ARENA_DIGEST_SCHEME!r} "
+        scheme = d.setdefault("arena_digest_scheme", LEGACY_ARENA_DIGEST_SCHEME)
+        if scheme not in _LEAF_HASHES:
+            raise ValueError(f"arena digest scheme {scheme!r}: this keepwarm checks {', '.join(_LEAF_HASHES)} "
                              "(upgrade keepwarm)")
         d["tensors"] = tuple(TensorEntry(**{**t, "shape": tuple(t["shape"])}) for t in d["tensors"])
         d["source_files"] = tuple(tuple(x) for x in d["source_files"])
@@ -150,6 +152,23 @@ def source_signature(model_dir: Path, files: list[Path]) -> tuple[tuple[str, int
         st = (base / name).stat()
         sig.append((name, st.st_size, st.st_mtime_ns, st.st_ino))
     return tuple(sig)
+
+
+def _blake3(data: Any = b"") -> Any:
+    from blake3 import blake3  # the daemon's and snapshot tools' dependency; a worker never hashes an arena
+
+    return blake3(data)  # one thread: entries and chunks are hashed on the caller's threads (it releases the GIL)
+
+
+_LEAF_HASHES: dict[str, Callable[[], Any]] = {"blake3-tensors": _blake3, "sha256-tensors": hashlib.sha256}
+
+
+def leaf_hasher(scheme: str = ARENA_DIGEST_SCHEME) -> Any:
+    """A new hashlib-style hasher for one arena entry's bytes under ``scheme`` (update / hexdigest)."""
+    try:
+        return _LEAF_HASHES[scheme]()
+    except KeyError:
+        raise ValueError(f"arena digest scheme {scheme!r} is not one this keepwarm knows") from None
 
 
 def combine_digests(label: str, digests: list[str]) -> str:
@@ -197,10 +216,14 @@ def view_tensor(flat: torch.Tensor, entry: TensorEntry) -> torch.Tensor:
     return raw.view(dtype_from_name(entry.dtype)).view(entry.shape)
 
 
-def arena_digest_of(flat: torch.Tensor, entries: tuple[TensorEntry, ...], threads: int = 4) -> str:
-    """sha256 of the arena's bytes, per entry (hashlib releases the GIL, so entries hash in parallel)."""
+def arena_digest_of(flat: torch.Tensor, entries: tuple[TensorEntry, ...], threads: int = 4,
+                    scheme: str = ARENA_DIGEST_SCHEME) -> str:
+    """The arena digest of ``flat`` under ``scheme``, per entry (both hashes release the GIL, so entries hash in
+    parallel)."""
     def one(e: TensorEntry) -> str:
-        return hashlib.sha256(memoryview(tensor_byte_view(flat, e).numpy())).hexdigest()
+        h = leaf_hasher(scheme)
+        h.update(memoryview(tensor_byte_view(flat, e).numpy()))
+        return h.hexdigest()
 
     with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
         return combine_digests("arena", list(pool.map(one, entries)))
@@ -208,11 +231,11 @@ def arena_digest_of(flat: torch.Tensor, entries: tuple[TensorEntry, ...], thread
 
 class ArenaHasher:
     """The arena digest of bytes arriving in order (a copy into the store, an image into an arena): each chunk's
-    slices go to the sha256 of every entry they cover while the chunk is in cache; nothing is read twice."""
+    slices go to the leaf hash of every entry they cover while the chunk is in cache; nothing is read twice."""
 
-    def __init__(self, entries: tuple[TensorEntry, ...]) -> None:
+    def __init__(self, entries: tuple[TensorEntry, ...], scheme: str = ARENA_DIGEST_SCHEME) -> None:
         self.entries = entries
-        self.hashers = [hashlib.sha256() for _ in entries]
+        self.hashers = [leaf_hasher(scheme) for _ in entries]
         self.order = sorted(range(len(entries)), key=lambda i: entries[i].offset)
         self.next = 0  # in ``order``: entries before it are complete
 

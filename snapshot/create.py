@@ -137,7 +137,7 @@ def capture_arena(store: Store, manifest_json: str, arena: dict[str, Any]) -> tu
         f = None
         size = int(arena["size"])
     key = store.arena_key(m.arena_digest, [layout_id], size)
-    hasher = ArenaHasher(m.tensors)
+    hasher = ArenaHasher(m.tensors, m.arena_digest_scheme)
 
     def check() -> None:
         if hasher.hexdigest() != m.arena_digest:

@@ -11,6 +11,7 @@ import json
 import os
 import random
 
+import blake3
 import pytest
 import torch
 
@@ -35,23 +36,39 @@ def _entries(sizes: list[int]) -> tuple[tuple[TensorEntry, ...], int]:
     return tuple(out), off
 
 
+@pytest.mark.parametrize("scheme", ["blake3-tensors", "sha256-tensors"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_streamed_arena_digest_equals_the_whole_arena_one(seed: int) -> None:
+def test_streamed_arena_digest_equals_the_whole_arena_one(seed: int, scheme: str) -> None:
     rng = random.Random(seed)
     entries, total = _entries([rng.choice([0, 1, 255, 256, 257, 5000, 70000]) for _ in range(40)])
     flat = torch.randint(0, 256, (total + 100,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
-    want = arena_digest_of(flat, entries, 2)
+    want = arena_digest_of(flat, entries, 2, scheme)
     data = memoryview(flat.numpy())
-    h, off = ArenaHasher(entries), 0
+    h, off = ArenaHasher(entries, scheme), 0
     while off < len(data):  # random chunk boundaries, some inside entries, some in the padding
         n = rng.choice([1, 7, 256, 1000, 4096, 65536])
         h.feed(off, data[off:off + n])
         off += n
     assert h.hexdigest() == want
     flat[entries[-2].offset] ^= 1  # one flipped byte inside an entry changes the digest
-    h2 = ArenaHasher(entries)
+    h2 = ArenaHasher(entries, scheme)
     h2.feed(0, memoryview(flat.numpy()))
     assert h2.hexdigest() != want
+
+
+@pytest.mark.parametrize(("scheme", "leaf"), [("blake3-tensors", blake3.blake3), ("sha256-tensors", hashlib.sha256)])
+def test_arena_digest_is_sha256_over_the_label_and_each_entry_leaf(scheme: str, leaf) -> None:
+    """Computed here from the definition (the hash packages directly), not through keepwarm's helpers; the two
+    schemes give different digests of the same bytes."""
+    entries, total = _entries([0, 300, 70000, 5])
+    flat = torch.randint(0, 256, (total,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    data = bytes(flat.numpy())
+    h = hashlib.sha256(b"arena")
+    for e in entries:
+        h.update(leaf(data[e.offset:e.offset + e.nbytes]).digest())
+    assert arena_digest_of(flat, entries, 2, scheme) == h.hexdigest()
+    other = "sha256-tensors" if scheme == "blake3-tensors" else "blake3-tensors"
+    assert arena_digest_of(flat, entries, 2, other) != h.hexdigest()
 
 
 def test_pipe_hashing_hands_every_chunk_in_order_to_the_second_consumer(tmp_path, monkeypatch) -> None:
@@ -95,23 +112,26 @@ def _manifest_json(**extra) -> str:
 
 
 def test_arena_manifest_names_its_digest_scheme() -> None:
-    assert json.loads(_manifest_json())["arena_digest_scheme"] == ARENA_DIGEST_SCHEME == "sha256-tensors"
+    assert json.loads(_manifest_json())["arena_digest_scheme"] == ARENA_DIGEST_SCHEME == "blake3-tensors"
     old = json.loads(_manifest_json())
-    del old["arena_digest_scheme"]  # written before the field existed: the same scheme
-    assert ArenaManifest.from_json(json.dumps(old)).arena_digest_scheme == ARENA_DIGEST_SCHEME
+    del old["arena_digest_scheme"]  # written before the field existed: sha256 leaves
+    assert ArenaManifest.from_json(json.dumps(old)).arena_digest_scheme == "sha256-tensors"
+    assert ArenaManifest.from_json(_manifest_json(arena_digest_scheme="sha256-tensors")).arena_digest_scheme == \
+        "sha256-tensors"
     with pytest.raises(ValueError, match="arena digest scheme 'blake3-tree'"):
         ArenaManifest.from_json(_manifest_json(arena_digest_scheme="blake3-tree"))
 
 
-def test_image_fill_checks_file_and_arena_in_one_read(tmp_path) -> None:
+@pytest.mark.parametrize("scheme", ["blake3-tensors", "sha256-tensors"])  # the latter: images made before BLAKE3
+def test_image_fill_checks_file_and_arena_in_one_read(tmp_path, scheme: str) -> None:
     from keepwarm.daemon.image import fill_cpu
 
     entries, total = _entries([3000, 0, 2_500_000, 17])
     image = tmp_path / "image"
     image.write_bytes(os.urandom(total))
     flat = torch.frombuffer(bytearray(image.read_bytes()), dtype=torch.uint8)
-    m = ArenaManifest(1, "f" * 64, arena_digest_of(flat, entries), "/m", "none", "float32", "cpu", total, entries,
-                      {}, "{}", None, ())
+    m = ArenaManifest(1, "f" * 64, arena_digest_of(flat, entries, 2, scheme), "/m", "none", "float32", "cpu", total,
+                      entries, {}, "{}", None, (), arena_digest_scheme=scheme)
     storage = CpuArenaFile.create(tmp_path / "arena", total)
     try:
         file_digest, arena_digest = fill_cpu(storage, image, total, m, file_digest=True)
