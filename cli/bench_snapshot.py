@@ -14,6 +14,7 @@ import sys
 import tempfile
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -78,6 +79,9 @@ def _stop(client) -> None:
 def snapshot_bench(
     models: Annotated[str, typer.Option(help="Comma-separated: 'smollm2', '1b' or model directories.")] = "smollm2,1b",
     dtype: Annotated[str, typer.Option()] = "bfloat16",
+    quantization: Annotated[str, typer.Option("--quantization", "-q", help="What the preload makes of the checkpoint "
+                                              "(none, int8, ...): a quantized preload also quantizes, which a "
+                                              "restore skips.")] = "none",
     threads: Annotated[int, typer.Option()] = 2,
     json_out: Annotated[Path | None, typer.Option("--json")] = None,
     registry: Annotated[str | None, typer.Option("--registry", help="HOST:PORT of a plain-HTTP OCI registry "
@@ -101,7 +105,7 @@ def snapshot_bench(
         work = Path(tempfile.mkdtemp(prefix="bench-snapshot-", dir=keepwarm_home()))  # the store's real disk
         rts = [Path(tempfile.mkdtemp(prefix="kwbs-", dir="/tmp")) for _ in range(6)]
         try:
-            rows.append(_bench_model(path, dtype, threads, work, rts, registry))
+            rows.append(_bench_model(path, _Run(dtype, quantization, threads), work, rts, registry))
         finally:
             shutil.rmtree(work, ignore_errors=True)
             for rt in rts:
@@ -111,8 +115,20 @@ def snapshot_bench(
         json_out.write_text(json.dumps({"machine": machine_line(), "rows": rows}, indent=2) + "\n")
 
 
-def _bench_model(path: Path, dtype: str, threads: int, work: Path, rts: list[Path],
-                 registry: str | None = None) -> dict[str, Any]:
+@dataclass(frozen=True)
+class _Run:
+    """What every server and preload of a row runs with."""
+
+    dtype: str
+    quantization: str
+    threads: int
+
+    def flags(self) -> list[str]:
+        """`serve` / `restart` flags for the model measured."""
+        return ["--dtype", self.dtype, "--quantization", self.quantization, "--max-model-len", "2048"]
+
+
+def _bench_model(path: Path, run: _Run, work: Path, rts: list[Path], registry: str | None = None) -> dict[str, Any]:
     """One model's row: create, restore, then restore-to-first-token against a cold start; each in its own daemon
     (runtime dirs ``rts[0..5]``), the store under ``work``; then push / pull through ``registry``."""
     from keepwarm.daemon.checkpoint import Checkpoint
@@ -120,13 +136,13 @@ def _bench_model(path: Path, dtype: str, threads: int, work: Path, rts: list[Pat
 
     files = Checkpoint(path).files
     home = work / "home"
-    base_env = {"KEEPWARM_HOME": str(home), "OMP_NUM_THREADS": str(threads)}
-    row: dict[str, Any] = {"model": path.name, "dtype": dtype}
+    base_env = {"KEEPWARM_HOME": str(home), "OMP_NUM_THREADS": str(run.threads)}
+    row: dict[str, Any] = {"model": path.name, "dtype": run.dtype, "quantization": run.quantization}
     with _env(**base_env, KEEPWARM_RUNTIME_DIR=str(rts[0])):
-        store, blob, arena_bytes, file_bytes, note = _bench_create(path, dtype, work, home, rts[0], files, row)
+        store, blob, arena_bytes, file_bytes, note = _bench_create(path, run, work, home, rts[0], files, row)
     blobs = [blob]
-    typer.echo(f"{path.name}: arena {arena_bytes / 1e6:.1f} MB (file {file_bytes / 1e6:.1f} MB); preload "
-               f"from the checkpoint {row['preload_s']:.2f}s (page cache {note})")
+    typer.echo(f"{path.name} ({run.quantization}, {run.dtype}): arena {arena_bytes / 1e6:.1f} MB (file "
+               f"{file_bytes / 1e6:.1f} MB); preload from the checkpoint {row['preload_s']:.2f}s (page cache {note})")
     typer.echo(f"  create (cold store)          {row['create_s']:7.2f} s  {row['create_mbps']:8.1f} MB/s  "
                f"(arena image {row['create_image_s']:.2f}s)")
     cp_s, cp_sync_s = row["cp_arena_to_disk_s"], row["cp_arena_to_disk_fsync_s"]
@@ -157,8 +173,8 @@ def _bench_model(path: Path, dtype: str, threads: int, work: Path, rts: list[Pat
     from transformers import AutoTokenizer
 
     prompt = bench_prompts(AutoTokenizer.from_pretrained(str(path)), 1)[0]
-    _bench_first_token(path, dtype, threads, home, base_env, rts[2:4], files, blobs, prompt, row)
-    _bench_zygote(path, dtype, threads, home, base_env, rts[4:6], files, blobs, prompt, row)
+    _bench_first_token(path, run, home, base_env, rts[2:4], files, blobs, prompt, row)
+    _bench_zygote(path, run, home, base_env, rts[4:6], files, blobs, prompt, row)
     if registry:
         _bench_registry(store, registry, work, blobs, row)
     return row
@@ -183,7 +199,7 @@ def _bench_registry(store: Store, registry: str, work: Path, blobs: list[Path], 
                f"({q.downloaded_bytes / 1e6:.1f} MB, every blob verified)")
 
 
-def _bench_create(path: Path, dtype: str, work: Path, home: Path, rt: Path, files: list[Path], row: dict[str, Any]
+def _bench_create(path: Path, run: _Run, work: Path, home: Path, rt: Path, files: list[Path], row: dict[str, Any]
                   ) -> tuple[Store, Path, int, int, str]:
     """Preload, then snapshot create (cold store, then config only) against cp of the arena file; fills ``row``.
     Returns (the store, the image blob, arena bytes, arena file bytes, the page-cache note)."""
@@ -195,18 +211,20 @@ def _bench_create(path: Path, dtype: str, work: Path, home: Path, rt: Path, file
     try:
         note = drop_page_cache(files)
         t = time.perf_counter()
-        reply = client.preload(str(path), "none", dtype)
+        reply = client.preload(str(path), run.quantization, run.dtype)
         row["preload_s"] = time.perf_counter() - t
         arena_bytes = reply.bytes
         arena_file = Path(client.status()["arena_dir"]) / f"{reply.fingerprint}.arena"
         file_bytes = arena_file.stat().st_size
         toml = work / "server.toml"
-        toml.write_text(to_toml(ServerConfig(model=str(path), dtype=dtype, runtime_dir=str(rt), max_model_len=2048)))
+        toml.write_text(to_toml(ServerConfig(model=str(path), dtype=run.dtype, quantization=run.quantization,
+                                             runtime_dir=str(rt), max_model_len=2048)))
         store = Store(home / "store")
         r = create("bench", config_path=str(toml), store=store)
         row.update(create_s=r.seconds, create_image_s=r.image_seconds, image_bytes=file_bytes,
                    create_mbps=file_bytes / r.seconds / 1e6)
-        toml.write_text(to_toml(ServerConfig(model=str(path), dtype=dtype, runtime_dir=str(rt), max_model_len=2048,
+        toml.write_text(to_toml(ServerConfig(model=str(path), dtype=run.dtype, quantization=run.quantization,
+                                             runtime_dir=str(rt), max_model_len=2048,
                                              max_num_seqs=8)))
         r2 = create("bench-cfg", config_path=str(toml), store=store)
         row.update(create_config_only_s=r2.seconds, create_config_only_new_bytes=r2.new_bytes)
@@ -221,7 +239,7 @@ def _bench_create(path: Path, dtype: str, work: Path, home: Path, rt: Path, file
     return store, blob, arena_bytes, file_bytes, note
 
 
-def _bench_first_token(path: Path, dtype: str, threads: int, home: Path, base_env: dict[str, str], rts: list[Path],
+def _bench_first_token(path: Path, run: _Run, home: Path, base_env: dict[str, str], rts: list[Path],
                        files: list[Path], blobs: list[Path], prompt: list[int], row: dict[str, Any]) -> None:
     """`snapshot restore` + server start to the first token of ``prompt`` (daemon ``rts[0]``) against a cold start
     that preloads from the checkpoint (daemon ``rts[1]``); fills ``row``."""
@@ -239,7 +257,7 @@ def _bench_first_token(path: Path, dtype: str, threads: int, home: Path, base_en
         subprocess.run([*kw, "snapshot", "restore", "bench"], env=env, check=True, capture_output=True)
         restore_cli = time.perf_counter() - t
         serve, proc = _start_to_first_token([*kw, "serve", "--config", str(home / "server.toml"), "--port",
-                                             str(port), "--threads", str(threads)], env, port, str(path), prompt)
+                                             str(port), "--threads", str(run.threads)], env, port, str(path), prompt)
         _kill(proc, signal.SIGTERM)
         row.update(restore_to_first_token_s=restore_cli + serve, restore_cli_s=restore_cli,
                    restored_serve_to_first_token_s=serve)
@@ -250,9 +268,8 @@ def _bench_first_token(path: Path, dtype: str, threads: int, home: Path, base_en
     try:
         drop_page_cache(files)
         port = _free_port()
-        cold, proc = _start_to_first_token([*kw, "serve", str(path), "--dtype", dtype, "--max-model-len", "2048",
-                                            "--port", str(port), "--threads", str(threads)], env, port, str(path),
-                                           prompt)
+        cold, proc = _start_to_first_token([*kw, "serve", str(path), *run.flags(), "--port", str(port),
+                                            "--threads", str(run.threads)], env, port, str(path), prompt)
         _kill(proc, signal.SIGTERM)
         row["cold_preload_to_first_token_s"] = cold
     finally:
@@ -268,7 +285,7 @@ def _placeholder_model() -> Path:
     return tiny_bench_model("placeholder-llama", seed=7, hidden_size=64, intermediate_size=128, num_hidden_layers=1)
 
 
-def _bench_zygote(path: Path, dtype: str, threads: int, home: Path, base_env: dict[str, str], rts: list[Path],
+def _bench_zygote(path: Path, run: _Run, home: Path, base_env: dict[str, str], rts: list[Path],
                   files: list[Path], blobs: list[Path], prompt: list[int], row: dict[str, Any]) -> None:
     """Into a running `serve --zygote` server (serving a placeholder model, its imports done): `snapshot restore`
     then `keepwarm restart --config` the restored server.toml, to the first token (daemon ``rts[0]``), against
@@ -276,15 +293,15 @@ def _bench_zygote(path: Path, dtype: str, threads: int, home: Path, base_env: di
     ``rts[1]``); each a fresh daemon and server, the page cache of what is read dropped first; fills ``row``."""
     kw = [sys.executable, "-m", "keepwarm.cli.main", "--log-level", "warning"]
     port = _free_port()
-    restart = [*kw, "restart", "--port", str(port), "--threads", str(threads)]
+    restart = [*kw, "restart", "--port", str(port), "--threads", str(run.threads)]
     restore = [*kw, "snapshot", "restore", "bench"]
-    cold = [*restart, str(path), "--dtype", dtype, "--max-model-len", "2048"]
+    cold = [*restart, str(path), *run.flags()]
     for key, rt, steps, cached in (("zygote_restore", rts[0], [restore, [*restart, "--config",
                                                                           str(home / "server.toml")]], blobs),
                                    ("zygote_cold", rts[1], [cold], files)):
         env = {**os.environ, **base_env, "KEEPWARM_RUNTIME_DIR": str(rt)}
         client = _daemon(rt)
-        proc = _zygote_server(kw, env, rt, port, threads, dtype)
+        proc = _zygote_server(kw, env, rt, port, run.threads, run.dtype)
         try:
             drop_page_cache(cached)
             t0 = time.monotonic()

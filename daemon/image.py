@@ -115,35 +115,36 @@ RING = 8  # chunks in flight: a buffer is read into again only once its chunk is
 def fill_cpu(storage: CpuArenaFile, path: Path, size: int, manifest: ArenaManifest, file_digest: bool = False,
              progress: Callable[[int], None] | None = None) -> tuple[str | None, str]:
     """Copy ``size`` bytes of the image into a CPU arena in one pass, as `cp` does: each chunk is read into one of
-    RING small buffers, written into the arena's file (``pwrite``: through the mapping, every page would first be
-    faulted in) and, while it is in cache, fed to the arena digest (a second thread) and, with ``file_digest``, to
-    the file's sha256 (here). Returns (the file's sha256 or None, the arena digest)."""
+    RING small buffers (here), written into the arena's file (``pwrite``, a second thread: through the mapping,
+    every page would first be faulted in) and, while it is in cache, fed to the arena digest (a third) and, with
+    ``file_digest``, to the file's sha256 (a fourth), so the read from disk never waits for the writes or the
+    hashes. Returns (the file's sha256 or None, the arena digest)."""
     hasher = ArenaHasher(manifest.tensors, manifest.arena_digest_scheme)
     h = hashlib.sha256() if file_digest else None
     bufs = [memoryview(bytearray(CHUNK)) for _ in range(RING)]
-    fed: list[Future | None] = [None] * RING
+    fed: list[list[Future]] = [[] for _ in range(RING)]
     fd = os.open(storage.path, os.O_WRONLY)
     try:
-        with open(path, "rb", buffering=0) as f, ThreadPoolExecutor(max_workers=1) as pool:
+        with open(path, "rb", buffering=0) as f, ThreadPoolExecutor(max_workers=1) as writer, \
+                ThreadPoolExecutor(max_workers=1) as pool, ThreadPoolExecutor(max_workers=1) as sha:
             # the whole file asynchronously now: the disk streams while the chunks already read are hashed
             os.posix_fadvise(f.fileno(), 0, size, os.POSIX_FADV_WILLNEED)
             off, slot = 0, 0
             while off < size:
-                if (prev := fed[slot]) is not None:
+                for prev in fed[slot]:  # the buffer's last chunk written and hashed: it may be read into again
                     prev.result()
                 chunk = bufs[slot][:min(CHUNK, size - off)]
                 n = f.readinto(chunk)
                 if not n:
                     raise ImageError("bad_image", f"the image {path} ended after {off} of {size} bytes")
-                _pwrite_all(fd, chunk[:n], off)
-                fed[slot] = pool.submit(hasher.feed, off, chunk[:n])
+                fed[slot] = [writer.submit(_pwrite_all, fd, chunk[:n], off), pool.submit(hasher.feed, off, chunk[:n])]
                 if h is not None:
-                    h.update(chunk[:n])
+                    fed[slot].append(sha.submit(h.update, chunk[:n]))
                 off, slot = off + n, (slot + 1) % RING
                 if progress is not None:
                     progress(n)
-            for fut in fed:
-                if fut is not None:
+            for futs in fed:
+                for fut in futs:
                     fut.result()
     finally:
         os.close(fd)

@@ -133,20 +133,21 @@ Consumer = Callable[[int, memoryview], None]  # (offset in the stream, the chunk
 
 def pipe_hashing(chunks: Iterable[memoryview], fd: int | None, also: Consumer | None = None, depth: int = 2,
                  writeback: int = 0) -> tuple[str, int]:
-    """sha256 and size of the chunks, writing them to ``fd`` (if given; see :class:`_Writer` for ``writeback``)
-    in a second thread and handing them to ``also`` (if given; e.g. the arena digest) in a third, while hashing
-    here: one pass over the bytes, each chunk used by all three while it is in cache. A chunk's buffer is released
-    (the chunk ``depth`` later may be read into it) once all of them are done with it: ``chunks`` must come from a
-    ring of at least ``depth`` buffers."""
+    """sha256 and size of the chunks, hashing them in a second thread, writing them to ``fd`` (if given; see
+    :class:`_Writer` for ``writeback``) in a third and handing them to ``also`` (if given; e.g. the arena digest) in
+    a fourth, while this thread reads the next ones: one pass over the bytes, each chunk used by all of them while
+    it is in cache, and the sha256 (the slowest, and sequential) never waits for a read. A chunk's buffer is
+    released (the chunk ``depth`` later may be read into it) once all of them are done with it: ``chunks`` must come
+    from a ring of at least ``depth`` buffers."""
     h = hashlib.sha256()
     size = 0
     write = _Writer(fd, writeback) if fd is not None else None
-    with ThreadPoolExecutor(max_workers=1) as writer, ThreadPoolExecutor(max_workers=1) as other:
+    with ThreadPoolExecutor(max_workers=1) as hasher, ThreadPoolExecutor(max_workers=1) as writer, \
+            ThreadPoolExecutor(max_workers=1) as other:
         pending: collections.deque[list[Future]] = collections.deque()
         for mv in chunks:
-            pending.append(([writer.submit(write, mv)] if write is not None else []) +
+            pending.append([hasher.submit(h.update, mv)] + ([writer.submit(write, mv)] if write is not None else []) +
                            ([other.submit(also, size, mv)] if also is not None else []))
-            h.update(mv)
             size += len(mv)
             while len(pending) >= depth:  # the oldest chunk used by everyone: its buffer may be refilled
                 for f in pending.popleft():

@@ -118,7 +118,8 @@ def test_bench_lora_smoke(bench_env, tmp_path) -> None:
 
 
 def test_bench_snapshot_smoke(bench_env, tmp_path) -> None:
-    """With a local docker-registry (when installed: tests/_registry.py), push and pull are timed too."""
+    """With a local docker-registry (when installed: tests/_registry.py), push and pull are timed too. The model is
+    preloaded as int8 (a restore skips the quantization: no row may come from a bf16 arena)."""
     import shutil
 
     from _registry import REGISTRY_BIN, registry_env
@@ -126,11 +127,13 @@ def test_bench_snapshot_smoke(bench_env, tmp_path) -> None:
     env_gen = registry_env(tmp_path / "registry") if shutil.which(REGISTRY_BIN) else None
     reg = next(env_gen) if env_gen is not None else None
     try:
-        data, _ = _bench(bench_env, tmp_path, "snapshot", *(["--registry", reg.host] if reg else []))
+        data, out = _bench(bench_env, tmp_path, "snapshot", "--quantization", "int8",
+                           *(["--registry", reg.host] if reg else []))
     finally:
         if env_gen is not None:
             env_gen.close()
     [row] = data["rows"]
+    assert row["quantization"] == "int8" and "(int8, " in out
     assert row["images_loaded"] == 1 and row["create_config_only_new_bytes"] < row["image_bytes"]
     assert row["restore_to_first_token_s"] > 0 and row["cold_preload_to_first_token_s"] > 0
     # into a running serve --zygote: restore then restart (answered after the restore), against a restart onto the
