@@ -86,8 +86,10 @@ def create(
 @snapshot_app.command()
 def restore(
     name: Annotated[str, typer.Argument()],
-    restart_server: Annotated[bool, typer.Option("--restart-server", help="systemctl restart "
-                                                 "keepwarm-server.service when that unit exists.")] = False,
+    restart_server: Annotated[bool, typer.Option("--restart-server", help="Restart the server: a `serve --zygote` "
+                                                 "server on the config's port in place (no downtime), else "
+                                                 "systemctl restart keepwarm-server.service when that unit "
+                                                 "exists.")] = False,
     server_config: Annotated[str | None, typer.Option("--server-config", help="Where to write the server config "
                                                       "(default: the unit's --config, else "
                                                       "$KEEPWARM_HOME/server.toml).")] = None,

@@ -14,7 +14,9 @@ Order, so that a failure at any step leaves the previous state in place:
    model resident with the same fingerprint is kept as is), then ``load_adapter`` each adapter;
 5. commit: move the model files to ``restored/<fingerprint>/`` and write the server config atomically (the
    previous one is kept as ``<config>.prev``);
-6. restart the server (``systemctl restart keepwarm-server.service``) or print the command that starts it.
+6. with ``--restart-server``, restart the server: a ``serve --zygote`` server on the config's port in place, onto
+   the restored config alone (no downtime; the request to its control socket), else ``systemctl restart
+   keepwarm-server.service``; or print the command that starts it.
 
 If 3-5 fail, what this restore added is removed again (images it loaded are evicted, adapters it loaded unloaded,
 staged files deleted) and the config is not written; nothing that was resident before is evicted.
@@ -41,6 +43,7 @@ from keepwarm.formats.paths import keepwarm_home
 from keepwarm.snapshot import manifest as mf
 from keepwarm.snapshot.manifest import SnapshotError
 from keepwarm.snapshot.store import Store, fsync_dir, hash_file
+from keepwarm.worker.api import ipc
 from keepwarm.worker.api.config import ConfigError, ServerConfig, build_config, to_toml
 from keepwarm.worker.default_model import DEFAULT_MODEL_NAME
 
@@ -92,6 +95,22 @@ def systemd_unit() -> dict[str, Any] | None:
             m = re.search(r"--config[= ]([^\s;]+)", props.get("ExecStart", ""))
             return {"scope": scope, "active": props.get("ActiveState", ""), "config": m.group(1) if m else None}
     return None
+
+
+def restart_supervised(port: int, rt: Path, config: Path, say: Say) -> str:
+    """Restart the `serve --zygote` server on ``port`` onto ``config`` alone (its own flags dropped but where it
+    listens: they would override the restored config), with no downtime; how it went, or SnapshotError."""
+    try:
+        reply = ipc.request_restart(port, ipc.RestartRequest(config_file=str(config), replace_flags=True), rt)
+    except (ConnectionError, OSError) as e:
+        raise SnapshotError(f"restored, and the config is written to {config}, but the server on port {port} was not "
+                            f"restarted: {e}") from None
+    if not reply.ok:
+        raise SnapshotError(f"restored, and the config is written to {config}, but the server on port {port} did not "
+                            f"restart (it still serves what it did): {reply.message}")
+    if reply.mode == "cold":
+        say(f"warning: the server on port {port} had no warm zygote: this restart was a cold start")
+    return f"the serve --zygote server on port {port}, in place: {reply.message}"
 
 
 def restart_unit(unit: dict[str, Any]) -> None:
@@ -239,7 +258,10 @@ def restore(name: str, *, store: Store | None = None, server_config: str | None 
                            load_seconds)
     # 6. the server
     if restart_server:
-        if unit is not None:
+        port = cfg.get("port", ServerConfig.port)
+        if ipc.control_path(port, rt).exists():
+            result.restarted = restart_supervised(port, rt, target, say)
+        elif unit is not None:
             restart_unit(unit)
             result.restarted = f"systemctl {' '.join(unit['scope'] + ['restart', UNIT])}"
         else:

@@ -136,10 +136,9 @@ def test_bench_snapshot_smoke(bench_env, tmp_path) -> None:
     assert row["quantization"] == "int8" and "(int8, " in out
     assert row["images_loaded"] == 1 and row["create_config_only_new_bytes"] < row["image_bytes"]
     assert row["restore_to_first_token_s"] > 0 and row["cold_preload_to_first_token_s"] > 0
-    # into a running serve --zygote: restore then restart (answered after the restore), against a restart onto the
+    # into a running serve --zygote: restore --restart-server (the restart in place), against a restart onto the
     # checkpoint; the bench raises if either restart was a cold start (the zygote gone)
-    assert 0 < row["zygote_restore_snapshot_s"] < row["zygote_restore_restart_s"] < row[
-        "zygote_restore_to_first_token_s"]
+    assert 0 < row["zygote_restore_snapshot_s"] < row["zygote_restore_to_first_token_s"]
     assert 0 < row["zygote_cold_restart_s"] < row["zygote_cold_to_first_token_s"]
     if reg is not None:
         # push: every blob and the config (the snapshot manifest); pull: every blob, the image included

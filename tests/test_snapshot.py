@@ -258,6 +258,33 @@ def restore_and_serve_the_same(other: Side, prod) -> None:
     assert counters["images_loaded"] == 1 and counters["preloads"] == 0
 
 
+@pytest.mark.slow
+def test_restore_restarts_a_running_zygote_server_in_place(prod, tmp_path, monkeypatch) -> None:
+    """`snapshot restore --restart-server` with a `serve --zygote` server on the snapshot config's port: the same
+    supervisor (no downtime) then serves the snapshot's config, adapters and greedy outputs. The flags it was
+    started with (another served name, another max_num_seqs) would override the restored config: they are
+    dropped, but for where it listens."""
+    import _serve
+
+    port = prod.ref.config["config"]["port"]
+    monkeypatch.setattr(_serve, "free_port", lambda: port)  # the server listens where the restored config says
+    server = Server(prod.side.env, prod.model, "--zygote", "--dtype", "float32", "--max-model-len", "128",
+                    "--max-num-seqs", "3", "--served-model-name", "placeholder")
+    try:
+        assert server.names() == ["placeholder"] and server.config()["config"]["max_num_seqs"] == 3
+        target = tmp_path / "server.toml"
+        r = kw(prod.side.env, "snapshot", "restore", "prod", "--restart-server", "--server-config", str(target))
+        assert f"server restarted (the serve --zygote server on port {port}, in place:" in r.stdout, r.stdout
+        assert server.proc.poll() is None  # the same supervisor, still listening
+        cfg = server.config()
+        assert cfg["config"]["max_num_seqs"] == 7 and cfg["config"]["block_size"] == 32
+        assert cfg["weights"]["fingerprint"] == prod.fingerprint
+        assert server.names() == prod.ref.names
+        assert server.outputs(prod.ref.names) == prod.ref.outputs
+    finally:
+        server.stop()
+
+
 # -- 2. across machines ------------------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_export_import_restore_on_another_machine(prod, tmp_path) -> None:

@@ -135,6 +135,8 @@ class Restarts:
 class RestartRequest:
     flags: dict[str, Any] = field(default_factory=dict)  # serve flags given (None = not given), merged over the last
     config_file: str | None = None  # a server.toml to use from now on ("" = none)
+    replace_flags: bool = False  # the running flags are dropped (but for host, port and runtime_dir, where the
+    # server listens and which daemon it uses): config_file and ``flags`` alone (a restored snapshot's config)
     python: str | None = None  # the Python (another venv, another keepwarm) to fork the new worker from
     prepare: bool = False  # only start that Python's zygote in the background
     timeout: float = 300.0  # seconds the new worker has to become ready

@@ -61,6 +61,9 @@ log = logging.getLogger("keepwarm.supervisor")
 
 ZYGOTE_START_TIMEOUT_S = 300.0
 FORK_TIMEOUT_S = 30.0
+# The flags a restart with ``replace_flags`` keeps: where the server listens (the socket is handed over, it cannot
+# move) and which daemon it uses.
+PLACE_FLAGS = frozenset({"host", "port", "runtime_dir"})
 DRAIN_NOTICE_TIMEOUT_S = 5.0
 REPLACE_MAX_FAILURES = 3  # failed replacements (or workers dead within REPLACE_STABLE_S) in a row before giving up
 REPLACE_STABLE_S = 30.0  # a worker that served this long before dying resets the count
@@ -474,7 +477,8 @@ class Supervisor:
             return ipc.RestartReply(ok=True, message=f"zygote from {python} ready (pid "
                                                      f"{self.prepared[python].hello.pid})")
         config_file = self.config_file if req.config_file is None else (req.config_file or None)
-        flags = {**self.flags, **{k: v for k, v in req.flags.items() if v is not None}}
+        kept = {k: v for k, v in self.flags.items() if k in PLACE_FLAGS} if req.replace_flags else self.flags
+        flags = {**kept, **{k: v for k, v in req.flags.items() if v is not None}}
         try:
             config = self._build(config_file, flags)
         except ConfigError as e:
