@@ -41,6 +41,7 @@ from keepwarm.formats.arena import (
     combine_digests,
     dtype_name,
     fingerprint_of,
+    leaf_digest,
     leaf_hasher,
     source_signature,
 )
@@ -223,9 +224,7 @@ def build_arena(ckpt: Checkpoint, quantization: str, dtype: str, flat: torch.Ten
                 if raw.numel() != e.nbytes:
                     raise RuntimeError(f"{p.name}{'.' + e.part if e.part else ''}: {raw.numel()} bytes, "
                                        f"planned {e.nbytes}")
-                leaf = leaf_hasher()
-                leaf.update(memoryview(raw.numpy()))
-                arena_digests.append(leaf.hexdigest())
+                arena_digests.append(leaf_digest(memoryview(raw.numpy())))
                 dest_t = flat[e.offset:e.offset + e.nbytes]
                 if raw.data_ptr() != dest_t.data_ptr():  # a packed weight is already in its place
                     dest_t.copy_(raw, non_blocking=not on_cpu)

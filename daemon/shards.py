@@ -64,7 +64,7 @@ from keepwarm.formats.arena import (
     combine_digests,
     dtype_name,
     fingerprint_of,
-    leaf_hasher,
+    leaf_digest,
     shard_fingerprint,
 )
 from keepwarm.formats.layout import Layout
@@ -125,9 +125,7 @@ class ShardFile:
             if written != len(data):
                 raise OSError(f"short write to {self.path}: {written} of {len(data)} bytes")
             entry = TensorEntry(name, part, offset, len(data), dtype_name(t.dtype), tuple(t.shape))
-            leaf = leaf_hasher()
-            leaf.update(data)
-            digest = leaf.hexdigest()
+            digest = leaf_digest(data)
             with self.lock:
                 self.entries[(index, name, part)] = (entry, digest)
                 if meta is not None:

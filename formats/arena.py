@@ -154,10 +154,10 @@ def source_signature(model_dir: Path, files: list[Path]) -> tuple[tuple[str, int
     return tuple(sig)
 
 
-def _blake3(data: Any = b"") -> Any:
+def _blake3() -> Any:
     from blake3 import blake3  # the daemon's and snapshot tools' dependency; a worker never hashes an arena
 
-    return blake3(data)  # one thread: entries and chunks are hashed on the caller's threads (it releases the GIL)
+    return blake3()  # one thread: entries and chunks are hashed on the caller's threads (it releases the GIL)
 
 
 _LEAF_HASHES: dict[str, Callable[[], Any]] = {"blake3-tensors": _blake3, "sha256-tensors": hashlib.sha256}
@@ -169,6 +169,13 @@ def leaf_hasher(scheme: str = ARENA_DIGEST_SCHEME) -> Any:
         return _LEAF_HASHES[scheme]()
     except KeyError:
         raise ValueError(f"arena digest scheme {scheme!r} is not one this keepwarm knows") from None
+
+
+def leaf_digest(data: Any, scheme: str = ARENA_DIGEST_SCHEME) -> str:
+    """One arena entry's leaf digest (hex) of ``data`` (a buffer: bytes, memoryview) under ``scheme``."""
+    h = leaf_hasher(scheme)
+    h.update(data)
+    return h.hexdigest()
 
 
 def combine_digests(label: str, digests: list[str]) -> str:
@@ -221,9 +228,7 @@ def arena_digest_of(flat: torch.Tensor, entries: tuple[TensorEntry, ...], thread
     """The arena digest of ``flat`` under ``scheme``, per entry (both hashes release the GIL, so entries hash in
     parallel)."""
     def one(e: TensorEntry) -> str:
-        h = leaf_hasher(scheme)
-        h.update(memoryview(tensor_byte_view(flat, e).numpy()))
-        return h.hexdigest()
+        return leaf_digest(memoryview(tensor_byte_view(flat, e).numpy()), scheme)
 
     with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
         return combine_digests("arena", list(pool.map(one, entries)))
