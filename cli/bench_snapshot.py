@@ -299,19 +299,17 @@ def _bench_zygote(path: Path, run: _Run, home: Path, base_env: dict[str, str], r
     port = run.port
     restore = [*kw, "snapshot", "restore", "bench", "--restart-server"]
     cold = [*kw, "restart", "--port", str(port), "--threads", str(run.threads), str(path), *run.flags()]
-    for key, rt, steps, cached in (("zygote_restore", rts[0], [restore], blobs),
-                                   ("zygote_cold", rts[1], [cold], files)):
+    for key, rt, cmd, cached in (("zygote_restore", rts[0], restore, blobs), ("zygote_cold", rts[1], cold, files)):
         env = {**os.environ, **base_env, "KEEPWARM_RUNTIME_DIR": str(rt)}
         client = _daemon(rt)
         proc = _zygote_server(kw, env, rt, port, run.threads, run.dtype)
         try:
             drop_page_cache(cached)
             t0 = time.monotonic()
-            for cmd in steps:
-                r = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=tempfile.gettempdir())
-                if r.returncode != 0 or "cold start" in r.stderr + r.stdout:
-                    raise RuntimeError(f"{' '.join(cmd[5:8])}... exit {r.returncode}: {r.stderr.strip()[-300:]}")
-                row[f"{key}_{cmd[5]}_s"] = time.monotonic() - t0
+            r = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=tempfile.gettempdir())
+            if r.returncode != 0 or "cold start" in r.stderr + r.stdout:
+                raise RuntimeError(f"{' '.join(cmd[5:8])}... exit {r.returncode}: {r.stderr.strip()[-300:]}")
+            row[f"{key}_{cmd[5]}_s"] = time.monotonic() - t0
             deadline = time.monotonic() + 600
             row[f"{key}_to_first_token_s"] = asyncio.run(
                 _first_token(f"http://127.0.0.1:{port}", str(path), prompt, deadline, proc)) - t0
