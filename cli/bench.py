@@ -347,7 +347,8 @@ import torch
 torch.set_num_threads({threads})
 from keepwarm import LLM
 t1 = time.perf_counter()
-llm = LLM(model={model!r}, dtype={dtype!r}, daemon={daemon!r}, max_model_len=512, num_gpu_blocks=64)
+llm = LLM(model={model!r}, dtype={dtype!r}, quantization={quantization!r}, daemon={daemon!r}, max_model_len=512,
+          num_gpu_blocks=64)
 t2 = time.perf_counter()
 loaded = llm.llm_engine.loaded
 att = loaded.attachment
@@ -375,8 +376,9 @@ def drop_page_cache(files: list[Path]) -> str:
     return "evicted (posix_fadvise DONTNEED)"
 
 
-def _probe(model: str, dtype: str, daemon: bool, env: dict[str, str], threads: int) -> dict:
-    code = _ENGINE_PROBE.format(model=model, dtype=dtype, daemon=daemon, threads=threads)
+def _probe(model: str, dtype: str, daemon: bool, env: dict[str, str], threads: int, quantization: str = "none",
+           ) -> dict:
+    code = _ENGINE_PROBE.format(model=model, dtype=dtype, daemon=daemon, threads=threads, quantization=quantization)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=1800)
     if out.returncode != 0:
         raise RuntimeError(f"probe failed: {out.stderr.strip().splitlines()[-1:]}")
@@ -388,6 +390,9 @@ def attach(
     models: Annotated[str, typer.Option(help="Comma-separated: 'smollm2', '1b', '8b' or model directories.")
                       ] = "smollm2,1b",
     dtype: Annotated[str, typer.Option()] = "bfloat16",
+    quantization: Annotated[str, typer.Option("--quantization", "-q", help="What the loads make of the checkpoint "
+                                              "(none, int8, int4, fp8): a quantized preload also quantizes.")
+                            ] = "none",
     repeats: Annotated[int, typer.Option(help="Worker attaches per model (the median is reported).")] = 3,
     threads: Annotated[int, typer.Option()] = 2,
     json_out: Annotated[Path | None, typer.Option("--json")] = None,
@@ -427,15 +432,15 @@ def attach(
         drop_page_cache(files)
         rt = Path(tempfile.mkdtemp(prefix="kwb-", dir="/tmp"))
         env = {**os.environ, "KEEPWARM_RUNTIME_DIR": str(rt), "OMP_NUM_THREADS": str(threads)}
-        cold = _probe(str(path), dtype, False, env, threads)
-        warm_disk = _probe(str(path), dtype, False, env, threads)  # page cache now warm
+        cold = _probe(str(path), dtype, False, env, threads, quantization)
+        warm_disk = _probe(str(path), dtype, False, env, threads, quantization)  # page cache now warm
         client = start_daemon(rt)
         try:
             drop_page_cache(files)
             t = time.perf_counter()
-            reply = client.preload(str(path), "none", dtype)
+            reply = client.preload(str(path), quantization, dtype)
             preload_s = time.perf_counter() - t
-            attaches = [_probe(str(path), dtype, True, env, threads) for _ in range(repeats)]
+            attaches = [_probe(str(path), dtype, True, env, threads, quantization) for _ in range(repeats)]
             assert all(a["source"] == "daemon" for a in attaches)
             status = client.status()
         finally:
@@ -443,14 +448,16 @@ def attach(
             client.close()
         att_s = statistics.median(a["attach_s"] for a in attaches)
         att_load = statistics.median(a["load_s"] for a in attaches)
-        row = {"model": path.name, "params": params, "checkpoint_bytes": nbytes, "arena_bytes": reply.bytes,
+        row = {"model": path.name, "quantization": quantization, "params": params, "checkpoint_bytes": nbytes,
+               "arena_bytes": reply.bytes,
                "page_cache": cache_note, "raw_read_s": raw_s, "raw_read_gbps": nbytes / raw_s / 1e9,
                "cold_disk_load_s": cold["load_s"], "warm_disk_load_s": warm_disk["load_s"],
                "preload_s": preload_s, "preload_gbps": nbytes / preload_s / 1e9,
                "attach_s": att_s, "attach_and_build_s": att_load, "attaches": attaches,
                "daemon_preloads": status["counters"]["preloads"], "import_s": cold["import_s"]}
         rows.append(row)
-        typer.echo(f"{path.name}: {params / 1e9:.2f}B params, {nbytes / 1e9:.2f} GB on disk; page cache {cache_note}")
+        typer.echo(f"{path.name} ({quantization}): {params / 1e9:.2f}B params, {nbytes / 1e9:.2f} GB on disk; page "
+                   f"cache {cache_note}")
         typer.echo(f"  raw read (cat > /dev/null)         {raw_s:7.2f} s  {row['raw_read_gbps']:6.2f} GB/s")
         typer.echo(f"  cold load from disk into engine    {cold['load_s']:7.2f} s  (page cache warm: "
                    f"{warm_disk['load_s']:.2f} s)")

@@ -55,6 +55,7 @@ from keepwarm.formats.quant import (
     quantized_layout,
 )
 from keepwarm.formats.version import __version__
+from keepwarm.kernels.cpu_native import quantize_int8
 from keepwarm.kernels.cpu_packed import pack, packed_layout, packed_nbytes, packing_available
 
 log = logging.getLogger("keepwarm.daemon")
@@ -157,9 +158,27 @@ def _read_hashed(t: FusedTensor, dest: memoryview, leaf: Any = None) -> list[str
 
 
 def read_tensor(p: PlannedTensor) -> tuple[torch.Tensor, list[str]]:
-    """``p``'s source bytes in this thread's scratch buffer, and each source part's sha256 (read once)."""
+    """``p``'s source bytes in this thread's scratch buffer, and each source part's sha256 (read once). A derived
+    tensor's bytes are not fingerprinted (its source's are), so they are read without hashing."""
     staging = scratch(p.source.nbytes)
+    if p.derived:
+        dest, off = tensor_bytes(staging), 0
+        for part in p.source.parts:
+            read_into(part, dest[off:off + part.nbytes])
+            off += part.nbytes
+        return staging, []
     return staging, _read_hashed(p.source, tensor_bytes(staging))
+
+
+def file_order(planned: list[PlannedTensor]) -> list[int]:
+    """Indices of ``planned`` in the order their bytes lie in the checkpoint's files. The plan follows the
+    checkpoint's index, which jumps about a file; reading in file order keeps the kernel's readahead streaming
+    (SmolLM2 with the page cache dropped, one thread, no hashing: 0.29 s in plan order, 0.20 s in file order, as
+    ``cat``). A derived tensor sorts right after its source, whose bytes are then still in the page cache."""
+    def position(i: int) -> tuple[str, int, int]:
+        first = planned[i].source.parts[0]
+        return str(first.file), first.offset, int(planned[i].derived)
+    return sorted(range(len(planned)), key=position)
 
 
 def convert_tensor(ckpt: Checkpoint, p: PlannedTensor, staging: torch.Tensor, quantization: str,
@@ -172,7 +191,7 @@ def convert_tensor(ckpt: Checkpoint, p: PlannedTensor, staging: torch.Tensor, qu
         return ckpt.convert_quantized(t, p.meta, staging, target), p.meta
     w = staging.view(t.dtype).view(t.shape)
     if p.quantized:
-        meta, parts = quantize(w, quantization, target, device_type)
+        meta, parts = quantize(w, quantization, target, device_type, int8_rows=quantize_int8)
         return parts, meta
     if p.packed:
         raw, desc = pack(w.to(target), out=out)
@@ -232,8 +251,11 @@ def build_arena(ckpt: Checkpoint, quantization: str, dtype: str, flat: torch.Ten
             progress(t.nbytes)
         return src_digests, arena_digests
 
+    order = file_order(planned)
+    results: list[tuple[list[str], list[str]]] = [([], [])] * len(planned)
     with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
-        results = list(pool.map(process, planned))
+        for i, result in zip(order, pool.map(lambda i: process(planned[i]), order), strict=True):
+            results[i] = result
     if not on_cpu:
         torch.cuda.synchronize(flat.device)
     part_digests = [(p.source.name, d) for p, (src, _) in zip(planned, results, strict=True) if not p.derived

@@ -40,6 +40,7 @@ from keepwarm.daemon.loader import (
     PlannedTensor,
     Progress,
     convert_tensor,
+    file_order,
     plan_arena,
     read_tensor,
     resolve_dtype,
@@ -197,8 +198,11 @@ def build_shards(ckpt: Checkpoint, quantization: str, dtype: str, tp_size: int, 
                 progress(p.source.nbytes)
             return digests
 
+        order = file_order(planned)  # the disk streams (loader.file_order); results go back to plan order
+        results: list[list[str]] = [[] for _ in planned]
         with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
-            results = list(pool.map(process, enumerate(planned)))
+            for i, digests in zip(order, pool.map(process, [(i, planned[i]) for i in order]), strict=True):
+                results[i] = digests
     finally:
         for f in files:
             os.close(f.fd)

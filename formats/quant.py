@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import functools
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -263,9 +264,38 @@ def _store(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return stored
 
 
+_BLOCK_BYTES = 256 << 10  # float32 bytes of a row block: it stays in cache while divided, rounded and clamped
+
+
+def _int8_channel(w: torch.Tensor, act_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row int8 codes and scales: scale = amax / 127 (stored in ``act_dtype``, see ``_store``), code =
+    round(w / scale) in float32. On the CPU rows go in blocks through one float32 buffer: the whole weight in
+    float32, a fresh allocation per op, ran at 0.1 GB/s of bf16 on the 1B's [11264, 2048] (page faults), blocks at
+    0.6 GB/s, the same codes."""
+    n, k = w.shape
+    amax = w.abs().amax(dim=1).float()  # exact in w's own dtype; a NaN or an infinity in a row makes it non-finite
+    if not bool(torch.isfinite(amax).all()):
+        raise QuantizationError(f"weight of shape {tuple(w.shape)} has non-finite values")
+    scales = _store(torch.where(amax > 0, amax / 127.0, torch.ones_like(amax)), act_dtype)
+    divisor = scales.float()[:, None]
+    q = torch.empty(n, k, dtype=torch.int8, device=w.device)
+    rows = max(1, _BLOCK_BYTES // (4 * max(k, 1))) if w.device.type == "cpu" else max(n, 1)
+    buf = torch.empty(min(rows, n), k, dtype=torch.float32, device=w.device)
+    for r in range(0, n, rows):
+        block = buf[:min(n, r + rows) - r]
+        block.copy_(w[r:r + rows]).div_(divisor[r:r + rows]).round_().clamp_(-127, 127)
+        q[r:r + rows].copy_(block)
+    return q, scales
+
+
+Int8Rows = Callable[[torch.Tensor], "tuple[torch.Tensor, torch.Tensor] | None"]
+
+
 def quantize(w: torch.Tensor, scheme: str, act_dtype: torch.dtype, device_type: str = "cpu",
-             group_size: int = 128) -> tuple[QuantMeta, dict[str, torch.Tensor]]:
-    """Quantize a dense weight [N, K]; returns its meta and exactly the contiguous parts of `quantized_layout`."""
+             group_size: int = 128, int8_rows: Int8Rows | None = None) -> tuple[QuantMeta, dict[str, torch.Tensor]]:
+    """Quantize a dense weight [N, K]; returns its meta and exactly the contiguous parts of `quantized_layout`.
+    ``int8_rows``: a faster implementation of int8's (codes, scales) for bfloat16 weights and scales, giving the same
+    bits or None where it cannot run (the daemon passes the native kernel's; formats cannot import kernels)."""
     if w.dim() != 2:
         raise QuantizationError(f"quantization needs a 2-D weight [N, K], got shape {tuple(w.shape)}")
     meta = plan(tuple(w.shape), scheme, act_dtype, device_type, group_size)
@@ -275,17 +305,18 @@ def quantize(w: torch.Tensor, scheme: str, act_dtype: torch.dtype, device_type: 
         raise QuantizationError(f"cannot quantize a {w.dtype} weight")
     if device_type == "cpu":
         w = w.cpu()
+    if scheme == "int8":
+        made = int8_rows(w) if int8_rows is not None and w.dtype == act_dtype == torch.bfloat16 else None
+        q, scales = made if made is not None else _int8_channel(w, act_dtype)
+        parts = {"qweight": q, "scales": scales}
+        _check_parts(meta, parts, act_dtype)
+        return meta, parts
     w32 = w.float()
     if not bool(torch.isfinite(w32).all()):
         raise QuantizationError(f"weight of shape {tuple(w.shape)} has non-finite values")
     n, k = meta.shape
 
-    if scheme == "int8":
-        amax = w32.abs().amax(dim=1)
-        scales = _store(torch.where(amax > 0, amax / 127.0, torch.ones_like(amax)), act_dtype)
-        q = torch.round(w32 / scales.float()[:, None]).clamp_(-127, 127).to(torch.int8)
-        parts = {"qweight": q, "scales": scales}
-    elif scheme == "fp8":
+    if scheme == "fp8":
         amax = float(w32.abs().max())
         scale = torch.tensor([amax / FP8_MAX if amax > 0 else 1.0], dtype=torch.float32, device=w.device)
         q = (w32 / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)

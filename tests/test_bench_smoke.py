@@ -54,10 +54,10 @@ def test_bench_quality_smoke(bench_env, tmp_path) -> None:
 
 
 def test_bench_attach_smoke(bench_env, tmp_path) -> None:
-    data, _ = _bench(bench_env, tmp_path, "attach")
+    data, _ = _bench(bench_env, tmp_path, "attach", "-q", "int8")
     [row] = data["rows"]
     assert row["daemon_preloads"] == 1 and [a["source"] for a in row["attaches"]] == ["daemon"]
-    assert row["arena_bytes"] > 0 and row["attach_s"] > 0
+    assert row["quantization"] == "int8" and 0 < row["arena_bytes"] < row["checkpoint_bytes"] and row["attach_s"] > 0
 
 
 def test_bench_restart_smoke(bench_env, tmp_path) -> None:

@@ -173,6 +173,102 @@ def test_fingerprint_ignores_packing(tiny_model_factory, monkeypatch) -> None:
     assert packed.fingerprint == plain.fingerprint and packed.arena_digest != plain.arena_digest
 
 
+@pytest.fixture
+def layout_cache(tmp_path: Path, monkeypatch):
+    """Point packed_layout at a layouts file of the test's own (``open()``: a new process's view of it)."""
+    from keepwarm.formats import packed as fp
+
+    path = tmp_path / "layouts.json"
+
+    def open_() -> object:
+        fp.packed_layout.cache_clear()  # the in-memory memo of this process
+        cache = fp._LayoutCache(path)
+        monkeypatch.setattr(fp, "_layout_cache", lambda: cache)
+        return cache
+
+    yield path, open_
+    fp.packed_layout.cache_clear()
+
+
+def test_a_layout_found_once_is_read_from_disk_by_a_later_process(layout_cache, monkeypatch) -> None:
+    from keepwarm.formats import packed as fp
+
+    path, open_ = layout_cache
+    open_()
+    shape = (320, 192)
+    found = fp.packed_layout(shape, BF16)
+    assert found == (pack(torch.randn(shape).to(BF16))[0].numel(), pack(torch.randn(shape).to(BF16))[1])
+    open_()  # a fresh daemon: it must not pack zeros to know the layout
+
+    def no_pack(*a, **k):
+        raise AssertionError("packed a zero weight again")
+
+    monkeypatch.setattr(fp, "pack", no_pack)
+    assert fp.packed_layout(shape, BF16) == found and packed_nbytes(shape, BF16) == found[0]
+    with pytest.raises(AssertionError, match="again"):  # another hint is another layout: not in the file
+        fp.packed_layout(shape, BF16, 2)
+
+
+def test_an_unreadable_layouts_file_is_probed_again_and_rewritten(layout_cache, caplog) -> None:
+    from keepwarm.formats import packed as fp
+
+    path, open_ = layout_cache
+    path.write_text("{not json")
+    open_()
+    assert fp.packed_layout((64, 32), BF16)[0] == pack(torch.randn(64, 32).to(BF16))[0].numel()
+    assert "unreadable" in caplog.text and "64x32:bfloat16:32" in path.read_text()
+
+
+def test_the_layouts_file_is_per_cpu_and_torch(monkeypatch) -> None:
+    from keepwarm.formats import packed as fp
+
+    here = fp.cpu_torch_key()
+    assert fp.cpu_torch_key() == here
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")  # oneDNN then packs for another instruction set
+    assert fp.cpu_torch_key() != here
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+    monkeypatch.setattr(torch, "__version__", "0.0.0-other")
+    assert fp.cpu_torch_key() != here
+
+
+def test_a_stale_layout_fails_the_preload_naming_the_weight(tiny_model_factory, layout_cache) -> None:
+    """A layouts file that is wrong for this CPU cannot make a wrong arena: the real pack is checked against it."""
+    import json
+
+    from keepwarm.daemon.checkpoint import Checkpoint
+    from keepwarm.daemon.loader import build_arena, plan_arena
+
+    path, open_ = layout_cache
+    tied = tiny_model_factory("llama3_tied")
+    open_()
+    plan_arena(Checkpoint(tied), "none", BF16, "cpu")  # every shape's layout now in the file
+    layouts = json.loads(path.read_text())
+    config = Checkpoint(tied).config
+    key = f"{config.vocab_size}x{config.hidden_size}:bfloat16:32"  # the head's, made from the tied embedding
+    n, desc = layouts[key]
+    layouts[key] = [n, desc[:-2] + f"{(int(desc[-2:], 16) + 1) % 256:02x}"]
+    path.write_text(json.dumps(layouts))
+    open_()
+    ckpt = Checkpoint(tied)
+    _, total = plan_arena(ckpt, "none", BF16, "cpu")
+    with pytest.raises(RuntimeError, match=r"lm_head.weight: oneDNN packed it in another format than planned"):
+        build_arena(ckpt, "none", "bfloat16", torch.empty(total, dtype=torch.uint8), "cpu", threads=2)
+
+
+def test_tensors_are_read_in_file_order_and_a_derived_head_right_after_its_source(tiny_model_factory) -> None:
+    from keepwarm.daemon.checkpoint import Checkpoint
+    from keepwarm.daemon.loader import file_order, plan_arena
+
+    planned, _ = plan_arena(Checkpoint(tiny_model_factory("llama3_tied")), "none", BF16, "cpu")
+    order = file_order(planned)
+    assert sorted(order) == list(range(len(planned)))
+    firsts = [(str(planned[i].source.parts[0].file), planned[i].source.parts[0].offset) for i in order]
+    assert firsts == sorted(firsts)
+    head = next(i for i, p in enumerate(planned) if p.derived)
+    embed = next(i for i, p in enumerate(planned) if p.name == "model.embed_tokens.weight")
+    assert order.index(head) == order.index(embed) + 1
+
+
 @pytest.mark.parametrize("model_name", ["llama", "llama3_tied", "qwen2"])
 def test_llm_greedy_same_with_and_without_packing(tiny_model_factory, monkeypatch, model_name: str) -> None:
     from keepwarm import LLM, SamplingParams

@@ -171,6 +171,83 @@ def test_int8_error_bound(act: torch.dtype) -> None:
     assert float(err[0]) == 0.0  # all-zero row
 
 
+@pytest.mark.parametrize(("src", "act"), [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32),
+                                          (torch.float16, torch.float16), (torch.float32, torch.bfloat16)])
+def test_int8_codes_are_the_whole_weight_formula_in_row_blocks(src: torch.dtype, act: torch.dtype) -> None:
+    """int8 goes through row blocks of one float32 buffer (formats.quant._int8_channel): the codes and scales must
+    be what the whole-weight formula gives, here written out independently, at every block edge and on ties."""
+    from keepwarm.formats import quant as fq
+
+    gen = torch.Generator().manual_seed(8)
+    for n, k in [(1, 16), (300, 576), (257, 2048), (5, 70000)]:
+        w = (torch.randn(n, k, generator=gen) * torch.rand(n, 1, generator=gen) * 3).to(src)
+        w[0] = 0  # an all-zero row: scale 1
+        if n > 3:
+            w[3, : k // 2] = 63.5 / 127 * 2  # exact halves of a step: round to even
+            w[3, 0] = 2.0
+        amax = w.float().abs().amax(dim=1)
+        scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+        stored = scale.to(act)
+        up = torch.nextafter(stored, torch.full_like(stored, float("inf")))
+        stored = torch.where(stored.float() < scale, up, stored)
+        codes = torch.round(w.float() / stored.float()[:, None]).clamp(-127, 127).to(torch.int8)
+        _, parts = quantize(w, "int8", act)
+        assert torch.equal(parts["scales"], stored) and torch.equal(parts["qweight"], codes), (n, k)
+        assert n * k * 4 <= fq._BLOCK_BYTES or n > fq._BLOCK_BYTES // (4 * k)  # the case spans several blocks
+    with pytest.raises(QuantizationError, match="non-finite"):
+        quantize(torch.tensor([[1.0, float("nan")], [0.0, 1.0]]), "int8", torch.float32)
+    with pytest.raises(QuantizationError, match="non-finite"):
+        quantize(torch.tensor([[1.0, 2.0], [float("-inf"), 1.0]]).to(torch.bfloat16), "int8", torch.bfloat16)
+
+
+def test_native_int8_quantization_is_the_torch_path_bit_for_bit(monkeypatch, tmp_path) -> None:
+    """The daemon quantizes bfloat16 weights to int8 in C (kernels/cpu_native.c kw_quant_int8) where the library
+    runs: the same codes and scales as formats.quant's row blocks, so the arena is the same with it off."""
+    from keepwarm.daemon import loader
+    from keepwarm.daemon.checkpoint import Checkpoint
+    from keepwarm.formats import quant as fq
+    from keepwarm.worker.models.random_model import make_random_model
+
+    if cpu_native._reason(2):
+        pytest.skip(f"the native library does not run here ({cpu_native._reason(2)}): torch's path is the one used")
+    gen = torch.Generator().manual_seed(9)
+    for n, k in [(1, 16), (300, 576), (3, 70001)]:
+        w = (torch.randn(n, k, generator=gen) * torch.rand(n, 1, generator=gen) * 40).to(torch.bfloat16)
+        w[0, : k // 3] = 0
+        w[-1] = torch.tensor([2.0, -2.0, 1.0]).repeat(k // 3 + 1)[:k].to(torch.bfloat16)  # exact halves of a step
+        got = cpu_native.quantize_int8(w)
+        assert got is not None
+        want = fq._int8_channel(w, torch.bfloat16)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (n, k)
+    assert torch.equal(cpu_native.quantize_int8(torch.zeros(2, 8, dtype=torch.bfloat16))[1],
+                       torch.ones(2, dtype=torch.bfloat16))  # an all-zero row: scale 1
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        w = torch.ones(4, 32, dtype=torch.bfloat16)
+        w[2, 5] = bad
+        with pytest.raises(QuantizationError, match="non-finite"):
+            cpu_native.quantize_int8(w)
+    assert cpu_native.quantize_int8(torch.ones(4, 32)) is None  # float32: torch's path
+    model = make_random_model(tmp_path / "bf16", "llama", dtype="bfloat16", tokenizer=False)
+    native_calls: list[bool] = []
+
+    def counted(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        made = cpu_native.quantize_int8(w)
+        native_calls.append(made is not None)
+        return made
+
+    monkeypatch.setattr(loader, "quantize_int8", counted)
+    digests = []
+    for switch in ("1", "0"):
+        monkeypatch.setenv(cpu_native.ENV_VAR, switch)
+        ckpt = Checkpoint(model)
+        _, total = loader.plan_arena(ckpt, "int8", torch.bfloat16, "cpu")
+        flat = torch.empty(total, dtype=torch.uint8)
+        digests.append(loader.build_arena(ckpt, "int8", "bfloat16", flat, "cpu", threads=2).arena_digest)
+        assert set(native_calls) == {switch == "1"}  # every projection took the path the switch says
+        native_calls.clear()
+    assert digests[0] == digests[1]
+
+
 @pytest.mark.parametrize("device_type", ["cpu", "cuda"])
 @pytest.mark.parametrize("act", [torch.float32, torch.bfloat16])
 def test_int4_error_bound(act: torch.dtype, device_type: str) -> None:
