@@ -29,6 +29,7 @@ from keepwarm.formats.arena import (
     CudaArena,
     arena_digest_of,
     dtype_from_name,
+    pwrite_all,
 )
 from keepwarm.formats.packed import BATCH_HINT, LEGACY_HINTS, packed_layout
 from keepwarm.formats.quant import LAYOUT_MKLDNN_PACKED, QuantizationError, QuantMeta, cpu_int4_layout
@@ -137,7 +138,7 @@ def fill_cpu(storage: CpuArenaFile, path: Path, size: int, manifest: ArenaManife
                 n = f.readinto(chunk)
                 if not n:
                     raise ImageError("bad_image", f"the image {path} ended after {off} of {size} bytes")
-                fed[slot] = [writer.submit(_pwrite_all, fd, chunk[:n], off), pool.submit(hasher.feed, off, chunk[:n])]
+                fed[slot] = [writer.submit(pwrite_all, fd, chunk[:n], off), pool.submit(hasher.feed, off, chunk[:n])]
                 if h is not None:
                     fed[slot].append(sha.submit(h.update, chunk[:n]))
                 off, slot = off + n, (slot + 1) % RING
@@ -149,12 +150,6 @@ def fill_cpu(storage: CpuArenaFile, path: Path, size: int, manifest: ArenaManife
     finally:
         os.close(fd)
     return (h.hexdigest() if h is not None else None), hasher.hexdigest()
-
-
-def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
-    while data:
-        n = os.pwrite(fd, data, offset)
-        data, offset = data[n:], offset + n
 
 
 def gaps(manifest: ArenaManifest, size: int) -> list[tuple[int, int]]:

@@ -35,6 +35,7 @@ from keepwarm.formats.arena import ArenaManifest, CpuArenaFile, CudaArena
 from keepwarm.formats.layout import describe_sizes
 from keepwarm.formats.model_config import ModelConfigError
 from keepwarm.formats.quant import QuantizationError
+from keepwarm.kernels.cpu_malloc import release_freed_memory
 
 log = logging.getLogger("keepwarm.daemon")
 
@@ -92,6 +93,7 @@ class LoadJob:
                     tmp.unlink(missing_ok=True)
                 for f in self.created_files:
                     f.unlink(missing_ok=True)
+            release_freed_memory()  # the load's scratch back to the kernel: between loads the daemon holds arenas
             self.done.set()
             on_end()
 
@@ -119,7 +121,8 @@ def preload_job(key: JobKey, ckpt: Checkpoint, dtype: str, arena_bytes: int, fin
             storage = CudaArena.create(total, residency.device)
             job.created = (storage, None)
         manifest = build_arena(ckpt, job.quantization, dtype, storage.flat, device_name,
-                               progress=job.add_bytes, threads=residency.threads, planned=planned)
+                               progress=job.add_bytes, threads=residency.threads, planned=planned,
+                               arena_file=storage.path if isinstance(storage, CpuArenaFile) else None)
         if fingerprint and manifest.fingerprint != fingerprint:
             raise ProtocolError("fingerprint_mismatch", f"{ckpt.model_dir.name} on disk has fingerprint "
                                                         f"{manifest.fingerprint[:16]}, not {fingerprint[:16]}")

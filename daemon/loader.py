@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -43,9 +44,11 @@ from keepwarm.formats.arena import (
     fingerprint_of,
     leaf_digest,
     leaf_hasher,
+    pwrite_all,
     source_signature,
 )
 from keepwarm.formats.model_config import parse_dtype
+from keepwarm.formats.packed import packed_bytes
 from keepwarm.formats.quant import (
     LAYOUT_MKLDNN_PACKED,
     QuantMeta,
@@ -195,17 +198,36 @@ def convert_tensor(ckpt: Checkpoint, p: PlannedTensor, staging: torch.Tensor, qu
         return parts, meta
     if p.packed:
         raw, desc = pack(w.to(target), out=out)
-        if desc != packed_layout(tuple(t.shape), target)[1]:
-            # The arena was sized from the zeros probe; a data-dependent format would break that.
-            raise RuntimeError(f"{p.name}: oneDNN packed it in another format than planned")
-        return {"packed": raw}, QuantMeta("none", LAYOUT_MKLDNN_PACKED, None, (t.shape[0], t.shape[1]), desc.hex())
+        return {"packed": raw}, packed_meta(p, desc, raw.numel(), target)
     return {"": w.to(target) if w.is_floating_point() else w}, None
+
+
+def packed_meta(p: PlannedTensor, desc: bytes, nbytes: int, target: torch.dtype) -> QuantMeta:
+    """The QuantMeta of ``p`` packed as ``desc``, which must be the planned layout: the arena was sized from the
+    layout known before reading (a data-dependent format, or a stale layouts file, would break that)."""
+    shape = tuple(p.source.shape)
+    if desc != packed_layout(shape, target)[1] or nbytes != p.entries[0].nbytes:
+        raise RuntimeError(f"{p.name}: oneDNN packed it in another format than planned")
+    return QuantMeta("none", LAYOUT_MKLDNN_PACKED, None, (shape[0], shape[1]), desc.hex())
+
+
+def write_packed(p: PlannedTensor, staging: torch.Tensor, target: torch.dtype, fd: int) -> tuple[str, QuantMeta]:
+    """Pack ``p``'s weight (its source bytes in ``staging``), hash the packed bytes and ``pwrite`` them into the
+    arena file ``fd`` straight from oneDNN's buffer: (the arena leaf digest, the QuantMeta)."""
+    w = staging.view(p.source.dtype).view(p.source.shape).to(target)
+    with packed_bytes(w) as (view, desc):
+        meta = packed_meta(p, desc, len(view), target)
+        digest = leaf_digest(view)
+        pwrite_all(fd, view, p.entries[0].offset)
+    return digest, meta
 
 
 def build_arena(ckpt: Checkpoint, quantization: str, dtype: str, flat: torch.Tensor, device: str,
                 progress: Progress | None = None, threads: int = 4,
-                planned: list[PlannedTensor] | None = None) -> ArenaManifest:
-    """Fill ``flat`` (the arena's uint8 buffer, CPU or CUDA, sized by :func:`plan_arena`) and return its manifest."""
+                planned: list[PlannedTensor] | None = None, arena_file: Path | None = None) -> ArenaManifest:
+    """Fill ``flat`` (the arena's uint8 buffer, CPU or CUDA, sized by :func:`plan_arena`) and return its manifest.
+    ``arena_file``: the tmpfs file ``flat`` maps, to which packed weights are written with ``pwrite`` (faults: see
+    :func:`keepwarm.formats.packed.packed_bytes`)."""
     target = resolve_dtype(ckpt, dtype)
     quantization = ckpt.resolve_quantization(quantization)
     device_type = flat.device.type
@@ -229,6 +251,12 @@ def build_arena(ckpt: Checkpoint, quantization: str, dtype: str, flat: torch.Ten
             leaf = leaf_hasher()  # the entry's arena leaf, fed as the parts are read straight into their place
             src_digests = _read_hashed(t, dest, leaf)
             arena_digests = [leaf.hexdigest()]
+        elif p.packed and fd is not None:
+            staging, src_digests = read_tensor(p)
+            digest, packed = write_packed(p, staging, target, fd)
+            with lock:
+                quant_meta[p.name] = packed.to_dict()
+            arena_digests = [digest]
         else:
             staging, src_digests = read_tensor(p)
             e = p.entries[0]
@@ -245,7 +273,9 @@ def build_arena(ckpt: Checkpoint, quantization: str, dtype: str, flat: torch.Ten
                                        f"planned {e.nbytes}")
                 arena_digests.append(leaf_digest(memoryview(raw.numpy())))
                 dest_t = flat[e.offset:e.offset + e.nbytes]
-                if raw.data_ptr() != dest_t.data_ptr():  # a packed weight is already in its place
+                if fd is not None:
+                    pwrite_all(fd, memoryview(raw.numpy()), e.offset)
+                elif raw.data_ptr() != dest_t.data_ptr():  # a packed weight is already in its place
                     dest_t.copy_(raw, non_blocking=not on_cpu)
         if progress is not None and not p.derived:
             progress(t.nbytes)
@@ -253,9 +283,14 @@ def build_arena(ckpt: Checkpoint, quantization: str, dtype: str, flat: torch.Ten
 
     order = file_order(planned)
     results: list[tuple[list[str], list[str]]] = [([], [])] * len(planned)
-    with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
-        for i, result in zip(order, pool.map(lambda i: process(planned[i]), order), strict=True):
-            results[i] = result
+    fd = os.open(arena_file, os.O_WRONLY) if arena_file is not None and on_cpu else None
+    try:
+        with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
+            for i, result in zip(order, pool.map(lambda i: process(planned[i]), order), strict=True):
+                results[i] = result
+    finally:
+        if fd is not None:
+            os.close(fd)
     if not on_cpu:
         torch.cuda.synchronize(flat.device)
     part_digests = [(p.source.name, d) for p, (src, _) in zip(planned, results, strict=True) if not p.derived

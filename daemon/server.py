@@ -72,6 +72,7 @@ from keepwarm.formats.layout import Layout, describe_sizes
 from keepwarm.formats.model_config import ModelConfigError
 from keepwarm.formats.quant import QuantizationError
 from keepwarm.formats.version import __version__
+from keepwarm.kernels.cpu_malloc import keep_freed_memory
 
 log = logging.getLogger("keepwarm.daemon")
 
@@ -130,6 +131,7 @@ class Daemon:
     def run(self) -> None:
         """Serve until ``shutdown`` or SIGTERM/SIGINT; clean up arenas on the way out."""
         self.acquire_lock()
+        keep_freed_memory()  # a load's packs and scratch reuse freed pages (kernels/cpu_malloc.py); trimmed after it
         if self.device.type == "cpu":
             paths.ensure_private_dir(self.arena_dir)
             self.residency.adopt()

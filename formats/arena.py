@@ -264,6 +264,14 @@ class ArenaHasher:
         return combine_digests("arena", [h.hexdigest() for h in self.hashers])
 
 
+def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    """Write all of ``data`` at ``offset`` of ``fd`` (a tmpfs arena file: no page faults, unlike a mapping's first
+    write to each page)."""
+    while data:
+        n = os.pwrite(fd, data, offset)
+        data, offset = data[n:], offset + n
+
+
 # -- CPU storage ---------------------------------------------------------------------------------------------------
 class CpuArenaFile:
     """An arena in a tmpfs file. The daemon writes it once through a shared writable mapping, then keeps only a

@@ -45,7 +45,7 @@ from keepwarm.formats.quant import QuantizationError
 
 log = logging.getLogger("keepwarm.formats")
 
-__all__ = ["BATCH_HINT", "LEGACY_HINTS", "PACK_THREADS", "pack", "packed_layout", "packed_nbytes"]
+__all__ = ["BATCH_HINT", "LEGACY_HINTS", "PACK_THREADS", "pack", "packed_bytes", "packed_layout", "packed_nbytes"]
 
 BATCH_HINT = 32
 # Hints earlier versions packed with: their formats are still valid (see the module docstring).
@@ -67,25 +67,47 @@ def _pack_threads() -> Iterator[None]:
             torch.set_num_threads(before)
 
 
-def pack(w: torch.Tensor, out: torch.Tensor | None = None, hint: int = BATCH_HINT) -> tuple[torch.Tensor, bytes]:
-    """Pack a [N, K] CPU weight for oneDNN: (packed bytes as a uint8 tensor [nbytes], serialized descriptor).
-    ``out`` (a contiguous CPU uint8 tensor of exactly the packed size, e.g. the arena's slice): the bytes are moved
-    there, saving a copy, and ``out`` is returned.
-
-    Always under ``PACK_THREADS`` threads, so the format does not depend on the caller's thread count."""
+@contextlib.contextmanager
+def _reordered(w: torch.Tensor, hint: int) -> Iterator[tuple[int, int, bytes]]:
+    """(address, nbytes, descriptor) of ``w`` packed in oneDNN's own buffer, valid inside the block."""
     if w.dim() != 2 or w.device.type != "cpu":
         raise QuantizationError(f"packing needs a 2-D CPU weight, got {tuple(w.shape)} on {w.device}")
     w = w.contiguous()
     with _pack_threads():
         pw = torch.ops.mkldnn._reorder_linear_weight(w, hint)
         desc = bytes(torch.ops.mkldnn._get_mkldnn_serialized_md(pw).numpy())
-    n = int(torch.ops.mkldnn._nbytes(pw))
-    if out is not None and (out.numel() != n or out.dtype != torch.uint8 or not out.is_contiguous()
-                            or out.device.type != "cpu"):
-        raise QuantizationError(f"packing a {tuple(w.shape)} weight: the destination holds {out.numel()} bytes, "
-                                f"the packed weight {n}")
-    raw = torch.empty(n, dtype=torch.uint8) if out is None else out
-    ctypes.memmove(raw.data_ptr(), torch.ops.mkldnn.data_ptr(pw), n)  # releases the GIL, like a tensor copy
+    try:
+        yield torch.ops.mkldnn.data_ptr(pw), int(torch.ops.mkldnn._nbytes(pw)), desc
+    finally:
+        del pw
+
+
+@contextlib.contextmanager
+def packed_bytes(w: torch.Tensor, hint: int = BATCH_HINT) -> Iterator[tuple[memoryview, bytes]]:
+    """Pack a [N, K] CPU weight for oneDNN; yield (a read-only view of the packed bytes in oneDNN's own buffer, the
+    serialized descriptor), valid inside the block. The daemon hashes the view and ``pwrite``s it into the arena
+    file: no copy through a mapping, whose first write to each 4 KiB page faults.
+
+    Always under ``PACK_THREADS`` threads, so the format does not depend on the caller's thread count."""
+    with _reordered(w, hint) as (address, n, desc):
+        view = memoryview((ctypes.c_char * n).from_address(address)).cast("B").toreadonly()
+        try:
+            yield view, desc
+        finally:
+            view.release()
+
+
+def pack(w: torch.Tensor, out: torch.Tensor | None = None, hint: int = BATCH_HINT) -> tuple[torch.Tensor, bytes]:
+    """Pack a [N, K] CPU weight for oneDNN: (packed bytes as a uint8 tensor [nbytes], serialized descriptor).
+    ``out`` (a contiguous CPU uint8 tensor of exactly the packed size, e.g. the arena's slice): the bytes are moved
+    there, saving a copy, and ``out`` is returned. Under ``PACK_THREADS`` threads (see :func:`packed_bytes`)."""
+    with _reordered(w, hint) as (address, n, desc):
+        if out is not None and (out.numel() != n or out.dtype != torch.uint8 or not out.is_contiguous()
+                                or out.device.type != "cpu"):
+            raise QuantizationError(f"packing a {tuple(w.shape)} weight: the destination holds {out.numel()} bytes, "
+                                    f"the packed weight {n}")
+        raw = torch.empty(n, dtype=torch.uint8) if out is None else out
+        ctypes.memmove(raw.data_ptr(), address, n)  # releases the GIL, like a tensor copy
     return raw, desc
 
 

@@ -1,10 +1,10 @@
-"""worker/cpu_malloc.py: with the thresholds raised, the freed big activations of a step (40 / 20 / 20 MB, like a
-prefill chunk's gate/up, its half and their product) are mostly reused by the next steps; with
-KEEPWARM_CPU_MALLOC=0 every step faults most of its ~20,000 pages in again. Measured here (two threads): ~31,000
-faults over six steps against 77,000-123,000 (glibc's own threshold moves, and torch's 64-byte-aligned blocks are
-not always reusable; one thread: 31,000-51,000 against 87,000-123,000). The test asks for at most half the
-pages six steps touch with the tuning and more than half without: it fails if the tuning does nothing. Fresh
-processes: malloc's state is per process."""
+"""kernels/cpu_malloc.py: with the thresholds raised, the freed big activations of a step (40 / 20 / 20 MB, like a
+prefill chunk's gate/up, its half and their product) are reused by the next steps; with KEEPWARM_CPU_MALLOC=0
+glibc decides by its moving thresholds, and the steps fault in anywhere from a quarter to all of their pages again.
+Measured here (one thread, six steps, 122,880 pages touched): ~5,100 faults with the tuning; without it
+30,600-122,700 from one fresh process to the next (the same code: where the heap can grow decides). The test asks
+for at most an eighth of the pages with the tuning, and fewer than without: it fails if the tuning does nothing.
+Fresh processes: malloc's state is per process."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import textwrap
 
 _CHILD = textwrap.dedent("""
     import resource, torch
-    from keepwarm.worker.cpu_malloc import keep_freed_memory
+    from keepwarm.kernels.cpu_malloc import keep_freed_memory
     torch.set_num_threads(1)  # one thread, one malloc arena: the same blocks every run
     print(keep_freed_memory())
     def step():
@@ -46,5 +46,5 @@ def test_freed_activations_are_reused_not_faulted_in() -> None:
     assert said == "malloc keeps freed blocks for reuse (mmap and trim thresholds 1 GiB)"
     said, default = _faults("0")
     assert said == "malloc left as is (KEEPWARM_CPU_MALLOC=0)"
-    half = 6 * (80 << 20) // 4096 // 2  # half the pages six steps touch
-    assert tuned <= half < default, (tuned, default)
+    eighth = 6 * (80 << 20) // 4096 // 8  # an eighth of the pages six steps touch
+    assert tuned <= eighth and tuned < default, (tuned, default)

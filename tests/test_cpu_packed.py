@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import mmap
 import os
 import warnings
@@ -267,6 +268,33 @@ def test_tensors_are_read_in_file_order_and_a_derived_head_right_after_its_sourc
     head = next(i for i, p in enumerate(planned) if p.derived)
     embed = next(i for i, p in enumerate(planned) if p.name == "model.embed_tokens.weight")
     assert order.index(head) == order.index(embed) + 1
+
+
+@pytest.mark.parametrize("quantization", ["none", "int8"])
+def test_an_arena_written_with_pwrite_is_the_mapped_one(tiny_model_factory, tmp_path, quantization: str) -> None:
+    """The daemon writes packed and converted tensors into its tmpfs arena file with pwrite (no page faults);
+    the bytes, digests and manifest are those of the writes through the mapping."""
+    from keepwarm.daemon.checkpoint import Checkpoint
+    from keepwarm.daemon.loader import build_arena, plan_arena
+    from keepwarm.formats.arena import CpuArenaFile
+
+    ckpt = Checkpoint(tiny_model_factory("llama3_tied"))
+    _, total = plan_arena(ckpt, quantization, BF16, "cpu")
+    built = []
+    for i, through_file in enumerate((False, True)):
+        path = _shm_dir(tmp_path) / f"kw-test-pwrite-{os.getpid()}-{i}.arena"
+        arena = CpuArenaFile.create(path, total)
+        try:
+            manifest = build_arena(ckpt, quantization, "bfloat16", arena.flat, "cpu", threads=2,
+                                   arena_file=path if through_file else None)
+            built.append((manifest, path.read_bytes()))
+        finally:
+            arena.close()
+            path.unlink()
+    (mapped, mapped_bytes), (written, written_bytes) = built
+    assert dataclasses.replace(written, created_at=0) == dataclasses.replace(mapped, created_at=0)
+    assert written.arena_digest == mapped.arena_digest and written_bytes == mapped_bytes
+    assert any(b != 0 for b in written_bytes[written.tensors[-1].offset:])  # the file really holds the tensors
 
 
 @pytest.mark.parametrize("model_name", ["llama", "llama3_tied", "qwen2"])

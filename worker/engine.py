@@ -26,8 +26,8 @@ from keepwarm.daemon.client import DaemonError, ensure_daemon
 from keepwarm.daemon.sharding import Shard, TensorParallelError, check_pipeline, check_supported, local_config, stage_of
 from keepwarm.formats.model_config import ModelConfigError, load_model_config, parse_dtype
 from keepwarm.formats.paths import RuntimeDirError
+from keepwarm.kernels.cpu_malloc import keep_freed_memory
 from keepwarm.worker.block_manager import BlockManager
-from keepwarm.worker.cpu_malloc import keep_freed_memory
 from keepwarm.worker.detokenizer import IncrementalDetokenizer, check_stop_strings
 from keepwarm.worker.lora import LoRAAdapter, LoRAError, LoRAManager
 from keepwarm.worker.model_loader import LoadedModel, load_model

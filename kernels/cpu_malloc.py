@@ -1,4 +1,4 @@
-"""glibc malloc kept from handing large freed blocks back to the kernel, for CPU serving.
+"""glibc malloc kept from handing large freed blocks back to the kernel, for CPU serving and the daemon's loads.
 
 Why: a step's big activations (a prefill chunk's gate/up output is tens of MB) are allocated and freed every
 step. glibc serves blocks above its mmap threshold with fresh ``mmap`` pages and trims the heap top back to the
@@ -13,6 +13,9 @@ Rules:
   activation memory for reuse (steady state reuses it every step anyway). 32 MiB (glibc's own ceiling for its
   dynamic threshold) was measured first and changed nothing: the 1B's gate/up output at ~1,500 prefill tokens is
   34 MB.
+- The daemon does the same at start: a preload's oneDNN packs allocate each packed weight afresh (~0.2 M faults
+  on the 1B); it then hands what its loads freed back with :func:`release_freed_memory` (``malloc_trim``) when a
+  load ends, so between loads it holds its arenas, not their scratch.
 - ``KEEPWARM_CPU_MALLOC=0`` leaves malloc as it is (A/B, escape hatch). Anything that cannot be set (not glibc,
   mallopt refuses) is said in the log, once, and serving goes on with the defaults.
 """
@@ -25,7 +28,7 @@ import functools
 import logging
 import os
 
-__all__ = ["ENV_VAR", "keep_freed_memory"]
+__all__ = ["ENV_VAR", "keep_freed_memory", "release_freed_memory"]
 
 logger = logging.getLogger("keepwarm.worker")
 
@@ -56,3 +59,12 @@ def keep_freed_memory() -> str:
     done = "malloc keeps freed blocks for reuse (mmap and trim thresholds 1 GiB)"
     logger.info("%s", done)
     return done
+
+
+def release_freed_memory() -> None:
+    """Give the kernel back the heap's free pages (``malloc_trim(0)``); a no-op where malloc was left as it is."""
+    if not keep_freed_memory().startswith("malloc keeps"):
+        return
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    libc.malloc_trim.restype, libc.malloc_trim.argtypes = ctypes.c_int, [ctypes.c_size_t]
+    libc.malloc_trim(0)
