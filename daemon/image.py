@@ -66,8 +66,9 @@ def check_device(manifest: ArenaManifest, device: torch.device) -> None:
 
 def check_cpu_layouts(manifest: ArenaManifest) -> None:
     """The CPU-specific layouts (oneDNN packing, torch's int4 pack) must be what this CPU and torch produce. May
-    pack a zero weight per distinct shape and hint (as planning a preload does; the legacy hints only for a
-    descriptor the current one does not give): run it off the daemon's socket loop."""
+    pack a zero weight per distinct shape and hint not yet in this CPU's layouts file (as planning a preload does,
+    ``keepwarm.formats.packed``; the legacy hints only for a descriptor the current one does not give): run it off
+    the daemon's socket loop."""
     dtype = dtype_from_name(manifest.dtype)
     known: dict[tuple[tuple[int, int], int], str] = {}  # (shape, hint) -> this CPU's descriptor
 

@@ -195,8 +195,8 @@ def image_job(key: JobKey, manifest: ArenaManifest, image: Path, arena_bytes: in
             storage = CpuArenaFile.create(tmp, arena_bytes, reserve=False)  # fill_cpu writes every byte
             job.created = (storage, tmp)
             with ThreadPoolExecutor(max_workers=1) as pool:
-                # the layout check packs zero weights (1 s for the 1B in a fresh daemon) while the image streams in;
-                # an image this CPU cannot use is refused as that, first
+                # the layout check may pack zero weights (1 s for the 1B where this CPU's layouts file lacks them)
+                # while the image streams in; an image this CPU cannot use is refused as that, first
                 layouts = pool.submit(check_cpu_layouts, m)
                 try:
                     file_digest, arena_digest = fill_cpu(storage, image, arena_bytes, m, sha256 is not None,
