@@ -30,7 +30,7 @@ import os
 
 __all__ = ["ENV_VAR", "keep_freed_memory", "release_freed_memory"]
 
-logger = logging.getLogger("keepwarm.worker")
+logger = logging.getLogger("keepwarm.kernels")
 
 ENV_VAR = "KEEPWARM_CPU_MALLOC"
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameter numbers (malloc.h)
