@@ -269,6 +269,8 @@ def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
     write to each page)."""
     while data:
         n = os.pwrite(fd, data, offset)
+        if n <= 0:  # no progress: an error, not a loop
+            raise OSError(f"pwrite wrote nothing at offset {offset} ({len(data)} bytes left)")
         data, offset = data[n:], offset + n
 
 

@@ -37,15 +37,22 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameter numbe
 _THRESHOLD = 1 << 30
 
 
+_KEPT = "malloc keeps freed blocks for reuse (mmap and trim thresholds 1 GiB)"
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    """The C library, found once (``find_library`` runs ``ldconfig``); OSError where it cannot be loaded."""
+    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+
+
 @functools.cache
 def keep_freed_memory() -> str:
     """Raise glibc's mmap and trim thresholds in this process; returns what was done (as logged)."""
     if os.environ.get(ENV_VAR, "1") == "0":
         return f"malloc left as is ({ENV_VAR}=0)"
-    name = ctypes.util.find_library("c")
     try:
-        libc = ctypes.CDLL(name or "libc.so.6")
-        mallopt = libc.mallopt
+        mallopt = _libc().mallopt
     except (OSError, AttributeError) as exc:
         done = f"malloc left as is (no glibc mallopt: {exc})"
         logger.warning("%s", done)
@@ -56,15 +63,14 @@ def keep_freed_memory() -> str:
         done = "malloc left as is (mallopt refused the thresholds)"
         logger.warning("%s", done)
         return done
-    done = "malloc keeps freed blocks for reuse (mmap and trim thresholds 1 GiB)"
-    logger.info("%s", done)
-    return done
+    logger.info("%s", _KEPT)
+    return _KEPT
 
 
 def release_freed_memory() -> None:
     """Give the kernel back the heap's free pages (``malloc_trim(0)``); a no-op where malloc was left as it is."""
-    if not keep_freed_memory().startswith("malloc keeps"):
+    if keep_freed_memory() != _KEPT:
         return
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-    libc.malloc_trim.restype, libc.malloc_trim.argtypes = ctypes.c_int, [ctypes.c_size_t]
-    libc.malloc_trim(0)
+    trim = _libc().malloc_trim
+    trim.restype, trim.argtypes = ctypes.c_int, [ctypes.c_size_t]
+    trim(0)
