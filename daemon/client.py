@@ -40,13 +40,18 @@ class DaemonError(RuntimeError):
 
 
 class DaemonClient:
-    """One DEALER socket to the daemon. Not thread-safe: use one client per thread."""
+    """One DEALER socket to the daemon. Not thread-safe: use one client per thread.
+
+    ZeroMQ reconnects by itself and says nothing when the peer goes away, so a request to a daemon that died would
+    wait out its whole timeout (60 s for a preload). A monitor on the socket reports the connection's end: a request
+    in flight then fails at once, naming the daemon's log."""
 
     def __init__(self, runtime_dir: Path | None = None, timeout: float = 10.0) -> None:
         self.runtime_dir = runtime_dir or paths.runtime_dir()
         self.timeout = timeout
         self._ctx = zmq.Context.instance()
         self._sock: zmq.Socket | None = None
+        self._monitor: zmq.Socket | None = None
         self._ids = itertools.count()
 
     @property
@@ -57,14 +62,42 @@ class DaemonClient:
         if self._sock is None:
             s = self._ctx.socket(zmq.DEALER)
             s.setsockopt(zmq.LINGER, 0)
+            self._monitor = s.get_monitor_socket(zmq.EVENT_DISCONNECTED)
             s.connect(paths.endpoint(self.runtime_dir))
             self._sock = s
         return self._sock
 
     def close(self) -> None:
         if self._sock is not None:
+            self._sock.disable_monitor()
             self._sock.close(linger=0)
             self._sock = None
+        if self._monitor is not None:
+            self._monitor.close(linger=0)
+            self._monitor = None
+
+    def _drain_disconnects(self) -> None:
+        """Forget ends of earlier connections (a daemon restarted between requests: ZeroMQ has reconnected)."""
+        assert self._monitor is not None
+        while self._monitor.poll(0):
+            self._monitor.recv_multipart()
+
+    def _wait(self, sock: zmq.Socket, verb: str, wait: float) -> None:
+        """Until ``sock`` has a message; DaemonError ``unavailable`` on ``wait`` seconds of silence, or at once when
+        the connection ends (the daemon exited or was killed while answering)."""
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
+        ready = dict(poller.poll(int(wait * 1000)))
+        if sock in ready:
+            return
+        self.close()  # the socket may hold a half-sent request now; start afresh next time
+        if ready:
+            raise DaemonError("unavailable", f"the keepwarm daemon at {self.socket_path} closed the connection "
+                                             f"before answering {verb!r} (it exited; its log: "
+                                             f"{self.runtime_dir / paths.LOG_NAME})")
+        raise DaemonError("unavailable", f"the keepwarm daemon at {self.socket_path} did not answer "
+                                         f"{verb!r} within {wait:.0f}s")
 
     def __enter__(self) -> DaemonClient:
         return self
@@ -88,14 +121,11 @@ class DaemonClient:
             raise DaemonError("unavailable", f"no keepwarm daemon socket at {self.socket_path}")
         rid = f"{os.getpid()}-{next(self._ids)}"
         sock = self._socket()
+        self._drain_disconnects()
         sock.send(encode({"v": PROTOCOL_VERSION, "id": rid, "verb": verb, "args": args or {}}))
         wait = self.timeout if timeout is None else timeout
         while True:
-            if not sock.poll(int(wait * 1000)):
-                # The socket may hold a half-sent request now; start afresh next time.
-                self.close()
-                raise DaemonError("unavailable", f"the keepwarm daemon at {self.socket_path} did not answer "
-                                                 f"{verb!r} within {wait:.0f}s")
+            self._wait(sock, verb, wait)
             msg = msgpack.unpackb(sock.recv(), raw=False)
             if msg.get("id") != rid:
                 continue  # a late answer to an earlier, timed-out request
