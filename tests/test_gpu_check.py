@@ -54,15 +54,22 @@ def test_check_imports_the_tree_from_the_root_without_an_install(bare_python: Pa
 
 @pytest.mark.slow
 def test_smoke_check_passes_from_the_root_without_an_install(bare_python: Path, tmp_path: Path) -> None:
-    """pytest -m gpu collects every gpu test file, the daemon starts (`python -m keepwarm.cli.main`), and workers
-    load from it and from disk: the import paths the H200 run broke."""
+    """`GPU_CHECK_SMOKE=1 make gpu-check` from the root, no install: pytest -m gpu collects every gpu test file, the
+    daemon starts (`python -m keepwarm.cli.main`), workers load from it and from disk (the import paths the H200
+    run broke), and every benchmark phase runs, small, on the CPU."""
     out = tmp_path / "check.json"
-    r = subprocess.run(["bash", "benchmarks/gpu_check.sh"], cwd=ROOT, capture_output=True, text=True, timeout=600,
-                       env=_env(bare_python, GPU_CHECK_SMOKE="1", GPU_CHECK_OUT=str(out),
-                                GPU_CHECK_PHASES="bandwidth,model,load"))
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    r = subprocess.run(["make", "-C", str(ROOT), "gpu-check"], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                       env=_env(bare_python, GPU_CHECK_SMOKE="1", GPU_CHECK_OUT=str(out), GPU_CHECK_THREADS="1",
+                                GPU_CHECK_BUDGET="400", GPU_CHECK_PYTEST_BUDGET="120"))
+    assert out.is_file(), r.stdout[-3000:] + r.stderr[-3000:]
     res = json.loads(out.read_text())
+    assert res["smoke"] is True
+    errors = {name: p for name, p in res["phases"].items() if "result" not in p}
+    assert not errors, errors
+    assert set(res["phases"]) == {"bandwidth", "model", "load", "decode", "decode_int4", "decode_fp8", "serve",
+                                  "attention", "matmul", "moe"}
     assert "error" not in res["pytest"]["summary"] and "skipped" in res["pytest"]["summary"]
-    assert res["pytest"]["returncode"] == 0
+    assert res["pytest"]["returncode"] == 0, res["pytest"]["log_tail"]
     load = res["phases"]["load"]["result"]
     assert load["attach"]["source"] == "daemon" and load["disk_warm"]["source"] == "disk"
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
