@@ -126,6 +126,19 @@ def test_kill9_inside_preload_leaves_nothing_half_loaded(side, tiny_llama, kille
     assert worker.report["source"] == "daemon" and worker.report["tokens"] == disk.report["tokens"]
 
 
+def test_a_client_outlives_a_daemon_restart(side) -> None:
+    """The end of the old daemon's connection (which fails a request in flight at once) is not held against the
+    next request: ZeroMQ reconnects the same client to the new daemon."""
+    start_daemon(side)
+    with DaemonClient(side.rt) as c:
+        first = c.status()["pid"]
+        side.proc.kill()
+        side.proc.wait(timeout=30)
+        time.sleep(0.2)  # the monitor has seen the disconnect
+        start_daemon(side)
+        assert c.status()["pid"] == side.proc.pid != first
+
+
 def test_kill9_inside_attach_drops_the_lease(side, tiny_llama, killer_dir) -> None:
     start_daemon(side)
     kw(side.env, "preload", tiny_llama, "--dtype", "float32")
