@@ -140,6 +140,11 @@ def _bench_model(path: Path, run: _Run, work: Path, rts: list[Path], registry: s
     home = work / "home"
     base_env = {"KEEPWARM_HOME": str(home), "OMP_NUM_THREADS": str(run.threads)}
     row: dict[str, Any] = {"model": path.name, "dtype": run.dtype, "quantization": run.quantization}
+    # The native CPU kernels are built once per KEEPWARM_HOME (~2.4 s on a Zen 3, 4.6 s on this slow VM): built here
+    # first, as on any machine that ran keepwarm before, so that no timed row pays it. The first preload below did
+    # (an int8 preload quantizes with them): 11.5-12.8 s against 2.7-3.4 s for the 1B.
+    subprocess.run([sys.executable, "-c", "from keepwarm.kernels import cpu_native; cpu_native.glue_on()"],
+                   env={**os.environ, **base_env}, check=True, capture_output=True)
     with _env(**base_env, KEEPWARM_RUNTIME_DIR=str(rts[0])):
         store, blob, arena_bytes, file_bytes, note = _bench_create(path, run, work, home, rts[0], files, row)
     blobs = [blob]
@@ -246,10 +251,6 @@ def _bench_first_token(path: Path, run: _Run, home: Path, base_env: dict[str, st
                        files: list[Path], blobs: list[Path], prompt: list[int], row: dict[str, Any]) -> None:
     """`snapshot restore` + server start to the first token of ``prompt`` (daemon ``rts[0]``) against a cold start
     that preloads from the checkpoint (daemon ``rts[1]``); fills ``row``."""
-    # The native CPU kernels are built once per KEEPWARM_HOME (~2.4 s on a Zen 3): built here first, as on any
-    # machine that ran keepwarm before, so that neither start below pays it (the first one in this fresh home did).
-    subprocess.run([sys.executable, "-c", "from keepwarm.kernels import cpu_native; cpu_native.glue_on()"],
-                   env={**os.environ, **base_env}, check=True, capture_output=True)
     kw = [sys.executable, "-m", "keepwarm.cli.main", "--log-level", "warning"]
     env = {**os.environ, **base_env, "KEEPWARM_RUNTIME_DIR": str(rts[0])}
     client = _daemon(rts[0])
