@@ -236,8 +236,14 @@ def restart(
         json_out.write_text(json.dumps({"machine": machine_line(), "dtype": dtype, "rows": rows}, indent=2) + "\n")
 
 
-async def _load(base: str, prompts: list[list[int]], concurrency: int, max_tokens: int) -> dict:
+async def _load(base: str, warm_up: list[int], prompts: list[list[int]], max_tokens: int) -> dict:
+    """``len(prompts)`` streams at once, after one request of ``warm_up``. The timed prompts must be ones the
+    server has not seen (serving() gives each concurrency its own): a prompt sent before would find its blocks in
+    keepwarm's prefix cache (16-token blocks) and not in vLLM CPU's (128-token blocks), and the first tokens would
+    measure the cache, not the prefill."""
     import httpx
+
+    concurrency = len(prompts)
 
     async def one(client: httpx.AsyncClient, ids: list[int]) -> dict:
         body = {"model": "bench", "prompt": ids, "max_tokens": max_tokens, "temperature": 0, "stream": True,
@@ -261,9 +267,9 @@ async def _load(base: str, prompts: list[list[int]], concurrency: int, max_token
         return {"ttft": first - t0, "tpot": (last - first) / max(tokens - 1, 1), "tokens": tokens}
 
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=concurrency + 8)) as client:
-        await one(client, prompts[0])  # warm-up
+        await one(client, warm_up)
         t0 = time.monotonic()
-        results = await asyncio.gather(*(one(client, prompts[i % len(prompts)]) for i in range(concurrency)))
+        results = await asyncio.gather(*(one(client, ids) for ids in prompts))
         wall = time.monotonic() - t0
     ttfts = sorted(r["ttft"] for r in results)
     tokens = sum(r["tokens"] for r in results)
@@ -296,7 +302,9 @@ def serving(
         model, concurrency, max_tokens, vllm_python = str(smoke_model()), "1,2", 4, None
     path = _resolve_model(model, dtype)
     ns = [int(x) for x in concurrency.split(",")]
-    prompts = bench_prompts(AutoTokenizer.from_pretrained(str(path)), max(ns))
+    # prompts[0] starts the server and warms each load up; every concurrency then sends prompts of its own.
+    prompts = bench_prompts(AutoTokenizer.from_pretrained(str(path)), 1 + sum(ns))
+    offsets = [1 + sum(ns[:i]) for i in range(len(ns))]
     typer.echo(f"# machine: {machine_line()}")
     typer.echo(f"# model {path.name}, {dtype}, prompts {min(map(len, prompts))}-{max(map(len, prompts))} tokens, "
                f"max_tokens {max_tokens}")
@@ -310,9 +318,9 @@ def serving(
         cmd = [str(port) if c == "0" and cmd[i - 1] == "--port" else c for i, c in enumerate(cmd)]
         _, proc = _start_to_first_token(cmd, env, port, "bench", prompts[0], timeout=900)
         try:
-            for n in ns:
-                r = asyncio.run(_load(f"http://127.0.0.1:{port}", prompts, n, max_tokens))
-                rows.append({"server": name, **r})
+            for n, first in zip(ns, offsets, strict=True):
+                r = asyncio.run(_load(f"http://127.0.0.1:{port}", prompts[0], prompts[first:first + n], max_tokens))
+                rows.append({"server": name, **r, "prompts": [first, first + n]})
                 typer.echo(f"{name:9s} c={n:<3} {r['tokens_per_s']:7.1f} tok/s  TTFT p50 {r['ttft_p50_s'] * 1e3:7.1f} "
                            f"ms p99 {r['ttft_p99_s'] * 1e3:7.1f} ms  TPOT {r['tpot_mean_s'] * 1e3:6.1f} ms")
         finally:

@@ -25,6 +25,7 @@ def main() -> None:
         llm.generate(batch, params, use_tqdm=False)  # warm-up of the same shape
         times, tokens = [], 0
         for _ in range(spec["repeats"]):
+            llm.reset_prefix_cache()  # as keepwarm's rows do: measure compute, not cache hits
             t = time.perf_counter()
             outs = llm.generate(batch, params, use_tqdm=False)
             times.append(time.perf_counter() - t)

@@ -88,6 +88,9 @@ def test_bench_serving_smoke(bench_env, tmp_path) -> None:
     assert "vLLM peer skipped" in out
     assert [(r["server"], r["concurrency"]) for r in data["rows"]] == [("keepwarm", 1), ("keepwarm", 2)]
     assert all(r["output_tokens"] == 4 * r["concurrency"] for r in data["rows"])
+    # Each concurrency times prompts of its own, none of them the start / warm-up prompt (index 0): a prompt the
+    # server saw before would be served from its prefix cache.
+    assert [r["prompts"] for r in data["rows"]] == [[1, 2], [2, 4]]
 
 
 def test_bench_profile_smoke(bench_env, tmp_path) -> None:
