@@ -538,12 +538,14 @@ int kw_codes_bf16(const int8_t *w, uint16_t *out, int64_t N, int64_t K, int fp8,
  *
  *   q: bf16, sequence s's heads at q + s * q_stride (heads contiguous, D apart); out: bf16 [S, Hq, D] contiguous
  *   kc, vc: bf16 [Hk, num_blocks, bs, D] contiguous; query head h reads kv head h / G (G = Hq / Hk); D % 16 == 0
- *   plan: int64 [3 + 3S + S*W] = S, W, 0, then ctx[S], lo[S], base[S], then table [S, W]: sequence s sees the
+ *   plan: int64 [3 + 3S + S*W] = S, W, f32, then ctx[S], lo[S], base[S], then table [S, W]: sequence s sees the
  *         positions lo[s] .. ctx[s]-1, and position p lies in block table[s][(p - base[s]) / bs], offset p % bs
  *
- * The rounding points are the torch path's (kernels/reference.py `_decode_attention`): score = bf16(q . k) with
- * the dot product in float32, then * scale, cap * tanh(score / cap) when capped, softmax in float32 (max, exp,
- * sum, times 1 / sum), probabilities rounded to bf16, out = bf16(sum_p prob_p * v_p) in float32. What differs is
+ * With f32 0 (decode rows) the rounding points are the torch path's (kernels/reference.py `_decode_attention`):
+ * score = bf16(q . k) with the dot product in float32, then * scale, cap * tanh(score / cap) when capped, softmax
+ * in float32 (max, exp, sum, times 1 / sum), probabilities rounded to bf16, out = bf16(sum_p prob_p * v_p) in
+ * float32. With f32 1 (prefill rows, each a one-row query of its own) scores and probabilities are not rounded,
+ * as in SDPA's CPU kernel, which keeps both in float32 and rounds only the output. What differs is
  * the order of the float32 sums, and exp / tanh's last-ulp implementations (exp flushes results below 2^-126,
  * where torch's go on into subnormals: probabilities under 1e-38 of the largest).
  *
@@ -559,6 +561,7 @@ typedef struct {
     float scale, softcap; /* softcap 0: none */
     char *scratch;        /* scratch_per_thread bytes per thread (unit_scratch) */
     int64_t scratch_per_thread;
+    int f32; /* plan[2] == 1: scores and probabilities stay float32 (SDPA's roundings), else rounded to bf16 */
 } attn_t;
 
 #define KCHUNK 8            /* keys per score block: 8 dot products reduced into one vector */
@@ -726,7 +729,8 @@ static void scores(const attn_t *a, int64_t s, int64_t h, int64_t L, int64_t Lp,
             __m256 acc[KCHUNK];
             for (int j = 0; j < KCHUNK; j++) acc[j] = _mm256_loadu_ps(u.part + (g * KCHUNK + j) * 8);
             /* torch: bmm's bf16 result, then .float() * scale */
-            _mm256_storeu_ps(u.sc + g * Lp + i0, _mm256_mul_ps(bf16_round(hsum8(acc)), _mm256_set1_ps(a->scale)));
+            __m256 dot = hsum8(acc);
+            _mm256_storeu_ps(u.sc + g * Lp + i0, _mm256_mul_ps(a->f32 ? dot : bf16_round(dot), _mm256_set1_ps(a->scale)));
         }
     }
     if (a->softcap != 0.0f) /* transformers' op order: tanh(s / cap) * cap */
@@ -734,9 +738,9 @@ static void scores(const attn_t *a, int64_t s, int64_t h, int64_t L, int64_t Lp,
             for (int64_t i = 0; i < L; i++) u.sc[g * Lp + i] = tanhf(u.sc[g * Lp + i] / a->softcap) * a->softcap;
 }
 
-/* In place: the first L of a row of Lp scores -> their softmax, each rounded to bf16 (kept as float32); the
- * padding after L becomes 0. */
-static void softmax_row(float *x, int64_t L, int64_t Lp) {
+/* In place: the first L of a row of Lp scores -> their softmax, each rounded to bf16 unless f32 (kept as float32
+ * either way); the padding after L becomes 0. */
+static void softmax_row(float *x, int64_t L, int64_t Lp, int f32) {
     const __m256 ninf = _mm256_set1_ps(-INFINITY);
     __m256 mx = ninf, sum = _mm256_setzero_ps();
     for (int64_t i = 0; i < Lp; i += 8) mx = _mm256_max_ps(mx, _mm256_blendv_ps(ninf, _mm256_loadu_ps(x + i),
@@ -748,7 +752,10 @@ static void softmax_row(float *x, int64_t L, int64_t Lp) {
         _mm256_storeu_ps(x + i, e);
     }
     __m256 inv = _mm256_set1_ps(1.0f / hadd1(sum));
-    for (int64_t i = 0; i < Lp; i += 8) _mm256_storeu_ps(x + i, bf16_round(_mm256_mul_ps(_mm256_loadu_ps(x + i), inv)));
+    for (int64_t i = 0; i < Lp; i += 8) {
+        __m256 p = _mm256_mul_ps(_mm256_loadu_ps(x + i), inv);
+        _mm256_storeu_ps(x + i, f32 ? p : bf16_round(p));
+    }
 }
 
 /* out rows of query heads h*G+g0 .. +GN-1 = bf16(sum_i p[g][i] * v(lo+i)), float32 sums of exact products, 16
@@ -802,7 +809,7 @@ static void attn_unit(const attn_t *a, int64_t s, int64_t h, char *scratch) {
     unit_scratch u = carve(scratch, G, a->D, Lp);
     row_offsets(a, s, lo, L, u.off);
     scores(a, s, h, L, Lp, u);
-    for (int64_t g = 0; g < G; g++) softmax_row(u.sc + g * Lp, L, Lp);
+    for (int64_t g = 0; g < G; g++) softmax_row(u.sc + g * Lp, L, Lp, a->f32);
     for (int64_t g0 = 0; g0 < G; g0 += 6) PVS[G - g0 < 6 ? G - g0 : 6](a, s, h, g0, L, Lp, u);
 }
 
@@ -837,11 +844,12 @@ static int check_plan(const int64_t *plan, int64_t S, int64_t W, int64_t num_blo
 int kw_decode_attention(const uint16_t *q, int64_t q_stride, const uint16_t *kc, const uint16_t *vc, uint16_t *out,
                         const int64_t *plan, int64_t S, int64_t Hq, int64_t Hk, int64_t D, int64_t num_blocks,
                         int64_t bs, float scale, float softcap, int nthreads) {
-    if (S < 1 || plan[0] != S || plan[1] < 1 || Hk < 1 || Hq < 1 || Hq % Hk || D < 16 || D % 16 || bs < 1 ||
-        num_blocks < 1)
+    if (S < 1 || plan[0] != S || plan[1] < 1 || (plan[2] != 0 && plan[2] != 1) || Hk < 1 || Hq < 1 || Hq % Hk ||
+        D < 16 || D % 16 || bs < 1 || num_blocks < 1)
         return -1;
     if (check_plan(plan, S, plan[1], num_blocks, bs)) return -1;
-    attn_t a = {q, kc, vc, out, plan, q_stride, Hq, Hk, D, num_blocks, bs, S, plan[1], scale, softcap, NULL, 0};
+    attn_t a = {q,      kc,      vc,   out, plan, q_stride, Hq, Hk, D, num_blocks, bs, S, plan[1], scale,
+                softcap, NULL, 0, (int)plan[2]};
     int64_t work = 0, longest = 0;
     for (int64_t s = 0; s < S; s++) {
         int64_t L = unit_keys(&a, s);

@@ -366,13 +366,15 @@ def fp8_linear(x2d: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -
 
 # -- decode attention over the paged KV cache -------------------------------------------------------------------
 def attention_plan(table: torch.Tensor, ctx: torch.Tensor, lo: torch.Tensor | None,
-                   base: torch.Tensor | None) -> torch.Tensor:
-    """One step's decode rows for :func:`decode_attention`, as the one int64 tensor the C kernel reads:
-    table [S, W] block ids, where column c holds the block of positions base[s] + c * block_size onward; ctx [S]
-    context lengths; lo [S] first visible positions (None: 0); base [S] (None: 0; a multiple of block_size)."""
+                   base: torch.Tensor | None, float32_scores: bool = False) -> torch.Tensor:
+    """One step's rows for :func:`decode_attention`, as the one int64 tensor the C kernel reads: table [S, W]
+    block ids, where column c holds the block of positions base[s] + c * block_size onward; ctx [S] context
+    lengths; lo [S] first visible positions (None: 0); base [S] (None: 0; a multiple of block_size).
+    ``float32_scores``: scores and probabilities stay float32 (SDPA's roundings, for prefill rows), else they are
+    rounded to bf16 as the torch decode path rounds them."""
     S, W = table.shape
     zeros = torch.zeros(S, dtype=torch.int64)
-    head = torch.tensor([S, W, 0], dtype=torch.int64)
+    head = torch.tensor([S, W, int(float32_scores)], dtype=torch.int64)
     parts = (head, ctx, zeros if lo is None else lo, zeros if base is None else base, table.reshape(-1))
     return torch.cat([p.to(torch.int64) for p in parts])
 

@@ -315,6 +315,10 @@ class AttentionPlan:
     # (None: every row). write_slots is None when the plan was made without a slot_mapping.
     write_slots: torch.Tensor | None
     write_rows: torch.Tensor | None
+    # The prefill chunks' query rows ([Tp] int64, in order) and, per sliding window, those rows as rows of the C
+    # kernel (_native_prefill); None where the step has no prefill rows, off the CPU, or with KEEPWARM_CPU_NATIVE=0.
+    prefill_rows: torch.Tensor | None = None
+    native_prefill: dict[int | None, torch.Tensor] | None = None
 
 
 def _decode_gather(block_tables: torch.Tensor, seq_lens: torch.Tensor, decodes: list[int], lens: list[int],
@@ -351,6 +355,23 @@ def _decode_gather(block_tables: torch.Tensor, seq_lens: torch.Tensor, decodes: 
     return DecodeGather(table, ~pos_ok[:, None, :], native)
 
 
+def _native_prefill(block_tables: torch.Tensor, lens: list[int], starts: list[int], prefills: list[int],
+                    block_size: int, window: int | None) -> torch.Tensor:
+    """The prefill chunks' rows as rows of the C kernel: row i of a chunk of q_len rows whose sequence has context
+    n sits at position n - q_len + i, so it sees the keys up to that position (from position - window + 1 under a
+    sliding window) through its sequence's block-table row: a chunk runs as q_len one-row queries, with SDPA's
+    roundings (scores and probabilities in float32, only the output rounded). Decode rows keep theirs (the torch
+    decode path's bf16 roundings), so a decode row's output does not depend on a prefill sharing its step."""
+    q_lens = torch.tensor([starts[s + 1] - starts[s] for s in prefills], dtype=torch.long)
+    seq = torch.repeat_interleave(torch.tensor(prefills, dtype=torch.long), q_lens)  # [Tp] each row's sequence
+    first = torch.tensor([lens[s] for s in prefills], dtype=torch.long) - q_lens + 1  # first row's context
+    offsets = torch.cumsum(q_lens, 0) - q_lens  # where each chunk starts among the prefill rows
+    ctx = torch.repeat_interleave(first - offsets, q_lens) + torch.arange(int(q_lens.sum()))
+    lo = (ctx - window).clamp(min=0) if window else None
+    table = block_tables[:, :-(-max(lens[s] for s in prefills) // block_size)].long()[seq]
+    return cpu_native.attention_plan(table, ctx, lo, None, float32_scores=True)
+
+
 def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                    slot_mapping: torch.Tensor | None, block_size: int,
                    windows: tuple[int | None, ...] = (None,)) -> AttentionPlan:
@@ -363,9 +384,15 @@ def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_sta
     gathers = {w: _decode_gather(block_tables, seq_lens, decodes, lens, block_size, w) for w in windows} \
         if decodes else {}
     slots, rows = _write_targets(slot_mapping) if slot_mapping is not None else (None, None)
+    prefills = [s for s in range(len(lens)) if starts[s + 1] - starts[s] > 1]
+    prefill_rows = native = None
+    if prefills and block_tables.device.type == "cpu" and cpu_native.attention_switched_on():
+        prefill_rows = torch.cat([torch.arange(starts[s], starts[s + 1]) for s in prefills])
+        native = {w: _native_prefill(block_tables, lens, starts, prefills, block_size, w) for w in windows}
     return AttentionPlan(starts, lens, decodes,
                          torch.tensor([starts[s] for s in decodes], dtype=torch.long, device=block_tables.device),
-                         len(decodes) == len(lens) and starts == list(range(len(lens) + 1)), gathers, slots, rows)
+                         len(decodes) == len(lens) and starts == list(range(len(lens) + 1)), gathers, slots, rows,
+                         prefill_rows, native)
 
 
 def paged_attention(
@@ -388,7 +415,8 @@ def paged_attention(
     Sequence s owns query rows query_start_loc[s]:query_start_loc[s+1]; seq_lens[s] counts its whole context
     including those rows (already written), so row i sits at position seq_lens[s] - q_len + i. Position p
     lives at block_tables[s, p // block_size], offset p % block_size. Decodes (q_len 1) run as one padded
-    batch; prefill chunks loop per sequence. Computes in the query's dtype (SDPA accumulates in float32).
+    batch; prefill chunks loop per sequence (on the CPU in bf16, both read the cache in place in the C kernel
+    instead). Computes in the query's dtype (SDPA accumulates in float32).
     `max_query_len` is only a hint for grid-sizing backends: this one reads lengths from the metadata.
     ``plan``: the step's :class:`AttentionPlan` (plan_attention), so that 30 layers do not each rebuild it.
 
@@ -421,6 +449,22 @@ def paged_attention(
                                         g.masked, scale, k_scale, v_scale, logit_softcap)
         if every_row:
             return decoded
+    native = plan.native_prefill
+    if native is not None and cpu_native.attention_fits(query, key_cache, value_cache, k_scale, v_scale):
+        # bf16 on CPU: each prefill row a one-row query of the C kernel, with SDPA's roundings (_native_prefill)
+        if sliding_window not in native:
+            raise ValueError(f"the attention plan has no prefill rows for sliding_window={sliding_window}")
+        rows = plan.prefill_rows
+        assert rows is not None
+        if decoded is None and len(rows) == query.shape[0]:  # the step is prefill chunks only, with no padding
+            return cpu_native.decode_attention(query, key_cache, value_cache, native[sliding_window], scale,
+                                               logit_softcap)
+        out = torch.zeros_like(query)  # rows not owned by any sequence (padding) stay zero
+        if decoded is not None:
+            out[plan.decode_rows] = decoded
+        out[rows] = cpu_native.decode_attention(query[rows], key_cache, value_cache, native[sliding_window], scale,
+                                                logit_softcap)
+        return out
     out = torch.zeros_like(query)  # rows not owned by any sequence (padding) stay zero
     if decoded is not None:
         out[plan.decode_rows] = decoded

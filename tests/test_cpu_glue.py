@@ -124,6 +124,9 @@ def test_bf16_greedy_tokens_equal_with_the_glue_on_and_off(tiny_model_factory, m
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     prompts = make_prompts(seed=11)
     monkeypatch.setattr(cpu_native, "_onednn_bf16", lambda: True)  # torch's matmul both times (see test_cpu_attention)
+    # and the torch attention both times: the C attention (same switch) sums in another order, which can flip a
+    # near-tie (test_cpu_attention's engine test bounds those); the glue is bit for bit, so the tokens are equal
+    monkeypatch.setattr(cpu_native, "attention_fits", lambda *args: False)
     runs = {}
     for native in ("1", "0"):
         monkeypatch.setenv(cpu_native.ENV_VAR, native)
