@@ -356,20 +356,21 @@ def _decode_gather(block_tables: torch.Tensor, seq_lens: torch.Tensor, decodes: 
 
 
 def _native_prefill(block_tables: torch.Tensor, lens: list[int], starts: list[int], prefills: list[int],
-                    block_size: int, window: int | None) -> torch.Tensor:
-    """The prefill chunks' rows as rows of the C kernel: row i of a chunk of q_len rows whose sequence has context
-    n sits at position n - q_len + i, so it sees the keys up to that position (from position - window + 1 under a
-    sliding window) through its sequence's block-table row: a chunk runs as q_len one-row queries, with SDPA's
-    roundings (scores and probabilities in float32, only the output rounded). Decode rows keep theirs (the torch
-    decode path's bf16 roundings), so a decode row's output does not depend on a prefill sharing its step."""
+                    block_size: int, windows: tuple[int | None, ...]) -> dict[int | None, torch.Tensor]:
+    """Per sliding window, the prefill chunks' rows as rows of the C kernel: row i of a chunk of q_len rows whose
+    sequence has context n sits at position n - q_len + i, so it sees the keys up to that position (from position
+    - window + 1 under a sliding window) through its sequence's block-table row: a chunk runs as q_len one-row
+    queries, with SDPA's roundings (scores and probabilities in float32, only the output rounded). Decode rows keep
+    theirs (the torch decode path's bf16 roundings), so a decode row's output does not depend on a prefill sharing
+    its step. Only the first visible positions differ between windows."""
     q_lens = torch.tensor([starts[s + 1] - starts[s] for s in prefills], dtype=torch.long)
     seq = torch.repeat_interleave(torch.tensor(prefills, dtype=torch.long), q_lens)  # [Tp] each row's sequence
     first = torch.tensor([lens[s] for s in prefills], dtype=torch.long) - q_lens + 1  # first row's context
     offsets = torch.cumsum(q_lens, 0) - q_lens  # where each chunk starts among the prefill rows
     ctx = torch.repeat_interleave(first - offsets, q_lens) + torch.arange(int(q_lens.sum()))
-    lo = (ctx - window).clamp(min=0) if window else None
     table = block_tables[:, :-(-max(lens[s] for s in prefills) // block_size)].long()[seq]
-    return cpu_native.attention_plan(table, ctx, lo, None, float32_scores=True)
+    return {w: cpu_native.attention_plan(table, ctx, (ctx - w).clamp(min=0) if w else None, None,
+                                         float32_scores=True) for w in windows}
 
 
 def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
@@ -388,7 +389,7 @@ def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_sta
     prefill_rows = native = None
     if prefills and block_tables.device.type == "cpu" and cpu_native.attention_switched_on():
         prefill_rows = torch.cat([torch.arange(starts[s], starts[s + 1]) for s in prefills])
-        native = {w: _native_prefill(block_tables, lens, starts, prefills, block_size, w) for w in windows}
+        native = _native_prefill(block_tables, lens, starts, prefills, block_size, windows)
     return AttentionPlan(starts, lens, decodes,
                          torch.tensor([starts[s] for s in decodes], dtype=torch.long, device=block_tables.device),
                          len(decodes) == len(lens) and starts == list(range(len(lens) + 1)), gathers, slots, rows,
@@ -449,25 +450,24 @@ def paged_attention(
                                         g.masked, scale, k_scale, v_scale, logit_softcap)
         if every_row:
             return decoded
-    native = plan.native_prefill
-    if native is not None and cpu_native.attention_fits(query, key_cache, value_cache, k_scale, v_scale):
-        # bf16 on CPU: each prefill row a one-row query of the C kernel, with SDPA's roundings (_native_prefill)
+    # bf16 on CPU: each prefill row a one-row query of the C kernel, with SDPA's roundings (_native_prefill)
+    native, rows = plan.native_prefill, plan.prefill_rows
+    if native is not None and not cpu_native.attention_fits(query, key_cache, value_cache, k_scale, v_scale):
+        native = None
+    if native is not None:
         if sliding_window not in native:
             raise ValueError(f"the attention plan has no prefill rows for sliding_window={sliding_window}")
-        rows = plan.prefill_rows
         assert rows is not None
         if decoded is None and len(rows) == query.shape[0]:  # the step is prefill chunks only, with no padding
             return cpu_native.decode_attention(query, key_cache, value_cache, native[sliding_window], scale,
                                                logit_softcap)
-        out = torch.zeros_like(query)  # rows not owned by any sequence (padding) stay zero
-        if decoded is not None:
-            out[plan.decode_rows] = decoded
-        out[rows] = cpu_native.decode_attention(query[rows], key_cache, value_cache, native[sliding_window], scale,
-                                                logit_softcap)
-        return out
     out = torch.zeros_like(query)  # rows not owned by any sequence (padding) stay zero
     if decoded is not None:
         out[plan.decode_rows] = decoded
+    if native is not None:
+        out[rows] = cpu_native.decode_attention(query[rows], key_cache, value_cache, native[sliding_window], scale,
+                                                logit_softcap)
+        return out
     starts, lens = plan.starts, plan.lens
     for s in range(len(lens)):
         if starts[s + 1] - starts[s] > 1:
