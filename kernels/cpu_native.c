@@ -115,26 +115,49 @@ static void gemv_rows(const job_t *j, int64_t n0, int64_t n1) {
 #define KB2 256     /* k pairs per scratch tile: 32 KiB of bf16 pairs, L1-sized */
 #define MB 12       /* x rows per micro-kernel call: 24 accumulators + 2 weights + 1 broadcast */
 
-/* scratch[k2][c] = bf16 pair (w[n+c][2(k0+k2)], w[n+c][2(k0+k2)+1]) for c < nc, 0 beyond. */
+/* In place: r[c] lane j -> r[j] lane c, for 16 x 16 32-bit units (a channel's bf16 pairs -> a pair's channels).
+ * Unpacks of 32 and 64 bits within 128-bit lanes, then two rounds of 128-bit lane shuffles: 64 shuffles. */
+static inline void transpose16(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    __m512i u[16]; /* u[4g + q], 128-bit lane L: rows 4g..4g+3 at column 4L + q */
+    for (int g = 0; g < 4; g++) {
+        const __m512i *a = t + 4 * g;
+        u[4 * g + 0] = _mm512_unpacklo_epi64(a[0], a[2]);
+        u[4 * g + 1] = _mm512_unpackhi_epi64(a[0], a[2]);
+        u[4 * g + 2] = _mm512_unpacklo_epi64(a[1], a[3]);
+        u[4 * g + 3] = _mm512_unpackhi_epi64(a[1], a[3]);
+    }
+    for (int q = 0; q < 4; q++) {
+        __m512i v0 = _mm512_shuffle_i32x4(u[q], u[4 + q], 0x88), w0 = _mm512_shuffle_i32x4(u[q], u[4 + q], 0xDD);
+        __m512i v1 = _mm512_shuffle_i32x4(u[8 + q], u[12 + q], 0x88);
+        __m512i w1 = _mm512_shuffle_i32x4(u[8 + q], u[12 + q], 0xDD);
+        r[q] = _mm512_shuffle_i32x4(v0, v1, 0x88);
+        r[8 + q] = _mm512_shuffle_i32x4(v0, v1, 0xDD);
+        r[4 + q] = _mm512_shuffle_i32x4(w0, w1, 0x88);
+        r[12 + q] = _mm512_shuffle_i32x4(w0, w1, 0xDD);
+    }
+}
+
+/* scratch[k2][c] = bf16 pair (w[n+c][2(k0+k2)], w[n+c][2(k0+k2)+1]) for c < nc, 0 beyond. Each channel's 32 codes
+ * of 16 pairs are converted as they lie (contiguous loads, never past a row's end), then transposed in registers. */
 static void pack_tile(const int8_t *w, int64_t K, int64_t n, int nc, int64_t k0, int64_t kb2, int fp8,
                       uint32_t *scratch) {
-    const __m512i idx = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                           _mm512_set1_epi32((int)K));
     for (int h = 0; h < 2; h++) {
         int rows = nc - 16 * h;
-        __mmask16 live = rows >= 16 ? 0xFFFF : rows <= 0 ? 0 : (__mmask16)((1u << rows) - 1u);
         const int8_t *base = w + (n + 16 * h) * K;
-        for (int64_t k2 = 0; k2 < kb2; k2++) {
-            int64_t off = 2 * (k0 + k2);
-            __m512i g;
-            if (off + 4 <= K) {
-                g = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, idx, base + off, 1);
-            } else { /* the last pair of a row: read the 4 bytes ending there, never past the row's end */
-                g = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, idx, base + off - 2, 1);
-                g = _mm512_srli_epi32(g, 16);
-            }
-            __m256i pairs = _mm512_cvtepi32_epi16(g); /* 16 x (w[c][off], w[c][off+1]) as 32 bytes */
-            _mm512_storeu_si512(scratch + k2 * NT + 16 * h, (__m512i)cvt_bytes(pairs, fp8));
+        for (int64_t q = 0; q < kb2; q += 16) {
+            int64_t k = 2 * (k0 + q);
+            __mmask32 m = tail_mask(K - k);
+            __m512i r[16];
+            for (int c = 0; c < 16; c++)
+                r[c] = c < rows ? (__m512i)cvt_w(base + c * K + k, m, fp8) : _mm512_setzero_si512();
+            transpose16(r);
+            int np = kb2 - q < 16 ? (int)(kb2 - q) : 16;
+            for (int p = 0; p < np; p++) _mm512_storeu_si512(scratch + (q + p) * NT + 16 * h, r[p]);
         }
     }
 }

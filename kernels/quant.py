@@ -7,10 +7,12 @@ in float32, cast to x's dtype, F.linear), correct for every layout and device, a
 
   int8  torch._weight_int8pack_mm is vectorized only for bfloat16 x on AVX2/AVX512 and wins only for few rows
         (AVX512, [1536, 576]: 19 us vs 97 us at M=1, 189 vs 152 at M=32, 1.6 ms vs 0.6 ms at M=256); for float32
-        and float16 it is a scalar loop (0.3 ms at M=1, 9.7 ms at M=32). Above 8 rows of bfloat16, keepwarm's C
+        and float16 it is a scalar loop (0.3 ms at M=1, 9.7 ms at M=32). Above 4 rows of bfloat16, keepwarm's C
         kernel (`kernels.cpu_native`, AVX512-BF16) where it builds: one 1B layer's four matmuls, 2 cores, ms:
         M=8 9.0 (op) / 13.2 (C), M=32 33.7 / 20.5 / 49 (cast), M=128 127 / 50 / 74, M=512 495 / 167 / 184,
-        against 4.2 / 10.3 / 36 / 144 for the bfloat16 oneDNN matmul. Otherwise: cast the int8 codes to x's
+        against 4.2 / 10.3 / 36 / 144 for the bfloat16 oneDNN matmul; since its weight tiles are transposed in
+        registers, not gathered (Zen 4, against bf16's time): M=6 1.52x (op 1.64x), M=8 1.31x (op 1.66x), M=32 1.27x
+        (op 2.8x), so it is taken from 5 rows. Otherwise: cast the int8 codes to x's
         dtype (exact), matmul (for bfloat16 on a CPU where oneDNN has no bf16 matmul: keepwarm's AVX2 one,
         `cpu_native.bf16_linear`), scale the [M, N] output per channel.
         On CPUs without AVX512-BF16 (AVX2), bfloat16 x takes keepwarm's AVX2 int8 kernel at every M
@@ -76,7 +78,9 @@ _FAST_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _SIMD_CAPABILITIES = ("AVX2", "AVX512")
 # Above this many rows the int8 op loses to cast + matmul (AVX512: even at M=16; AVX2: before M=32).
 _INT8_OP_MAX_ROWS = 8
-_AMX_OP_MAX_ROWS = 4  # with AMX tiles: torch's int8 / int4 ops up to 4 rows, the tiles above (docs/quantization.md)
+# With keepwarm's C kernels (AVX512-BF16, on the tiles or not): torch's int8 / int4 ops up to 4 rows, the C kernel
+# above (one 1B layer on a Zen 4, time against bf16's: M=4 op 0.99x / C 1.27x, M=6 1.64 / 1.52; docs/quantization.md)
+_AMX_OP_MAX_ROWS = 4
 _AMX_MAX_ROWS = 512  # ... and int8 / fp8 above 512 rows: the codes to bf16 once, then oneDNN (prefill chunks)
 _INT4_HALVES_RE = re.compile(r"int4_cpu_halves(\d+)")
 # (scheme, path, device type, dtype) already logged: the path choice is logged once, not per call.
@@ -346,7 +350,7 @@ def select_path(scheme: str, x: torch.Tensor, w: QuantizedWeight) -> str:
             return _INT8_AVX2
         native = _native_fits(x, w)
         tiles = native and cpu_native.amx_takes(rows, x.shape[-1])
-        if vectorized and rows <= (_AMX_OP_MAX_ROWS if tiles else _INT8_OP_MAX_ROWS):
+        if vectorized and rows <= (_AMX_OP_MAX_ROWS if native else _INT8_OP_MAX_ROWS):
             return "torch._weight_int8pack_mm"
         if native:
             return _CODES_WIDE if tiles and rows > _AMX_MAX_ROWS else _INT8_AMX if tiles else _INT8_NATIVE

@@ -375,10 +375,11 @@ def test_select_path(monkeypatch: pytest.MonkeyPatch) -> None:
     wide1 = quant._INT8_NATIVE if cpu_native.available() else "int8->dtype cast + matmul, per-channel scale"
     wide = quant._INT8_AMX if tiles else wide1
     assert quant.select_path("int8", bf33, qws["int8"]) == (quant._INT8_AVX2 if avx2 else wide)
-    if tiles:  # the op up to 4 rows, the tiles from 5
+    if cpu_native.available():  # the op up to 4 rows, the C kernel (on the tiles or not) from 5
         assert quant.select_path("int8", torch.zeros(4, 256, dtype=torch.bfloat16), qws["int8"]) == (
             "torch._weight_int8pack_mm")
-        assert quant.select_path("int8", torch.zeros(5, 256, dtype=torch.bfloat16), qws["int8"]) == quant._INT8_AMX
+        assert quant.select_path("int8", torch.zeros(5, 256, dtype=torch.bfloat16), qws["int8"]) == wide
+    if tiles:
         wide_x = torch.zeros(513, 256, dtype=torch.bfloat16)  # above 512 rows: the codes to bf16, oneDNN
         assert quant.select_path("int8", torch.zeros(512, 256, dtype=torch.bfloat16), qws["int8"]) == quant._INT8_AMX
         assert quant.select_path("int8", wide_x, qws["int8"]) == quant._CODES_WIDE
