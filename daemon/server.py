@@ -13,6 +13,8 @@ Rules:
   arena and checked against the manifest's ``arena_digest``; nothing is re-quantized and the checkpoint is not read.
   Models it would evict for the memory budget are evicted only once the new arena checked out.
 - A clean shutdown (``shutdown`` verb, SIGTERM, SIGINT) removes every arena and the arena directory.
+- A CPU daemon pays a preload's one-time costs (the packing probe, the native library: ``loader.warm_up``) at
+  start, in a thread that touches only those process-wide caches, so its first preload does not.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import os
 import re
 import signal
 import socket
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -37,7 +40,7 @@ from keepwarm.daemon.checkpoint import Checkpoint
 from keepwarm.daemon.image import ImageError, check_device, image_size
 from keepwarm.daemon.jobs import JobKey, LoadJob, image_job, load_error_code, preload_job, shard_job
 from keepwarm.daemon.leases import Leases
-from keepwarm.daemon.loader import plan_arena, resolve_dtype
+from keepwarm.daemon.loader import plan_arena, resolve_dtype, warm_up
 from keepwarm.daemon.protocol import (
     PROTOCOL_VERSION,
     AdapterReply,
@@ -135,6 +138,7 @@ class Daemon:
         if self.device.type == "cpu":
             paths.ensure_private_dir(self.arena_dir)
             self.residency.adopt()
+            threading.Thread(target=self._warm_up, name="warm-up", daemon=True).start()
         sock_path = paths.socket_path(self.runtime_dir)
         sock_path.unlink(missing_ok=True)  # stale: we hold the lock, so no daemon owns it
         ctx = zmq.Context()
@@ -199,6 +203,15 @@ class Daemon:
             sock_path.unlink(missing_ok=True)
             (self.runtime_dir / "daemon.pid").unlink(missing_ok=True)
             log.info("keepwarm daemon stopped")
+
+    @staticmethod
+    def _warm_up() -> None:
+        """A CPU daemon's one-time costs (``loader.warm_up``) paid at start, beside the socket loop, not inside the
+        first preload; a failure here only logs: the preload then pays them, or says what fails."""
+        try:
+            log.info("warm-up: the packing probe, native kernels and hashes ready in %.2fs", warm_up())
+        except Exception as e:  # noqa: BLE001 - the first preload meets the same failure and reports it
+            log.warning("warm-up failed (the first preload will pay it): %s", e)
 
     def _on_signal(self, signum: int, _frame: Any) -> None:
         log.info("signal %d: shutting down", signum)

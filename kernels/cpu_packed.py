@@ -46,6 +46,7 @@ import ctypes
 import functools
 import logging
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -152,9 +153,15 @@ def _probe(dtype: torch.dtype) -> bool:
     return ok
 
 
+_PROBE_LOCK = threading.Lock()  # one probe per dtype: the daemon's warm-up thread and its socket loop may both ask
+
+
 def packing_available(dtype: torch.dtype) -> bool:
     """True when CPU linear weights of ``dtype`` are stored packed (off under ``KEEPWARM_CPU_PACK=0``)."""
-    return not _disabled_by_env() and _probe(dtype)
+    if _disabled_by_env():
+        return False
+    with _PROBE_LOCK:
+        return _probe(dtype)
 
 
 # ---------------------------------------------------------------------------------------------- the weight

@@ -427,6 +427,31 @@ def test_second_daemon_on_same_runtime_dir_refuses(daemon, runtime_dir) -> None:
     assert d.status()["pid"] == d.proc.pid
 
 
+def test_a_cpu_daemon_warms_up_beside_its_socket_loop(daemon, tiny_llama) -> None:
+    """The packing probe and the native library are paid for at start, in a thread, and logged; status answers
+    meanwhile, and a preload after it gives the same arena as always."""
+    d = daemon()
+    deadline = time.monotonic() + 60
+    while "warm-up: the packing probe, native kernels and hashes ready in" not in d.log():
+        assert time.monotonic() < deadline and "warm-up failed" not in d.log(), d.log()[-2000:]
+        time.sleep(0.05)
+    with d.client() as c:
+        assert c.preload(tiny_llama, "none", "auto").fingerprint
+
+
+def test_warm_up_fills_the_caches_a_first_preload_would() -> None:
+    code = ("from keepwarm.daemon.loader import warm_up\n"
+            "from keepwarm.kernels import cpu_native, cpu_packed\n"
+            "before = (cpu_packed._probe.cache_info().currsize, cpu_native._load.cache_info().currsize)\n"
+            "seconds = warm_up()\n"
+            "after = (cpu_packed._probe.cache_info().currsize, cpu_native._load.cache_info().currsize)\n"
+            "print(before, after, seconds > 0)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=tempfile.gettempdir())
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split("\n")[-2] == "(0, 0) (1, 1) True"
+
+
 def test_runtime_dir_must_be_private(tmp_path) -> None:
     rt = tmp_path / "open"
     rt.mkdir(mode=0o755)
