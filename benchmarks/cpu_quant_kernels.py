@@ -15,7 +15,7 @@ quiet machine; the C library is built on first use like the server's.
 On an AVX512-BF16 CPU the candidates there: bf16 is oneDNN's matmul on a weight packed with batch hint 32 (what the
 arena holds), int8 / fp8 ``int8_linear`` / ``fp8_linear`` on the vector path and, with AMX, on the tiles
 (``set_amx``; at one row both are the same streaming loop), int8 also torch's ``_weight_int8pack_mm``, int4 torch's
-``_weight_int4pack_mm_for_cpu`` and, with AMX, ``q4_amx_linear``.
+``_weight_int4pack_mm_for_cpu``, with AVX-512 VBMI ``q4_vec_linear`` and, with AMX, ``q4_amx_linear``.
 """
 
 from __future__ import annotations
@@ -89,6 +89,8 @@ def _avx512_runners(xs: list[torch.Tensor]) -> dict[str, Callable[[], None]]:
         "fp8-vec": calls(lambda x, p: cpu_native.fp8_linear(x, p[0], p[1]), "fp8", False),
         "int4-op": calls(lambda x, p: torch._weight_int4pack_mm_for_cpu(x, p[0], 128, p[1]), "int4"),
     }
+    if cpu_native._has_vbmi():
+        runs["int4-vec"] = calls(lambda x, p: cpu_native.q4_vec_linear(x, p[0], p[1], 128, block), "int4")
     if amx:
         runs["int8-amx"] = calls(lambda x, p: cpu_native.int8_linear(x, p[0], p[1]), "int8", True)
         runs["fp8-amx"] = calls(lambda x, p: cpu_native.fp8_linear(x, p[0], p[1]), "fp8", True)

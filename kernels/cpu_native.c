@@ -163,15 +163,16 @@ static void pack_tile(const int8_t *w, int64_t K, int64_t n, int nc, int64_t k0,
 }
 
 #define MICRO(R)                                                                                              \
-    static void micro_##R(const uint16_t *x, int64_t K, const uint32_t *scratch, int64_t kb2, float *acc_out) { \
+    static void micro_##R(const uint16_t *x, int64_t K, const uint32_t *scratch, int64_t ws, int64_t kb2,      \
+                          float *acc_out) {                                                                  \
         __m512 acc[R][2];                                                                                     \
         _Pragma("GCC unroll 12") for (int r = 0; r < R; r++) {                                               \
             acc[r][0] = _mm512_loadu_ps(acc_out + r * NT);                                                     \
             acc[r][1] = _mm512_loadu_ps(acc_out + r * NT + 16);                                                \
         }                                                                                                     \
         for (int64_t k2 = 0; k2 < kb2; k2++) {                                                                \
-            __m512bh w0 = (__m512bh)_mm512_loadu_si512(scratch + k2 * NT);                                    \
-            __m512bh w1 = (__m512bh)_mm512_loadu_si512(scratch + k2 * NT + 16);                               \
+            __m512bh w0 = (__m512bh)_mm512_loadu_si512(scratch + k2 * ws);                                    \
+            __m512bh w1 = (__m512bh)_mm512_loadu_si512(scratch + k2 * ws + 16);                               \
             _Pragma("GCC unroll 12") for (int r = 0; r < R; r++) {                                           \
                 int32_t pair;                                                                                 \
                 memcpy(&pair, x + r * K + 2 * k2, 4);                                                         \
@@ -186,7 +187,7 @@ static void pack_tile(const int8_t *w, int64_t K, int64_t n, int nc, int64_t k0,
         }                                                                                                     \
     }
 MICRO(1) MICRO(2) MICRO(3) MICRO(4) MICRO(5) MICRO(6) MICRO(7) MICRO(8) MICRO(9) MICRO(10) MICRO(11) MICRO(12)
-typedef void (*micro_fn)(const uint16_t *, int64_t, const uint32_t *, int64_t, float *);
+typedef void (*micro_fn)(const uint16_t *, int64_t, const uint32_t *, int64_t, int64_t, float *);
 static const micro_fn MICROS[MB + 1] = {NULL,     micro_1,  micro_2, micro_3, micro_4,  micro_5, micro_6,
                                         micro_7,  micro_8,  micro_9, micro_10, micro_11, micro_12};
 
@@ -217,7 +218,7 @@ static void gemm_rows(const job_t *j, int64_t n0, int64_t n1) {
             pack_tile(j->w, K, n, nc, k0, kb2, j->fp8, scratch);
             for (int64_t m = 0; m < M; m += MB) {
                 int r = (int)(M - m < MB ? M - m : MB);
-                MICROS[r](j->x + m * K + 2 * k0, K, scratch, kb2, acc + m * NT);
+                MICROS[r](j->x + m * K + 2 * k0, K, scratch, NT, kb2, acc + m * NT);
             }
         }
         for (int64_t m = 0; m < M; m++)
@@ -1469,6 +1470,7 @@ typedef struct {
 } q4amx_t;
 
 #define QKC 256 /* k per code scratch: 128 pairs x 64 channels x 4 bytes = 32 KiB */
+#define VBMI_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx512vbmi")))
 
 /* vpermt2b's table: bytes 0..63 from the loaded codes, 64 = the constant 0x41. For 16 channels whose codes lie
  * at bytes o0 + i (k) and o1 + i (k + 1), i < 16: each dword = the two bf16 (low byte, 0x41), k first. */
@@ -1485,7 +1487,7 @@ static void q4_perm_index(int o0, int o1, uint8_t idx[64]) {
  * is bf16 0x4180 | c << 3 (16..31, step 1: exact), so a byte permute builds each tile row from the codes with no
  * widening or conversion; the fold takes the 16 back out (q4_tiles_amx). One 64-byte load holds 2 (B = 64) or 4
  * (B = 32) consecutive k rows of the block. */
-AMX_TARGET static void q4_pack_amx(const q4amx_t *a, int64_t b, int64_t k0, int64_t kc, uint32_t *s) {
+VBMI_TARGET static void q4_pack_amx(const q4amx_t *a, int64_t b, int64_t k0, int64_t kc, uint32_t *s) {
     const int64_t hb = a->B / 2, B = a->B;
     uint8_t i0[64], i1[64];
     q4_perm_index(0, B == 64 ? 32 : 16, i0);        /* B = 64: channels 0-15 (k, k+1); B = 32: the first pair */
@@ -1561,16 +1563,29 @@ AMX_TARGET static void q4_tiles_amx(const q4amx_t *a, int64_t b, const uint32_t 
     }
 }
 
+/* Slice t's blocks of channels [*b0, *b1), this thread's code scratch and group sums (kept between calls) and a
+ * float total of `rows` x B: 0; 1 when the slice is empty; -1 out of memory (the call then fails). */
+static int q4_slice_start(const q4amx_t *a, int t, int nthreads, int64_t rows, int64_t *b0, int64_t *b1,
+                          uint32_t **s, float **cg, float **tot) {
+    static __thread uint32_t *sb;
+    static __thread float *cb;
+    int64_t blocks = a->N / a->B;
+    *b0 = blocks * t / nthreads, *b1 = blocks * (t + 1) / nthreads;
+    if (*b0 >= *b1) return 1;
+    if (!sb) sb = aligned_alloc(64, QKC / 2 * 64 * 4);
+    if (!cb) cb = aligned_alloc(64, 16 * 64 * 4); /* the tiles' [16][64]; the vector kernel uses [12][32] */
+    *s = sb, *cg = cb, *tot = scratch_floats((size_t)(rows * a->B));
+    return sb && cb && *tot ? 0 : -1;
+}
+
 AMX_TARGET static void q4amx_slice(const void *arg, int t, int nthreads) {
     q4amx_t *a = (q4amx_t *)arg;
-    int64_t blocks = a->N / a->B, b0 = blocks * t / nthreads, b1 = blocks * (t + 1) / nthreads;
-    if (b0 >= b1) return;
-    static __thread uint32_t *s;
-    static __thread float *cg;
-    if (!s) s = aligned_alloc(64, QKC / 2 * 64 * 4);
-    if (!cg) cg = aligned_alloc(64, 16 * 64 * 4);
-    float *tot = scratch_floats((size_t)(a->Mp * a->B));
-    if (!s || !cg || !tot) {
+    int64_t b0, b1;
+    uint32_t *s;
+    float *cg, *tot;
+    int rc = q4_slice_start(a, t, nthreads, a->Mp, &b0, &b1, &s, &cg, &tot);
+    if (rc > 0) return;
+    if (rc < 0) {
         a->fail = 1;
         return;
     }
@@ -1588,12 +1603,8 @@ AMX_TARGET static void q4amx_slice(const void *arg, int t, int nthreads) {
     _tile_release();
 }
 
-/* out = x w^T for bf16 x [M, K] and an int4 weight in the halves pack (kw_q4gemm's), on the tiles. 0; -1 on sizes
- * it does not take (K and gs multiples of 32, B 32 or 64, N a multiple of B) or without AMX; -2 out of memory. */
-int kw_q4amx(const uint16_t *x, const uint8_t *q, const uint16_t *sz, uint16_t *out, int64_t M, int64_t N, int64_t K,
-             int64_t gs, int64_t B, int nthreads) {
-    if (!g_amx || M < 1 || K % 32 || gs < 32 || gs % 32 || K % gs || (B != 32 && B != 64) || N < B || N % B)
-        return -1;
+/* x rows padded to Mp (a multiple of 16) with zeros, and each row's sum over each group: per thread, kept. */
+static int q4_prep(const uint16_t *x, int64_t M, int64_t K, int64_t gs, uint16_t **xpo, float **xso, int64_t *Mpo) {
     static __thread uint16_t *xp;
     static __thread float *xs;
     static __thread int64_t cap;
@@ -1619,13 +1630,99 @@ int kw_q4amx(const uint16_t *x, const uint8_t *q, const uint16_t *sz, uint16_t *
             }
             xs[g * Mp + m] = acc;
         }
+    *xpo = xp, *xso = xs, *Mpo = Mp;
+    return 0;
+}
+
+static int q4_sizes_ok(int64_t M, int64_t N, int64_t K, int64_t gs, int64_t B) {
+    return M >= 1 && K % 32 == 0 && gs >= 32 && gs % 32 == 0 && K % gs == 0 && (B == 32 || B == 64) && N >= B &&
+           N % B == 0;
+}
+
+/* Both int4 entries: the sizes, x prepared (q4_prep), then `slice` over the blocks of channels. 0; -1 on sizes they
+ * do not take (K and gs multiples of 32, B 32 or 64, N a multiple of B); -2 out of memory. */
+static int q4_run(slice_fn slice, const uint16_t *x, const uint8_t *q, const uint16_t *sz, uint16_t *out, int64_t M,
+                  int64_t N, int64_t K, int64_t gs, int64_t B, int nthreads) {
+    if (!q4_sizes_ok(M, N, K, gs, B)) return -1;
+    uint16_t *xp;
+    float *xs;
+    int64_t Mp;
+    if (q4_prep(x, M, K, gs, &xp, &xs, &Mp)) return -2;
     if (nthreads < 1) nthreads = 1;
     if (nthreads > MAXT) nthreads = MAXT;
     q4amx_t a = {xp, q, sz, xs, out, M, Mp, N, K, gs, B, 0};
-    run_pool(q4amx_slice, &a, nthreads);
-    if (a.fail) return -2;
-    atomic_fetch_add(&g_amx_calls, 1);
-    return 0;
+    run_pool(slice, &a, nthreads);
+    return a.fail ? -2 : 0;
+}
+
+/* out = x w^T for bf16 x [M, K] and an int4 weight in the halves pack (kw_q4gemm's), on the tiles (q4_run's
+ * codes; -1 also without AMX). */
+int kw_q4amx(const uint16_t *x, const uint8_t *q, const uint16_t *sz, uint16_t *out, int64_t M, int64_t N, int64_t K,
+             int64_t gs, int64_t B, int nthreads) {
+    if (!g_amx) return -1;
+    int rc = q4_run(q4amx_slice, x, q, sz, out, M, N, K, gs, B, nthreads);
+    if (rc == 0) atomic_fetch_add(&g_amx_calls, 1);
+    return rc;
+}
+
+/* ---- int4 without the tiles (AVX512-BF16 + VBMI: Zen 4, Intel without AMX), M > 1: the same scratch of (16 + code)
+ * bf16 pairs (q4_pack_amx), multiplied by kw_gemm's micro-kernels (MICRO: a broadcast pair of x by 32 channels'
+ * pairs, vdpbf16ps) with the block's stride; a group's sums start from zero and fold into the float32 total as on
+ * the tiles (q4v_fold), group by group in k order: one order per output whatever M, so a row's bits do not depend on
+ * its batch. */
+
+/* tot[m][c0 + c] += scale * cg[m][c] + (zero - 24 scale) * xs[g][m], rows mb..mb+R-1, channels c0..c0+31 of block b */
+static void q4v_fold(const q4amx_t *a, int64_t b, int64_t g, int64_t mb, int R, int64_t c0, const float *cg,
+                    float *tot) {
+    for (int64_t c = 0; c < 32; c += 16) {
+        __m512i r = _mm512_loadu_si512(a->sz + (g * a->N + b * a->B + c0 + c) * 2); /* 16 (scale, zero) pairs */
+        __m512 sc = _mm512_castsi512_ps(_mm512_slli_epi32(r, 16));
+        __m512 z = _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32((int)0xFFFF0000u)));
+        __m512 zf = _mm512_fnmadd_ps(_mm512_set1_ps(24.0f), sc, z); /* the codes entered as 16 + c */
+        for (int i = 0; i < R; i++) {
+            float *t = tot + (mb + i) * a->B + c0 + c;
+            __m512 v = _mm512_fmadd_ps(sc, _mm512_loadu_ps(cg + i * 32 + c), _mm512_loadu_ps(t));
+            _mm512_storeu_ps(t, _mm512_fmadd_ps(zf, _mm512_set1_ps(a->xs[g * a->Mp + mb + i]), v));
+        }
+    }
+}
+
+static void q4vec_slice(const void *arg, int t, int nthreads) {
+    q4amx_t *a = (q4amx_t *)arg;
+    int64_t b0, b1;
+    uint32_t *s;
+    float *cg, *tot;
+    int rc = q4_slice_start(a, t, nthreads, a->M, &b0, &b1, &s, &cg, &tot);
+    if (rc > 0) return;
+    if (rc < 0) {
+        a->fail = 1;
+        return;
+    }
+    const int64_t K = a->K, B = a->B, gs = a->gs;
+    for (int64_t b = b0; b < b1; b++) {
+        memset(tot, 0, (size_t)(a->M * B) * 4);
+        for (int64_t k0 = 0; k0 < K; k0 += QKC) {
+            int64_t kc = K - k0 < QKC ? K - k0 : QKC;
+            q4_pack_amx(a, b, k0, kc, s);
+            for (int64_t mb = 0; mb < a->M; mb += MB) {
+                int R = (int)(a->M - mb < MB ? a->M - mb : MB);
+                for (int64_t c0 = 0; c0 < B; c0 += 32)
+                    for (int64_t g0 = k0; g0 < k0 + kc; g0 += gs) {
+                        memset(cg, 0, (size_t)R * NT * 4); /* a group's sums start from zero */
+                        MICROS[R](a->x + mb * K + g0, K, s + (g0 - k0) / 2 * B + c0, B, gs / 2, cg);
+                        q4v_fold(a, b, g0 / gs, mb, R, c0, cg, tot);
+                    }
+            }
+        }
+        for (int64_t m = 0; m < a->M; m++)
+            for (int64_t c = 0; c < B; c++) a->out[m * a->N + b * B + c] = f32_to_bf16(tot[m * B + c]);
+    }
+}
+
+/* kw_q4amx's product on the vector units (the caller checks avx512vbmi); q4_run's codes. */
+int kw_q4vec(const uint16_t *x, const uint8_t *q, const uint16_t *sz, uint16_t *out, int64_t M, int64_t N, int64_t K,
+             int64_t gs, int64_t B, int nthreads) {
+    return q4_run(q4vec_slice, x, q, sz, out, M, N, K, gs, B, nthreads);
 }
 #endif /* KW_ATTENTION_ONLY */
 

@@ -173,6 +173,8 @@ def _load() -> tuple[ctypes.CDLL | None, str, str]:
         lib.kw_codes_bf16.restype = ctypes.c_int
         lib.kw_codes_bf16.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int] * 2
         lib.kw_q4amx.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 5 + [ctypes.c_int]
+        lib.kw_q4vec.restype = ctypes.c_int
+        lib.kw_q4vec.argtypes = lib.kw_q4amx.argtypes
         _amx_start(lib, have)
     fn = lib.kw_decode_attention
     fn.restype = ctypes.c_int
@@ -642,15 +644,44 @@ def q4_amx_linear(x: torch.Tensor, qweight: torch.Tensor, scales_and_zeros: torc
     """:func:`q4_linear` on the AMX tiles (:func:`q4_amx_fits`): x's bf16 rows times 16 + each code as bf16 (exact),
     float32 sums per group folded as ``scale * sum x (16 + c) + (zero - 24 scale) * sum x`` (the same weight, (c - 8)
     * scale + zero), one order per output whatever the batch, rounded once."""
-    lib = _load()[0]
-    if lib is None or not q4_amx_fits(x, qweight, scales_and_zeros, group_size, block):
+    if not q4_amx_fits(x, qweight, scales_and_zeros, group_size, block):
         raise ValueError(f"q4_amx_linear: x {tuple(x.shape)} {x.dtype}, weight {tuple(qweight.shape)}, groups of "
                          f"{group_size} and blocks of {block} do not fit, or no AMX ({amx_reason() or 'on'})")
+    return _q4_paired("kw_q4amx", x, qweight, scales_and_zeros, group_size, block)
+
+
+@functools.cache
+def _has_vbmi() -> bool:
+    return "avx512vbmi" in _cpu_flags()
+
+
+def q4_vec_fits(x: torch.Tensor, qweight: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int,
+                block: int) -> bool:
+    """:func:`q4_amx_fits`'s sizes on a CPU with AVX512-BF16 and AVX-512 VBMI (the pack's byte permute), tiles or
+    not."""
+    return (available() and _has_vbmi() and block in (32, 64) and group_size % 32 == 0 and x.dim() > 0
+            and x.shape[-1] % 32 == 0 and q4_fits(x, qweight, scales_and_zeros, group_size, block))
+
+
+def q4_vec_linear(x: torch.Tensor, qweight: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int,
+                  block: int) -> torch.Tensor:
+    """:func:`q4_amx_linear`'s product on the vector units (vdpbf16ps, :func:`q4_vec_fits`): the same (16 + code)
+    bf16 pairs and fold, one order per output whatever the batch, rounded once."""
+    if not q4_vec_fits(x, qweight, scales_and_zeros, group_size, block):
+        raise ValueError(f"q4_vec_linear: x {tuple(x.shape)} {x.dtype}, weight {tuple(qweight.shape)}, groups of "
+                         f"{group_size} and blocks of {block} do not fit, or this CPU lacks AVX512-BF16 / VBMI")
+    return _q4_paired("kw_q4vec", x, qweight, scales_and_zeros, group_size, block)
+
+
+def _q4_paired(fn: str, x: torch.Tensor, qweight: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int,
+               block: int) -> torch.Tensor:
+    lib = _load()[0]
+    assert lib is not None, f"{fn} called where no native build loaded"
     n, k = scales_and_zeros.shape[1], x.shape[-1]
     x2 = x.reshape(-1, k).contiguous()
     out = torch.empty((x2.shape[0], n), dtype=torch.bfloat16)
-    rc = lib.kw_q4amx(x2.data_ptr(), qweight.data_ptr(), scales_and_zeros.data_ptr(), out.data_ptr(), x2.shape[0],
-                      n, k, group_size, block, torch.get_num_threads())
+    rc = getattr(lib, fn)(x2.data_ptr(), qweight.data_ptr(), scales_and_zeros.data_ptr(), out.data_ptr(),
+                          x2.shape[0], n, k, group_size, block, torch.get_num_threads())
     if rc != 0:
-        raise ValueError(f"q4_amx_linear: the kernel refused M={x2.shape[0]} N={n} K={k} (rc {rc})")
+        raise ValueError(f"{fn}: the kernel refused M={x2.shape[0]} N={n} K={k} (rc {rc})")
     return out.reshape(*x.shape[:-1], n)

@@ -26,6 +26,9 @@ in float32, cast to x's dtype, F.linear), correct for every layout and device, a
         "halves" CPU pack read in place; one 1B layer: M=1 0.41x bf16's time, M=32 1.07x; the op 0.6-0.8x, 1.5x).
         With AMX tiles, above 4 rows: keepwarm's int4 tile kernel (`cpu_native.q4_amx_linear`, the same pack read in
         place; one 1B layer against bf16's time: M=6 op 1.13x / tiles 0.86x, M=32 3.97 / 0.94; M=1 op 0.47x).
+        Without the tiles on AVX512-BF16 with VBMI (Zen 4), above 4 rows: the same kernel's pack and fold on the
+        vector units (`cpu_native.q4_vec_linear`; one 1B layer on a Zen 4 against bf16's time: M=6 op 1.45x / C
+        1.16x, M=8 1.23 / 1.08, M=32 2.12 / 1.24, M=256 2.59 / 1.27; M=4 0.70 / 1.00).
         Elsewhere torch._weight_int4pack_mm_for_cpu, when the weight was packed in this process's CPU layout, for
         bfloat16 on AVX2/AVX512 (21 us vs 0.49 ms for the reference at M=1, 167 us vs 0.48 ms at M=32). Elsewhere
         it is a scalar loop (~0.65 ms per row) that loses to the reference even at M=1 (0.40 ms).
@@ -276,6 +279,13 @@ def _int4_amx(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) ->
     return _add_bias(y, x, bias)
 
 
+def _int4_vec(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    assert w.meta.group_size is not None
+    y = cpu_native.q4_vec_linear(_as_2d(x), w.parts["qweight"], w.parts["scales_and_zeros"], w.meta.group_size,
+                                 _int4_block(w.meta.layout))
+    return _add_bias(y, x, bias)
+
+
 def _int4_op(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     sz = w.parts["scales_and_zeros"].to(x.dtype)  # the op wants x's dtype
     y = torch._weight_int4pack_mm_for_cpu(_as_2d(x), w.parts["qweight"], w.meta.group_size, sz)
@@ -314,6 +324,7 @@ _FP8_NATIVE = "keepwarm C kernel, fp8 (AVX512-BF16)"
 _INT8_AMX = "keepwarm C kernel, int8 (AMX tiles)"
 _FP8_AMX = "keepwarm C kernel, fp8 (AMX tiles)"
 _INT4_AMX = "keepwarm C kernel, int4 (AMX tiles)"
+_INT4_VEC = "keepwarm C kernel, int4 (AVX512-BF16)"
 _CODES_WIDE = "codes->bf16 (C) + oneDNN bf16 matmul, scale on the output"
 
 
@@ -321,7 +332,8 @@ _CODES_WIDE = "codes->bf16 (C) + oneDNN bf16 matmul, scale on the output"
 PATHS: dict[str, dict[str, Callable[..., torch.Tensor]]] = {
     "int8": {"torch._weight_int8pack_mm": _int8_op, "int8->dtype cast + matmul, per-channel scale": _int8_cast,
              _INT8_NATIVE: _int8_native, _INT8_AVX2: _int8_avx2, _INT8_AMX: _int8_native, _CODES_WIDE: _codes_wide},
-    "int4": {"torch._weight_int4pack_mm_for_cpu": _int4_op, _INT4_AVX2: _int4_avx2, _INT4_AMX: _int4_amx},
+    "int4": {"torch._weight_int4pack_mm_for_cpu": _int4_op, _INT4_AVX2: _int4_avx2, _INT4_AMX: _int4_amx,
+             _INT4_VEC: _int4_vec},
     "fp8": {"fp8 bits->float16 + matmul, scalar scale": _fp8_bits, _FP8_NATIVE: _fp8_native, _FP8_AVX2: _fp8_avx2,
             _FP8_AMX: _fp8_native, _CODES_WIDE: _codes_wide},
     "fp8_block": {"fp8 bits->float16 + matmul, channel/block scales": _fp8_block_bits, _FP8_NATIVE: _fp8_native,
@@ -380,6 +392,9 @@ def _int4_path(x: torch.Tensor, w: QuantizedWeight, rows: int, vectorized: bool)
     if (block and rows > _AMX_OP_MAX_ROWS
             and cpu_native.q4_amx_fits(x, w.parts["qweight"], w.parts["scales_and_zeros"], gs, block)):
         return _INT4_AMX
+    if (block and rows > _AMX_OP_MAX_ROWS
+            and cpu_native.q4_vec_fits(x, w.parts["qweight"], w.parts["scales_and_zeros"], gs, block)):
+        return _INT4_VEC
     # The packed order is per CPU capability: only a weight packed as this process packs can use the op.
     use_op = vectorized and w.meta.layout == cpu_int4_layout()
     return "torch._weight_int4pack_mm_for_cpu" if use_op else _REFERENCE

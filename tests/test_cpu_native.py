@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _int4_pack import halves, q4_case, torch_pack_matches_hand_pack, within_one_rounding
 
 from keepwarm.kernels import cpu_native
 
@@ -145,3 +146,57 @@ def test_codes_to_bf16_every_code() -> None:
     assert torch.equal(cpu_native.codes_to_bf16(f8).float() * 256, f8.float())
     with pytest.raises(ValueError, match="codes_to_bf16"):
         cpu_native.codes_to_bf16(torch.zeros(4, 4))
+
+
+# ---------------------------------------------------------------------------------- int4 above a few rows (kw_q4vec)
+needs_vbmi = pytest.mark.skipif(not cpu_native._has_vbmi(), reason="the int4 vector kernel: the CPU lacks avx512vbmi")
+
+
+@needs_vbmi
+@pytest.mark.parametrize(("m", "n", "k", "gs", "block"),
+                         [(1, 32, 32, 32, 32), (2, 96, 576, 64, 32), (13, 64, 256, 128, 32), (33, 96, 576, 32, 32),
+                          (1, 64, 256, 32, 64), (5, 128, 512, 128, 64), (40, 192, 1024, 64, 64)])
+def test_int4_vector_kernel_matches_float64(m: int, n: int, k: int, gs: int, block: int) -> None:
+    """Against float64 sums of the test's own dequantization (tests/_int4_pack.py) at the blocking edges: rows across
+    the 12-row micro-kernel, channels past the 32-channel half of a 64-row block, K one 32-step or 256-chunks plus a
+    tail, groups of 32 / 64 / 128, blocks of 32 and 64 rows."""
+    codes, sz, w = q4_case(n, k, gs, m + n + k + block)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(gs)).bfloat16()
+    got = cpu_native.q4_vec_linear(x, halves(codes, block), sz, gs, block)
+    assert got.shape == (m, n) and got.dtype == torch.bfloat16
+    within_one_rounding(got, x.double() @ w.T, x.double().abs() @ w.abs().T)
+
+
+@needs_vbmi
+def test_int4_vector_kernel_reads_torchs_pack() -> None:
+    torch_pack_matches_hand_pack(cpu_native.q4_vec_linear)
+
+
+@needs_vbmi
+def test_int4_vector_rows_do_not_depend_on_the_batch_or_threads() -> None:
+    g = torch.Generator().manual_seed(3)
+    # magnitudes 2^-12 .. 2^12: float32 sums round, so another summation order would show in the bf16 results
+    x = (torch.randn(40, 1152, generator=g) * torch.exp2(torch.randint(-12, 13, (40, 1152), generator=g))).bfloat16()
+    codes, sz, _ = q4_case(128, 1152, 128, 2)
+    packed = halves(codes, 64)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        full = cpu_native.q4_vec_linear(x, packed, sz, 128, 64)
+        for rows in (2, 3, 12, 13, 25):
+            assert torch.equal(cpu_native.q4_vec_linear(x[:rows].contiguous(), packed, sz, 128, 64), full[:rows])
+        assert torch.equal(cpu_native.q4_vec_linear(x[5:7].contiguous(), packed, sz, 128, 64), full[5:7])
+        torch.set_num_threads(1)
+        assert torch.equal(cpu_native.q4_vec_linear(x, packed, sz, 128, 64), full)
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_vbmi
+def test_int4_vector_kernel_refuses_what_it_cannot_take() -> None:
+    codes, sz, _ = q4_case(48, 64, 32, 0)
+    with pytest.raises(ValueError, match="do not fit"):
+        cpu_native.q4_vec_linear(torch.zeros(2, 64, dtype=torch.bfloat16), halves(codes, 16), sz, 32, 16)  # blocks 16
+    codes, sz, _ = q4_case(64, 48, 16, 0)
+    with pytest.raises(ValueError, match="do not fit"):
+        cpu_native.q4_vec_linear(torch.zeros(2, 48, dtype=torch.bfloat16), halves(codes, 32), sz, 16, 32)  # K 48

@@ -323,6 +323,11 @@ def test_path_matches_reference(scheme: str, path: str, dtype: torch.dtype) -> N
         with pytest.raises((ValueError, AssertionError)):
             PATHS[scheme][path](torch.zeros(2, 64, dtype=dtype), _quantized(scheme, 64, 64, dtype, 0), None)
         return
+    if path == quant._INT4_VEC and (dtype != torch.bfloat16 or not cpu_native._has_vbmi() or
+                                    not cpu_native.available()):
+        with pytest.raises((ValueError, AssertionError)):
+            PATHS[scheme][path](torch.zeros(2, 64, dtype=dtype), _quantized(scheme, 64, 64, dtype, 0), None)
+        return
     if path in AVX2 and (dtype != torch.bfloat16 or not cpu_native.glue_on()):
         with pytest.raises((ValueError, AssertionError)):
             PATHS[scheme][path](torch.zeros(1, 64, dtype=dtype), _quantized(scheme, 32, 64, dtype, 0), None)
@@ -335,8 +340,8 @@ def test_path_matches_reference(scheme: str, path: str, dtype: torch.dtype) -> N
             with pytest.raises(ValueError, match="blocks of 32"):
                 PATHS[scheme][path](torch.zeros(1, k, dtype=dtype), qw, None)
             continue
-        if path in (quant._INT4_AVX2, quant._INT4_AMX) and (
-                n % quant._int4_block(qw.meta.layout) or (path == quant._INT4_AMX and k % 32)):  # short: refused
+        if path in (quant._INT4_AVX2, quant._INT4_AMX, quant._INT4_VEC) and (
+                n % quant._int4_block(qw.meta.layout) or (path != quant._INT4_AVX2 and k % 32)):  # short: refused
             with pytest.raises(ValueError, match="do not fit"):
                 PATHS[scheme][path](torch.zeros(1, k, dtype=dtype), qw, None)
             continue
@@ -403,7 +408,11 @@ def test_select_path(monkeypatch: pytest.MonkeyPatch) -> None:
     assert quant.select_path("int4", bf33, qws["int4"]) == "torch._weight_int4pack_mm_for_cpu"
     monkeypatch.delenv(cpu_native.ENV_VAR)
     int4 = quant._INT4_AVX2 if avx2 else "torch._weight_int4pack_mm_for_cpu"
-    int4_33 = quant._INT4_AMX if tiles else int4
+    vec4 = cpu_native.available() and cpu_native._has_vbmi()  # AVX512-BF16 + VBMI: the vector int4 kernel from 5 rows
+    int4_33 = quant._INT4_AMX if tiles else quant._INT4_VEC if vec4 else int4
+    if vec4 and not tiles:
+        assert quant.select_path("int4", torch.zeros(4, 256, dtype=torch.bfloat16), qws["int4"]) == int4
+        assert quant.select_path("int4", torch.zeros(5, 256, dtype=torch.bfloat16), qws["int4"]) == quant._INT4_VEC
     assert quant.select_path("int4", bf33, qws["int4"]) == int4_33
     assert quant.select_path("int4", bf1, qws["int4"]) == int4
     assert quant.select_path("int4", f1, qws["int4"]) == "reference dequantize+matmul"
@@ -411,7 +420,7 @@ def test_select_path(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(quant, "_simd", lambda: False)
     assert quant.select_path("int8", bf1, qws["int8"]) == (quant._INT8_AVX2 if avx2 else wide1)
     assert quant.select_path("int4", bf33, qws["int4"]) == (
-        int4 if avx2 else quant._INT4_AMX if tiles else "reference dequantize+matmul")
+        int4 if avx2 else int4_33 if tiles or vec4 else "reference dequantize+matmul")
 
 
 def test_kernels_linear_dispatch(caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -456,6 +465,9 @@ def test_read_only_parts() -> None:
                 if name in NATIVE and not (xx.dtype == torch.bfloat16 and cpu_native.available()):
                     continue  # the native path takes only bfloat16 (test_select_path)
                 if name == quant._INT4_AMX and not (xx.dtype == torch.bfloat16 and cpu_native.amx_takes(2, 64)):
+                    continue
+                if name == quant._INT4_VEC and not (xx.dtype == torch.bfloat16 and cpu_native.available() and
+                                                     cpu_native._has_vbmi()):
                     continue
                 if name in AVX2 and not (xx.dtype == torch.bfloat16 and cpu_native.glue_on()):
                     continue  # so do the AVX2 ones
