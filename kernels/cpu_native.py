@@ -30,6 +30,9 @@ What:
   time there, where oneDNN's bf16 matmul itself runs on the tiles (figures in kernels/quant.py). On where the CPU
   has them, Linux grants the tile state and ``KEEPWARM_CPU_AMX`` is not 0 (`amx_reason`, logged once);
   `amx_takes` says which calls take them.
+- on AVX512-BF16 CPUs with AVX-512 VBMI but no AMX (Zen 4), the int4 matmul above a few rows (`q4_vec_linear`):
+  the tile kernel's code scratch and group fold on the vector units (``vdpbf16ps``), where torch's int4 op spent
+  1.2-2.6x bf16's time from 8 rows up.
 
 Rules:
 - Built lazily, at the first call that could use it, with ``cc -O3`` and explicit ``-m`` flags (never
@@ -75,8 +78,8 @@ from keepwarm.formats.quant import QuantizationError
 __all__ = ["AMX_ENV_VAR", "ENV_VAR", "amx_calls", "amx_reason", "amx_takes", "attention_available", "attention_fits",
            "attention_plan", "attention_switched_on", "attention_unavailable_reason", "available", "avx2_quant_on",
            "bf16_fits", "bf16_linear", "bf16_matmul_on", "codes_to_bf16", "decode_attention", "fp8_linear", "glue_on",
-           "int8_linear", "q4_amx_fits", "q4_amx_linear", "q4_fits", "q4_linear", "q8_fits", "q8_linear", "rms_norm",
-           "rotary_neox", "rows_fit", "set_amx", "store_kv", "unavailable_reason"]
+           "int8_linear", "q4_amx_fits", "q4_amx_linear", "q4_fits", "q4_linear", "q4_vec_fits", "q4_vec_linear",
+           "q8_fits", "q8_linear", "rms_norm", "rotary_neox", "rows_fit", "set_amx", "store_kv", "unavailable_reason"]
 
 logger = logging.getLogger("keepwarm.kernels")
 
