@@ -115,7 +115,9 @@ def preload_job(key: JobKey, ckpt: Checkpoint, dtype: str, arena_bytes: int, fin
         storage: CpuArenaFile | CudaArena
         if residency.device.type == "cpu":
             tmp = residency.arena_dir / f".building-{secrets.token_hex(6)}.arena"
-            storage = CpuArenaFile.create(tmp, total)
+            # build_arena writes every tensor with pwrite (ENOSPC on a full tmpfs) and reserves the pages of those it
+            # reads straight into the mapping: no zeroing pass over the whole file first (0.23 s for 1 GB)
+            storage = CpuArenaFile.create(tmp, total, reserve=False)
             job.created = (storage, tmp)
         else:
             storage = CudaArena.create(total, residency.device)

@@ -9,6 +9,8 @@ per-thread scratch buffer (reused: no page faults per tensor), converted, quanti
 arena: into a CPU arena's tmpfs file with ``pwrite`` (a packed weight straight from oneDNN's buffer), since a first
 write through the mapping faults once per 4 KiB page (0.5-0.7 M faults for the 1B); tensors are taken in the order of
 their bytes in the files (:func:`file_order`).
+The arena file is not allocated up front (zeroing 1 GB of tmpfs took 0.23 s): ``pwrite`` allocates as it writes, and
+the pages of a tensor read straight into the mapping are reserved just before, so a full tmpfs is ENOSPC.
 
 With quantization "none" on CPU, where :func:`keepwarm.kernels.cpu_packed.packing_available` says so, the linear
 weights and ``lm_head.weight`` are stored packed for oneDNN (one ``packed`` uint8 entry each, layout
@@ -250,6 +252,8 @@ def build_arena(ckpt: Checkpoint, quantization: str, dtype: str, flat: torch.Ten
         t = p.source
         if not p.quantized and not p.packed and on_cpu and p.entries[0].dtype == dtype_name(t.dtype):
             e = p.entries[0]
+            if fd is not None:  # the only bytes written through the mapping: their pages first (ENOSPC, not EFAULT)
+                os.posix_fallocate(fd, e.offset, max(e.nbytes, 1))
             dest = tensor_bytes(flat[e.offset:e.offset + e.nbytes])
             leaf = leaf_hasher()  # the entry's arena leaf, fed as the parts are read straight into their place
             src_digests = _read_hashed(t, dest, leaf)

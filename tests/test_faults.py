@@ -10,6 +10,7 @@ call's work: half a write).
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import shutil
@@ -224,6 +225,27 @@ def small_tmpfs():
     for d in mounts:
         subprocess.run(["umount", "-l", str(d)], check=False)
         shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.mark.parametrize(("quantization", "dtype"), [("none", "float32"), ("int8", "bfloat16")])
+def test_a_preload_into_a_full_tmpfs_fails_with_enospc(tiny_llama, small_tmpfs, quantization, dtype) -> None:
+    """The arena file is not allocated up front: float32 tensors are read straight into the mapping (their pages
+    reserved first), int8 ones written with pwrite. Either way a full tmpfs is ENOSPC, "No space left on device",
+    never EFAULT or SIGBUS."""
+    from keepwarm.daemon.checkpoint import Checkpoint
+    from keepwarm.daemon.loader import build_arena, plan_arena, resolve_dtype
+    from keepwarm.formats.arena import CpuArenaFile
+
+    ckpt = Checkpoint(Path(tiny_llama))
+    planned, total = plan_arena(ckpt, quantization, resolve_dtype(ckpt, dtype), "cpu")
+    arena = small_tmpfs(total // 2) / "a.arena"
+    storage = CpuArenaFile.create(arena, total, reserve=False)
+    try:
+        with pytest.raises(OSError) as e:
+            build_arena(ckpt, quantization, dtype, storage.flat, "cpu", threads=2, planned=planned, arena_file=arena)
+        assert e.value.errno == errno.ENOSPC, e.value
+    finally:
+        storage.close()
 
 
 def _store_size(store: Store) -> int:
