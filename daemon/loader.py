@@ -323,15 +323,14 @@ def build_arena(ckpt: Checkpoint, quantization: str, dtype: str, flat: torch.Ten
     )
 
 
-def warm_up(dtypes: tuple[torch.dtype, ...] = (torch.bfloat16,)) -> float:
+def warm_up() -> float:
     """Run once what a CPU daemon's first preload would otherwise pay for inside it (0.1-0.25 s on a 2-core Zen 4):
-    the packing probe (oneDNN's first bf16 reorder and matmul), the packed-layouts file, the native kernels' library
-    (int8 quantization) and the hashes' code. Nothing is kept but those caches, so no arena depends on it having
-    run. Returns the seconds it took."""
+    the bf16 packing probe (oneDNN's first bf16 reorder and matmul), the native kernels' library (int8
+    quantization) and the hashes' code. Nothing is kept but those caches, so no arena depends on it having run.
+    Returns the seconds it took."""
     t0 = time.perf_counter()
     w = torch.ones(64, 64, dtype=torch.bfloat16)
-    for dtype in dtypes:
-        packing_available(dtype)
+    packing_available(torch.bfloat16)
     quantize_int8(w)
     hashlib.sha256(tensor_bytes(w)).hexdigest()
     leaf_digest(tensor_bytes(w))

@@ -637,9 +637,8 @@ def q4_linear(x: torch.Tensor, qweight: torch.Tensor, scales_and_zeros: torch.Te
 
 def q4_amx_fits(x: torch.Tensor, qweight: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int,
                 block: int) -> bool:
-    """:func:`q4_fits`, with the AMX tiles on, K and the group a multiple of 32 and blocks of 32 or 64 rows."""
-    return (available() and not amx_reason() and block in (32, 64) and group_size % 32 == 0 and x.dim() > 0
-            and x.shape[-1] % 32 == 0 and q4_fits(x, qweight, scales_and_zeros, group_size, block))
+    """:func:`q4_vec_fits` (K and the group a multiple of 32, blocks of 32 or 64 rows), with the AMX tiles on."""
+    return not amx_reason() and q4_vec_fits(x, qweight, scales_and_zeros, group_size, block)
 
 
 def q4_amx_linear(x: torch.Tensor, qweight: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int,
@@ -660,8 +659,8 @@ def _has_vbmi() -> bool:
 
 def q4_vec_fits(x: torch.Tensor, qweight: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int,
                 block: int) -> bool:
-    """:func:`q4_amx_fits`'s sizes on a CPU with AVX512-BF16 and AVX-512 VBMI (the pack's byte permute), tiles or
-    not."""
+    """:func:`q4_fits`, with K and the group a multiple of 32 and blocks of 32 or 64 rows, on a CPU with AVX512-BF16
+    and AVX-512 VBMI (the pack's byte permute), tiles or not."""
     return (available() and _has_vbmi() and block in (32, 64) and group_size % 32 == 0 and x.dim() > 0
             and x.shape[-1] % 32 == 0 and q4_fits(x, qweight, scales_and_zeros, group_size, block))
 

@@ -265,25 +265,20 @@ def _int4_block(layout: str) -> int:
     return int(m.group(1)) if m else 0
 
 
-def _int4_avx2(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    assert w.meta.group_size is not None
-    y = cpu_native.q4_linear(_as_2d(x), w.parts["qweight"], w.parts["scales_and_zeros"], w.meta.group_size,
-                             _int4_block(w.meta.layout))
-    return _add_bias(y, x, bias)
+def _int4_c(kernel: str) -> Callable[..., torch.Tensor]:
+    """The path of one of keepwarm's int4 C kernels on torch's "halves" pack (`cpu_native.<kernel>`, looked up at
+    each call), with the bias added after."""
+    def linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+        assert w.meta.group_size is not None
+        y = getattr(cpu_native, kernel)(_as_2d(x), w.parts["qweight"], w.parts["scales_and_zeros"], w.meta.group_size,
+                                        _int4_block(w.meta.layout))
+        return _add_bias(y, x, bias)
+
+    linear.__name__ = linear.__qualname__ = f"_int4_{kernel}"
+    return linear
 
 
-def _int4_amx(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    assert w.meta.group_size is not None
-    y = cpu_native.q4_amx_linear(_as_2d(x), w.parts["qweight"], w.parts["scales_and_zeros"], w.meta.group_size,
-                                 _int4_block(w.meta.layout))
-    return _add_bias(y, x, bias)
-
-
-def _int4_vec(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    assert w.meta.group_size is not None
-    y = cpu_native.q4_vec_linear(_as_2d(x), w.parts["qweight"], w.parts["scales_and_zeros"], w.meta.group_size,
-                                 _int4_block(w.meta.layout))
-    return _add_bias(y, x, bias)
+_int4_avx2, _int4_amx, _int4_vec = (_int4_c(k) for k in ("q4_linear", "q4_amx_linear", "q4_vec_linear"))
 
 
 def _int4_op(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
