@@ -4,8 +4,9 @@ Restarts (`keepwarm restart`'s request on the control socket), first idle, as th
 - handoff: the request to the new worker accepting (what the supervisor reports, and /metrics records);
 - restart to first token: the request to the first streamed token of a completion sent once the restart answered,
   over a new connection (by then only the new worker accepts; a kept-alive one would still reach the old worker),
-  so it is the figure comparable to the cold and warm rows; the first request's own part of it, and the new
-  worker's startup phases (its /health "startup", a median per phase);
+  so it is the figure comparable to the cold and warm rows: for a prompt no worker computed before, and for the
+  prompt the old worker served just before the restart (its cached blocks carried over to the new worker); the
+  first request's own part of it, and the new worker's startup phases (its /health "startup", a median per phase);
 with ``--standby`` (the same rows, ``standby_`` first), each idle restart waits until the supervisor reports a new
 standby warmed (the time since the previous restart answered is the row's re-arm time: restarts closer together
 than that wait for the standby's warm-up); then as many under load: LOAD_CLIENTS clients stream greedy completions
@@ -112,22 +113,36 @@ async def _handoffs(base: str, port: int, rt: Path, prompt_ids: list[int], repea
 
     # 1. idle (as the warm restart row): the restart request to the first token of a request sent after it
     # A fresh client each time: a connection kept alive from the previous request would reach the old worker,
-    # which answers what arrives over open connections while it drains.
-    handoff, to_first_token, first_request, phases, rearm = [], [], [], [], []
+    # which answers what arrives over open connections while it drains. Each repeat restarts twice: the first
+    # request after one is a prompt no worker has computed (its prompt rotated: no cached block), after the other
+    # the prompt the old worker had just served (its blocks carried over).
+    rows: dict[str, list[Any]] = {k: [] for k in ("to_first_token", "first_request", "handoff", "phases", "rearm",
+                                                  "carried_to_first_token", "carried_first_request", "carried")}
     pid, t_prev = None, time.monotonic()
-    for _ in range(repeats):
+    for i in range(2 * repeats):
+        carried = i % 2 == 1
+        prompt = prompt_ids if carried else prompt_ids[i + 1:] + prompt_ids[:i + 1]
         async with httpx.AsyncClient(timeout=httpx.Timeout(120, connect=10)) as probe:
             if standby:
                 pid = await _standby_pid(probe, base, pid)
-                rearm.append(time.monotonic() - t_prev)
+                rows["rearm"].append(time.monotonic() - t_prev)
+            if carried:
+                await _stream(probe, base, prompt_ids, 1)  # the old worker serves it (a hit there, or computed)
             t0 = time.monotonic()
             reply = await _restart(port, rt)
             t1 = time.monotonic()
-            times, _ = await _stream(probe, base, prompt_ids, 4)
-            to_first_token.append(times[0] - t0)
-            first_request.append(times[0] - t1)
-            handoff.append(reply.handoff_s)
-            phases.append((await probe.get(base + "/health")).json().get("startup", {}))
+            times, _ = await _stream(probe, base, prompt, 4)
+            health = (await probe.get(base + "/health")).json()
+            if carried:
+                rows["carried_to_first_token"].append(times[0] - t0)
+                rows["carried_first_request"].append(times[0] - t1)
+                rows["carried"].append(health.get("restarts", {}).get("last", {}).get("prefix_cache", {})
+                                       .get("blocks", 0))
+            else:
+                rows["to_first_token"].append(times[0] - t0)
+                rows["first_request"].append(times[0] - t1)
+            rows["handoff"].append(reply.handoff_s)
+            rows["phases"].append(health.get("startup", {}))
             t_prev = t1
     # 2. under load: the longest a client waited for a token, beside the same load without restarts
     load = _Load(base, prompt_ids)
@@ -143,8 +158,11 @@ async def _handoffs(base: str, port: int, rt: Path, prompt_ids: list[int], repea
     t_end = time.monotonic()
     load.stop.set()
     await runner
-    return {"standby_rearm_s": rearm, "zygote_restart_to_first_token_s": to_first_token, "handoff_s": handoff,
-            "zygote_first_request_s": first_request, "zygote_phases_s": median_phases(phases),
+    return {"standby_rearm_s": rows["rearm"], "zygote_restart_to_first_token_s": rows["to_first_token"],
+            "handoff_s": rows["handoff"], "zygote_first_request_s": rows["first_request"],
+            "carried_restart_to_first_token_s": rows["carried_to_first_token"],
+            "carried_first_request_s": rows["carried_first_request"], "prefix_blocks_carried": rows["carried"],
+            "zygote_phases_s": median_phases(rows["phases"]),
             "handoff_under_load_s": loaded,
             "max_gap_under_restarts_s": load.max_gap(t_restarts, t_end),
             "max_gap_steady_s": load.max_gap(t_steady, t_restarts),
@@ -185,6 +203,11 @@ def describe(row: dict, label: str = "zygote") -> str:
             f"{[round(x, 3) for x in row['zygote_restart_to_first_token_s']]} (handoff "
             f"{statistics.median(row['handoff_s']):.3f}s, first request to its first token "
             f"{statistics.median(row['zygote_first_request_s']):.3f}s{rearm})\n"
+            f"  {'  a prompt the old worker served:':<34}"
+            f"{statistics.median(row['carried_restart_to_first_token_s']):.2f}s  "
+            f"{[round(x, 3) for x in row['carried_restart_to_first_token_s']]} (first request to its first token "
+            f"{statistics.median(row['carried_first_request_s']):.3f}s; prefix-cache blocks carried over "
+            f"{row['prefix_blocks_carried']})\n"
             f"  new worker's phases (ms, median): {describe_phases(row['zygote_phases_s'])}\n"
             f"  under load ({LOAD_CLIENTS} streaming clients): handoff "
             f"{statistics.median(row['handoff_under_load_s']):.2f}s, longest gap a client saw "

@@ -67,7 +67,9 @@ def test_bench_restart_smoke(bench_env, tmp_path) -> None:
     assert row["daemon_preloads"] == 1 and row["daemon_attaches"] == 1
     assert not any(k.startswith("vllm_") for k in row)
     # the zygote rows: one restart of `serve --zygote` under load, no load request failed
-    assert len(row["zygote_restart_to_first_token_s"]) == 1 and len(row["handoff_s"]) == 1
+    # (idle, each repeat restarts twice: a prompt no worker computed, then the one the old worker served)
+    assert len(row["zygote_restart_to_first_token_s"]) == 1 and len(row["handoff_s"]) == 2
+    assert len(row["carried_restart_to_first_token_s"]) == 1 and row["prefix_blocks_carried"][0] > 0, row
     assert len(row["handoff_under_load_s"]) == 1
     assert 0 < row["handoff_s"][0] < row["zygote_restart_to_first_token_s"][0]
     assert row["load_requests"] > 0 and row["load_failed"] == 0
@@ -78,7 +80,8 @@ def test_bench_restart_smoke(bench_env, tmp_path) -> None:
     assert 0 < row["zygote_first_request_s"][0] < row["zygote_restart_to_first_token_s"][0]
     assert "new worker's phases" in out
     # the same with --standby: the restart took over a warmed standby (its phases say it waited for Go)
-    assert len(row["standby_zygote_restart_to_first_token_s"]) == 1 and len(row["standby_standby_rearm_s"]) == 1
+    assert len(row["standby_zygote_restart_to_first_token_s"]) == 1 and len(row["standby_standby_rearm_s"]) == 2
+    assert row["standby_prefix_blocks_carried"][0] > 0  # into the standby too
     assert row["standby_load_requests"] > 0 and row["standby_load_failed"] == 0
     assert "standby_wait" in row["standby_zygote_phases_s"] and "standby restart to first token" in out
 

@@ -106,6 +106,37 @@ def test_restarts_under_load(supervised) -> None:
     assert grpc_health.status == pb.HealthResponse.SERVING
 
 
+LONG_PROMPT = list(range(7, 7 + 70))  # four full 16-token blocks and 6 tokens more
+
+
+def _complete(server, prompt: list[int]) -> list[str]:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+            "logprobs": 0}
+    r = httpx.post(server.base + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["logprobs"]["tokens"]
+
+
+def test_a_restart_carries_the_prefix_cache_over(supervised) -> None:
+    """The old worker's cached blocks move to the new one: a prompt it had served is a prefix hit right after the
+    restart, with the same greedy tokens; a restart whose new worker has other KV (another block size) carries
+    nothing and says why."""
+    reference = _complete(supervised, LONG_PROMPT)
+    r = restart(supervised)
+    assert r.returncode == 0 and "blocks carried over" in r.stdout, r.stdout + r.stderr
+    carried = health(supervised)["restarts"]["last"]["prefix_cache"]
+    assert carried["blocks"] >= 4 and carried["nbytes"] > 0, carried
+    hits = supervised.metric("vllm:prefix_cache_hits_total")
+    assert _complete(supervised, LONG_PROMPT) == reference
+    assert supervised.metric("vllm:prefix_cache_hits_total") - hits == 4 * 16
+    assert supervised.metric("keepwarm:restart_prefix_blocks_carried_total") >= carried["blocks"]
+    r = restart(supervised, "--block-size", "32")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "prefix cache not carried over: the KV's block_size differs (16 there, 32 here)" in r.stdout, r.stdout
+    assert _complete(supervised, LONG_PROMPT) == reference
+    assert restart(supervised, "--block-size", "16").returncode == 0
+
+
 def test_a_restart_that_fails_its_warm_up_leaves_the_old_worker_serving(supervised) -> None:
     before = health(supervised)["restarts"]
     r = restart(supervised, "--kv-cache-dtype", "int3")

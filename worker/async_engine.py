@@ -3,8 +3,9 @@
 Rule: the engine is not thread-safe, so only the engine thread touches its live state (requests, scheduler, KV
 blocks, adapters). Coroutines hand it typed commands through a queue: ``_Add`` and ``_Abort`` for requests, and
 ``call(command)`` for an ``EngineCommand`` (``AddLoRA``, ``RemoveLoRA``, ``MarkUnloading``,
-``LoRARequestsInFlight``) whose result or error comes back to the awaiting coroutine. Outputs come back through
-one ``asyncio.Queue`` per request, filled with ``loop.call_soon_threadsafe``. What coroutines may read, the engine
+``LoRARequestsInFlight``) whose result or error comes back to the awaiting coroutine (``call_blocking`` for a plain
+thread's: the supervisor link's ``ExportPrefixes`` and ``AdoptPrefixes``). Outputs come back through one
+``asyncio.Queue`` per request, filled with ``loop.call_soon_threadsafe``. What coroutines may read, the engine
 thread publishes as fresh immutable values: ``snapshot`` (figures, after every step) and ``adapters`` (name ->
 ``AdapterView``, after every command). Facts fixed when the engine was built (tokenizer, model config, context
 length, model directory, where the weights came from) are read directly.
@@ -31,6 +32,7 @@ internal id the same way).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import logging
 import queue
@@ -138,6 +140,29 @@ class EffectiveConfig(EngineCommand):
 
 
 @dataclass(frozen=True)
+class ExportPrefixes(EngineCommand):
+    """The cached full blocks into a memfd, for the worker a restart hands over to (keepwarm.worker.prefix_handover):
+    ``(fd or None, Carried)``."""
+
+    def run(self, engine: LLMEngine) -> Any:
+        from keepwarm.worker.prefix_handover import export_prefixes
+
+        return export_prefixes(engine)
+
+
+@dataclass(frozen=True)
+class AdoptPrefixes(EngineCommand):
+    """Another worker's exported blocks into this pool (``Carried``); the caller closes ``fd``."""
+
+    fd: int
+
+    def run(self, engine: LLMEngine) -> Any:
+        from keepwarm.worker.prefix_handover import adopt_prefixes
+
+        return adopt_prefixes(engine, self.fd)
+
+
+@dataclass(frozen=True)
 class _Add:
     request_id: str
     prompt_token_ids: list[int]
@@ -155,8 +180,8 @@ class _Abort:
 @dataclass(frozen=True)
 class _Call:
     command: EngineCommand
-    loop: asyncio.AbstractEventLoop
-    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop | None  # None: ``future`` is a concurrent.futures.Future (``call_blocking``)
+    future: Any
 
 
 @dataclass
@@ -217,6 +242,16 @@ class AsyncEngine:
         self._commands.put(_Call(command, loop, future))
         self._wake.set()
         return await future
+
+    def call_blocking(self, command: EngineCommand, timeout: float) -> Any:
+        """``call`` from a thread that is not an event loop's (the supervisor link's reader): TimeoutError after
+        ``timeout``, RuntimeError when the engine is not running."""
+        if not self.running:
+            raise RuntimeError(f"the engine is not running: {self.errored}")
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(_Call(command, None, future))
+        self._wake.set()
+        return future.result(timeout)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        prompt: str | None = None, cache_salt: str | None = None,
@@ -283,16 +318,25 @@ class AsyncEngine:
                 except (RequestError, ValueError) as e:
                     self._deliver(cmd.request_id, RequestError(str(e)))
             elif isinstance(cmd, _Call):
-                try:
-                    result = cmd.command.run(engine)
-                except Exception as e:  # handed to the awaiting coroutine
-                    cmd.loop.call_soon_threadsafe(_set_exception, cmd.future, e)
-                else:
-                    cmd.loop.call_soon_threadsafe(_set_result, cmd.future, result)
-                finally:
-                    self._publish_adapters(engine)  # before the coroutine resumes: it sees the command's effect
+                self._run_call(engine, cmd)
             elif engine.abort_request(cmd.request_id):
                 log.debug("aborted request %s", cmd.request_id)
+
+    def _run_call(self, engine: LLMEngine, cmd: _Call) -> None:
+        try:
+            result = cmd.command.run(engine)
+        except Exception as e:  # handed to the awaiting coroutine (or thread)
+            self._publish_adapters(engine)  # before the caller resumes: it sees the command's effect
+            if cmd.loop is None:
+                cmd.future.set_exception(e)
+            else:
+                cmd.loop.call_soon_threadsafe(_set_exception, cmd.future, e)
+            return
+        self._publish_adapters(engine)
+        if cmd.loop is None:
+            cmd.future.set_result(result)
+        else:
+            cmd.loop.call_soon_threadsafe(_set_result, cmd.future, result)
 
     def _publish_adapters(self, engine: LLMEngine) -> None:
         self.adapters = {a.name: AdapterView(a, a.name, a.path, a.digest, a.rank, a.unloading)

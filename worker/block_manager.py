@@ -194,6 +194,38 @@ class BlockPool:
             block.block_hash = block_hash
             self.cached[block_hash] = block
 
+    def cached_by_recency(self) -> list[KVBlock]:
+        """Every cached block, the most recently used first: those in use, then the free ones from the queue's tail
+        (freed last) to its head (evicted next)."""
+        in_use = [b for b in self.cached.values() if b.ref_cnt > 0]
+        free = [b for b in reversed(self.free_queue.get_all_free_blocks())
+                if b.block_hash is not None and self.cached.get(b.block_hash) is b]
+        return in_use + free
+
+    def adopt(self, block_hashes: SequenceABC[BlockHash]) -> list[tuple[int, KVBlock]]:
+        """Enter blocks computed elsewhere (another worker's, most recent first) in the cache: each hash not cached
+        yet takes a block from the free queue's head, as any allocation (evicting what it held), while free blocks
+        last. They are freed again at once, the least recent first, so the most recent sit nearest the tail (evicted
+        last) and every block this pool had freed before is evicted before them. Returns (index in
+        ``block_hashes``, block) for each adopted; the caller fills their KV before the next step."""
+        wanted: dict[BlockHash, int] = {}  # the first index of each hash not cached here, up to the free blocks
+        for i, h in enumerate(block_hashes):
+            if len(wanted) == self.num_free:
+                break
+            if h not in self.cached and h not in wanted:
+                wanted[h] = i
+        taken = self.get_new_blocks(len(wanted))
+        for block_hash, block in zip(wanted, taken, strict=True):
+            block.block_hash = block_hash
+            self.cached[block_hash] = block
+        self.free_blocks(reversed(taken))
+        return list(zip(wanted.values(), taken, strict=True))
+
+    def forget(self, blocks: Iterable[KVBlock]) -> None:
+        """Drop these blocks' hashes (their KV is not what the hash says: an adoption that failed half way)."""
+        for block in blocks:
+            self._evict(block)
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; refused (False) while any block is in use."""
         if self.num_free != len(self.blocks):

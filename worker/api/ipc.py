@@ -119,6 +119,40 @@ class Draining:
 
 
 @dataclass(frozen=True)
+class ExportPrefixes:
+    """Supervisor -> old worker, before its Drain: its cached prefix blocks into a memfd
+    (keepwarm.worker.prefix_handover)."""
+
+
+@dataclass(frozen=True)
+class PrefixExport:
+    """Old worker -> supervisor: what it exported; fds: [the memfd] when ``blocks`` > 0, else ``reason`` says why
+    not."""
+
+    blocks: int
+    nbytes: int
+    seconds: float
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class AdoptPrefixes:
+    """Supervisor -> new worker: adopt the blocks of the export beside (fds: [the memfd])."""
+
+    blocks: int
+
+
+@dataclass(frozen=True)
+class PrefixAdopted:
+    """New worker -> supervisor: the blocks it adopted (0, and why, when it adopted none)."""
+
+    blocks: int
+    nbytes: int
+    seconds: float
+    reason: str = ""
+
+
+@dataclass(frozen=True)
 class Exit:
     code: int
 
@@ -154,8 +188,8 @@ class RestartReply:
 
 
 TYPES: dict[str, type] = {cls.__name__.lower(): cls for cls in (
-    Hello, Fork, Forked, Probe, ProbeReply, Ready, Standing, Go, Failed, Drain, Draining, Exit, Restarts,
-    RestartRequest, RestartReply)}
+    Hello, Fork, Forked, Probe, ProbeReply, Ready, Standing, Go, Failed, Drain, Draining, ExportPrefixes,
+    PrefixExport, AdoptPrefixes, PrefixAdopted, Exit, Restarts, RestartRequest, RestartReply)}
 
 
 def send(sock: socket.socket, message: Any, fds: tuple[int, ...] = ()) -> None:

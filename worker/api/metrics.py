@@ -99,6 +99,8 @@ class _RestartCollector(Collector):
         yield CounterMetricFamily("keepwarm:worker_replacements_failed", "Attempts to replace a worker that "
                                   "failed (after too many in a row the server exits).",
                                   value=h.get("replace_failed", 0))
+        yield CounterMetricFamily("keepwarm:restart_prefix_blocks_carried", "Prefix-cache blocks restarts carried "
+                                  "over from the old worker to the new one.", value=h.get("prefix_blocks_carried", 0))
         durations = h.get("durations", [])
         buckets = [(str(b), sum(d <= b for d in durations)) for b in RESTART_BUCKETS]
         yield HistogramMetricFamily("keepwarm:restart_duration_seconds", "Restart request to the new worker "

@@ -200,7 +200,8 @@ def _uvicorn_server(uv_config: Any, state: ServerState, link: WorkerLink | None,
             log.info("startup phases (s): %s", " ".join(f"{k} {v:.3f}" for k, v in state.startup.items()))
             if link is not None and self.started:
                 loop = asyncio.get_running_loop()
-                link.listen(on_drain=lambda: (loop.call_soon_threadsafe(self.hand_over), None)[1])
+                link.listen(on_drain=lambda: (loop.call_soon_threadsafe(self.hand_over), None)[1],
+                            call=lambda command: state.async_engine.call_blocking(command, PREFIX_CALL_TIMEOUT_S))
                 link.say(_ready(state, link))
 
         def hand_over(self) -> None:
@@ -254,6 +255,7 @@ def _draining() -> Any:
     return ipc.Draining(pid=os.getpid())
 
 
+PREFIX_CALL_TIMEOUT_S = 30.0  # an export or adoption waits for the step in flight, then copies the cached blocks
 FATAL_EXIT_CODE = 70  # EX_SOFTWARE: the engine died; systemd's Restart=on-failure brings a fresh worker up warm
 FATAL_EXIT_GRACE_S = 5.0
 

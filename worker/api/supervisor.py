@@ -15,10 +15,14 @@ A restart (``restart``):
 3. the zygote forks the new worker with the listening socket and a status socket (SCM_RIGHTS); the child
    attaches, warms one step, starts accepting on the *same* listening socket and says Ready. A zygote that is
    gone is replaced first: a cold start (the import floor), logged, answered and shown in /health and /metrics;
-4. the old worker is told to Drain: it closes its copy of the listener at once (the kernel's accept queue is
+4. the old worker's prefix cache is carried over (``_carry_prefixes``, keepwarm.worker.prefix_handover): it
+   exports its cached blocks into a memfd while it serves on, the new worker adopts what fits its pool (the same
+   weights, dtypes, block size and Python, else nothing, and the reason is logged and answered); never a failed
+   restart, and at most the old worker's cached blocks in memory for the copy's time;
+5. the old worker is told to Drain: it closes its copy of the listener at once (the kernel's accept queue is
    shared, so nothing queued is lost: the reason for passing one socket rather than ``SO_REUSEPORT``, whose
    per-socket queues drop what is queued on the socket that closes) and finishes its in-flight requests;
-5. a new worker that fails (Failed, exits, or is not ready within the timeout) is killed; the old one never
+6. a new worker that fails (Failed, exits, or is not ready within the timeout) is killed; the old one never
    stopped serving, and the restart answers why.
 With ``--standby`` one more worker is kept forked (``Fork(standby=True)``): it attaches, builds its engine, warms
 one step, says Standing and waits, not accepting, for Go. A restart whose config and Python are the standby's (and
@@ -71,11 +75,18 @@ REPLACE_BACKOFF_S = (0.0, 0.5, 1.0, 2.0, 4.0)  # the wait before attempt 1, 2, .
 # After a handoff, the next standby is forked this much later: even at SCHED_IDLE its warm-up (page population,
 # memory traffic) beside the new worker's first requests made them slower on 2 cores.
 STANDBY_DELAY_S = 3.0
+# An export or adoption waits for the worker's step in flight, then copies its cached blocks (the worker's own limit
+# is 30 s); past this the restart goes on without the cache.
+PREFIX_TIMEOUT_S = 35.0
 
 
 # EX_SOFTWARE (the worker's own status for a failed engine, keepwarm.worker.api.server; not imported: no torch
 # here): what the supervisor exits with when it gives up on a worker that had exited with 0.
 FATAL_STATUS = 70
+
+
+class _NotCarried(Exception):
+    """Why a restart's prefix cache was not carried over (the restart goes on)."""
 
 
 class RestartFailed(Exception):
@@ -164,6 +175,7 @@ class History:
     replaced: int = 0  # workers that exited on their own and were replaced
     replace_failed: int = 0  # replacement attempts that failed
     last_replacement: dict[str, Any] | None = None
+    carried_blocks: int = 0  # prefix-cache blocks restarts carried over to their new worker
 
     def to_dict(self, supervisor: Supervisor) -> dict[str, Any]:
         z, standby = supervisor.zygote, supervisor.standby
@@ -171,7 +183,8 @@ class History:
                 "standby_pid": standby.pid if standby is not None and standby.standing else None,
                 "python": z.hello.python if z else None, "total": dict(self.total), "failed": self.failed,
                 "durations": list(self.durations[-1000:]), "last": self.last, "replaced": self.replaced,
-                "replace_failed": self.replace_failed, "last_replacement": self.last_replacement}
+                "replace_failed": self.replace_failed, "last_replacement": self.last_replacement,
+                "prefix_blocks_carried": self.carried_blocks}
 
 
 @dataclass
@@ -529,6 +542,8 @@ class Supervisor:
             return ipc.RestartReply(ok=False, message=f"{e}; the old worker (pid {old.pid}) keeps serving",
                                     old_pid=old.pid)
         ready_s = time.monotonic() - t0
+        t_carry = time.monotonic()
+        carried = self._carry_prefixes(old, new)
         t_drain = time.monotonic()
         ipc.send(old.sock, ipc.Drain())
         try:
@@ -545,17 +560,65 @@ class Supervisor:
         self.history.durations.append(ready_s)
         # where the handoff went: waiting for a previous old worker, the zygote's fork, the new worker to Ready, the
         # old one's Draining; and the new worker's own startup phases
-        steps = {"wait_old": t_fork - t0, "fork": new.fork_s, "ready": t_drain - t_fork - new.fork_s,
-                 "drain_notice": time.monotonic() - t_drain}
+        steps = {"wait_old": t_fork - t0, "fork": new.fork_s, "ready": t_carry - t_fork - new.fork_s,
+                 "carry_prefixes": t_drain - t_carry, "drain_notice": time.monotonic() - t_drain}
         self.history.last = {"mode": mode, "seconds": ready_s, "reason": reason, "at": time.time(),
-                             "old_pid": old.pid, "new_pid": new.pid, "steps": steps, "worker_phases": new.phases}
+                             "old_pid": old.pid, "new_pid": new.pid, "steps": steps, "worker_phases": new.phases,
+                             "prefix_cache": carried}
+        self.history.carried_blocks += carried["blocks"]
         self._send_history()
         note = f"; cold start: {reason}" if mode == "cold" else ""
+        note += (f"; prefix cache: {carried['blocks']} blocks carried over ({carried['nbytes'] / 1e6:.1f} MB in "
+                 f"{carried['seconds']:.3f}s)" if carried["blocks"] else
+                 f"; prefix cache not carried over: {carried['reason']}")
         log.info("restarted: worker %d -> %d in %.3fs (%s; %s)%s", old.pid, new.pid, ready_s, mode,
                  " ".join(f"{k} {v:.3f}" for k, v in steps.items()), note)
         return ipc.RestartReply(ok=True, message=f"handoff in {ready_s:.3f}s: worker {old.pid} -> {new.pid} "
                                                  f"({mode}){note}", mode=mode, handoff_s=ready_s,
                                 old_pid=old.pid, new_pid=new.pid)
+
+    # -- the prefix cache carried over (keepwarm.worker.prefix_handover) ------------------------------------------
+    def _carry_prefixes(self, old: Worker, new: Worker) -> dict[str, Any]:
+        """The old worker's cached prefix blocks into the new one's pool, while the old one still serves: what was
+        carried (``blocks`` 0 and the ``reason`` when nothing was; never a failed restart)."""
+        t0 = time.monotonic()
+        fd = None
+        try:
+            if old.python != new.python:
+                raise _NotCarried("the new worker runs another Python (block keys are per interpreter)")
+            ipc.send(old.sock, ipc.ExportPrefixes())
+            export, fds = self._reply(old, ipc.PrefixExport, PREFIX_TIMEOUT_S)
+            fd = fds[0] if fds else None
+            if not export.blocks or fd is None:
+                raise _NotCarried(export.reason or "the export came without its file")
+            ipc.send(new.sock, ipc.AdoptPrefixes(export.blocks), (fd,))
+            adopted, _ = self._reply(new, ipc.PrefixAdopted, PREFIX_TIMEOUT_S)
+            result = {"blocks": adopted.blocks, "nbytes": adopted.nbytes, "seconds": time.monotonic() - t0,
+                      "exported": export.blocks, "reason": adopted.reason}
+        except (_NotCarried, EOFError, TimeoutError, ProtocolError, OSError) as e:
+            result = {"blocks": 0, "nbytes": 0, "seconds": time.monotonic() - t0, "exported": 0, "reason": str(e)}
+        finally:
+            if fd is not None:
+                os.close(fd)
+        log.log(logging.INFO if result["blocks"] else logging.WARNING, "prefix cache: %s",
+                f"{result['blocks']} of {result['exported']} blocks carried over from worker {old.pid} to {new.pid} "
+                f"({result['nbytes'] / 1e6:.1f} MB in {result['seconds']:.3f}s)" if result["blocks"] else
+                f"not carried over from worker {old.pid} to {new.pid}: {result['reason']}")
+        return result
+
+    @staticmethod
+    def _reply(worker: Worker, cls: type, timeout: float) -> tuple[Any, list[int]]:
+        """The worker's next ``cls`` message and its fds; other messages before it are taken as the loop would."""
+        deadline = time.monotonic() + timeout
+        while True:
+            msg, fds = ipc.recv(worker.sock, timeout=deadline - time.monotonic())
+            if isinstance(msg, cls):
+                return msg, fds
+            for fd in fds:
+                os.close(fd)
+            if isinstance(msg, ipc.Exit):
+                worker.code = msg.code
+                raise EOFError(f"worker {worker.pid} exited (status {msg.code})")
 
     # -- the standby (``serve --standby``) ------------------------------------------------------------------------
     def _tend_standby(self) -> None:

@@ -113,7 +113,8 @@ def probe() -> Any:
 
 
 class WorkerLink:
-    """The worker's end of its status socket: says Ready / Draining / Exit, hears Drain and Restarts.
+    """The worker's end of its status socket: says Ready / Draining / Exit, hears Drain and Restarts, and answers
+    ExportPrefixes / AdoptPrefixes (the prefix cache a restart carries over).
 
     The supervisor going away (EOF) drains the worker (SIGTERM to itself), so no worker outlives its server."""
 
@@ -126,11 +127,11 @@ class WorkerLink:
         self.idle_priority = False  # a standby warming at SCHED_IDLE (``idle_priority``), restored on Go
         self._lock = threading.Lock()
 
-    def say(self, message: Any) -> None:
+    def say(self, message: Any, fds: tuple[int, ...] = ()) -> None:
         from keepwarm.worker.api import ipc
 
         with self._lock, contextlib.suppress(OSError):  # the supervisor is gone: the reader drains us
-            ipc.send(self.sock, message)
+            ipc.send(self.sock, message, fds)
 
     def await_go(self, phases: dict[str, float]) -> bool:
         """A standby's wait, warmed and not accepting: say Standing, then block until Go (True) or until the
@@ -145,20 +146,72 @@ class WorkerLink:
                 return isinstance(msg, ipc.Go)
         return False
 
-    def listen(self, on_drain: Callable[[], None]) -> None:
-        threading.Thread(target=self._read, args=(on_drain,), name="keepwarm-link", daemon=True).start()
+    def listen(self, on_drain: Callable[[], None], call: Callable[[Any], Any] | None = None) -> None:
+        """Read the supervisor's messages in a thread: Drain calls ``on_drain``; ExportPrefixes and AdoptPrefixes run
+        in the engine thread through ``call`` (``AsyncEngine.call_blocking``'s partial) and are answered."""
+        threading.Thread(target=self._read, args=(on_drain, call), name="keepwarm-link", daemon=True).start()
 
-    def _read(self, on_drain: Callable[[], None]) -> None:
+    def _read(self, on_drain: Callable[[], None], call: Callable[[Any], Any] | None) -> None:
         from keepwarm.worker.api import ipc
 
-        while (msg := self._next()) is not None:
+        while (got := self._next_with_fds()) is not None:
+            msg, fds = got
             if isinstance(msg, ipc.Drain):
                 on_drain()
+            elif isinstance(msg, ipc.ExportPrefixes):
+                self._export(call)
+            elif isinstance(msg, ipc.AdoptPrefixes):
+                self._adopt(call, fds[0] if fds else None)
+            for fd in fds:
+                os.close(fd)
         log.warning("the server's supervisor is gone: draining")
         os.kill(os.getpid(), signal.SIGTERM)
 
+    def _export(self, call: Callable[[Any], Any] | None) -> None:
+        from keepwarm.worker.api import ipc
+        from keepwarm.worker.async_engine import ExportPrefixes
+
+        fd = None
+        try:
+            if call is None:
+                raise RuntimeError("this worker has no engine to export from")
+            fd, done = call(ExportPrefixes())
+            self.say(ipc.PrefixExport(done.blocks, done.nbytes, done.seconds, done.reason),
+                              (fd,) if fd is not None else ())
+        except Exception as e:  # the restart goes on without the cache; the supervisor logs why
+            log.warning("prefix cache export failed: %s: %s", type(e).__name__, e)
+            self.say(ipc.PrefixExport(0, 0, 0.0, f"the export failed: {type(e).__name__}: {e}"))
+        finally:
+            if fd is not None:
+                os.close(fd)
+
+    def _adopt(self, call: Callable[[Any], Any] | None, fd: int | None) -> None:
+        from keepwarm.worker.api import ipc
+        from keepwarm.worker.async_engine import AdoptPrefixes
+
+        try:
+            if call is None or fd is None:
+                raise RuntimeError("no engine to adopt into" if call is None else "no export file came with it")
+            done = call(AdoptPrefixes(fd))
+            reply = ipc.PrefixAdopted(done.blocks, done.nbytes, done.seconds, done.reason)
+        except Exception as e:  # this worker serves on without the cache
+            log.warning("prefix cache adoption failed: %s: %s", type(e).__name__, e)
+            reply = ipc.PrefixAdopted(0, 0, 0.0, f"the adoption failed: {type(e).__name__}: {e}")
+        if reply.blocks:
+            log.info("adopted %d prefix-cache blocks (%.1f MB) from the worker before in %.3fs", reply.blocks,
+                     reply.nbytes / 1e6, reply.seconds)
+        self.say(reply)
+
     def _next(self) -> Any:
         """The supervisor's next message (Restarts taken in passing), or None once it is gone (EOF)."""
+        got = self._next_with_fds()
+        if got is None:
+            return None
+        for fd in got[1]:
+            os.close(fd)
+        return got[0]
+
+    def _next_with_fds(self) -> tuple[Any, list[int]] | None:
         from keepwarm.daemon.protocol import ProtocolError
         from keepwarm.worker.api import ipc
 
@@ -170,11 +223,9 @@ class WorkerLink:
             except ProtocolError as e:
                 log.warning("supervisor link: %s", e)
                 continue
-            for fd in fds:
-                os.close(fd)
             if isinstance(msg, ipc.Restarts):
                 self.restarts = msg.history
-            return msg
+            return msg, fds
 
 
 def idle_priority() -> str:
