@@ -106,6 +106,25 @@ def test_an_engine_adopts_another_ones_blocks_and_answers_as_a_fresh_one(engines
     assert new.block_manager.prefix_cache_hits - hits == 3 * 16  # the prompt's three full blocks, not recomputed
 
 
+def test_an_fp8_kv_pool_is_carried_bit_for_bit(engines) -> None:
+    from keepwarm.worker.prefix_handover import adopt_prefixes, export_prefixes
+
+    old, new = engines("old8", kv_cache_dtype="fp8"), engines("new8", kv_cache_dtype="fp8")
+    reference = _generate(old)
+    fd, exported = export_prefixes(old)
+    assert fd is not None
+    try:
+        assert adopt_prefixes(new, fd).blocks == exported.blocks
+    finally:
+        os.close(fd)
+    h = old.block_manager.pool.cached_by_recency()[0].block_hash
+    src, dst = old.block_manager.pool.get_cached_block(h).block_id, new.block_manager.pool.get_cached_block(h).block_id
+    assert old.runner.kv_cache.key[0].dtype == torch.float8_e4m3fn
+    assert torch.equal(old.runner.kv_cache.key[0][:, src].view(torch.uint8),
+                       new.runner.kv_cache.key[0][:, dst].view(torch.uint8))
+    assert _generate(new) == reference
+
+
 def test_an_engine_of_other_kv_refuses_naming_the_field_and_adopts_nothing(engines) -> None:
     from keepwarm.worker.prefix_handover import adopt_prefixes, export_prefixes
 

@@ -100,13 +100,13 @@ def _dtype(name: str) -> torch.dtype:
 
 
 def _views(buf: Any, identity: dict[str, Any], n: int, offset: int) -> list[torch.Tensor]:
-    """K and V of every layer (K0, V0, K1, ...) as tensors over ``buf`` from ``offset``."""
+    """K and V of every layer (K0, V0, K1, ...) over ``buf`` from ``offset``, as raw bits (``_raw``)."""
     layers, heads, head_dim = identity["kv_shape"]
     step = _layer_bytes(identity, n)
     shape = (heads, n, identity["block_size"], head_dim)
     dtype = _dtype(identity["kv_cache_dtype"])
-    return [torch.frombuffer(buf, dtype=torch.uint8, count=step, offset=offset + i * step).view(dtype).view(shape)
-            for i in range(2 * layers)]
+    return [_raw(torch.frombuffer(buf, dtype=torch.uint8, count=step, offset=offset + i * step).view(dtype)
+                 .view(shape)) for i in range(2 * layers)]
 
 
 def export_prefixes(engine: LLMEngine) -> tuple[int | None, Carried]:
@@ -212,10 +212,18 @@ def _adopt(engine: LLMEngine, mm: mmap.mmap, size: int, t0: float) -> Carried:
     return Carried(len(adopted), nbytes, time.perf_counter() - t0)
 
 
+_RAW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bits as integers of its width: copies are exact, and torch's CPU index ops know no fp8."""
+    return t.view(_RAW[t.element_size()])
+
+
 def _pools(engine: LLMEngine) -> list[torch.Tensor]:
-    """The engine's pools in the export's order: K0, V0, K1, V1, ..."""
+    """The engine's pools in the export's order (K0, V0, K1, V1, ...), as raw bits."""
     kv = engine.runner.kv_cache
-    return [p for pair in zip(kv.key, kv.value, strict=True) for p in pair]
+    return [_raw(p) for pair in zip(kv.key, kv.value, strict=True) for p in pair]
 
 
 def _close(mm: mmap.mmap) -> None:
