@@ -104,6 +104,16 @@ def test_an_engine_adopts_another_ones_blocks_and_answers_as_a_fresh_one(engines
     hits = new.block_manager.prefix_cache_hits
     assert _generate(new) == reference
     assert new.block_manager.prefix_cache_hits - hits == 3 * 16  # the prompt's three full blocks, not recomputed
+    # an engine that holds the first block already adopts the others (a gather of some of the export's blocks)
+    partial = engines("partial")
+    _generate(partial, PROMPT[:20])
+    fd, exported = export_prefixes(old)
+    try:
+        assert adopt_prefixes(partial, fd).blocks == exported.blocks - 1
+    finally:
+        os.close(fd)
+    hits = partial.block_manager.prefix_cache_hits
+    assert _generate(partial) == reference and partial.block_manager.prefix_cache_hits - hits == 3 * 16
 
 
 def test_an_fp8_kv_pool_is_carried_bit_for_bit(engines) -> None:

@@ -131,7 +131,10 @@ def export_prefixes(engine: LLMEngine) -> tuple[int | None, Carried]:
         kv = engine.runner.kv_cache
         ids = torch.tensor([b.block_id for b in blocks], device=kv.key[0].device)
         for view, pool in zip(_views(mm, identity, len(blocks), offset), _pools(engine), strict=True):
-            view.copy_(pool.index_select(1, ids))
+            if pool.device.type == "cpu":
+                torch.index_select(pool, 1, ids, out=view)  # straight into the file
+            else:
+                view.copy_(pool.index_select(1, ids))
         _close(mm)
     except BaseException:
         os.close(fd)
@@ -237,8 +240,9 @@ def _copy_in(engine: LLMEngine, views: list[torch.Tensor], adopted: list[tuple[i
     src = torch.tensor([i for i, _ in adopted])
     dst = torch.tensor([b.block_id for _, b in adopted], device=device)
     nbytes = 0
+    every = len(adopted) == views[0].shape[1] if views else False  # all of them: no gather first
     for view, pool in zip(views, _pools(engine), strict=True):
-        part = view.index_select(1, src)
+        part = view if every else view.index_select(1, src)
         pool.index_copy_(1, dst, part.to(device))
         nbytes += part.nbytes
     views.clear()
