@@ -51,6 +51,39 @@ def test_int8_linear_matches_float64(m: int, n: int, k: int, threads: int) -> No
     assert bool(((got.double() - want).abs() <= bound * 2.0**-8 + 1e-30).all())
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+def test_tiled_rows_do_not_depend_on_the_batch_or_threads(fp8: bool) -> None:
+    """Above one row each output is one float32 sum in k order whatever the batch and the split: the next tile is
+    packed inside the products of this one, in another buffer, and x read from a panel of its pairs. K = 1152 is
+    4.5 tiles of 128 pairs and N = 100 ends in a 4-channel tile, so a unit packed into the wrong buffer, tile or
+    place shows as a changed bit."""
+    g = torch.Generator().manual_seed(11)
+    # magnitudes 2^-12 .. 2^12: float32 sums round, so another summation order would show in the bf16 results
+    x = (torch.randn(40, 1152, generator=g) * torch.exp2(torch.randint(-12, 13, (40, 1152), generator=g))).bfloat16()
+    if fp8:
+        w = (torch.randn(100, 1152, generator=g) * 50).to(torch.float8_e4m3fn)
+        s = torch.rand(100, generator=g) + 0.5
+        run = cpu_native.fp8_linear
+    else:
+        w = torch.randint(-128, 128, (100, 1152), dtype=torch.int8, generator=g)
+        s = (torch.rand(100, generator=g) + 0.5).bfloat16()
+        run = cpu_native.int8_linear
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        full = run(x, w, s)
+        for rows in (2, 5, 12, 13, 25):
+            assert torch.equal(run(x[:rows].contiguous(), w, s), full[:rows]), rows
+        assert torch.equal(run(x[7:10].contiguous(), w, s), full[7:10])
+        torch.set_num_threads(1)
+        assert torch.equal(run(x, w, s), full)
+    finally:
+        torch.set_num_threads(before)
+    want = (x.double() @ w.double().t()) * s.double()
+    bound = (x.double().abs() @ w.double().abs().t()) * s.double()
+    assert bool(((full.double() - want).abs() <= bound * 2.0**-8 + 1e-30).all())
+
+
 def test_int8_linear_rejects_what_it_cannot_run() -> None:
     q = torch.zeros(8, 32, dtype=torch.int8)
     with pytest.raises(ValueError, match="bfloat16|int8_linear"):
