@@ -49,6 +49,16 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
+/* Per thread, grown as needed, kept between calls (NULL without memory). */
+static void *grown(void **p, int64_t *cap, int64_t bytes) {
+    if (*cap < bytes) {
+        free(*p);
+        *p = aligned_alloc(64, (size_t)((bytes + 63) / 64 * 64));
+        *cap = *p ? bytes : 0;
+    }
+    return *p;
+}
+
 #ifndef KW_ATTENTION_ONLY /* the matmuls need AVX512-BF16; the attention-only build (AVX2) leaves them out */
 typedef struct {
     const uint16_t *x;
@@ -152,10 +162,9 @@ typedef struct {
 
 /* Unit u of packing tile t (units h * Q + q/16: half h of the channels, k pairs q .. q+15) into scratch:
  * scratch[k2][c] = bf16 pair (w[n+c][2(k0+k2)], w[n+c][2(k0+k2)+1]) for c < nc, 0 beyond. Each channel's 32 codes
- * of 16 pairs are converted as they lie (contiguous loads, never past a row's end), then transposed in registers. */
-/* Not inlined: inlined into the micro-kernels, GCC spilled their accumulators (measured slower). */
-static __attribute__((noinline)) void pack_unit(const job_t *j, const tile_t *t, int u,
-                                                             uint32_t *scratch) {
+ * of 16 pairs are converted as they lie (contiguous loads, never past a row's end), then transposed in registers.
+ * Not inlined: inlined into the micro-kernels, GCC spilled their accumulators (measured slower). */
+static __attribute__((noinline)) void pack_unit(const job_t *j, const tile_t *t, int u, uint32_t *scratch) {
     const int64_t Q = (t->kb2 + 15) / 16, K = j->K;
     const int h = (int)(u / Q), rows = t->nc - 16 * h;
     const int64_t q = (u % Q) * 16, k = 2 * (t->k0 + q);
@@ -172,7 +181,7 @@ static int pack_units(const tile_t *t) { return (int)(2 * ((t->kb2 + 15) / 16));
 
 /* The next tile's packing, done inside the micro-kernels that multiply this one (units u0 .. u1-1 in one call), so
  * its converts and shuffles run beside their vdpbf16ps instead of after them; and the tile after that fetched toward
- * L2 (one line per k pair step, `per` lines of each of `rows` channels `K` bytes apart), so those loads hit the
+ * L2 (one line per k pair step, `per` lines of each of `pf_rows` channels K bytes apart), so those loads hit the
  * cache. A call with no pack job (NULL) only multiplies. */
 typedef struct {
     const job_t *j;
@@ -241,16 +250,6 @@ static void x_panel(const uint16_t *x, int64_t M, int64_t K, uint32_t *panel) {
         for (int64_t k2 = 0; k2 < K2; k2++)
             for (int r = 0; r < R; r++) memcpy(blk + k2 * R + r, x + (m + r) * K + 2 * k2, 4);
     }
-}
-
-/* Per thread, grown as needed, kept between calls (NULL without memory). */
-static void *grown(void **p, int64_t *cap, int64_t bytes) {
-    if (*cap < bytes) {
-        free(*p);
-        *p = aligned_alloc(64, (size_t)((bytes + 63) / 64 * 64));
-        *cap = *p ? bytes : 0;
-    }
-    return *p;
 }
 
 /* t moved to the tile after it within channels [.., n1): the next k block of the same channels, else the next
@@ -1289,17 +1288,10 @@ int kw_bgemm(const float *x, const uint16_t *w, uint16_t *out, int64_t M, int64_
  *   scratch [gs][B] and every row of x, two at a time, runs over it: the same bits.
  * Software prefetches and unrolling were tried (interleaved A/B): no gain, so none. */
 
-static __thread float *q_scratch;
-static __thread size_t q_scratch_len;
+static __thread void *q_scratch;
+static __thread int64_t q_scratch_bytes;
 
-static float *scratch_floats(size_t n) { /* per thread, grown as needed, kept between calls */
-    if (n > q_scratch_len) {
-        free(q_scratch);
-        q_scratch = aligned_alloc(64, (n * sizeof(float) + 63) / 64 * 64);
-        q_scratch_len = q_scratch ? n : 0;
-    }
-    return q_scratch;
-}
+static float *scratch_floats(size_t n) { return grown(&q_scratch, &q_scratch_bytes, (int64_t)(n * sizeof(float))); }
 
 /* 8 codes (sign-extended to int32 lanes) as float32, exactly: int8 -> its value; float8_e4m3fn (fp8) -> its value,
  * built from its bits (sign, then exponent and mantissa shifted onto float32's, which reads them 2^120 too small,
