@@ -4,22 +4,39 @@ The archive mirrors the store: ``snapshots/<name>.json`` first, then ``blobs/sha
 manifest names, as plain files (mode 0644, uid/gid 0, mtime = the snapshot's creation time: the same snapshot
 exports to the same bytes).
 
-Import reads the archive as a stream and never extracts it with tarfile: every member must be a regular file named
-exactly ``snapshots/<valid name>.json`` (the first member) or ``blobs/sha256/<64 hex>`` naming a blob of that
-manifest with the manifest's size; directory entries for those two directories are skipped. Anything else (an
-absolute path, ``..``, another name, a symlink, a hard link, a device, a FIFO, a duplicate) refuses the whole
-archive. Blobs are hashed as they are read into a staging directory inside the store; only when every digest
-checked out and every blob is there do they move into ``blobs/sha256/`` and the manifest into ``snapshots/``.
+Import reads the archive as a stream with its own tar reader (never tarfile, which reads a whole PAX or GNU
+long-name payload into memory, and never extracts anything). The rules:
+
+- Every member must be a regular file named exactly ``snapshots/<valid name>.json`` (the first member) or
+  ``blobs/sha256/<64 hex>`` naming a blob of that manifest with the manifest's size; directory entries for those
+  two directories are skipped. Anything else (an absolute path, ``..``, another name, a symlink, a hard link, a
+  device, a FIFO, a sparse file, a duplicate) refuses the whole archive.
+- Memory is bounded before anything is read: a PAX header (``x``) above PAX_LIMIT, global ones (``g``) above it in
+  all, a GNU long name or long link (``L`` / ``K``) above NAME_LIMIT, a manifest above MANIFEST_LIMIT (its parsed
+  JSON costs up to ~30x its bytes) or a zstd frame that needs a window above ZSTD_WINDOW_LIMIT is refused from its
+  header alone. Blobs are streamed in CHUNK pieces. Peak memory stays under 64 MiB above the process's.
+- Time is bounded by what the manifest declares: at most four PAX / GNU headers before a member, each directory
+  entry once, every other member the manifest or one of its blobs (once, at its size).
+- Every header's checksum is checked and the archive must end with tar's end-of-archive block, so a truncated
+  archive (or zstd stream) is refused even when it breaks off between two members.
+- Whatever is wrong with the archive (bad header, corrupt or truncated zstd, a read error) is an ArchiveError: one
+  line naming the file and the problem. An OSError out of the import is therefore the store's (a full disk): it
+  is reported as such, "No space left on device" included.
+- Blobs are hashed as they are read into a staging directory inside the store; only when every digest checked out
+  and every blob is there do they move into ``blobs/sha256/`` and the manifest into ``snapshots/``. Any refusal
+  removes the staging directory: the store gains nothing (a failure while landing, e.g. the disk filling at the
+  manifest, can leave only blobs no snapshot names, which gc removes).
 """
 
 from __future__ import annotations
 
-import contextlib
 import io
 import os
 import re
 import shutil
+import struct
 import tarfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -32,6 +49,22 @@ ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 _BLOB_MEMBER = re.compile(r"blobs/sha256/([0-9a-f]{64})")
 _MANIFEST_MEMBER = re.compile(r"snapshots/(" + mf.NAME_RE.pattern + r")\.json")
 _DIR_MEMBERS = {"snapshots", "blobs", "blobs/sha256"}
+
+BLOCK = 512
+PAX_LIMIT = 64 << 10  # export writes PAX records only for what ustar cannot hold (a size >= 8 GiB): ~30 bytes
+NAME_LIMIT = 4 << 10  # valid member names are under 160 bytes
+MANIFEST_LIMIT = 1 << 20  # real manifests are KBs; 1 MiB of "[]," parses to ~27 MiB of lists
+ZSTD_WINDOW_LIMIT = 1 << 25  # export (level 3) uses a 2 MiB window; zstd levels up to 20 stay within 32 MiB
+_REGULAR = (b"0", b"\x00", b"7")  # tar's regular, old regular, contiguous
+_KINDS = {b"1": "a hard link", b"2": "a symlink", b"3": "a character device", b"4": "a block device",
+          b"6": "a FIFO", b"S": "a sparse file"}
+_EXTENDED = {b"x": "PAX header", b"g": "global PAX header", b"L": "GNU long name", b"K": "GNU long link"}
+_PAX_RECORD = re.compile(rb"([0-9]{1,6}) ")
+_PAX_SIZE = re.compile(r"[0-9]{1,20}")
+
+
+class ArchiveError(SnapshotError):
+    """The archive is malformed, hostile or unreadable (as opposed to the store failing while it is imported)."""
 
 
 @dataclass
@@ -85,115 +118,308 @@ def export(store: Store, name: str, out: Path, zstd: bool = False, level: int = 
     return out.stat().st_size
 
 
-def _open_stream(f: BinaryIO) -> tuple[BinaryIO, bool]:
-    head = f.read(4)
-    f.seek(0)
-    if head == ZSTD_MAGIC:
-        import zstandard
-
-        return zstandard.ZstdDecompressor().stream_reader(f, read_size=CHUNK), True
-    return f, False
+def _show(name: str) -> str:
+    """A member name fit for a one-line message (a hostile one can be kilobytes long)."""
+    return repr(name if len(name) <= 80 else name[:80] + "...")
 
 
-def _refuse(member: tarfile.TarInfo) -> None:
-    kinds = [(member.issym(), "a symlink"), (member.islnk(), "a hard link"), (member.ischr(), "a character device"),
-             (member.isblk(), "a block device"), (member.isfifo(), "a FIFO")]
-    kind = next((k for cond, k in kinds if cond), None)
+class _Source:
+    """The archive's bytes, decompressed when they start with zstd's magic, and how many were read. A failure to
+    read or decode them is an ArchiveError naming the file, so an OSError leaving the import is the store's."""
+
+    def __init__(self, path: Path, raw: BinaryIO) -> None:
+        self.path, self.offset = path, 0
+        self.stream: BinaryIO = raw
+        self.decode_errors: tuple[type[Exception], ...] = ()
+        try:
+            head = raw.read(4)
+            raw.seek(0)
+        except OSError as e:
+            raise ArchiveError(f"cannot read {path}: {e.strerror or e}; nothing imported") from None
+        if not head:
+            raise ArchiveError(f"{path} is empty; nothing imported")
+        if head == ZSTD_MAGIC:
+            import zstandard
+
+            # the window bound is checked from the frame header, before the decoder allocates the window
+            dctx = zstandard.ZstdDecompressor(max_window_size=ZSTD_WINDOW_LIMIT)
+            self.stream = dctx.stream_reader(raw, read_size=CHUNK, read_across_frames=True)
+            self.decode_errors = (zstandard.ZstdError,)
+
+    def readinto(self, buf: memoryview) -> int:
+        try:
+            n = self.stream.readinto(buf)
+        except OSError as e:
+            raise ArchiveError(f"cannot read {self.path}: {e.strerror or e}; nothing imported") from None
+        except self.decode_errors as e:
+            if "too much memory" in str(e):  # libzstd's words for a window above max_window_size
+                raise ArchiveError(f"{self.path}: its zstd frame needs a window above the {ZSTD_WINDOW_LIMIT >> 20} "
+                                   "MiB limit; refusing it, nothing imported") from None
+            raise ArchiveError(f"{self.path} is damaged: its zstd data does not decode ({e}); nothing imported"
+                               ) from None
+        self.offset += n
+        return n
+
+    def read_exact(self, n: int, what: str) -> bytearray:
+        """``n`` bytes (callers bound ``n`` first); an ArchiveError naming ``what`` when the archive ends before."""
+        buf = bytearray(n)
+        got = 0
+        while got < n:
+            k = self.readinto(memoryview(buf)[got:])
+            if not k:
+                raise ArchiveError(f"{self.path} is truncated (it ends inside {what}); nothing imported")
+            got += k
+        return buf
+
+
+@dataclass
+class Member:
+    name: str
+    kind: bytes  # tar's type flag
+    size: int
+    linkname: str
+    offset: int  # of its header in the (decompressed) archive
+
+
+class _MemberData:
+    """One member's data, for file_chunks and the manifest read: exactly ``member.size`` bytes."""
+
+    def __init__(self, src: _Source, member: Member) -> None:
+        self.src, self.member, self.left = src, member, member.size
+
+    def readinto(self, buf: memoryview) -> int:
+        if self.left <= 0:
+            return 0
+        n = self.src.readinto(buf[:min(len(buf), self.left)])
+        if not n:
+            raise ArchiveError(f"{self.src.path} is truncated ({self.left} bytes of {_show(self.member.name)} "
+                               "missing); nothing imported")
+        self.left -= n
+        return n
+
+    def read_all(self) -> bytearray:
+        data = self.src.read_exact(self.left, _show(self.member.name))
+        self.left = 0
+        return data
+
+    def drain(self) -> None:
+        buf = memoryview(bytearray(min(CHUNK, max(self.left, 1))))
+        while self.readinto(buf):
+            pass
+
+
+def _text(field: bytes) -> str:
+    return bytes(field).split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
+
+
+def _number(field: bytes, path: Path, offset: int) -> int:
+    if field[0] == 0x80:  # GNU / star base-256, for what 11 octal digits cannot hold (>= 8 GiB)
+        return int.from_bytes(field[1:], "big")
+    digits = bytes(field).split(b"\0", 1)[0].strip(b" ")
+    if not re.fullmatch(rb"[0-7]*", digits):
+        raise ArchiveError(f"{path} is damaged: a tar header at byte {offset} holds a bad number; nothing imported")
+    return int(digits, 8) if digits else 0
+
+
+def _header(block: bytes, path: Path, offset: int) -> Member:
+    """Parse one 512-byte ustar / GNU header, its checksum checked (unsigned or, as old tars wrote, signed)."""
+    digits = bytes(block[148:156]).split(b"\0", 1)[0].strip(b" ")
+    stored = int(digits, 8) if re.fullmatch(rb"[0-7]+", digits) else -1
+    unsigned = sum(block[:148]) + 8 * 32 + sum(block[156:])
+    signed = sum(struct.unpack("148b8x356b", block)) + 8 * 32
+    if stored not in (unsigned, signed):
+        what = "not a tar archive" if offset == 0 else "damaged"
+        raise ArchiveError(f"{path} is {what}: bad tar header checksum at byte {offset}; nothing imported")
+    name = _text(block[0:100])
+    if block[257:263] == b"ustar\x00" and block[345]:  # POSIX prefix (GNU's "ustar  " uses these bytes otherwise)
+        name = _text(block[345:500]) + "/" + name
+    kind = block[156:157]
+    if kind == b"\x00" and name.endswith("/"):  # old tars mark directories by the slash alone
+        kind = b"5"
+    return Member(name, kind, _number(block[124:136], path, offset), _text(block[157:257]), offset)
+
+
+def _pax_records(data: bytes, path: Path, offset: int) -> dict[str, str]:
+    """``<length> <key>=<value>\\n`` records (the length counts the whole record, in bytes)."""
+    out: dict[str, str] = {}
+    pos = 0
+    while pos < len(data):
+        m = _PAX_RECORD.match(data, pos)
+        end = pos + int(m.group(1)) if m else -1
+        if m is None or not m.end() < end <= len(data) or data[end - 1] != 0x0A or b"=" not in data[m.end():end]:
+            raise ArchiveError(f"{path} is damaged: a malformed PAX record in the header at byte {offset}; nothing "
+                               "imported")
+        key, _, value = data[m.end():end - 1].partition(b"=")
+        out[key.decode("utf-8", "surrogateescape")] = value.decode("utf-8", "surrogateescape")
+        pos = end
+    return out
+
+
+def _extended(src: _Source, h: Member, into: dict[str, str], used: int = 0) -> None:
+    """Read a PAX header ('x': the next member, 'g': every later one) or a GNU long name / link ('L' / 'K') into
+    ``into``, refused from its declared size alone when it (with ``used`` bytes of global ones before it, which all
+    stay in memory) is larger than any export writes."""
+    pax = h.kind in (b"x", b"g")
+    limit = PAX_LIMIT if pax else NAME_LIMIT
+    what = _EXTENDED[h.kind]
+    if used + h.size > limit:
+        raise ArchiveError(f"{src.path} holds a {h.size}-byte {what} at byte {h.offset} (the limit is {limit}"
+                           f"{' in all' if used else ''}); refusing it, nothing imported")
+    data = bytes(src.read_exact(h.size + (-h.size % BLOCK), f"the {what} at byte {h.offset}")[:h.size])
+    if pax:
+        into.update(_pax_records(data, src.path, h.offset))
+    else:
+        into["path" if h.kind == b"L" else "linkpath"] = _text(data)
+
+
+def _apply(h: Member, ext: dict[str, str], path: Path) -> Member:
+    """The member a header describes once PAX / GNU records override its fields (an empty value: no override)."""
+    size = h.size
+    if ext.get("size"):
+        if not _PAX_SIZE.fullmatch(ext["size"]):
+            raise ArchiveError(f"{path} is damaged: PAX size {ext['size'][:40]!r} at byte {h.offset}; nothing "
+                               "imported")
+        size = int(ext["size"])
+    kind = b"S" if any(k.startswith("GNU.sparse.") for k in ext) else h.kind
+    return Member(ext.get("path") or h.name, kind, size, ext.get("linkpath") or h.linkname, h.offset)
+
+
+def _members(src: _Source) -> Iterator[tuple[Member, _MemberData]]:
+    """The archive's members up to tar's end-of-archive block, PAX and GNU records applied; the caller reads each
+    one's data (what it leaves is skipped)."""
+    glob: dict[str, str] = {}
+    local: dict[str, str] = {}
+    in_a_row = glob_bytes = 0  # both bounded, or endless small headers would take endless time (or memory)
+    while True:
+        offset = src.offset
+        block = bytearray(BLOCK)
+        n = src.readinto(memoryview(block))
+        if not n:
+            raise ArchiveError(f"{src.path} is truncated (it ends at byte {offset}, before tar's end-of-archive "
+                               "block); nothing imported")
+        block[n:] = src.read_exact(BLOCK - n, f"the tar header at byte {offset}")
+        if block == bytes(BLOCK):
+            return
+        h = _header(bytes(block), src.path, offset)
+        if h.kind in _EXTENDED:
+            in_a_row += 1
+            if in_a_row > len(_EXTENDED):
+                raise ArchiveError(f"{src.path} holds {in_a_row} PAX / GNU headers in a row at byte {offset}; "
+                                   "refusing it, nothing imported")
+            is_global = h.kind == b"g"
+            _extended(src, h, glob if is_global else local, glob_bytes if is_global else 0)
+            glob_bytes += h.size if is_global else 0
+            continue
+        member = _apply(h, {**glob, **local}, src.path)
+        local, in_a_row = {}, 0
+        data = _MemberData(src, member)
+        yield member, data
+        data.drain()
+        src.read_exact(-member.size % BLOCK, f"the padding of {_show(member.name)}")
+
+
+def _refuse(m: Member) -> None:
+    kind = _KINDS.get(m.kind)
     if kind is not None:
-        raise SnapshotError(f"the archive holds {kind} ({member.name!r}); refusing it, nothing imported")
-    name = member.name
+        raise ArchiveError(f"the archive holds {kind} ({_show(m.name)}); refusing it, nothing imported")
+    name = m.name
     if name.startswith("/") or re.match(r"^[A-Za-z]:", name):
-        raise SnapshotError(f"the archive holds an absolute path {name!r}; refusing it, nothing imported")
+        raise ArchiveError(f"the archive holds an absolute path {_show(name)}; refusing it, nothing imported")
     if ".." in name.replace("\\", "/").split("/"):
-        raise SnapshotError(f"the archive holds a path with '..' ({name!r}); refusing it, nothing imported")
+        raise ArchiveError(f"the archive holds a path with '..' ({_show(name)}); refusing it, nothing imported")
+    if m.kind not in _REGULAR and m.kind != b"5":
+        raise ArchiveError(f"unexpected member {_show(name)} (tar type {m.kind!r}); nothing imported")
 
 
 def import_archive(store: Store, path: Path, rename: str | None = None, force: bool = False) -> ImportResult:
-    """Check everything, then land blobs and the manifest in the store; on any failure the store is unchanged."""
-    store.ensure()
-    with store.lock():
-        staging = store.staging_dir("import")
-        try:
-            return _import(store, path, staging, rename, force)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
+    """Check everything, then land blobs and the manifest in the store; on any failure the store gains nothing."""
+    try:
+        store.ensure()
+        with store.lock():
+            staging = store.staging_dir("import")
+            try:
+                return _import(store, path, staging, rename, force)
+            finally:
+                shutil.rmtree(staging, ignore_errors=True)
+    except OSError as e:  # the archive's read errors are ArchiveErrors: this is the store failing (a full disk)
+        raise SnapshotError(f"cannot import into the store {store.root}: {e.strerror or e}; the snapshot was not "
+                            "imported") from None
 
 
-def _take_blob(store: Store, tar: tarfile.TarFile, member: tarfile.TarInfo, digest: str, expected: dict[str, int],
-               received: dict[str, bool], staging: Path) -> None:
+def _take_blob(store: Store, data: _MemberData, digest: str, expected: dict[str, int], received: dict[str, bool],
+               staging: Path) -> None:
     """Check one blob member against the manifest and stage it (or, already in the store, only check it)."""
+    size = data.member.size
     if digest not in expected:
-        raise SnapshotError(f"blob {digest} in the archive is not named by the snapshot; nothing imported")
+        raise ArchiveError(f"blob {digest} in the archive is not named by the snapshot; nothing imported")
     if digest in received:
-        raise SnapshotError(f"blob {digest} appears twice in the archive; nothing imported")
-    if member.size != expected[digest]:
-        raise SnapshotError(f"blob {digest} has {member.size} bytes in the archive, the manifest "
-                            f"says {expected[digest]}; nothing imported")
-    f = tar.extractfile(member)
-    if store.has_blob(digest, member.size):  # check it anyway: a bad archive is refused whole
-        got, _ = pipe_hashing(file_chunks(f, member.size), None)
+        raise ArchiveError(f"blob {digest} appears twice in the archive; nothing imported")
+    if size != expected[digest]:
+        raise ArchiveError(f"blob {digest} has {size} bytes in the archive, the manifest says {expected[digest]}; "
+                           "nothing imported")
+    if store.has_blob(digest, size):  # check it anyway: a bad archive is refused whole
+        got, _ = pipe_hashing(file_chunks(data, size), None)
         if got != digest:
-            raise SnapshotError(f"blob {digest} is corrupt in the archive (hashes to {got}); nothing imported")
+            raise ArchiveError(f"blob {digest} is corrupt in the archive (hashes to {got}); nothing imported")
         received[digest] = False
-    else:
-        try:
-            store.put_chunks(file_chunks(f, member.size), expect_digest=digest, staging=staging)
-        except SnapshotError as e:
-            raise SnapshotError(f"{e} (in the archive); nothing imported") from None
-        received[digest] = True
+        return
+    try:
+        store.put_chunks(file_chunks(data, size), expect_digest=digest, staging=staging)
+    except ArchiveError:
+        raise
+    except SnapshotError as e:
+        raise ArchiveError(f"{e} (in the archive); nothing imported") from None
+    received[digest] = True
+
+
+def _read_manifest(data: _MemberData, name: str) -> dict[str, Any]:
+    member = data.member
+    if member.size > MANIFEST_LIMIT:
+        raise ArchiveError(f"{member.name}: a {member.size}-byte manifest is too large (the limit is "
+                           f"{MANIFEST_LIMIT}); nothing imported")
+    try:
+        m = mf.loads(bytes(data.read_all()))
+    except RecursionError:
+        raise ArchiveError(f"{member.name}: the manifest nests too deeply to parse; nothing imported") from None
+    if m["name"] != name:
+        raise ArchiveError(f"{member.name} holds snapshot {m['name']!r}; nothing imported")
+    return m
 
 
 def _import(store: Store, path: Path, staging: Path, rename: str | None, force: bool) -> ImportResult:
     try:
         raw = open(path, "rb")  # noqa: SIM115
     except OSError as e:
-        raise SnapshotError(f"cannot read {path}: {e.strerror}") from None
+        raise ArchiveError(f"cannot read {path}: {e.strerror}") from None
     m: dict[str, Any] | None = None
     expected: dict[str, int] = {}
     received: dict[str, bool] = {}  # digest -> staged (False: already in the store, only checked)
+    dirs: set[str] = set()  # each at most once: every member then costs the manifest a name, so time is bounded
     with raw:
-        stream, _ = _open_stream(raw)
-        try:
-            tar = tarfile.open(fileobj=stream, mode="r|")  # noqa: SIM115 (closed in the finally below)
-        except tarfile.TarError as e:
-            raise SnapshotError(f"{path} is not a tar archive ({e})") from None
-        try:
-            for member in tar:
-                _refuse(member)
-                name = member.name.rstrip("/") if member.isdir() else member.name
-                if member.isdir():
-                    if name not in _DIR_MEMBERS:
-                        raise SnapshotError(f"unexpected directory {member.name!r} in the archive; nothing imported")
-                    continue
-                if not member.isreg():
-                    raise SnapshotError(f"unexpected member {member.name!r} (not a regular file); nothing imported")
-                mm = _MANIFEST_MEMBER.fullmatch(name)
-                bm = _BLOB_MEMBER.fullmatch(name)
-                if mm:
-                    if m is not None:
-                        raise SnapshotError("the archive holds more than one snapshot manifest; nothing imported")
-                    if member.size > mf.MAX_MANIFEST_BYTES:
-                        raise SnapshotError(f"{name}: a {member.size}-byte manifest is too large; nothing imported")
-                    f = tar.extractfile(member)
-                    m = mf.loads(f.read() if f else b"")
-                    if m["name"] != mm.group(1):
-                        raise SnapshotError(f"{name} holds snapshot {m['name']!r}; nothing imported")
-                    expected = mf.blobs(m)
-                elif bm:
-                    if m is None:
-                        raise SnapshotError("the archive's first file must be the snapshot manifest; nothing "
-                                            "imported")
-                    _take_blob(store, tar, member, bm.group(1), expected, received, staging)
-                else:
-                    raise SnapshotError(f"unexpected path {member.name!r} in the archive; nothing imported")
-        except (tarfile.TarError, EOFError, OSError) as e:
-            raise SnapshotError(f"{path} is damaged or truncated ({type(e).__name__}: {e}); nothing imported"
-                                ) from None
-        finally:
-            with contextlib.suppress(Exception):
-                tar.close()
+        for member, data in _members(_Source(path, raw)):
+            _refuse(member)
+            if member.kind == b"5":
+                d = member.name.rstrip("/")
+                if d not in _DIR_MEMBERS or d in dirs or member.size:
+                    raise ArchiveError(f"unexpected or repeated directory {_show(member.name)} in the archive; "
+                                       "nothing imported")
+                dirs.add(d)
+                continue
+            mm = _MANIFEST_MEMBER.fullmatch(member.name)
+            bm = _BLOB_MEMBER.fullmatch(member.name)
+            if mm:
+                if m is not None:
+                    raise ArchiveError("the archive holds more than one snapshot manifest; nothing imported")
+                m = _read_manifest(data, mm.group(1))
+                expected = mf.blobs(m)
+            elif bm:
+                if m is None:
+                    raise ArchiveError("the archive's first file must be the snapshot manifest; nothing imported")
+                _take_blob(store, data, bm.group(1), expected, received, staging)
+            else:
+                raise ArchiveError(f"unexpected path {_show(member.name)} in the archive; nothing imported")
     if m is None:
-        raise SnapshotError(f"{path} holds no snapshot manifest; nothing imported")
+        raise ArchiveError(f"{path} holds no snapshot manifest; nothing imported")
     return commit_staged(store, m, expected, received, staging, rename, force)
 
 
