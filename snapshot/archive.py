@@ -53,7 +53,7 @@ _DIR_MEMBERS = {"snapshots", "blobs", "blobs/sha256"}
 BLOCK = 512
 PAX_LIMIT = 64 << 10  # export writes PAX records only for what ustar cannot hold (a size >= 8 GiB): ~30 bytes
 NAME_LIMIT = 4 << 10  # valid member names are under 160 bytes
-MANIFEST_LIMIT = 1 << 20  # real manifests are KBs; 1 MiB of "[]," parses to ~27 MiB of lists
+MANIFEST_LIMIT = mf.MAX_MANIFEST_BYTES  # real manifests are KBs; 1 MiB of "[]," parses to ~27 MiB of lists
 ZSTD_WINDOW_LIMIT = 1 << 25  # export (level 3) uses a 2 MiB window; zstd levels up to 20 stay within 32 MiB
 _REGULAR = (b"0", b"\x00", b"7")  # tar's regular, old regular, contiguous
 _KINDS = {b"1": "a hard link", b"2": "a symlink", b"3": "a character device", b"4": "a block device",
@@ -378,9 +378,9 @@ def _read_manifest(data: _MemberData, name: str) -> dict[str, Any]:
         raise ArchiveError(f"{member.name}: a {member.size}-byte manifest is too large (the limit is "
                            f"{MANIFEST_LIMIT}); nothing imported")
     try:
-        m = mf.loads(bytes(data.read_all()))
-    except RecursionError:
-        raise ArchiveError(f"{member.name}: the manifest nests too deeply to parse; nothing imported") from None
+        m = mf.loads(bytes(data.read_all()))  # nesting too deep for a manifest is its SnapshotError
+    except mf.SnapshotError as e:
+        raise ArchiveError(f"{member.name}: {e}; nothing imported") from None
     if m["name"] != name:
         raise ArchiveError(f"{member.name} holds snapshot {m['name']!r}; nothing imported")
     return m

@@ -52,7 +52,8 @@ DIGEST_RE = re.compile(r"[0-9a-f]{64}")
 # Plain file names (a model's config/tokenizer files): no directories, no leading dot.
 FILE_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,199}")
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
-MAX_MANIFEST_BYTES = 16 << 20
+# Real manifests are KBs; parsed JSON costs up to ~30x its bytes (1 MiB of "[]," is ~27 MiB of lists).
+MAX_MANIFEST_BYTES = 1 << 20
 
 
 class SnapshotError(Exception):
@@ -189,6 +190,8 @@ def loads(text: str | bytes) -> dict[str, Any]:
         data = json.loads(text)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise SnapshotError(f"manifest: not valid JSON ({e})") from None
+    except RecursionError:
+        raise SnapshotError("manifest: nested too deeply to be a manifest") from None
     return validate(data)
 
 

@@ -269,7 +269,7 @@ HOSTILE: dict[str, tuple[Callable[[Path, SimpleNamespace], Path], str]] = {
     "manifest-15MiB.tar.zst": (lambda p, g: write(p, [member("snapshots/syn.json", b"[" + b"[]," * (5 << 20) + b"[]]"),
                                                       END], zstd=True), "manifest is too large"),
     "manifest-nested.tar": (lambda p, g: write(p, [member("snapshots/syn.json", b"[" * 200_000), END]),
-                            "nests too deeply"),
+                            "nested too deeply"),
     "not-a-tar.bin": (lambda p, g: write(p, [b"\x00junk" * 200]), "not a tar archive: bad tar header checksum"),
     "empty.tar": (lambda p, g: write(p, []), "is empty"),
 }
@@ -398,3 +398,14 @@ def test_a_blob_above_8GiB_takes_its_size_from_a_pax_record_or_a_base256_field(f
     with pytest.raises(SnapshotError, match=f"is truncated \\({size - 3} bytes of 'blobs/sha256/f{{64}}' missing\\)"):
         import_archive(store, archive)
     assert store_additions(store.root) == []
+
+
+def test_every_manifest_reader_refuses_deep_nesting_and_size_in_one_line() -> None:
+    """store.load, pull and import all parse through manifest.loads: a hostile manifest is a SnapshotError there
+    (no RecursionError traceback, no 16 MiB parse)."""
+    from keepwarm.snapshot import manifest as mf
+
+    with pytest.raises(mf.SnapshotError, match="nested too deeply"):
+        mf.loads("[" * 200_000)
+    with pytest.raises(mf.SnapshotError, match="more than 1048576"):
+        mf.loads(b"[" + b" " * mf.MAX_MANIFEST_BYTES + b"]")
