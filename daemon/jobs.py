@@ -6,8 +6,10 @@ snapshot's arena image into a new arena and check its digest; nothing is re-quan
 creates a job, adds every request waiting on the same key to ``waiters``, forwards progress (``bytes_done``) and,
 once ``done`` is set, makes ``result`` resident and answers the waiters (``error`` is their answer on failure).
 
-Rules: a job thread touches only its own job and the arena files it creates; on failure those files are removed
-before ``done`` is set. Only the socket loop touches residency, leases and the job table.
+Rules: a job thread touches only its own job and the arena files it creates; on failure (a refusal, a read or
+write error such as ENOSPC, an exception in the quantizer, a corrupt image) every one of them is removed before
+``done`` is set, so the failure leaves no status entry and nothing a restarted daemon would re-adopt. Only the
+socket loop touches residency, leases and the job table.
 """
 
 from __future__ import annotations

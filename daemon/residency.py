@@ -5,7 +5,7 @@ Rules:
   it first evicts the least recently used models without leases, else fails with code ``memory_budget``.
 - A model with live leases is evicted only with ``force`` (the caller checks; eviction drops its leases).
 - A freshly built CPU arena is installed under its fingerprint's name, sealed read-only, and its manifest is
-  written last (the manifest marks it complete).
+  written last (the manifest marks it complete); if the manifest cannot be written, the arena is removed too.
 - On start, CPU arenas left by a daemon that died (SIGKILL) are re-adopted when their manifest parses and their
   bytes hash to the manifest's ``arena_digest``; anything else in the arena directory is removed.
 Touched only by the daemon's socket loop, except ``install_cpu_arena`` (a job thread, on files of its own).
@@ -24,7 +24,7 @@ from pathlib import Path
 import psutil
 import torch
 
-from keepwarm.daemon.adapters import AdapterStore
+from keepwarm.daemon.adapters import AdapterStore, write_file_atomic
 from keepwarm.daemon.leases import Leases
 from keepwarm.daemon.loader import checkpoint_changed
 from keepwarm.daemon.protocol import ProtocolError
@@ -249,9 +249,12 @@ class Residency:
             mpath = self.arena_dir / f"{manifest.fingerprint}.json"
         storage = storage.seal()
         if mpath is not None:
-            tmp_manifest = mpath.with_suffix(".json.tmp")
-            tmp_manifest.write_text(manifest.to_json())
-            os.replace(tmp_manifest, mpath)
+            try:
+                write_file_atomic(mpath, manifest.to_json().encode())
+            except BaseException:  # no manifest (ENOSPC): the arena under its final name must not stay either
+                storage.close()
+                storage.unlink()
+                raise
         return storage, mpath
 
     def adopt(self) -> None:

@@ -12,6 +12,9 @@ Rules:
 - ``load_image`` makes a model resident from an arena image (a snapshot's blob): the bytes are copied into a new
   arena and checked against the manifest's ``arena_digest``; nothing is re-quantized and the checkpoint is not read.
   Models it would evict for the memory budget are evicted only once the new arena checked out.
+- A failed operation leaves nothing resident: ``load_adapter`` checks what needs no model before it writes a byte
+  (``adapters.py``), a failed preload or image load removes every file its job made (``jobs.py``); no ``status``
+  entry, no file in the arena directory, nothing a restarted daemon re-adopts.
 - A clean shutdown (``shutdown`` verb, SIGTERM, SIGINT) removes every arena and the arena directory.
 - A CPU daemon pays a preload's one-time costs (the packing probe, the native library: ``loader.warm_up``) at
   start, in a thread that touches only those process-wide caches, so its first preload does not.
@@ -291,6 +294,9 @@ class Daemon:
             entry, cached = self.adapters.load(args.path)
         except LoRAError as e:
             raise ProtocolError("bad_adapter", str(e)) from None
+        except OSError as e:  # unreadable files, or no room in the arena directory (what it wrote is removed)
+            raise ProtocolError("load_failed", f"adapter {args.path}: {e.strerror or e}"
+                                               f"{f' ({e.filename})' if e.filename else ''}") from None
         self.counters["adapter_file_reads"] += self.adapters.file_reads - reads
         self.counters["adapter_loads"] += 1
         return reply_ok(rid, **AdapterReply(cached, entry.digest, entry.path, entry.config_json, entry.data_file,

@@ -19,7 +19,9 @@ Order, so that a failure at any step leaves the previous state in place:
    keepwarm-server.service``; or print the command that starts it.
 
 If 3-5 fail, what this restore added is removed again (images it loaded are evicted, adapters it loaded unloaded,
-staged files deleted) and the config is not written; nothing that was resident before is evicted.
+staged files deleted) and the config is not written; nothing that was resident before is evicted. A load the daemon
+refuses (a corrupt or missing image, a layout this machine cannot use, an adapter it rejects) leaves nothing in it
+either (``daemon/jobs.py``, ``daemon/adapters.py``): the daemon's ``status`` is as before the restore.
 """
 
 from __future__ import annotations
@@ -399,11 +401,11 @@ def _load_into_daemon(client: Any, store: Store, m: dict[str, Any], arena_jsons:
             r = client.load_adapter(adapter_dirs[a["digest"]])
         except DaemonError as e:
             raise SnapshotError(f"the daemon refused adapter {a['name']}: {e.message}") from None
+        if not r.cached:  # recorded first: an adapter refused below is unloaded again with the rest
+            loaded_adapters.append(r.digest)
         if r.digest != a["digest"]:
             raise SnapshotError(f"adapter {a['name']}: the daemon read digest {r.digest[:16]}, the "
                                 f"snapshot says {a['digest'][:16]}")
-        if not r.cached:
-            loaded_adapters.append(a["digest"])
     return load_seconds
 
 

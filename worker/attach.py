@@ -15,7 +15,6 @@ from typing import Any
 
 import torch
 
-from keepwarm.daemon.checkpoint import tensors_from_buffer
 from keepwarm.daemon.client import DaemonClient, DaemonError, ProgressCallback
 from keepwarm.formats.arena import (
     ArenaManifest,
@@ -29,7 +28,6 @@ from keepwarm.formats.layout import Layout
 from keepwarm.formats.quant import LAYOUT_MKLDNN_PACKED, QuantMeta
 from keepwarm.kernels.cpu_packed import PackedWeight
 from keepwarm.kernels.quant import QuantizedWeight
-from keepwarm.worker.lora import LoRAAdapter, LoRAError, build_adapter
 
 log = logging.getLogger("keepwarm.worker")
 
@@ -219,26 +217,3 @@ class LeaseKeeper:
             proc.wait()
         if self._reader is not None:
             self._reader.join(timeout=5)
-
-
-def attach_adapter(name: str, path: str, model_config, max_lora_rank: int, dtype: torch.dtype,
-                   attachment: Attachment | None) -> LoRAAdapter:
-    """Get ``path``'s adapter from the daemon (it reads the files only if it does not hold them already), view it
-    in shared memory and check it against the model. Raises LoRAError naming the cause."""
-    runtime_dir = attachment.runtime_dir if attachment is not None else None
-    try:
-        with DaemonClient(runtime_dir) as client:
-            reply = client.load_adapter(path)
-    except DaemonError as e:
-        raise LoRAError(e.message) from None
-    storage = CpuArenaFile.open_readonly(Path(reply.data_file), reply.size)
-    try:
-        tensors = tensors_from_buffer(storage.flat)
-    except ValueError as e:
-        raise LoRAError(f"adapter {name!r}: {e}") from None
-    adapter = build_adapter(name, reply.path, reply.digest, reply.config_json, tensors, model_config,
-                            max_lora_rank, source="daemon")
-    adapter.storage = storage  # keeps the mapping alive while the adapter's tensors view it
-    log.info("adapter %s attached from the daemon (%s, rank %d, digest %s%s)", name, reply.path, adapter.rank,
-             adapter.digest[:16], ", already resident" if reply.cached else "")
-    return adapter

@@ -63,9 +63,9 @@ class LLM:
             return None
         engine = self.llm_engine
         if request.lora_name not in engine.loras:
-            from keepwarm.worker.lora_loader import load_adapter
+            from keepwarm.worker.lora_loader import register_adapter
 
-            engine.add_lora(load_adapter(engine, request.lora_name, request.lora_path))
+            register_adapter(engine, request.lora_name, request.lora_path)
         return engine.loras[request.lora_name]
 
     def generate(self, prompts: PromptType | Seq[PromptType],

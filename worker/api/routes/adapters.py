@@ -1,8 +1,10 @@
 """POST /v1/load_lora_adapter and /v1/unload_lora_adapter: vLLM's run-time LoRA updates.
 
-Needs ``--enable-lora --enable-lora-runtime-updates``. An unload first marks the adapter unloading in the engine
-thread (new requests naming it get a 404 from then on), waits up to ``shutdown_timeout`` for its requests in flight,
-then removes it; if they do not finish, the mark is taken back and the answer is a 409.
+Needs ``--enable-lora --enable-lora-runtime-updates``. A load that is refused (400), by the adapter's checks or by
+the engine, leaves nothing resident: no adapter in the engine, no daemon copy that this request made
+(``lora_loader.open_adapter``). An unload first marks the adapter unloading in the engine thread (new requests
+naming it get a 404 from then on), waits up to ``shutdown_timeout`` for its requests in flight, then removes it; if
+they do not finish, the mark is taken back and the answer is a 409.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from keepwarm.formats.adapter import LoRAError
 from keepwarm.worker.api.protocol import APIError, LoadLoRARequest, UnloadLoRARequest, bad_request
 from keepwarm.worker.api.state import ServerState
 from keepwarm.worker.async_engine import AddLoRA, LoRARequestsInFlight, MarkUnloading, RemoveLoRA
-from keepwarm.worker.lora_loader import load_adapter
+from keepwarm.worker.lora_loader import open_adapter
 
 log = logging.getLogger("keepwarm.server")
 
@@ -44,10 +46,16 @@ def router(state: ServerState) -> APIRouter:
         if name in engine.adapters:
             raise bad_request(f"an adapter named {name!r} is already loaded", "lora_name")
         try:
-            adapter = await asyncio.to_thread(load_adapter, state.engine, name, path)
-            await engine.call(AddLoRA(adapter))
+            adapter, undo = await asyncio.to_thread(open_adapter, state.engine, name, path)
         except LoRAError as e:
             raise bad_request(str(e), "lora_path") from None
+        try:
+            await engine.call(AddLoRA(adapter))
+        except Exception as e:  # refused by the engine (--max-cpu-loras, a name taken meanwhile): nothing stays
+            await asyncio.to_thread(undo)
+            if isinstance(e, LoRAError):
+                raise bad_request(str(e), "lora_path") from None
+            raise
         log.info("adapter %s loaded from %s at run time", name, path)
         return Response(f"Success: LoRA adapter '{name}' added successfully.", media_type="text/plain")
 
