@@ -24,6 +24,11 @@ already accepted when the first one woke the engine are in the same first step, 
 SmolLM2 on 2 cores, 8 streams sent at once: TTFT p50 233 -> 141 ms, every request now in one prefill step; a lone
 request pays the round trip (TTFT at one stream 48-54 ms before, 43-49 after: noise).
 
+Statistics (rule): the engine records per step what vLLM's request histograms take (``LLMEngine.stats``: first-token
+and inter-token times, sequences that ended, tokens per step); the engine thread folds them into cumulative
+histograms with vLLM's buckets (:class:`RequestStats`) and publishes frozen copies in ``snapshot``, so /metrics
+reads them at scrape time and nothing is lost between scrapes however rarely they come.
+
 Request ids (rule): the engine keys requests by an internal id this class makes (a counter), never by the client's
 ``request_id``, so two clients that pick the same id cannot collide, probe or block each other (vLLM keeps its own
 internal id the same way).
@@ -32,6 +37,7 @@ internal id the same way).
 from __future__ import annotations
 
 import asyncio
+import bisect
 import concurrent.futures
 import itertools
 import logging
@@ -42,7 +48,7 @@ from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from keepwarm.worker.engine import LLMEngine, RequestError, RequestFailed
+from keepwarm.worker.engine import FinishedSequence, LLMEngine, Observations, RequestError, RequestFailed
 from keepwarm.worker.lora import LoRAAdapter
 from keepwarm.worker.outputs import RequestOutput
 from keepwarm.worker.sampling_params import SamplingParams
@@ -52,12 +58,135 @@ _BURST_WAIT_S = 0.02  # the longest a wake-up from idle waits for a front end's 
 log = logging.getLogger("keepwarm.worker")
 
 
+# -- statistics: vLLM's histograms (vllm/v1/metrics/loggers.py, PrometheusStatLogger) ---------------------------
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0, 640.0, 2560.0)
+TOKEN_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                         20.0, 40.0, 80.0)
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                           240.0, 480.0, 960.0, 1920.0, 7680.0)
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+N_BUCKETS = (1, 2, 5, 10, 20)
+
+
+def buckets_1_2_5(max_value: int) -> tuple[int, ...]:
+    """vLLM's ``build_1_2_5_buckets``: 1, 2, 5, 10, 20, 50, ... up to ``max_value`` (the context length)."""
+    out: list[int] = []
+    scale = 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_value:
+                return tuple(out)
+            out.append(m * scale)
+        scale *= 10
+
+
+@dataclass(frozen=True)
+class Distribution:
+    """A histogram as published: ``counts[i]`` values fell in bucket i, i.e. in ``(bounds[i-1], bounds[i]]``; the last
+    count is above every bound (Prometheus's +Inf bucket)."""
+
+    bounds: tuple[float, ...]
+    counts: tuple[int, ...]
+    sum: float = 0.0
+
+
+class _Histogram:
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.sum = 0.0
+        self._frozen: Distribution | None = None
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1  # the first bound >= value: Prometheus's "le"
+        self.sum += value
+        self._frozen = None
+
+    def frozen(self) -> Distribution:
+        if self._frozen is None:  # a copy only when something changed since the last snapshot
+            self._frozen = Distribution(self.bounds, tuple(self.counts), self.sum)
+        return self._frozen
+
+
+class RequestStats:
+    """vLLM's request histograms, fed with the engine's :class:`Observations` (engine thread only). Names are
+    vLLM's; ``vllm:time_per_output_token_seconds`` is the deprecated name vLLM kept beside the inter-token latency
+    (same observations), which dashboards still chart."""
+
+    def __init__(self, max_model_len: int) -> None:
+        tokens = buckets_1_2_5(max_model_len)
+        spec = {"vllm:request_prompt_tokens": tokens, "vllm:request_generation_tokens": tokens,
+                "vllm:iteration_tokens_total": ITERATION_TOKENS_BUCKETS,
+                "vllm:request_max_num_generation_tokens": tokens, "vllm:request_params_n": N_BUCKETS,
+                "vllm:request_params_max_tokens": tokens, "vllm:time_to_first_token_seconds": TTFT_BUCKETS,
+                "vllm:inter_token_latency_seconds": TOKEN_LATENCY_BUCKETS,
+                "vllm:time_per_output_token_seconds": TOKEN_LATENCY_BUCKETS,
+                "vllm:request_time_per_output_token_seconds": TOKEN_LATENCY_BUCKETS,
+                "vllm:request_prefill_kv_computed_tokens": tokens}
+        for name in ("e2e_request_latency", "request_queue_time", "request_inference_time", "request_prefill_time",
+                     "request_decode_time"):
+            spec[f"vllm:{name}_seconds"] = REQUEST_LATENCY_BUCKETS
+        self._h = {name: _Histogram(tuple(bounds)) for name, bounds in spec.items()}
+
+    def record(self, obs: Observations) -> None:
+        h = self._h
+        for v in obs.iteration_tokens:
+            h["vllm:iteration_tokens_total"].observe(v)
+        for v in obs.time_to_first_token:
+            h["vllm:time_to_first_token_seconds"].observe(v)
+        for v in obs.inter_token_latency:
+            h["vllm:inter_token_latency_seconds"].observe(v)
+            h["vllm:time_per_output_token_seconds"].observe(v)
+        for n, longest in obs.requests:
+            h["vllm:request_params_n"].observe(n)
+            h["vllm:request_max_num_generation_tokens"].observe(longest)
+        for f in obs.finished:
+            self._finished(f)
+
+    def _finished(self, f: FinishedSequence) -> None:
+        """One ended sequence, as vLLM records a finished request: the phases it reached (queued: arrival to first
+        scheduled; prefill: to its first token; decode: first to last token; inference: scheduled to last token)."""
+        h = self._h
+        h["vllm:e2e_request_latency_seconds"].observe(f.finished - f.arrival)
+        h["vllm:request_prompt_tokens"].observe(f.prompt_tokens)
+        h["vllm:request_generation_tokens"].observe(f.generation_tokens)
+        h["vllm:request_prefill_kv_computed_tokens"].observe(f.prompt_tokens - f.cached_tokens)
+        if f.max_tokens:
+            h["vllm:request_params_max_tokens"].observe(f.max_tokens)
+        if f.scheduled is None:
+            return
+        h["vllm:request_queue_time_seconds"].observe(f.scheduled - f.arrival)
+        if f.first_token is None or f.last_token is None:
+            return
+        decode = f.last_token - f.first_token
+        h["vllm:request_prefill_time_seconds"].observe(f.first_token - f.scheduled)
+        h["vllm:request_decode_time_seconds"].observe(decode)
+        h["vllm:request_inference_time_seconds"].observe(f.last_token - f.scheduled)
+        # vLLM records 0 for a sequence of one token (no gap to average)
+        tpot = decode / (f.generation_tokens - 1) if f.generation_tokens > 1 else 0.0
+        h["vllm:request_time_per_output_token_seconds"].observe(tpot)
+
+    def published(self) -> dict[str, Distribution]:
+        return {name: hist.frozen() for name, hist in self._h.items()}
+
+
+@dataclass(frozen=True)
+class LoRAInfo:
+    """vLLM's ``vllm:lora_requests_info``: adapter names with requests running / waiting (sorted, unique)."""
+
+    max_loras: int
+    running: tuple[str, ...]
+    waiting: tuple[str, ...]
+
+
 @dataclass
 class EngineSnapshot:
     """Figures copied out of the engine thread after every step (read by /metrics and /health)."""
 
     num_running: int = 0
     num_waiting: int = 0
+    num_waiting_deferred: int = 0  # waiting because every LoRA slot is busy with other adapters (vLLM's "deferred")
     kv_cache_usage: float = 0.0
     free_blocks: int = 0
     total_blocks: int = 0
@@ -65,10 +194,15 @@ class EngineSnapshot:
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
     prompt_tokens: int = 0
+    prompt_tokens_computed: int = 0
+    prompt_tokens_cached: int = 0
     generation_tokens: int = 0
     steps: int = 0
     finished: dict[str, int] = field(default_factory=dict)
     last_step_time: float = 0.0
+    histograms: dict[str, Distribution] = field(default_factory=dict)
+    lora: LoRAInfo | None = None  # None without --enable-lora
+    cache_config: dict[str, str] = field(default_factory=dict)  # vLLM's cache_config_info labels keepwarm has
 
 
 @dataclass(frozen=True)
@@ -214,6 +348,8 @@ class AsyncEngine:
         self._stopped = threading.Event()
         self._accepting = True
         self.snapshot = EngineSnapshot()
+        self._stats: RequestStats | None = None  # built with the engine, in its thread
+        self._cache_config: dict[str, str] = {}
         self.adapters: dict[str, AdapterView] = {}  # replaced, never mutated: the event loop reads it
         self.errored: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="keepwarm-engine", daemon=True)
@@ -349,6 +485,9 @@ class AsyncEngine:
             self.errored = e
             self._ready.set()
             return
+        engine.stats.observations = Observations()  # read after every step (see "Statistics")
+        self._stats = RequestStats(engine.max_model_len)
+        self._cache_config = _cache_config(engine)
         self._take_snapshot(engine)
         self._publish_adapters(engine)
         self._ready.set()
@@ -398,13 +537,49 @@ class AsyncEngine:
             done.wait(_BURST_WAIT_S)
 
     def _take_snapshot(self, e: LLMEngine) -> None:
-        bm = e.block_manager
+        bm, stats = e.block_manager, e.stats
+        if stats.observations is not None and self._stats is not None:
+            self._stats.record(stats.observations)
+            stats.observations.clear()
         self.snapshot = EngineSnapshot(
-            num_running=e.num_running, num_waiting=e.num_waiting, kv_cache_usage=bm.usage,
-            free_blocks=bm.num_free_blocks, total_blocks=bm.num_blocks, prefix_cache_queries=bm.prefix_cache_queries,
-            prefix_cache_hits=bm.prefix_cache_hits, num_preemptions=e.scheduler.num_preemptions,
-            prompt_tokens=e.stats.prompt_tokens, generation_tokens=e.stats.generation_tokens, steps=e.stats.steps,
-            finished=dict(e.stats.finished), last_step_time=time.monotonic())
+            num_running=e.num_running, num_waiting=e.num_waiting, num_waiting_deferred=_lora_deferred(e),
+            kv_cache_usage=bm.usage, free_blocks=bm.num_free_blocks, total_blocks=bm.num_blocks,
+            prefix_cache_queries=bm.prefix_cache_queries, prefix_cache_hits=bm.prefix_cache_hits,
+            num_preemptions=e.scheduler.num_preemptions, prompt_tokens=stats.prompt_tokens,
+            prompt_tokens_computed=stats.prompt_tokens_computed, prompt_tokens_cached=stats.prompt_tokens_cached,
+            generation_tokens=stats.generation_tokens, steps=stats.steps, finished=dict(stats.finished),
+            last_step_time=time.monotonic(), histograms=self._stats.published() if self._stats else {},
+            lora=_lora_info(e), cache_config=self._cache_config)
+
+
+def _lora_deferred(e: LLMEngine) -> int:
+    """Waiting sequences the scheduler passes over because their adapter has no slot and every slot is busy
+    (``LoRAManager.acquire`` would return None), as vLLM's "deferred" waiting reason counts them."""
+    lm = e.lora_manager
+    if lm is None or any(refs == 0 for refs in lm.slot_refs):
+        return 0
+    return sum(1 for seq in e.scheduler.waiting if seq.lora is not None and lm.slot_of(seq.lora) < 0)
+
+
+def _lora_info(e: LLMEngine) -> LoRAInfo | None:
+    if e.lora_manager is None:
+        return None
+
+    def names(seqs: Any) -> tuple[str, ...]:
+        return tuple(sorted({seq.lora.name for seq in seqs if seq.lora is not None}))
+
+    return LoRAInfo(e.lora_manager.max_loras, names(e.scheduler.running), names(e.scheduler.waiting))
+
+
+def _cache_config(e: LLMEngine) -> dict[str, str]:
+    """The labels of vLLM's ``vllm:cache_config_info`` (its CacheConfig fields, str() as vLLM writes them) that
+    keepwarm has a value for."""
+    c = e.config
+    return {"block_size": str(e.block_manager.block_size), "cache_dtype": c.kv_cache_dtype,
+            "enable_prefix_caching": str(e.block_manager.enable_prefix_caching),
+            "gpu_memory_utilization": str(c.gpu_memory_utilization),
+            "kv_cache_memory_bytes": str(c.kv_cache_memory_bytes), "num_gpu_blocks": str(e.block_manager.num_blocks),
+            "num_gpu_blocks_override": str(c.num_gpu_blocks)}
 
 
 def _set_result(future: asyncio.Future, value: Any) -> None:

@@ -9,6 +9,11 @@ logprobs, its output) fails that request alone: its sequences are aborted (KV bl
 the request id, and ``step()`` returns a final output for it with ``error`` set; the other requests go on. An
 exception in what the whole batch shares (scheduling, the forward pass) means the engine cannot go on: it is
 raised as :class:`EngineDeadError` and the caller must stop using the engine (the server exits non-zero).
+
+Statistics (rule): ``stats`` holds vLLM's counters; what vLLM's request histograms take (first-token and
+inter-token times, each ended sequence's timestamps, tokens per step) is appended to ``stats.observations`` only
+once a reader has set it (the AsyncEngine, which folds and clears it after every step), so an engine nobody reads
+keeps nothing per token. A request that fails alone counts as vLLM's ``error`` reason, not ``abort``.
 """
 
 from __future__ import annotations
@@ -121,14 +126,51 @@ class EngineConfig:
                      port)
 
 
+@dataclass(frozen=True)
+class FinishedSequence:
+    """How one sequence went, for the request histograms (vLLM's FinishedRequestStats: vLLM runs ``n > 1`` as n
+    child requests, keepwarm as n sequences). Times are ``time.monotonic()``; None where it never got that far."""
+
+    reason: str  # stop | length | abort | error
+    arrival: float
+    scheduled: float | None
+    first_token: float | None
+    last_token: float | None
+    finished: float
+    prompt_tokens: int
+    generation_tokens: int
+    cached_tokens: int  # prompt tokens the prefix cache supplied
+    max_tokens: int | None
+
+
+@dataclass
+class Observations:
+    """What the histograms of /metrics take from the engine, since the reader last cleared it."""
+
+    iteration_tokens: list[int] = field(default_factory=list)  # per step that sampled (vLLM's count, see step)
+    time_to_first_token: list[float] = field(default_factory=list)  # per sequence
+    inter_token_latency: list[float] = field(default_factory=list)  # per output token after a sequence's first
+    finished: list[FinishedSequence] = field(default_factory=list)
+    requests: list[tuple[int, int]] = field(default_factory=list)  # (n, longest output) per request that ended
+
+    def clear(self) -> None:
+        for values in (self.iteration_tokens, self.time_to_first_token, self.inter_token_latency, self.finished,
+                       self.requests):
+            values.clear()
+
+
 @dataclass
 class EngineStats:
-    """Counters the API's /metrics exposes (vLLM's metric set)."""
+    """Counters the API's /metrics exposes (vLLM's metric set). ``observations`` is None until a reader (the
+    AsyncEngine) sets one: an engine nobody reads (the offline LLM) keeps no per-token record."""
 
     prompt_tokens: int = 0
     generation_tokens: int = 0
-    finished: dict[str, int] = field(default_factory=lambda: {"stop": 0, "length": 0, "abort": 0})
+    finished: dict[str, int] = field(default_factory=lambda: {"stop": 0, "length": 0, "abort": 0, "error": 0})
     steps: int = 0
+    prompt_tokens_computed: int = 0  # prompt tokens prefilled, counted when a sequence's first token comes
+    prompt_tokens_cached: int = 0  # prompt tokens the prefix cache supplied instead
+    observations: Observations | None = None
 
 
 @dataclass
@@ -467,6 +509,7 @@ class LLMEngine:
             if not seq.is_finished:
                 self._finish(seq, SequenceStatus.FINISHED_ABORTED)
             self._seq_to_request.pop(seq.seq_id, None)
+        self._request_ended(req)
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -489,6 +532,10 @@ class LLMEngine:
         if not batch:
             return []
         self.stats.steps += 1
+        scheduled_at = time.monotonic()
+        for seq in batch.seqs:
+            if seq.scheduled_time is None:
+                seq.scheduled_time = scheduled_at
         token_rows, sample_index, sampled_seqs, prompt_rows = self._rows(batch)
         try:
             logits = self.runner.execute(batch, token_rows)
@@ -504,14 +551,14 @@ class LLMEngine:
             sampled = self._sample_isolated(logits, sampled_seqs, failed)
             touched: dict[str, _Request] = {}
             now = time.monotonic()
+            step_tokens = 0
             for seq, (token, lp) in sampled:
                 req = self._seq_to_request.get(seq.seq_id)
                 if req is None or req.request_id in failed:
                     continue
                 try:
                     seq.append_token(token, lp)
-                    if seq.first_token_time is None:
-                        seq.first_token_time = now
+                    step_tokens += self._record_token(seq, now)
                     self.stats.generation_tokens += 1
                     touched[req.request_id] = req
                     self._process_token(req, seq, token)
@@ -524,8 +571,28 @@ class LLMEngine:
                     outputs.append(self._make_output(req))
                 except Exception as e:  # noqa: BLE001
                     failed[rid] = (req, e)
+            if step_tokens and self.stats.observations is not None:
+                self.stats.observations.iteration_tokens.append(step_tokens)
         outputs += [self._fail_request(req, e) for req, e in failed.values()]
         return outputs
+
+    def _record_token(self, seq: Sequence, now: float) -> int:
+        """Time ``seq``'s new token for the metrics. Returns what it adds to the step's token count, as vLLM counts
+        it: each generated token, and a prompt (less its cached tokens) in the step that completes its prefill."""
+        obs = self.stats.observations
+        previous, seq.last_token_time = seq.last_token_time, now
+        if seq.first_token_time is not None:
+            if obs is not None and previous is not None:
+                obs.inter_token_latency.append(now - previous)
+            return 1
+        seq.first_token_time = now
+        cached = seq.num_cached_prompt_tokens
+        computed = seq.num_prompt_tokens - cached
+        self.stats.prompt_tokens_computed += computed
+        self.stats.prompt_tokens_cached += cached
+        if obs is not None:
+            obs.time_to_first_token.append(now - seq.arrival_time)
+        return computed + 1
 
     def _rows(self, batch) -> tuple[list[int], list[int], list[Sequence], list[tuple[Sequence, int, int, int]]]:
         """Which flattened token rows need logits: each sequence's last row when it samples, and every prompt
@@ -579,9 +646,10 @@ class LLMEngine:
                   type(error).__name__, error, exc_info=error)
         for seq in req.seqs:
             if not seq.is_finished:
-                self._finish(seq, SequenceStatus.FINISHED_ABORTED)
+                self._finish(seq, SequenceStatus.FINISHED_ABORTED, reason="error")  # vLLM's "error": a 500
             self._seq_to_request.pop(seq.seq_id, None)
         self._requests.pop(req.request_id, None)
+        self._request_ended(req)
         req.metrics.finished_time = time.monotonic()
         outs = [CompletionOutput(index=i, text=req.texts[i], token_ids=list(seq.output_token_ids),
                                  finish_reason=SequenceStatus.FINISHED_ABORTED.value)
@@ -659,10 +727,22 @@ class LLMEngine:
         seq.rope_long = True
         seq.cache_salt = f"{seq.cache_salt or ''}longrope"  # blocks rotated with other factors are never shared
 
-    def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
+    def _finish(self, seq: Sequence, status: SequenceStatus, reason: str | None = None) -> None:
+        """End ``seq``; ``reason`` (default: its status) is what the metrics count it as."""
         self.scheduler.finish(seq, status)
         self.sampler.forget(seq.seq_id)
-        self.stats.finished[status.value] = self.stats.finished.get(status.value, 0) + 1
+        reason = reason or status.value
+        self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
+        if self.stats.observations is not None:
+            self.stats.observations.finished.append(FinishedSequence(
+                reason, seq.arrival_time, seq.scheduled_time, seq.first_token_time, seq.last_token_time,
+                time.monotonic(), seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_prompt_tokens,
+                seq.sampling_params.max_tokens))
+
+    def _request_ended(self, req: _Request) -> None:
+        """Every sequence of ``req`` has ended: its n and longest output, for the metrics."""
+        if self.stats.observations is not None:
+            self.stats.observations.requests.append((len(req.seqs), max(s.num_output_tokens for s in req.seqs)))
 
     def _make_output(self, req: _Request) -> RequestOutput:
         finished = all(s.is_finished for s in req.seqs)
@@ -681,6 +761,7 @@ class LLMEngine:
         if finished:
             req.metrics.finished_time = time.monotonic()
             self._requests.pop(req.request_id, None)
+            self._request_ended(req)
             for seq in req.seqs:
                 self._seq_to_request.pop(seq.seq_id, None)
         return RequestOutput(req.request_id, req.prompt, list(req.seqs[0].prompt_token_ids), outs, finished,

@@ -73,6 +73,9 @@ class Sequence:
         self.rope_long = False
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.first_token_time: float | None = None
+        # For metrics (time.monotonic()): first scheduled (a preemption does not reset it), latest token sampled.
+        self.scheduled_time: float | None = None
+        self.last_token_time: float | None = None
         self.stop_reason: int | str | None = None
         self._all_token_ids = list(prompt_token_ids)
 

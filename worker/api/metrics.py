@@ -1,28 +1,68 @@
-"""Prometheus metrics: vLLM's metric set under vLLM's names (so existing dashboards work), plus keepwarm's own.
+"""Prometheus metrics: vLLM's metric set under vLLM's names (so vLLM's dashboards and alerts work), plus keepwarm's own.
 
-Gauges and counters are read from the engine's snapshot at scrape time (a custom collector: no bookkeeping on
-the hot path); latency histograms are observed when a request finishes. Each server owns its registry.
+Rules:
+- Names, types, label names, help strings and histogram buckets are vLLM's (``vllm/v1/metrics/loggers.py``,
+  PrometheusStatLogger; tests/data/vllm_metrics.json lists them and tests/test_vllm_metrics.py holds this module to
+  it). Every vLLM series carries ``model_name`` (the first served name) and ``engine="0"``, as vLLM's do.
+- Every value is read from the engine's snapshot at scrape time (a custom collector): gauges and counters are
+  the engine's own figures, histograms are the cumulative ones its thread folds after every step
+  (keepwarm.worker.async_engine, "Statistics"). Nothing is observed on the request path, and a request counts
+  whichever front end (HTTP, gRPC) sent it.
+- A series vLLM exports that keepwarm has no data for is left out, never exported as a constant
+  (docs/vllm-compat.md, "Metrics", says which and why). Deprecated names vLLM kept beside their successors
+  (``vllm:gpu_cache_usage_perc``, ``vllm:time_per_output_token_seconds``) carry the successor's values.
+- ``keepwarm:*`` series are keepwarm's own (the weights, the KV pool, restarts). Each server owns its registry.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
-from keepwarm.worker.async_engine import EngineSnapshot
+from keepwarm.worker.async_engine import Distribution, EngineSnapshot
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
-_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                 20.0, 40.0, 80.0)
-_TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-                 40.0, 80.0)
 RESTART_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0)
-_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
-                480.0, 960.0)
+# vLLM's FinishReason strings: keepwarm ends sequences with the first four ("error": failed inside the engine);
+# it has no repetition detection, so "repetition" stays 0 like any reason that did not happen.
+FINISHED_REASONS = ("stop", "length", "abort", "error", "repetition")
+PROMPT_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
+
+HISTOGRAM_HELP = {
+    "vllm:request_prompt_tokens": "Number of prefill tokens processed.",
+    "vllm:request_generation_tokens": "Number of generation tokens processed.",
+    "vllm:iteration_tokens_total": "Histogram of number of tokens per engine_step.",
+    "vllm:request_max_num_generation_tokens": "Histogram of maximum number of requested generation tokens.",
+    "vllm:request_params_n": "Histogram of the n request parameter.",
+    "vllm:request_params_max_tokens": "Histogram of the max_tokens request parameter.",
+    "vllm:time_to_first_token_seconds": "Histogram of time to first token in seconds.",
+    "vllm:inter_token_latency_seconds": "Histogram of inter-token latency in seconds.",
+    "vllm:time_per_output_token_seconds": "Histogram of time per output token in seconds.DEPRECATED: Use "
+                                          "vllm:inter_token_latency_seconds instead.",
+    "vllm:request_time_per_output_token_seconds": "Histogram of time_per_output_token_seconds per request.",
+    "vllm:e2e_request_latency_seconds": "Histogram of e2e request latency in seconds.",
+    "vllm:request_queue_time_seconds": "Histogram of time spent in WAITING phase for request.",
+    "vllm:request_inference_time_seconds": "Histogram of time spent in RUNNING phase for request.",
+    "vllm:request_prefill_time_seconds": "Histogram of time spent in PREFILL phase for request.",
+    "vllm:request_decode_time_seconds": "Histogram of time spent in DECODE phase for request.",
+    "vllm:request_prefill_kv_computed_tokens": "Histogram of new KV tokens computed during prefill (excluding "
+                                               "cached tokens).",
+}
+
+
+def histogram_buckets(d: Distribution) -> list[tuple[str, float]]:
+    """Prometheus's cumulative ``le`` buckets of ``d``, bounds written as prometheus_client writes them."""
+    out, total = [], 0
+    for bound, n in zip((*d.bounds, float("inf")), d.counts, strict=True):
+        total += n
+        out.append((floatToGoString(bound), total))
+    return out
 
 
 class _SnapshotCollector(Collector):
@@ -31,49 +71,92 @@ class _SnapshotCollector(Collector):
         self._snapshot = snapshot
         self._model = model_name
         self._info = info
+        self._labels = ["model_name", "engine"]
+        self._values = [model_name, "0"]
+
+    def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
+        g = GaugeMetricFamily(name, doc, labels=self._labels)
+        g.add_metric(self._values, value)
+        return g
+
+    def _counter(self, name: str, doc: str, value: float) -> CounterMetricFamily:
+        c = CounterMetricFamily(name, doc, labels=self._labels)
+        c.add_metric(self._values, value)
+        return c
+
+    def _labelled(self, family: type, name: str, doc: str, label: str, values: dict[str, float]):
+        f = family(name, doc, labels=[*self._labels, label])
+        for key, value in values.items():
+            f.add_metric([*self._values, key], value)
+        return f
 
     def collect(self) -> Iterator:
         s = self._snapshot()
-        labels = ["model_name", "engine"]
-        values = [self._model, "0"]
+        yield from self._scheduler(s)
+        yield from self._counters(s)
+        for name, dist in s.histograms.items():
+            h = HistogramMetricFamily(name, HISTOGRAM_HELP[name], labels=self._labels)
+            h.add_metric(self._values, histogram_buckets(dist), sum_value=dist.sum)
+            yield h
+        yield from self._info_gauges(s)
+        yield from self._keepwarm(s)
 
-        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            g = GaugeMetricFamily(name, doc, labels=labels)
-            g.add_metric(values, value)
-            return g
+    def _scheduler(self, s: EngineSnapshot) -> Iterator:
+        yield self._gauge("vllm:num_requests_running", "Number of requests in model execution batches.",
+                          s.num_running)
+        yield self._gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", s.num_waiting)
+        yield self._labelled(
+            GaugeMetricFamily, "vllm:num_requests_waiting_by_reason",
+            "Number of waiting requests by reason. Reason labels: 'capacity' = waiting for scheduling capacity; "
+            "'deferred' = deferred by transient constraints (LoRA budget, KV transfer, blocked status). Sum of all "
+            "reasons equals vllm:num_requests_waiting.", "reason",
+            {"capacity": s.num_waiting - s.num_waiting_deferred, "deferred": s.num_waiting_deferred})
+        yield self._gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", s.kv_cache_usage)
+        yield self._gauge("vllm:gpu_cache_usage_perc", "GPU KV-cache usage. 1 means 100 percent usage.DEPRECATED: "
+                          "Use vllm:kv_cache_usage_perc instead.", s.kv_cache_usage)
 
-        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            c = CounterMetricFamily(name, doc, labels=labels)
-            c.add_metric(values, value)
-            return c
+    def _counters(self, s: EngineSnapshot) -> Iterator:
+        yield self._counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried "
+                            "tokens.", s.prefix_cache_queries)
+        yield self._counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+                            s.prefix_cache_hits)
+        yield self._counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
+                            s.num_preemptions)
+        yield self._counter("vllm:prompt_tokens", "Number of prefill tokens processed.", s.prompt_tokens)
+        # keepwarm has no KV connector: no prompt token ever comes from an external transfer
+        sources = dict(zip(PROMPT_SOURCES, (s.prompt_tokens_computed, s.prompt_tokens_cached, 0), strict=True))
+        yield self._labelled(CounterMetricFamily, "vllm:prompt_tokens_by_source", "Number of prompt tokens by "
+                             "source.", "source", sources)
+        yield self._counter("vllm:prompt_tokens_cached", "Number of cached prompt tokens (local + external).",
+                            s.prompt_tokens_cached)
+        yield self._counter("vllm:generation_tokens", "Number of generation tokens processed.", s.generation_tokens)
+        yield self._labelled(CounterMetricFamily, "vllm:request_success", "Count of successfully processed "
+                             "requests.", "finished_reason", {r: s.finished.get(r, 0) for r in FINISHED_REASONS})
 
-        yield gauge("vllm:num_requests_running", "Number of requests in model execution batches.", s.num_running)
-        yield gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", s.num_waiting)
-        yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", s.kv_cache_usage)
-        yield counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
-                      s.prefix_cache_queries)
-        yield counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
-                      s.prefix_cache_hits)
-        yield counter("vllm:num_preemptions", "Cumulative number of preemptions from the engine.", s.num_preemptions)
-        yield counter("vllm:prompt_tokens", "Number of prefill tokens processed.", s.prompt_tokens)
-        yield counter("vllm:generation_tokens", "Number of generation tokens processed.", s.generation_tokens)
-        success = CounterMetricFamily("vllm:request_success", "Count of successfully processed requests.",
-                                      labels=[*labels, "finished_reason"])
-        for reason in ("stop", "length", "abort"):
-            success.add_metric([*values, reason], s.finished.get(reason, 0))
-        yield success
+    def _info_gauges(self, s: EngineSnapshot) -> Iterator:
+        if s.cache_config:  # vLLM: CacheConfig's fields and "engine" as labels, value 1
+            info = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+                                     labels=[*s.cache_config, "engine"])
+            info.add_metric([*s.cache_config.values(), "0"], 1.0)
+            yield info
+        if s.lora is not None:  # vLLM: only with --enable-lora; the value is when it was last updated
+            lora = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests.",
+                                     labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"])
+            lora.add_metric([str(s.lora.max_loras), ",".join(s.lora.waiting), ",".join(s.lora.running)],
+                            time.time() - (time.monotonic() - s.last_step_time))
+            yield lora
+
+    def _keepwarm(self, s: EngineSnapshot) -> Iterator:
         info = self._info()
-        yield gauge("keepwarm:kv_cache_free_blocks", "Free blocks in the paged KV pool.", s.free_blocks)
-        yield gauge("keepwarm:kv_cache_total_blocks", "Blocks in the paged KV pool.", s.total_blocks)
-        yield gauge("keepwarm:attach_seconds", "Seconds to attach (daemon) or load (disk) the weights.",
-                    float(info["attach_seconds"]))
-        yield gauge("keepwarm:resident_bytes", "Bytes of weights this worker serves from.", float(info["bytes"]))
-        src = GaugeMetricFamily("keepwarm:weights_source", "Where the weights came from (1 for the source).",
-                                labels=[*labels, "source"])
-        for source in ("daemon", "disk"):
-            src.add_metric([*values, source], 1.0 if info["source"] == source else 0.0)
-        yield src
-        yield gauge("keepwarm:engine_steps", "Engine steps run.", s.steps)
+        yield self._gauge("keepwarm:kv_cache_free_blocks", "Free blocks in the paged KV pool.", s.free_blocks)
+        yield self._gauge("keepwarm:kv_cache_total_blocks", "Blocks in the paged KV pool.", s.total_blocks)
+        yield self._gauge("keepwarm:attach_seconds", "Seconds to attach (daemon) or load (disk) the weights.",
+                          float(info["attach_seconds"]))
+        yield self._gauge("keepwarm:resident_bytes", "Bytes of weights this worker serves from.", float(info["bytes"]))
+        yield self._labelled(GaugeMetricFamily, "keepwarm:weights_source", "Where the weights came from (1 for the "
+                             "source).", "source",
+                             {src: 1.0 if info["source"] == src else 0.0 for src in ("daemon", "disk")})
+        yield self._gauge("keepwarm:engine_steps", "Engine steps run.", s.steps)
 
 
 class _RestartCollector(Collector):
@@ -114,23 +197,11 @@ class ServerMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(_SnapshotCollector(snapshot, model_name, info))
         self.registry.register(_RestartCollector(restarts))
-        labels = ["model_name", "engine"]
-        self._labels = (model_name, "0")
-        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
-                              labels, buckets=_TTFT_BUCKETS, registry=self.registry)
-        self.tpot = Histogram("vllm:time_per_output_token_seconds",
-                              "Histogram of time per output token in seconds.", labels, buckets=_TPOT_BUCKETS,
-                              registry=self.registry)
-        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Histogram of end to end request latency in seconds.",
-                             labels, buckets=_E2E_BUCKETS, registry=self.registry)
 
     def observe_request(self, arrival: float, first_token: float | None, finished: float, num_output_tokens: int,
                         ) -> None:
-        self.e2e.labels(*self._labels).observe(finished - arrival)
-        if first_token is not None:
-            self.ttft.labels(*self._labels).observe(first_token - arrival)
-            if num_output_tokens > 1:
-                self.tpot.labels(*self._labels).observe((finished - first_token) / (num_output_tokens - 1))
+        """Nothing: the engine records every request's latencies itself (see the module's rules). Kept because the
+        request pipeline still calls it (keepwarm.worker.api.pipeline.observe)."""
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
