@@ -58,7 +58,7 @@ _BURST_WAIT_S = 0.02  # the longest a wake-up from idle waits for a front end's 
 log = logging.getLogger("keepwarm.worker")
 
 
-# -- statistics: vLLM's histograms (vllm/v1/metrics/loggers.py, PrometheusStatLogger) ---------------------------
+# -- statistics: vLLM 0.32's histograms (vllm/v1/metrics/loggers.py, PrometheusStatLogger; buckets.py) ------------
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                 40.0, 80.0, 160.0, 640.0, 2560.0)
 TOKEN_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -67,6 +67,7 @@ REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 2
                            240.0, 480.0, 960.0, 1920.0, 7680.0)
 ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 N_BUCKETS = (1, 2, 5, 10, 20)
+PREEMPTIONS_BUCKETS = (1, 2, 3, 4, 5, 10, 20)
 
 
 def buckets_1_2_5(max_value: int) -> tuple[int, ...]:
@@ -111,8 +112,8 @@ class _Histogram:
 
 class RequestStats:
     """vLLM's request histograms, fed with the engine's :class:`Observations` (engine thread only). Names are
-    vLLM's; ``vllm:time_per_output_token_seconds`` is the deprecated name vLLM kept beside the inter-token latency
-    (same observations), which dashboards still chart."""
+    vLLM's; ``vllm:time_per_output_token_seconds`` is an older vLLM's name for the inter-token latency (the same
+    observations): 0.32 no longer has it, vLLM's own dashboard still charts it."""
 
     def __init__(self, max_model_len: int) -> None:
         tokens = buckets_1_2_5(max_model_len)
@@ -123,7 +124,8 @@ class RequestStats:
                 "vllm:inter_token_latency_seconds": TOKEN_LATENCY_BUCKETS,
                 "vllm:time_per_output_token_seconds": TOKEN_LATENCY_BUCKETS,
                 "vllm:request_time_per_output_token_seconds": TOKEN_LATENCY_BUCKETS,
-                "vllm:request_prefill_kv_computed_tokens": tokens}
+                "vllm:request_prefill_kv_computed_tokens": tokens,
+                "vllm:request_num_preemptions": PREEMPTIONS_BUCKETS}
         for name in ("e2e_request_latency", "request_queue_time", "request_inference_time", "request_prefill_time",
                      "request_decode_time"):
             spec[f"vllm:{name}_seconds"] = REQUEST_LATENCY_BUCKETS
@@ -152,6 +154,7 @@ class RequestStats:
         h["vllm:request_prompt_tokens"].observe(f.prompt_tokens)
         h["vllm:request_generation_tokens"].observe(f.generation_tokens)
         h["vllm:request_prefill_kv_computed_tokens"].observe(f.prompt_tokens - f.cached_tokens)
+        h["vllm:request_num_preemptions"].observe(f.num_preemptions)
         if f.max_tokens:
             h["vllm:request_params_max_tokens"].observe(f.max_tokens)
         if f.scheduled is None:

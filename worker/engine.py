@@ -141,6 +141,7 @@ class FinishedSequence:
     generation_tokens: int
     cached_tokens: int  # prompt tokens the prefix cache supplied
     max_tokens: int | None
+    num_preemptions: int = 0  # times the scheduler preempted it (recomputed from scratch)
 
 
 @dataclass
@@ -737,7 +738,7 @@ class LLMEngine:
             self.stats.observations.finished.append(FinishedSequence(
                 reason, seq.arrival_time, seq.scheduled_time, seq.first_token_time, seq.last_token_time,
                 time.monotonic(), seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_prompt_tokens,
-                seq.sampling_params.max_tokens))
+                seq.sampling_params.max_tokens, seq.num_preemptions))
 
     def _request_ended(self, req: _Request) -> None:
         """Every sequence of ``req`` has ended: its n and longest output, for the metrics."""

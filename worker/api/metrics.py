@@ -1,16 +1,20 @@
 """Prometheus metrics: vLLM's metric set under vLLM's names (so vLLM's dashboards and alerts work), plus keepwarm's own.
 
 Rules:
-- Names, types, label names, help strings and histogram buckets are vLLM's (``vllm/v1/metrics/loggers.py``,
-  PrometheusStatLogger; tests/data/vllm_metrics.json lists them and tests/test_vllm_metrics.py holds this module to
-  it). Every vLLM series carries ``model_name`` (the first served name) and ``engine="0"``, as vLLM's do.
+- Names, types, label names, help strings and histogram buckets are vLLM 0.32's (``vllm/v1/metrics/loggers.py``,
+  PrometheusStatLogger; tests/data/vllm_metrics.json lists every series it registers, default-on or behind which
+  flag, and tests/test_vllm_metrics.py holds this module to it). Every vLLM series carries ``model_name`` (the first
+  served name) and ``engine="0"`` where vLLM's do (``vllm:admission_rejections`` has no ``engine``, as in vLLM).
 - Every value is read from the engine's snapshot at scrape time (a custom collector): gauges and counters are
   the engine's own figures, histograms are the cumulative ones its thread folds after every step
   (keepwarm.worker.async_engine, "Statistics"). Nothing is observed on the request path, and a request counts
   whichever front end (HTTP, gRPC) sent it.
-- A series vLLM exports that keepwarm has no data for is left out, never exported as a constant
-  (docs/vllm-compat.md, "Metrics", says which and why). Deprecated names vLLM kept beside their successors
-  (``vllm:gpu_cache_usage_perc``, ``vllm:time_per_output_token_seconds``) carry the successor's values.
+- A series that needs something keepwarm does not have (a KV connector, multimodal inputs, vLLM's FLOP model,
+  speculative decoding) is left out, never exported as a constant (docs/vllm-compat.md, "Metrics", says which and
+  why). Label values vLLM creates up front are all exported; those keepwarm never reaches stay 0 (true zeros: no
+  external KV source, no repetition detection, no prompt-token admission cap). Two names vLLM 0.32 no longer has
+  but dashboards chart (``vllm:gpu_cache_usage_perc``, ``vllm:time_per_output_token_seconds``) carry their
+  successors' values.
 - ``keepwarm:*`` series are keepwarm's own (the weights, the KV pool, restarts). Each server owns its registry.
 """
 
@@ -33,6 +37,11 @@ RESTART_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0
 # it has no repetition detection, so "repetition" stays 0 like any reason that did not happen.
 FINISHED_REASONS = ("stop", "length", "abort", "error", "repetition")
 PROMPT_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
+# vLLM's CacheHitSource: the tier cached prompt tokens came from. keepwarm's KV lives in one pool ("device").
+CACHE_HIT_SOURCES = ("device", "host", "p2p", "disk", "external_unspecified")
+# vLLM's frontend admission limits: keepwarm's admission bound (max_num_seqs + --max-queued-requests sequences,
+# a request counting prompts x n) is max_num_queued_reqs; it has no prompt-token cap (max_num_queued_tokens).
+ADMISSION_REASONS = ("max_num_queued_reqs", "max_num_queued_tokens")
 
 HISTOGRAM_HELP = {
     "vllm:request_prompt_tokens": "Number of prefill tokens processed.",
@@ -53,6 +62,7 @@ HISTOGRAM_HELP = {
     "vllm:request_decode_time_seconds": "Histogram of time spent in DECODE phase for request.",
     "vllm:request_prefill_kv_computed_tokens": "Histogram of new KV tokens computed during prefill (excluding "
                                                "cached tokens).",
+    "vllm:request_num_preemptions": "Histogram of the number of times a request was preempted.",
 }
 
 
@@ -67,10 +77,11 @@ def histogram_buckets(d: Distribution) -> list[tuple[str, float]]:
 
 class _SnapshotCollector(Collector):
     def __init__(self, snapshot: Callable[[], EngineSnapshot], model_name: str,
-                 info: Callable[[], dict[str, object]]) -> None:
+                 info: Callable[[], dict[str, object]], admission_refused: Callable[[], int] | None) -> None:
         self._snapshot = snapshot
         self._model = model_name
         self._info = info
+        self._admission_refused = admission_refused
         self._labels = ["model_name", "engine"]
         self._values = [model_name, "0"]
 
@@ -111,6 +122,12 @@ class _SnapshotCollector(Collector):
             "'deferred' = deferred by transient constraints (LoRA budget, KV transfer, blocked status). Sum of all "
             "reasons equals vllm:num_requests_waiting.", "reason",
             {"capacity": s.num_waiting - s.num_waiting_deferred, "deferred": s.num_waiting_deferred})
+        # keepwarm has no sleep mode: its engine is awake whenever the server answers
+        yield self._labelled(
+            GaugeMetricFamily, "vllm:engine_sleep_state",
+            "Engine sleep state; awake = 0 means engine is sleeping; awake = 1 means engine is awake; "
+            "weights_offloaded = 1 means sleep level 1; discard_all = 1 means sleep level 2.", "sleep_state",
+            {"awake": 1.0, "weights_offloaded": 0.0, "discard_all": 0.0})
         yield self._gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", s.kv_cache_usage)
         yield self._gauge("vllm:gpu_cache_usage_perc", "GPU KV-cache usage. 1 means 100 percent usage.DEPRECATED: "
                           "Use vllm:kv_cache_usage_perc instead.", s.kv_cache_usage)
@@ -129,9 +146,24 @@ class _SnapshotCollector(Collector):
                              "source.", "source", sources)
         yield self._counter("vllm:prompt_tokens_cached", "Number of cached prompt tokens (local + external).",
                             s.prompt_tokens_cached)
+        # vLLM adds the local prefix-cache hits to "device" (the same tokens as vllm:prefix_cache_hits); the other
+        # tiers are a KV connector's, which keepwarm does not have
+        yield self._labelled(
+            CounterMetricFamily, "vllm:prompt_tokens_cached_by_source",
+            "Prefix-cache hit tokens by the cache tier that supplied them: device (local HBM), host (offloaded to "
+            "DRAM), disk, p2p (transferred from another vLLM instance) or external_unspecified. Counted at "
+            "admission; sums to vllm:prefix_cache_hits + vllm:external_prefix_cache_hits.", "source",
+            {src: s.prefix_cache_hits if src == "device" else 0 for src in CACHE_HIT_SOURCES})
         yield self._counter("vllm:generation_tokens", "Number of generation tokens processed.", s.generation_tokens)
         yield self._labelled(CounterMetricFamily, "vllm:request_success", "Count of successfully processed "
                              "requests.", "finished_reason", {r: s.finished.get(r, 0) for r in FINISHED_REASONS})
+        if self._admission_refused is not None:  # vLLM's labels: model_name and reason, no engine
+            rejections = CounterMetricFamily("vllm:admission_rejections", "Number of admission attempts rejected by "
+                                             "a queue limit, by reason.", labels=["model_name", "reason"])
+            refused = {"max_num_queued_reqs": self._admission_refused(), "max_num_queued_tokens": 0}
+            for reason in ADMISSION_REASONS:
+                rejections.add_metric([self._model, reason], refused[reason])
+            yield rejections
 
     def _info_gauges(self, s: EngineSnapshot) -> Iterator:
         if s.cache_config:  # vLLM: CacheConfig's fields and "engine" as labels, value 1
@@ -193,9 +225,12 @@ class _RestartCollector(Collector):
 
 class ServerMetrics:
     def __init__(self, snapshot: Callable[[], EngineSnapshot], model_name: str,
-                 info: Callable[[], dict[str, object]], restarts: Callable[[], dict | None] = lambda: None) -> None:
+                 info: Callable[[], dict[str, object]], restarts: Callable[[], dict | None] = lambda: None,
+                 admission_refused: Callable[[], int] | None = None) -> None:
+        """``admission_refused``: the requests the admission bound refused (429; limits.Admission.refused), for
+        ``vllm:admission_rejections`` (not exported without it)."""
         self.registry = CollectorRegistry(auto_describe=True)
-        self.registry.register(_SnapshotCollector(snapshot, model_name, info))
+        self.registry.register(_SnapshotCollector(snapshot, model_name, info, admission_refused))
         self.registry.register(_RestartCollector(restarts))
 
     def observe_request(self, arrival: float, first_token: float | None, finished: float, num_output_tokens: int,
