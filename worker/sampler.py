@@ -6,16 +6,21 @@ filled per constrained row and applied in one batched fill; free rows are untouc
 min_tokens would leave with no token (the grammar allows only EOS) keeps the grammar's choice: the output must
 stay valid. Everything is vectorized over the batch with
 per-row parameter tensors; only the noise of seeded rows is drawn per row, from that sequence's own generator,
-so a seeded request samples the same tokens whatever else is in the batch.
+so a seeded request samples the same tokens whatever else is in the batch. Every bit of a seed counts
+(:func:`seeded_generator`): torch's CPU generator keeps only a seed's low 32 bits, so -1 and 2**63-1 (or 0 and
+-2**63) would otherwise sample alike.
 """
 
 from __future__ import annotations
 
+import functools
+import random
+import struct
 from dataclasses import dataclass
 
 import torch
 
-from keepwarm.worker.sampling_params import SamplingParams
+from keepwarm.worker.sampling_params import SEED_MAX, SEED_MIN, SamplingParams
 from keepwarm.worker.sequence import Sequence, TokenLogprob
 from keepwarm.worker.structured import unpack_bitmask
 
@@ -67,6 +72,48 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     return logits
 
 
+_MT_HEADER = struct.Struct("<QiiQ")  # torch's CPU generator state: seed, left, seeded, next, then 624 words
+
+
+@functools.cache
+def _cpu_state_template() -> bytes | None:
+    """torch's CPU generator state after ``manual_seed(5489)``, if its layout is the one :func:`seeded_generator`
+    writes (checked against the reference mt19937 seeding); None if this torch lays it out otherwise."""
+    g = torch.Generator()
+    g.manual_seed(5489)
+    raw = bytes(g.get_state().tolist())
+    words = [5489]
+    for j in range(1, 624):
+        words.append((1812433253 * (words[-1] ^ (words[-1] >> 30)) + j) & 0xFFFFFFFF)
+    size = _MT_HEADER.size + 624 * 8
+    if len(raw) < size or raw[:_MT_HEADER.size] != _MT_HEADER.pack(5489, 1, 1, 0) or \
+            struct.unpack_from("<624Q", raw, _MT_HEADER.size) != tuple(words):
+        return None
+    return raw
+
+
+def seeded_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """A generator whose stream depends on all 64 bits of ``seed`` (an int64, as the API takes).
+
+    CUDA's Philox takes the 64-bit seed as it is. torch seeds its CPU mt19937 from the low 32 bits alone, so seeds
+    in ``[0, 2**32)`` keep torch's seeding (``torch.manual_seed``'s streams) and any other seed gets the whole
+    mt19937 state from its two 32-bit words by the reference ``init_by_array`` (what Python's ``random`` does):
+    distinct seeds, distinct states."""
+    gen = torch.Generator(device=device)
+    own = gen.device.type == "cpu" and SEED_MIN <= seed <= SEED_MAX and not 0 <= seed < 1 << 32
+    template = _cpu_state_template() if own else None
+    if template is None:  # torch's seeding (which refuses what it cannot take, as before)
+        gen.manual_seed(seed)
+        return gen
+    u64 = seed & 0xFFFFFFFFFFFFFFFF
+    words = random.Random(u64).getstate()[1][:624]  # init_by_array([low word, high word])
+    raw = bytearray(template)
+    _MT_HEADER.pack_into(raw, 0, u64, 1, 1, 0)  # left = 1: the first draw regenerates, as after a fresh seed
+    struct.pack_into("<624Q", raw, _MT_HEADER.size, *words)
+    gen.set_state(torch.frombuffer(raw, dtype=torch.uint8))
+    return gen
+
+
 class Sampler:
     """Stateless except for one ``torch.Generator`` per seeded sequence (drop it with :meth:`forget`)."""
 
@@ -80,8 +127,7 @@ class Sampler:
     def _generator(self, seq: Sequence, device: torch.device) -> torch.Generator:
         gen = self._generators.get(seq.seq_id)
         if gen is None:
-            gen = torch.Generator(device=device)
-            gen.manual_seed(seq.sampling_params.seed)
+            gen = seeded_generator(seq.sampling_params.seed, device)
             self._generators[seq.seq_id] = gen
         return gen
 

@@ -1,8 +1,15 @@
-"""Per-request sampling parameters, with vLLM's names, defaults and validation."""
+"""Per-request sampling parameters, with vLLM's names, defaults and validation.
+
+Rules: every value has vLLM's range (a SamplingParamsError naming the field, an HTTP 400); ``seed`` (and
+``seed + n - 1``) within ``[SEED_MIN, SEED_MAX]``; stop conditions bounded (``MAX_STOP_STRINGS`` strings of at
+most ``MAX_STOP_STRING_CHARS`` characters, ``MAX_STOP_TOKEN_IDS`` ids), since the engine checks them on every
+token; an error message quotes at most 100 characters of the value it refuses.
+"""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -10,7 +17,12 @@ if TYPE_CHECKING:
     from keepwarm.worker.structured import CompiledGrammar, StructuredOutputs
 
 # torch.Generator.manual_seed's range (vLLM's seed bounds); choice i of an n>1 request samples with seed + i.
+# Every bit of a seed counts: distinct seeds give distinct streams (keepwarm.worker.sampler.seeded_generator).
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1
+# Stop conditions are checked on every token of the engine thread, so their number and length are bounded.
+MAX_STOP_STRINGS = 128
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
 
 
 class SamplingParamsError(ValueError):
@@ -69,7 +81,9 @@ class SamplingParams:
 
     def validate(self) -> None:
         def bad(name: str, rule: str) -> SamplingParamsError:
-            return SamplingParamsError(f"{name} must be {rule}, got {getattr(self, name)!r}", name)
+            got = repr(getattr(self, name))
+            return SamplingParamsError(f"{name} must be {rule}, got {got if len(got) <= 100 else got[:100] + '...'}",
+                                       name)
 
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", "an integer >= 1")
@@ -104,8 +118,19 @@ class SamplingParams:
         if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int)
                                                  or not 0 <= self.prompt_logprobs <= 20):
             raise bad("prompt_logprobs", "an integer in [0, 20]")
+        self._validate_stops(bad)
+
+    def _validate_stops(self, bad: Callable[[str, str], SamplingParamsError]) -> None:
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise SamplingParamsError(f"stop has {len(self.stop)} strings (limit {MAX_STOP_STRINGS})", "stop")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "a list of non-empty strings")
+        if any(len(s) > MAX_STOP_STRING_CHARS for s in self.stop):
+            raise SamplingParamsError(f"stop strings must be at most {MAX_STOP_STRING_CHARS} characters long",
+                                      "stop")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise SamplingParamsError(f"stop_token_ids has {len(self.stop_token_ids)} ids (limit "
+                                      f"{MAX_STOP_TOKEN_IDS})", "stop_token_ids")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "a list of non-negative integers")
 
