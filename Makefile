@@ -25,7 +25,7 @@ $(DEV): $(RUNTIME) requirements-dev.txt
 	touch $@
 
 run: $(RUNTIME)
-	$(BIN)/keepwarm up
+	$(BIN)/keepwarm up $(ARGS)
 
 # CI (`.ci/run`) runs this: lint (ruff, the import contract, the type checker) and the bare-machine `make run` check
 # first, then every test with branch coverage (pytest-cov; daemons and servers the tests start included), summed

@@ -1,4 +1,9 @@
-"""`keepwarm daemon run|stop`, `keepwarm preload`, `keepwarm status`, `keepwarm evict`."""
+"""`keepwarm daemon run|stop`, `keepwarm preload`, `keepwarm status`, `keepwarm evict`.
+
+`preload` checks the model (its path, or a Hugging Face id in the local cache, and its config.json) before it starts
+a daemon: a model keepwarm cannot serve never leaves a daemon behind, and a daemon this command started for a preload
+that still fails is stopped again.
+"""
 
 from __future__ import annotations
 
@@ -89,24 +94,38 @@ def _progress_printer() -> Any:
     def finish() -> None:
         if state["shown"]:
             sys.stderr.write("\n")
+            state["shown"] = False
 
     show.finish = finish  # type: ignore[attr-defined]
     return show
 
 
+def _check_before_daemon(model: str) -> None:
+    """With no daemon running, what the daemon would refuse (a missing directory, an unsupported architecture) is
+    refused here, before one is started (this imports torch: no cost beside starting a daemon)."""
+    from keepwarm.daemon.client import DaemonClient
+    from keepwarm.formats.model_config import load_model_config
+
+    with DaemonClient(_runtime_dir()) as probe:
+        if probe.ping(timeout=1.0) is not None:
+            return  # a running daemon answers for itself, in one line
+    load_model_config(model)
+
+
 def preload_model(model: str | None, quantization: str = "auto", dtype: str = "auto",
                   memory_budget: str | None = None, device: str = "cpu", tensor_parallel_size: int = 1,
-                  pipeline_parallel_size: int = 1) -> str:
+                  pipeline_parallel_size: int = 1, revision: str | None = None,
+                  download_dir: str | None = None) -> str:
     """Preload through the daemon (started if needed) with a progress bar on stderr; returns the model path.
-    Parallel sizes > 1: one shard arena per (pipeline stage, tensor-parallel rank), built in one pass."""
-    from keepwarm.daemon.client import ensure_daemon
+    Parallel sizes > 1: one shard arena per (pipeline stage, tensor-parallel rank), built in one pass. A Hugging
+    Face id is its snapshot in the local cache (worker/default_model.py)."""
+    from keepwarm.daemon.client import DaemonError, ensure_daemon
     from keepwarm.formats.layout import describe_sizes
+    from keepwarm.worker.default_model import default_model, resolve_model
 
-    if model is None:
-        from keepwarm.worker.default_model import default_model
-
-        model = str(default_model())
+    model = str(default_model()) if model is None else resolve_model(model, revision, download_dir)
     model = str(Path(model).absolute()) if Path(model).exists() else model
+    _check_before_daemon(model)
     client, started = ensure_daemon(memory_budget=memory_budget, device=device)
     if started:
         typer.echo(f"started the keepwarm daemon ({client.socket_path})", err=True)
@@ -115,6 +134,12 @@ def preload_model(model: str | None, quantization: str = "auto", dtype: str = "a
     try:
         reply = client.preload(model, quantization, dtype, on_event=show, tp_size=tensor_parallel_size,
                                pp_size=pipeline_parallel_size)
+    except DaemonError:
+        if started:  # started for this preload only: nothing is left running after a refusal
+            show.finish()  # the progress line ends before this one
+            client.shutdown()
+            typer.echo(f"stopped the keepwarm daemon this command started ({client.socket_path})", err=True)
+        raise
     finally:
         show.finish()
         client.close()
@@ -139,10 +164,14 @@ def register(app: typer.Typer) -> None:
 
     @app.command()
     def preload(
-        model: Annotated[str | None, typer.Argument(help="Model directory (default: bundled SmolLM2).")] = None,
+        model: Annotated[str | None, typer.Argument(help="Model directory, .gguf file or Hugging Face id in the local "
+                                                         "cache (default: bundled SmolLM2).")] = None,
         quantization: Annotated[str, typer.Option(
             "--quantization", "-q", help="auto (the checkpoint's own), none, int8, fp8, int4, int4-g64, int4-g32.")
         ] = "auto",
+        revision: Annotated[str | None, typer.Option(help="A Hugging Face id's revision in the cache.")] = None,
+        download_dir: Annotated[str | None, typer.Option("--download-dir", help="The Hugging Face cache to look "
+                                                                                "in.")] = None,
         dtype: Annotated[str, typer.Option(help="auto (the checkpoint's), bfloat16, float16, float32.")] = "auto",
         memory_budget: Annotated[str | None, typer.Option("--memory-budget",
                                                           help="For a daemon started now.")] = None,
@@ -156,12 +185,15 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Make MODEL resident in the daemon (starting a daemon if none answers); returns when it is."""
         from keepwarm.daemon.client import DaemonError
+        from keepwarm.formats.model_config import ModelConfigError
 
         try:
             preload_model(model, quantization, dtype, memory_budget, device, tensor_parallel_size,
-                          pipeline_parallel_size)
+                          pipeline_parallel_size, revision, download_dir)
         except DaemonError as e:
             _fail(e.message)
+        except (ModelConfigError, FileNotFoundError) as e:
+            _fail(str(e))
 
     @app.command()
     def status(json_out: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False) -> None:

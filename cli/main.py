@@ -88,34 +88,11 @@ def generate(
 
 _add_subcommands()
 
-# Options that take several values in vLLM's CLI (argparse nargs="+"): `--lora-modules a=x b=y`.
-_MULTI_VALUE_OPTIONS = ("--lora-modules", "--served-model-name")
-
-
-def expand_multi_value_options(argv: list[str]) -> list[str]:
-    """Rewrite `--lora-modules a=x b=y` as `--lora-modules a=x --lora-modules b=y` (click repeats an option
-    instead of taking several values). Values run up to the next token starting with '-'. --served-model-name
-    takes one value here, since a following bare token may be the model argument."""
-    out: list[str] = []
-    i = 0
-    while i < len(argv):
-        tok = argv[i]
-        out.append(tok)
-        i += 1
-        if tok in _MULTI_VALUE_OPTIONS:
-            first = True
-            while i < len(argv) and not argv[i].startswith("-") and (first or tok == "--lora-modules"):
-                if not first:
-                    out.append(tok)
-                out.append(argv[i])
-                i += 1
-                first = False
-    return out
-
 
 def run() -> None:
-    """The console script: vLLM-style multi-value options, then typer."""
-    app(args=expand_multi_value_options(sys.argv[1:]), prog_name="keepwarm")
+    """The console script. vLLM's spellings of the serve flags (several values, underscores, ``--model``) are
+    taken by the serve commands themselves (cli/serve_cmd.py's VllmCommand)."""
+    app(args=sys.argv[1:], prog_name="keepwarm")
 
 
 if __name__ == "__main__":

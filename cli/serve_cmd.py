@@ -1,10 +1,23 @@
-"""`keepwarm serve`: vLLM's flags, a `--config server.toml` with the same keys, flags winning over the file."""
+"""`keepwarm serve`, `restart` and `up`: vLLM's command line, a `--config` file (server.toml, or vLLM's YAML) with
+the same keys, flags winning over the file.
+
+Rules:
+- every `vllm serve` flag has a status (worker/api/vllm_flags.py): implemented with vLLM's meaning, accepted with one
+  log line saying it has no effect here and why, or refused with one line naming it and what to use instead (exit
+  status 2). vLLM's spellings are taken as its parser takes them (``--max_model_len``, ``--model X``, ``-tp 2``).
+- checks before work: conflicting flags, the model path (a Hugging Face id: the local cache), the runtime dir and the
+  port(s) each fail in well under a second with one line and exit status 2, before torch is imported, before attach
+  or warm-up.
+- `serve --help` is click's plain help (rich's boxes cut long option names at 80 columns).
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
 import inspect
+import os
+import socket
 import time
 import types
 import typing
@@ -12,6 +25,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from typer.core import TyperCommand
 
 from keepwarm.worker.api.config import ConfigError, ServerConfig, build_config, flag_of, load_toml
 
@@ -19,6 +33,12 @@ from keepwarm.worker.api.config import ConfigError, ServerConfig, build_config, 
 # token wins by 0.1, and bfloat16 rounding on a CPU without AVX512-BF16 turned it into a tie (and a French
 # ramble instead of Paris).
 EXAMPLE_QUESTION = "What is the capital of France? Answer in one sentence."
+EPILOG = ("Every other `vllm serve` flag is accepted with one line saying it has no effect here, or refused with one "
+          "line saying what to use instead: docs/vllm-compat.md, \"Flags\".")
+
+
+class PreflightError(ValueError):
+    """A check before work failed; the message is the one line to print."""
 
 
 def _print_example_when_ready(host: str, port: int, model: str, api_key: str | None) -> None:
@@ -48,6 +68,42 @@ def _print_example_when_ready(host: str, port: int, model: str, api_key: str | N
     threading.Thread(target=run, name="keepwarm-example", daemon=True).start()
 
 
+class VllmCommand(TyperCommand):
+    """A command taking serve flags: vLLM's command line normalised before click parses it (ignored flags logged,
+    refused ones one line and exit 2), and click's plain help."""
+
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        import logging
+
+        from keepwarm.worker.api.vllm_flags import FlagRefused, normalize
+
+        own, takes_value, lists = set(), set(), set()
+        for p in self.params:
+            if p.param_type_name == "option":
+                own.update(p.opts + p.secondary_opts)
+                if not getattr(p, "is_flag", False):
+                    takes_value.update(p.opts)
+                if p.multiple:
+                    lists.update(p.opts)
+        if "--help" in args or "-h" in args:
+            return super().parse_args(ctx, args)
+        try:
+            parsed = normalize(args, own, lists, takes_value.__contains__)
+        except FlagRefused as e:
+            typer.echo(f"error: {e}", err=True)
+            ctx.exit(2)
+        if parsed.log_level:  # vLLM's serve flag; keepwarm's own is `keepwarm --log-level` before the command
+            level = parsed.log_level.upper()
+            if level not in ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG", "NOTSET"):
+                typer.echo(f"error: --log-level {parsed.log_level!r} is not a log level", err=True)
+                ctx.exit(2)
+            logging.getLogger().setLevel(level)
+        return super().parse_args(ctx, parsed.args)
+
+    def format_help(self, ctx: Any, formatter: Any) -> None:
+        super(TyperCommand, self).format_help(ctx, formatter)  # click's own (typer vendors click), not rich's
+
+
 def _option(f: dataclasses.Field) -> inspect.Parameter:
     """The `serve` option of one ServerConfig field: its type made optional (None = not given, the file or the
     default decides), with the spellings and help its Flag declares."""
@@ -65,82 +121,179 @@ def _option(f: dataclasses.Field) -> inspect.Parameter:
 @functools.cache
 def serve_signature() -> inspect.Signature:
     """`keepwarm serve MODEL --config FILE` plus one option per ServerConfig key (except file-only ones). Built once
-    (~20 ms): `serve` and `restart` share it, and every command line pays for it before it runs."""
+    (~20 ms): `serve`, `restart` and `up` share it, and every command line pays for it before it runs."""
     params = [
         inspect.Parameter("model", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None, annotation=Annotated[
-            str | None, typer.Argument(help="Model directory (default: bundled SmolLM2).")]),
+            str | None, typer.Argument(help="Model directory, .gguf file or Hugging Face id in the local cache "
+                                            "(default: bundled SmolLM2); `--model X` works too.")]),
         inspect.Parameter("config", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None, annotation=Annotated[
-            str | None, typer.Option("--config", help="server.toml: keys are these flags' names with underscores; "
-                                                      "flags win.")]),
+            str | None, typer.Option("--config", help="server.toml, or vLLM's YAML (.yaml/.yml): keys are these "
+                                                      "flags' names (underscores or dashes); flags win.")]),
     ]
     params += [_option(f) for f in dataclasses.fields(ServerConfig) if flag_of(f).cli]
     return inspect.Signature(params, return_annotation=None)
 
 
+def _command(app: typer.Typer, fn: Any) -> None:
+    app.command(cls=VllmCommand, epilog=EPILOG, context_settings={"help_option_names": ["-h", "--help"]})(fn)
+
+
 def register(app: typer.Typer) -> None:
-    @app.command()
-    def up(
-        model: Annotated[str | None, typer.Argument(help="Model directory (default: bundled SmolLM2).")] = None,
-        host: Annotated[str, typer.Option("--host")] = "127.0.0.1",
-        port: Annotated[int, typer.Option("--port")] = 8000,
-        quantization: Annotated[str, typer.Option("--quantization", "-q")] = "auto",
-        api_key: Annotated[str | None, typer.Option("--api-key", envvar="KEEPWARM_API_KEY")] = None,
-    ) -> None:
-        """Start the daemon (if none runs), preload MODEL with a progress bar, and serve it (what `make run` does)."""
+    def up(model: str | None = None, config: str | None = None, **options: Any) -> None:
+        """Start the daemon (if none runs), preload MODEL with a progress bar, and serve it with these serve flags
+        (what `make run` does)."""
         start = time.time()
         from keepwarm.cli.daemon_cmds import preload_model
         from keepwarm.cli.main import fail
         from keepwarm.daemon.client import DaemonError
         from keepwarm.formats.model_config import ModelConfigError
-        from keepwarm.worker.api.server import serve as run_server
 
+        flags = _given_flags(model, options)
+        cfg = _checked_config(config, flags)
         try:
-            path = preload_model(model, quantization, "auto")
-            names = [Path(path).name] if model is None else None  # the bundled model: its short name
-            _print_example_when_ready(host, port, (names or [path])[0], api_key)
-            code = run_server(ServerConfig(model=path, host=host, port=port, quantization=quantization,
-                                           api_key=api_key, served_model_name=names), process_start=start)
+            device = cfg.device if cfg.device.startswith("cuda") else "cpu"
+            path = preload_model(cfg.model, cfg.quantization, cfg.dtype, device=device,
+                                 tensor_parallel_size=cfg.tensor_parallel_size,
+                                 pipeline_parallel_size=cfg.pipeline_parallel_size, revision=cfg.revision,
+                                 download_dir=cfg.download_dir)
         except (ModelConfigError, DaemonError, FileNotFoundError, ValueError) as e:
             fail(str(e))
             return
-        raise typer.Exit(code)
+        if cfg.model is None:  # the bundled model: its path, served under its short name
+            flags.update(model=path, served_model_name=cfg.served_model_name or [Path(path).name])
+            cfg = cfg.replace(model=path, served_model_name=flags["served_model_name"])
+        names = cfg.served_model_name or [cfg.model or path]
+        _print_example_when_ready(cfg.host, cfg.port, names[0], cfg.api_key)
+        _run(cfg, config, flags, start)
 
     def serve(model: str | None = None, config: str | None = None, **options: Any) -> None:
         """Serve the OpenAI-compatible API (and gRPC with --grpc) from weights the daemon keeps warm."""
         start = time.time()
-        from keepwarm.cli.main import fail
-
         flags = _given_flags(model, options)
-        try:
-            file_values = load_toml(config) if config else {}
-            cfg = build_config(file_values, flags)
-        except ConfigError as e:
-            fail(str(e), code=2)
-            return
-        if cfg.standby and not cfg.zygote:
-            fail("--standby needs --zygote (the standby is a worker the supervisor keeps warm beside the one "
-                 "serving)", code=2)
-            return
-        if cfg.zygote:
-            _supervise(config, flags)
-            return
-        if cfg.node_rank != 0:
-            raise typer.Exit(_serve_node(cfg))
-        from keepwarm.daemon.client import DaemonError
-        from keepwarm.formats.model_config import ModelConfigError
-        from keepwarm.worker.api.server import serve as run_server
-        from keepwarm.worker.engine import RequestError
+        _run(_checked_config(config, flags), config, flags, start)
 
-        try:
-            code = run_server(cfg, process_start=start)
-        except (ModelConfigError, RequestError, DaemonError, FileNotFoundError, ValueError) as e:
-            fail(str(e))
-            return
-        raise typer.Exit(code)
-
-    serve.__signature__ = serve_signature()  # type: ignore[attr-defined]  # what typer reads
-    app.command(context_settings={"help_option_names": ["-h", "--help"]})(serve)
+    up.__signature__ = serve_signature()  # type: ignore[attr-defined]  # what typer reads
+    serve.__signature__ = serve_signature()  # type: ignore[attr-defined]
+    _command(app, up)
+    _command(app, serve)
     _register_restart(app)
+
+
+def _checked_config(config: str | None, flags: dict[str, Any]) -> ServerConfig:
+    """The config from the file and the flags, checked before any work (one line and exit 2 otherwise)."""
+    from keepwarm.cli.main import fail
+
+    try:
+        cfg = build_config(load_toml(config) if config else {}, flags)
+        if cfg.api_key is None and os.environ.get("VLLM_API_KEY"):  # vLLM's variable, as `vllm serve` reads it
+            flags["api_key"] = os.environ["VLLM_API_KEY"]
+            cfg = cfg.replace(api_key=flags["api_key"])
+        preflight(cfg)
+    except (ConfigError, PreflightError) as e:
+        fail(str(e), code=2)
+        raise AssertionError from None  # unreachable: fail() exits
+    return cfg
+
+
+def _run(cfg: ServerConfig, config: str | None, flags: dict[str, Any], start: float) -> None:
+    from keepwarm.cli.main import fail
+
+    if cfg.zygote:
+        _supervise(config, flags)
+        return
+    if cfg.node_rank != 0:
+        raise typer.Exit(_serve_node(cfg))
+    from keepwarm.daemon.client import DaemonError
+    from keepwarm.formats.model_config import ModelConfigError
+    from keepwarm.worker.api.server import serve as run_server
+    from keepwarm.worker.engine import RequestError
+
+    try:
+        code = run_server(cfg, process_start=start)
+    except (ModelConfigError, RequestError, DaemonError, FileNotFoundError, ValueError) as e:
+        fail(str(e))
+        return
+    raise typer.Exit(code)
+
+
+# -- checks before work ----------------------------------------------------------------------------------------------
+def preflight(cfg: ServerConfig) -> None:
+    """What can be known wrong before attaching or warming up, each in one line: conflicting flags, the model and
+    tokenizer paths, the chat template, the daemon's runtime dir, and the port(s) (a probe bind)."""
+    _check_conflicts(cfg)
+    _check_paths(cfg)
+    if cfg.daemon:
+        from keepwarm.formats import paths
+
+        rt = Path(cfg.runtime_dir) if cfg.runtime_dir else paths.runtime_dir()
+        try:
+            paths.ensure_private_dir(rt)
+            paths.socket_path(rt)
+        except (paths.RuntimeDirError, OSError) as e:
+            raise PreflightError(f"runtime dir {rt}: {e}") from None
+    if cfg.node_rank == 0 and not os.environ.get("LISTEN_FDS"):  # systemd's socket: nothing to bind here
+        check_port(cfg.host, cfg.port, "--port")
+        if cfg.grpc:
+            check_port(cfg.host, cfg.grpc_port, "--grpc-port")
+
+
+def _check_conflicts(cfg: ServerConfig) -> None:
+    rules = [
+        (cfg.standby and not cfg.zygote, "--standby needs --zygote (the standby is a worker the supervisor keeps "
+                                         "warm beside the one serving)"),
+        (bool(cfg.lora_modules) and not cfg.enable_lora, "--lora-modules needs --enable-lora"),
+        (cfg.enable_auto_tool_choice and cfg.tool_call_parser is None,
+         "--enable-auto-tool-choice needs --tool-call-parser"),
+        (cfg.grpc and cfg.grpc_port == cfg.port, f"--grpc-port {cfg.grpc_port} is --port too: give them two ports"),
+        (cfg.node_rank < 0 or cfg.node_rank >= max(cfg.nnodes, 1),
+         f"--node-rank {cfg.node_rank} is not one of the --nnodes {cfg.nnodes} machines (0 to {cfg.nnodes - 1})"),
+        (cfg.fingerprint is not None and not cfg.daemon, "--fingerprint picks a daemon's arena: it needs the daemon "
+                                                         "(drop --no-daemon)"),
+    ]
+    for broken, message in rules:
+        if broken:
+            raise PreflightError(message)
+
+
+def _check_paths(cfg: ServerConfig) -> None:
+    from keepwarm.worker.default_model import resolve_model
+
+    try:
+        model = resolve_model(cfg.model, cfg.revision, cfg.download_dir) if cfg.model else None
+        if cfg.tokenizer:
+            tokenizer = Path(resolve_model(cfg.tokenizer, cfg.tokenizer_revision, cfg.download_dir))
+            if not tokenizer.exists():
+                raise PreflightError(f"tokenizer {cfg.tokenizer!r} does not exist")
+    except FileNotFoundError as e:
+        raise PreflightError(str(e)) from None
+    if model is not None:
+        p = Path(model)
+        if not (p.suffix == ".gguf" and p.is_file()):  # a model directory: the words of formats/model_config.py
+            if not p.exists():
+                raise PreflightError(f"model directory {model!r} does not exist")
+            if not p.is_dir():
+                raise PreflightError(f"{model!r} is not a directory")
+            if not (p / "config.json").is_file():
+                raise PreflightError(f"{model!r} is not a model directory: config.json is missing")
+    if cfg.chat_template is not None:
+        from keepwarm.worker.api.vllm_flags import chat_template_text
+
+        try:
+            chat_template_text(cfg.chat_template)
+        except ValueError as e:
+            raise PreflightError(str(e)) from None
+
+
+def check_port(host: str, port: int, flag: str) -> None:
+    """A probe bind of (host, port), as uvicorn binds (SO_REUSEADDR): a port something listens on fails at once."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise PreflightError(f"{flag} {port}: cannot listen on {host}:{port} ({e.strerror or e}); is another "
+                                 f"server running there?") from None
 
 
 def _serve_node(cfg: Any) -> int:
@@ -211,7 +364,7 @@ def _register_restart(app: typer.Typer) -> None:
     ]
     sig = serve_signature()
     restart.__signature__ = sig.replace(parameters=[*sig.parameters.values(), *extra])  # type: ignore[attr-defined]
-    app.command(context_settings={"help_option_names": ["-h", "--help"]})(restart)
+    _command(app, restart)
 
 
 def _given_flags(model: str | None, options: dict[str, Any]) -> dict[str, Any]:

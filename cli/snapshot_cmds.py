@@ -29,9 +29,21 @@ def _store():
     return Store()
 
 
+def _quiet_http_logs() -> None:
+    """httpx logs every request at INFO: push / pull / create would print one line per blob. Below --log-level
+    debug they are kept to warnings."""
+    import logging
+
+    if logging.getLogger().getEffectiveLevel() > logging.DEBUG:
+        for name in ("httpx", "httpcore"):
+            logging.getLogger(name).setLevel(logging.WARNING)
+
+
 def _guard(fn):
     """Run ``fn``; a SnapshotError (or a daemon / OS error) becomes one line on stderr and exit status 1."""
     import httpx
+
+    _quiet_http_logs()
 
     from keepwarm.daemon.client import DaemonError
     from keepwarm.snapshot.manifest import SnapshotError

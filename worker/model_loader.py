@@ -144,8 +144,8 @@ def load_model(model_dir: Path, dtype: str, quantization: str, device: torch.dev
         if daemon is True or daemon in ("on", "start"):
             client, started = ensure_daemon(runtime_dir, device=daemon_device)
             client.close()
-            if started:
-                log.info("started a keepwarm daemon for %s", runtime_dir or "the default runtime dir")
+            if started:  # the socket the client used: KEEPWARM_RUNTIME_DIR's when no dir was given
+                log.info("started a keepwarm daemon for %s", client.socket_path.parent)
         else:
             probe = DaemonClient(runtime_dir)
             answered = probe.ping(timeout=1.0)

@@ -51,6 +51,14 @@ class ServerConfig:
     model: str | None = setting(None, Flag(engine=SAME, cli=False))  # the command's argument, not an option
     served_model_name: list[str] | None = None
     tokenizer: str | None = setting(None, Flag(engine=SAME))
+    # a Hugging Face id (org/name) is looked up in the local Hugging Face cache, offline (worker/default_model.py)
+    revision: str | None = setting(None, Flag("The model's revision (branch, tag or commit) in the Hugging Face "
+                                              "cache."))
+    tokenizer_revision: str | None = setting(None, Flag("The tokenizer's revision in the Hugging Face cache."))
+    download_dir: str | None = setting(None, Flag("The Hugging Face cache to look in (default: HF_HUB_CACHE, "
+                                                  "HF_HOME/hub, ~/.cache/huggingface/hub); nothing is downloaded."))
+    chat_template: str | None = setting(None, Flag("A chat template (a file, or the template itself) instead of the "
+                                                   "tokenizer's."))
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = setting(None, Flag("Bearer key required on /v1 routes.", envvar="KEEPWARM_API_KEY"))
@@ -116,9 +124,22 @@ class ServerConfig:
     trust_request_chat_template: bool = setting(False, Flag(
         "Allow a request's own chat_template (vLLM's flag); rendered sandboxed, time- and size-bounded."))
     max_request_body_mb: float = setting(16.0, Flag("Largest request body in MiB (413 past it)."))
-    max_queued_requests: int = setting(1024, Flag("Requests that may wait beyond --max-num-seqs (429 past it)."))
+    max_queued_requests: int = setting(1024, Flag("Sequences (a request counts prompts x n) that may wait beyond "
+                                                  "--max-num-seqs (429 past it)."))
+    max_request_sequences: int | None = setting(None, Flag("Sequences (prompts x n) one request may ask for (400 "
+                                                           "past it; default --max-num-seqs)."))
+    max_request_prompt_tokens: int | None = setting(None, Flag("Prompt tokens one request may bring, summed over its "
+                                                               "prompts (400 past it; default: the KV cache's "
+                                                               "tokens)."))
     client_timeout: float = setting(30.0, Flag("Seconds a client may stall sending a body (408) or reading a "
                                                "response (disconnected)."))
+
+    def __post_init__(self) -> None:
+        for key, least in (("max_queued_requests", 0), ("max_request_sequences", 1),
+                           ("max_request_prompt_tokens", 1)):
+            value = getattr(self, key)
+            if value is not None and value < least:
+                raise ConfigError(f"{key}: must be at least {least}, got {value}")
 
     def engine_kwargs(self) -> dict[str, Any]:
         """The engine's settings, as ``EngineConfig`` keyword arguments (``model`` as given: None = the default).
@@ -179,14 +200,55 @@ def from_mapping(values: dict[str, Any], source: str = "config") -> dict[str, An
 
 
 def load_toml(path: str | Path) -> dict[str, Any]:
+    """A config file: TOML, or vLLM's YAML (``.yaml`` / ``.yml``: flat keys, dashes or underscores). vLLM's keys
+    that keepwarm ignores are logged, those it refuses raise (worker/api/vllm_flags.py)."""
+    from keepwarm.worker.api.vllm_flags import FlagRefused, file_values
+
     p = Path(path)
     try:
-        data = tomllib.loads(p.read_text())
+        text = p.read_text()
     except FileNotFoundError:
         raise ConfigError(f"config file {p} does not exist") from None
+    data = _load_yaml(p, text) if p.suffix in (".yaml", ".yml") else _load_toml_text(p, text)
+    try:
+        return from_mapping(_coerce_lists(file_values(data, str(p), FIELDS)), str(p))
+    except FlagRefused as e:
+        raise ConfigError(str(e)) from None
+
+
+def _load_toml_text(p: Path, text: str) -> dict[str, Any]:
+    try:
+        return tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{p} is not valid TOML: {e}") from None
-    return from_mapping(data, str(p))
+
+
+def _load_yaml(p: Path, text: str) -> dict[str, Any]:
+    import yaml
+
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{p} is not valid YAML: {str(e).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p} must hold a mapping of flag names to values")
+    return data
+
+
+def _coerce_lists(values: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's files give one value where a flag takes several (``served-model-name: x``), and a list of one for
+    ``api-key``: both become keepwarm's types."""
+    out = dict(values)
+    for key, value in values.items():
+        hint = _HINTS.get(key)
+        if hint is None:
+            continue
+        takes_list = "list" in str(hint)
+        if takes_list and isinstance(value, str):
+            out[key] = [value]
+        elif not takes_list and isinstance(value, list) and len(value) == 1:
+            out[key] = value[0]
+    return out
 
 
 def build_config(file_values: dict[str, Any], flag_values: dict[str, Any]) -> ServerConfig:

@@ -3,6 +3,10 @@
 The app itself is ``keepwarm.worker.api.app`` (routers by resource in ``routes/`` over ``pipeline``); this module
 owns the process: the engine from the config, systemd socket activation, uvicorn, the drain on SIGTERM, and the
 exit with status 70 when the engine cannot go on (so the supervisor restarts the worker, warm).
+
+The listening socket is bound first, before the engine is built: a port in use is one line at once, never found
+after an attach and a warm-up. A Hugging Face id resolves to its snapshot in the local cache (served under the id);
+``--chat-template`` replaces the tokenizer's template.
 """
 
 from __future__ import annotations
@@ -20,16 +24,18 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from keepwarm.formats import paths
 from keepwarm.formats.version import __version__
 from keepwarm.worker.api.app import build_app
 from keepwarm.worker.api.config import ServerConfig
-from keepwarm.worker.api.listen import listen_backlog, systemd_socket
+from keepwarm.worker.api.listen import bind_listener, listen_backlog, systemd_socket
 from keepwarm.worker.api.state import ServerState
+from keepwarm.worker.api.vllm_flags import chat_template_text
 from keepwarm.worker.async_engine import AsyncEngine
-from keepwarm.worker.default_model import DEFAULT_MODEL_NAME, default_model
+from keepwarm.worker.default_model import DEFAULT_MODEL_NAME, default_model, resolve_model
 from keepwarm.worker.engine import EngineConfig, LLMEngine
 from keepwarm.worker.lora import parse_lora_modules
-from keepwarm.worker.lora_loader import load_adapter
+from keepwarm.worker.lora_loader import register_adapter
 
 if TYPE_CHECKING:
     from keepwarm.worker.api.zygote import WorkerLink
@@ -41,19 +47,43 @@ log = logging.getLogger("keepwarm.server")
 SWITCH_INTERVAL_S = 0.0005
 
 
+class ListenError(ValueError):
+    """The port cannot be listened on; one line naming it."""
+
+
 # -- running it ------------------------------------------------------------------------------------------------------
+def resolved_config(config: ServerConfig) -> ServerConfig:
+    """The model and tokenizer as local paths (a Hugging Face id: its snapshot in the local cache, served under the
+    id, as vLLM names it); FileNotFoundError says where it looked."""
+    changes: dict[str, Any] = {}
+    if config.model is not None:
+        path = resolve_model(config.model, config.revision, config.download_dir)
+        if path != config.model:
+            changes.update(model=path, served_model_name=config.served_model_name or [config.model])
+    if config.tokenizer is not None:
+        tok = resolve_model(config.tokenizer, config.tokenizer_revision, config.download_dir)
+        if tok != config.tokenizer:
+            changes["tokenizer"] = tok
+    return config.replace(**changes) if changes else config
+
+
 def create_engine(config: ServerConfig) -> LLMEngine:
     """The engine ``config`` describes, with the ``--lora-modules`` adapters registered (runs in the engine thread;
     under the supervisor ``warm_up`` follows there, beside the app's build)."""
+    config = resolved_config(config)
     model = config.model
     if model is None:
         model = str(default_model())
-    engine = LLMEngine(EngineConfig(**{**config.engine_kwargs(), "model": model}))
+    # the runtime dir by name: a daemon started for it is logged with its real directory (KEEPWARM_RUNTIME_DIR)
+    runtime_dir = config.runtime_dir or str(paths.runtime_dir())
+    engine = LLMEngine(EngineConfig(**{**config.engine_kwargs(), "model": model, "runtime_dir": runtime_dir}))
+    if config.chat_template is not None and engine.tokenizer is not None:
+        engine.tokenizer.chat_template = chat_template_text(config.chat_template)
     if config.lora_modules and not config.enable_lora:
         raise ValueError("--lora-modules needs --enable-lora")
     if config.enable_lora:
         for name, path in parse_lora_modules(config.lora_modules):
-            engine.add_lora(load_adapter(engine, name, path))
+            register_adapter(engine, name, path)  # a refused adapter leaves nothing resident in the daemon
     return engine
 
 
@@ -94,8 +124,10 @@ def serve(config: ServerConfig, process_start: float | None = None, listener: so
     # interval would add up to 5 ms of waiting per hand-off (measured: 32 vs 19 ms per token at concurrency 1).
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     t0 = time.perf_counter()
+    config = resolved_config(config)
     # Take systemd's socket (and drop LISTEN_*) before anything can start a child process.
     inherited = listener or systemd_socket()
+    own = None if inherited else _listen(config.host, config.port)  # before the engine: a taken port fails now
     fatal_hook: list[Callable[[BaseException], None]] = []  # set once the server exists
 
     def on_fatal(error: BaseException) -> None:
@@ -123,7 +155,7 @@ def serve(config: ServerConfig, process_start: float | None = None, listener: so
                                   "timeout_graceful_shutdown": config.shutdown_timeout, "access_log": False,
                                   # an idle keep-alive connection is closed after this (uvicorn's default: 5 s)
                                   "timeout_keep_alive": 5}
-    if inherited:
+    if inherited or own:
         uv_options["backlog"] = listen_backlog()
     uv_config = uvicorn.Config(app, **uv_options)
     startup["app"] = time.perf_counter() - t_app
@@ -137,7 +169,7 @@ def serve(config: ServerConfig, process_start: float | None = None, listener: so
         from keepwarm.worker.api.grpc_server import start_grpc_server
 
         grpc_server = start_grpc_server(state, config.host, config.grpc_port)
-    server = _uvicorn_server(uv_config, state, link, grpc_server)
+    server = _uvicorn_server(uv_config, state, link, grpc_server, log_started=own is not None)
     fatal_hook.append(lambda e: _exit_on_fatal(state, server, e))
     if async_engine.errored is not None:
         _exit_on_fatal(state, server, async_engine.errored)
@@ -149,7 +181,7 @@ def serve(config: ServerConfig, process_start: float | None = None, listener: so
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
     try:
-        server.run(sockets=[inherited] if inherited else None)
+        server.run(sockets=[inherited or own] if inherited or own else None)
     finally:
         if grpc_server is not None:
             grpc_server.stop(grace=1.0)
@@ -158,6 +190,14 @@ def serve(config: ServerConfig, process_start: float | None = None, listener: so
               f"{FATAL_EXIT_CODE} so the supervisor restarts the server", file=sys.stderr, flush=True)
         return FATAL_EXIT_CODE
     return 0
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    try:
+        return bind_listener(host, port)
+    except OSError as e:
+        raise ListenError(f"--port {port}: cannot listen on {host}:{port} ({e.strerror or e}); is another server "
+                          "running there?") from None
 
 
 def _wait_warm(async_engine: AsyncEngine, startup: dict[str, float]) -> None:
@@ -179,8 +219,10 @@ def _standby_wait(link: WorkerLink, startup: dict[str, float]) -> bool:
     return go
 
 
-def _uvicorn_server(uv_config: Any, state: ServerState, link: WorkerLink | None, grpc_server: Any) -> Any:
-    """uvicorn's server with keepwarm's drain on SIGTERM/SIGINT and, under the supervisor, Ready and the handoff."""
+def _uvicorn_server(uv_config: Any, state: ServerState, link: WorkerLink | None, grpc_server: Any,
+                    log_started: bool = False) -> Any:
+    """uvicorn's server with keepwarm's drain on SIGTERM/SIGINT and, under the supervisor, Ready and the handoff.
+    ``log_started``: uvicorn's "running on" line for a socket bound here (uvicorn logs it only for its own)."""
     import uvicorn
 
     config = state.config
@@ -197,6 +239,8 @@ def _uvicorn_server(uv_config: Any, state: ServerState, link: WorkerLink | None,
             t = time.perf_counter()
             await super().startup(sockets=sockets)
             state.startup["uvicorn_start"] = time.perf_counter() - t
+            if log_started and self.started and sockets:
+                self._log_started_message(sockets)
             log.info("startup phases (s): %s", " ".join(f"{k} {v:.3f}" for k, v in state.startup.items()))
             if link is not None and self.started:
                 loop = asyncio.get_running_loop()
