@@ -129,7 +129,7 @@ class _Source:
 
     def __init__(self, path: Path, raw: BinaryIO) -> None:
         self.path, self.offset = path, 0
-        self.stream: BinaryIO = raw
+        self.stream: Any = raw  # a binary file, or zstd's stream reader: both have readinto
         self.decode_errors: tuple[type[Exception], ...] = ()
         try:
             head = raw.read(4)

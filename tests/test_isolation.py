@@ -416,14 +416,35 @@ def test_admission_refuses_past_the_queue_bound() -> None:
     from keepwarm.worker.api.protocol import APIError
 
     adm = Admission(max_running=2, max_queued=1)
-    for _ in range(3):
-        adm.enter()
+    held = [adm.enter() for _ in range(3)]
     with pytest.raises(APIError) as info:
         adm.enter()
     assert info.value.status == 429 and "--max-queued-requests" in info.value.message
-    adm.exit()
-    adm.enter()
+    held.pop().release()
+    held.append(adm.enter())
     assert adm.active == 3 and adm.refused == 1
+
+
+def test_admission_counts_a_requests_sequences() -> None:
+    """A request holds one seat per sequence once its size is known; a resize past the capacity is a 429 that
+    leaves its hold as it was, and its release gives every seat back."""
+    from keepwarm.worker.api.limits import Admission
+    from keepwarm.worker.api.protocol import APIError
+
+    adm = Admission(max_running=2, max_queued=2)
+    big, small = adm.enter(), adm.enter()
+    big.resize(3)
+    assert adm.active == 4
+    with pytest.raises(APIError, match="needs 1 more") as info:
+        small.resize(2)
+    assert info.value.status == 429 and small.held == 1 and adm.active == 4
+    big.release()
+    assert adm.active == 1 and big.held == 0
+    small.resize(4)
+    with pytest.raises(APIError):
+        adm.enter()
+    small.release()
+    assert adm.active == 0 and adm.refused == 2
 
 
 def test_prompt_characters_that_cannot_fit_are_refused_before_tokenizing(tiny_llama) -> None:

@@ -133,13 +133,13 @@ class RequestStats:
 
     def record(self, obs: Observations) -> None:
         h = self._h
-        for v in obs.iteration_tokens:
-            h["vllm:iteration_tokens_total"].observe(v)
-        for v in obs.time_to_first_token:
-            h["vllm:time_to_first_token_seconds"].observe(v)
-        for v in obs.inter_token_latency:
-            h["vllm:inter_token_latency_seconds"].observe(v)
-            h["vllm:time_per_output_token_seconds"].observe(v)
+        for tokens in obs.iteration_tokens:
+            h["vllm:iteration_tokens_total"].observe(tokens)
+        for seconds in obs.time_to_first_token:
+            h["vllm:time_to_first_token_seconds"].observe(seconds)
+        for gap in obs.inter_token_latency:
+            h["vllm:inter_token_latency_seconds"].observe(gap)
+            h["vllm:time_per_output_token_seconds"].observe(gap)
         for n, longest in obs.requests:
             h["vllm:request_params_n"].observe(n)
             h["vllm:request_max_num_generation_tokens"].observe(longest)
@@ -561,7 +561,8 @@ def _lora_deferred(e: LLMEngine) -> int:
     lm = e.lora_manager
     if lm is None or any(refs == 0 for refs in lm.slot_refs):
         return 0
-    return sum(1 for seq in e.scheduler.waiting if seq.lora is not None and lm.slot_of(seq.lora) < 0)
+    return len([seq for seq in e.scheduler.waiting
+                if isinstance(seq.lora, LoRAAdapter) and lm.slot_of(seq.lora) < 0])
 
 
 def _lora_info(e: LLMEngine) -> LoRAInfo | None:

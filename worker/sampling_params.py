@@ -121,16 +121,17 @@ class SamplingParams:
         self._validate_stops(bad)
 
     def _validate_stops(self, bad: Callable[[str, str], SamplingParamsError]) -> None:
-        if len(self.stop) > MAX_STOP_STRINGS:
-            raise SamplingParamsError(f"stop has {len(self.stop)} strings (limit {MAX_STOP_STRINGS})", "stop")
-        if any(not isinstance(s, str) or not s for s in self.stop):
+        stop, ids = list(self.stop or ()), list(self.stop_token_ids or ())  # lists since __post_init__
+        if len(stop) > MAX_STOP_STRINGS:
+            raise SamplingParamsError(f"stop has {len(stop)} strings (limit {MAX_STOP_STRINGS})", "stop")
+        if any(not isinstance(s, str) or not s for s in stop):
             raise bad("stop", "a list of non-empty strings")
-        if any(len(s) > MAX_STOP_STRING_CHARS for s in self.stop):
+        if any(len(s) > MAX_STOP_STRING_CHARS for s in stop):
             raise SamplingParamsError(f"stop strings must be at most {MAX_STOP_STRING_CHARS} characters long",
                                       "stop")
-        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            raise SamplingParamsError(f"stop_token_ids has {len(self.stop_token_ids)} ids (limit "
-                                      f"{MAX_STOP_TOKEN_IDS})", "stop_token_ids")
+        if len(ids) > MAX_STOP_TOKEN_IDS:
+            raise SamplingParamsError(f"stop_token_ids has {len(ids)} ids (limit {MAX_STOP_TOKEN_IDS})",
+                                      "stop_token_ids")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "a list of non-negative integers")
 

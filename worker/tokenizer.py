@@ -389,7 +389,7 @@ def _bounded_sandbox():
     class BoundedSandbox(ImmutableSandboxedEnvironment):
         code_generator_class = SizedConcat
         intercepted_binops = frozenset({"*", "**", "%", "+"})
-        concat = staticmethod(_bounded_concat)  # type: ignore[assignment]
+        concat = staticmethod(_bounded_concat)
         sized_parts = staticmethod(_sized_parts)
 
         def call_binop(self, context, operator, left, right):

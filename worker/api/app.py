@@ -5,8 +5,9 @@ events), GET /v1/models, POST /tokenize, /detokenize, POST /v1/load_lora_adapter
 /health, GET|POST /ping, GET /version, GET /metrics, GET /keepwarm/config (the effective config). With ``--api-key``
 every route needs ``Authorization: Bearer <key>`` (the /v1 API, /tokenize, /detokenize, /keepwarm/config, the docs
 and /openapi.json) except /health, /ping, /metrics and /version, which stay open, as in vLLM. Every error, whatever
-raised it, is OpenAI's error JSON. The connection limits, the admission bound and the schema's truth are in
-keepwarm.worker.api.limits and keepwarm.worker.api.openapi.
+raised it, is OpenAI's error JSON; a 405 carries the router's ``Allow`` (the path's methods). The
+connection limits, the admission bound and the schema's truth are in keepwarm.worker.api.limits and
+keepwarm.worker.api.openapi.
 
 """
 
@@ -29,7 +30,8 @@ from keepwarm.formats.version import __version__
 from keepwarm.worker.api import openapi
 from keepwarm.worker.api.limits import AdmissionLimit, ConnectionLimits
 from keepwarm.worker.api.metrics import ServerMetrics
-from keepwarm.worker.api.protocol import APIError, bad_request
+from keepwarm.worker.api.protocol import APIError
+from keepwarm.worker.api.protocol import validation_error as protocol_validation_error
 from keepwarm.worker.api.routes import adapters, admin, chat, completions, models, responses, tokenize
 from keepwarm.worker.api.state import ServerState
 
@@ -51,7 +53,7 @@ def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="keepwarm", version=__version__, lifespan=lifespan)
     app.state.keepwarm = state
     state.metrics = ServerMetrics(lambda: state.async_engine.snapshot, state.model_name, state.weights_info,
-                                  state.restart_history)
+                                  state.restart_history, admission_refused=lambda: state.admission.refused)
     _add_auth(app, state.config.api_key)
     _add_error_handlers(app)
     for resource in (admin, models, adapters, completions, chat, responses, tokenize):
@@ -62,7 +64,7 @@ def build_app(state: ServerState) -> FastAPI:
                        timeout=state.config.client_timeout)
     if state.link is not None:
         app.add_middleware(CloseWhenHandingOver, state=state)
-    openapi.install(app)
+    openapi.install(app, openapi.facts_of(state))
     return app
 
 
@@ -124,20 +126,18 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_request: Request, e: RequestValidationError) -> JSONResponse:
-        errors = e.errors()
-        first = errors[0] if errors else {}
-        loc = [str(x) for x in first.get("loc", []) if x != "body"]
-        if first.get("type") == "json_invalid":
-            msg, param = "the request body is not valid JSON", None
-        else:
-            msg = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid value')}"
-            param = loc[0] if loc else None
-        return JSONResponse(bad_request(msg, param).body(), status_code=400)
+        return JSONResponse(protocol_validation_error(list(e.errors())).body(), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_request: Request, e: StarletteHTTPException) -> JSONResponse:
         kind = {404: "NotFoundError", 405: "MethodNotAllowed"}.get(e.status_code, "invalid_request_error")
-        return JSONResponse(APIError(e.status_code, str(e.detail), kind).body(), status_code=e.status_code)
+        # The router's headers go out with the error: a 405's Allow (RFC 9110) names the path's methods (sorted:
+        # the router joins a set).
+        headers = dict(e.headers or {})
+        if "Allow" in headers:
+            headers["Allow"] = ", ".join(sorted(m.strip() for m in headers["Allow"].split(",")))
+        return JSONResponse(APIError(e.status_code, str(e.detail), kind).body(), status_code=e.status_code,
+                            headers=headers)
 
     @app.exception_handler(Exception)
     async def internal_error(_request: Request, e: Exception) -> JSONResponse:

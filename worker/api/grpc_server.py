@@ -2,9 +2,16 @@
 
 A ``grpc.aio`` server on its own event loop in a background thread, beside uvicorn's loop in the main thread.
 ``AsyncEngine.generate`` binds each request's output queue to the loop that calls it, so both loops share the one
-engine. Requests are checked as the HTTP server checks them (same helpers, same messages); a bad one ends with
-INVALID_ARGUMENT, an unknown model with NOT_FOUND. A client that cancels its stream cancels the handler, which
-closes the engine's stream and so aborts the request (its KV blocks are freed).
+engine. A request is read as /v1/completions' own model (``CompletionRequest``, keepwarm.worker.api.protocol) and
+goes through the HTTP route's helpers, so every limit is defined once and holds on both front ends (request_id
+length, prompt size and vocabulary, n, logprobs, seed range, max_tokens and the context, stop strings, finite
+numbers); a bad one ends with INVALID_ARGUMENT, one line starting with the gRPC field's path
+(``sampling_params.n: ...``, ``prompt_token_ids.3: ...``), an unknown model with NOT_FOUND. A message larger than
+the HTTP body limit (``--max-request-body-mb``) is RESOURCE_EXHAUSTED, from gRPC itself. A client that cancels its
+stream cancels the handler, which closes the engine's stream and so aborts the request (its KV blocks are freed).
+
+Admission and the request budget are HTTP's (keepwarm.worker.api.budget, limits.Admission): a Generate holds one
+seat per sequence (``n``) until its stream ends; past the server's seats it is RESOURCE_EXHAUSTED.
 
 With ``--api-key``, Generate and Models need the ``authorization`` metadata ``Bearer <key>`` (the header the
 HTTP API takes), else UNAUTHENTICATED; Health stays open, as /health does. A request that fails inside the
@@ -17,20 +24,21 @@ import asyncio
 import concurrent.futures
 import hmac
 import logging
-import math
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from typing import Any
 
 import grpc
+import pydantic
+from google.protobuf.message import DecodeError
 
 from keepwarm.formats.version import __version__
 from keepwarm.worker.api import pipeline
 from keepwarm.worker.api.grpc_gen import keepwarm_pb2 as pb
 from keepwarm.worker.api.grpc_gen import keepwarm_pb2_grpc as pb_grpc
-from keepwarm.worker.api.limits import check_prompt_chars
-from keepwarm.worker.api.protocol import APIError, bad_request, new_id
+from keepwarm.worker.api.limits import Seats, check_prompt_chars
+from keepwarm.worker.api.protocol import APIError, CompletionRequest, bad_request, field_error, new_id
 from keepwarm.worker.api.state import ServerState
 from keepwarm.worker.lora import LoRAAdapter
 from keepwarm.worker.outputs import RequestOutput
@@ -38,60 +46,156 @@ from keepwarm.worker.sampling_params import SamplingParams
 
 log = logging.getLogger("keepwarm.grpc")
 
-_CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_FOUND, 500: grpc.StatusCode.INTERNAL,
-          503: grpc.StatusCode.UNAVAILABLE}
-DEFAULT_MAX_TOKENS = 16  # SamplingParams' and /v1/completions' default
-MAX_N = 16  # as the HTTP API
+_CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_FOUND,
+          429: grpc.StatusCode.RESOURCE_EXHAUSTED, 500: grpc.StatusCode.INTERNAL, 503: grpc.StatusCode.UNAVAILABLE}
 
 
 def _one_line(message: str) -> str:
     return " ".join(message.split())
 
 
-def _sampling_params(sp: pb.SamplingParams, max_tokens: int) -> SamplingParams:
-    """keepwarm's SamplingParams from the message; APIError (400) naming the field for a bad value."""
-    def opt(name: str, default: Any) -> Any:
-        return getattr(sp, name) if sp.HasField(name) else default
+# -- validation: the request as HTTP's CompletionRequest (one definition of every limit) --------------------------
+def completion_request(request: pb.GenerateRequest) -> CompletionRequest:
+    """The message as /v1/completions' body, validated by its model; APIError (400) naming the gRPC field.
 
-    for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
-        value = getattr(sp, name)
-        if not math.isfinite(value):
-            raise bad_request(f"{name} must be a finite number, got {value!r}", name)
-    n = opt("n", 1)
-    if not 1 <= n <= MAX_N:
-        raise bad_request(f"n must be between 1 and {MAX_N}, got {n}", "n")
-    return pipeline.sampling_params(lambda: SamplingParams(
-            n=n, temperature=opt("temperature", 1.0), top_p=opt("top_p", 1.0), top_k=opt("top_k", 0),
-            min_p=opt("min_p", 0.0), seed=opt("seed", None), presence_penalty=sp.presence_penalty,
-            frequency_penalty=sp.frequency_penalty, repetition_penalty=opt("repetition_penalty", 1.0),
-            stop=list(sp.stop), stop_token_ids=list(sp.stop_token_ids),
-            include_stop_str_in_output=sp.include_stop_str_in_output, ignore_eos=sp.ignore_eos,
-            max_tokens=max_tokens, min_tokens=sp.min_tokens, logprobs=opt("logprobs", None),
-            skip_special_tokens=opt("skip_special_tokens", True)))
+    The sampling fields carry the model's names. An unset ``optional`` field, or a plain proto3 field at its zero
+    value, is left out, so the model's default applies, as for a JSON body without it."""
+    body: dict[str, Any] = {name: getattr(request, name) for name in ("model", "request_id")
+                            if request.HasField(name)}
+    kind = request.WhichOneof("input")
+    if kind is None:
+        raise bad_request("prompt: the request needs a prompt or prompt_token_ids", "prompt")
+    body["prompt"] = request.prompt if kind == "prompt" else list(request.prompt_token_ids.ids)
+    for f, value in request.sampling_params.ListFields():
+        body[f.name] = value if isinstance(value, str | bytes | int | float) else list(value)
+    try:
+        return CompletionRequest.model_validate(body)
+    except pydantic.ValidationError as e:
+        raise _grpc_error(e.errors(), body) from None
+
+
+def _grpc_error(errors: list[Any], body: dict[str, Any]) -> APIError:
+    """pydantic's error (as HTTP picks it: protocol.field_error) as a 400 led by the gRPC path of the field."""
+    loc, message = field_error(errors)
+    top = str(loc[0]) if loc else "prompt"
+    if top == "prompt":
+        name = "prompt" if isinstance(body.get("prompt"), str) else "prompt_token_ids"
+    else:
+        name = top if top in ("model", "request_id") else f"sampling_params.{top}"
+    path = ".".join([name, *map(str, loc[1:])])
+    return bad_request(f"{path}: {message}", path)
 
 
 def _prepare(state: ServerState, request: pb.GenerateRequest
-             ) -> tuple[list[int], str | None, SamplingParams, LoRAAdapter | None]:
-    """(prompt token ids, prompt text, sampling params, LoRA adapter), or APIError as the HTTP server would."""
-    lora = pipeline.resolve_model(state, request.model if request.HasField("model") else None)
-    kind = request.WhichOneof("input")
-    if kind == "prompt":
-        if not request.prompt:
-            raise bad_request("the prompt is empty", "prompt")
-        text: str | None = request.prompt
-        check_prompt_chars(len(request.prompt), state.engine.max_model_len, state.token_chars, "prompt")
-        ids = state.tokenizer.encode(request.prompt)  # as /v1/completions tokenizes a string prompt
-    elif kind == "prompt_token_ids":
-        text, ids = None, list(request.prompt_token_ids.ids)
-        vocab = state.engine.model_config.vocab_size
-        if any(t < 0 or t >= vocab for t in ids):
-            raise bad_request(f"prompt token ids must be in [0, {vocab})", "prompt_token_ids")
-    else:
-        raise bad_request("the request needs a prompt or prompt_token_ids", "prompt")
-    sp = request.sampling_params
-    max_tokens = pipeline.check_length(state, len(ids),
-                                       sp.max_tokens if sp.HasField("max_tokens") else DEFAULT_MAX_TOKENS)
-    return ids, text, _sampling_params(sp, max_tokens), lora
+             ) -> tuple[CompletionRequest, list[int], str | None, SamplingParams, LoRAAdapter | None]:
+    """(the request, prompt token ids, prompt text, sampling params, LoRA adapter), or APIError as the HTTP
+    route (routes/completions.py) would answer the same body, its message led by the gRPC field's path."""
+    req = completion_request(request)
+    field = "prompt" if isinstance(req.prompt, str) else "prompt_token_ids"
+    try:
+        lora = pipeline.resolve_model(state, req.model)
+        state.budget.check_sequences(1, req.n)  # keepwarm.worker.api.budget, as HTTP
+        if isinstance(req.prompt, str):
+            text: str | None = req.prompt
+            check_prompt_chars(len(req.prompt), state.engine.max_model_len, state.token_chars, "prompt")
+            ids = state.tokenizer.encode(req.prompt)  # as /v1/completions tokenizes a string prompt
+        else:
+            text, ids = None, [int(t) for t in req.prompt]  # type: ignore[arg-type]  # the oneof's other member
+            vocab = state.engine.model_config.vocab_size
+            if any(t >= vocab for t in ids):
+                raise bad_request(f"token ids must be in [0, {vocab})", "prompt")
+        max_tokens = pipeline.check_length(state, len(ids), req.max_tokens)
+        return req, ids, text, pipeline.request_params(req, max_tokens, req.logprobs), lora
+    except APIError as e:
+        raise _at_grpc_path(e, field) from None
+
+
+def _at_grpc_path(e: APIError, prompt_field: str) -> APIError:
+    """``e`` (raised by the HTTP route's helpers, ``param`` HTTP's name) with its message led by the gRPC path:
+    the prompt is ``prompt_field`` (the helpers say prompt or messages), sampling fields are in sampling_params."""
+    param = e.param or ""
+    path = prompt_field if param in ("prompt", "messages") else param if param in ("model", "request_id") \
+        else f"sampling_params.{param}" if param else ""
+    message = e.message if not path or e.message.startswith(path) else f"{path}: {e.message}"
+    return APIError(e.status, message, e.type, path or None, e.code)
+
+
+# -- decoding: a string that is not UTF-8 is the client's error, named like any other ---------------------------
+# GenerateRequest's string fields by number (sampling_params: its own, stop), for the wire walk below.
+STRING_FIELDS: dict[int, Any] = {1: "model", 2: "prompt", 5: "request_id", 4: ("sampling_params", {10: "stop"})}
+
+
+def decode_generate(data: bytes) -> pb.GenerateRequest | APIError:
+    """The request, or (protobuf refused it: a string field that is not UTF-8, or bytes that are no message) the
+    400 naming the field, which Generate answers with INVALID_ARGUMENT: never the UNKNOWN gRPC says for a
+    deserializer's exception."""
+    try:
+        return pb.GenerateRequest.FromString(data)
+    except DecodeError as e:
+        where = _not_utf8(data, STRING_FIELDS)
+        return bad_request(f"{where}: not valid UTF-8 text" if where else
+                           f"not a keepwarm.v1.GenerateRequest: {_one_line(str(e))}", where)
+
+
+def _varint(data: bytes, i: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        byte = data[i]
+        value |= (byte & 0x7F) << shift
+        i, shift = i + 1, shift + 7
+        if not byte & 0x80:
+            return value, i
+
+
+def _not_utf8(data: bytes, fields: dict[int, Any]) -> str | None:
+    """The path of the first string field in ``data`` (protobuf's wire format; ``fields``: number -> name, or (name,
+    its message's fields)) whose bytes are not UTF-8; None if every one is, or if the bytes are no message."""
+    i = 0
+    try:
+        while i < len(data):
+            key, i = _varint(data, i)
+            wire, spec = key & 7, fields.get(key >> 3)
+            if wire == 0:
+                i = _varint(data, i)[1]
+            elif wire in (1, 5):
+                i += 8 if wire == 1 else 4
+            elif wire == 2:
+                n, i = _varint(data, i)
+                chunk, i = data[i:i + n], i + n
+                if isinstance(spec, str) and not _is_utf8(chunk):
+                    return spec
+                if isinstance(spec, tuple) and (inner := _not_utf8(chunk, spec[1])):
+                    return f"{spec[0]}.{inner}"
+            else:
+                return None
+    except IndexError:
+        return None
+    return None
+
+
+def _is_utf8(data: bytes) -> bool:
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def add_servicer(servicer: KeepwarmServicer, server: grpc.aio.Server) -> None:
+    """``keepwarm_pb2_grpc.add_KeepwarmServicer_to_server`` with Generate's requests decoded by decode_generate."""
+    handlers = {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            servicer.Generate, request_deserializer=decode_generate,
+            response_serializer=pb.GenerateResponse.SerializeToString),
+        "Health": grpc.unary_unary_rpc_method_handler(
+            servicer.Health, request_deserializer=pb.HealthRequest.FromString,
+            response_serializer=pb.HealthResponse.SerializeToString),
+        "Models": grpc.unary_unary_rpc_method_handler(
+            servicer.Models, request_deserializer=pb.ModelsRequest.FromString,
+            response_serializer=pb.ModelsResponse.SerializeToString),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("keepwarm.v1.Keepwarm", handlers),))
+    server.add_registered_method_handlers("keepwarm.v1.Keepwarm", handlers)
 
 
 class GrpcServerError(ValueError):
@@ -114,18 +218,36 @@ class KeepwarmServicer(pb_grpc.KeepwarmServicer):
     async def Models(self, request: pb.ModelsRequest, context: grpc.aio.ServicerContext) -> pb.ModelsResponse:
         return pb.ModelsResponse(ids=self.state.served_names, max_model_len=self.state.engine.max_model_len)
 
-    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    async def Generate(self, request: pb.GenerateRequest | APIError, context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[pb.GenerateResponse]:
         state = self.state
+        if isinstance(request, APIError):  # decode_generate could not read it
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+            return
         if state.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
             return
         try:
-            ids, text, params, lora = _prepare(state, request)
+            seats = state.admission.enter()  # as HTTP: one seat now, one per sequence once n is known
+        except APIError as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, _one_line(e.message))
+            return
+        try:
+            async for m in self._generate(request, context, seats):
+                yield m
+        finally:
+            seats.release()
+
+    async def _generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, seats: Seats
+                        ) -> AsyncIterator[pb.GenerateResponse]:
+        state = self.state
+        try:
+            req, ids, text, params, lora = _prepare(state, request)
+            seats.resize(req.n)
         except APIError as e:
             await context.abort(_CODES.get(e.status, grpc.StatusCode.INVALID_ARGUMENT), _one_line(e.message))
             return
-        rid = request.request_id if request.HasField("request_id") else new_id("cmpl")
+        rid = req.request_id or new_id("cmpl")  # as HTTP: an empty id is none
         tracker = pipeline.DeltaTracker(params.stop)
         done: set[int] = set()
         try:
@@ -245,8 +367,10 @@ class GrpcServer:
         # (restarts are serialised, so no more than those two), and the old one stops its gRPC server on Drain.
         interceptors = [ApiKeyInterceptor(state.config.api_key)] if state.config.api_key else []
         reuse = 1 if state.link is not None else 0
-        server = grpc.aio.server(options=[("grpc.so_reuseport", reuse)], interceptors=interceptors)
-        pb_grpc.add_KeepwarmServicer_to_server(KeepwarmServicer(state), server)
+        max_bytes = int(state.config.max_request_body_mb * (1 << 20))  # HTTP's body limit, for the same request
+        server = grpc.aio.server(options=[("grpc.so_reuseport", reuse), ("grpc.max_receive_message_length", max_bytes)],
+                                 interceptors=interceptors)
+        add_servicer(KeepwarmServicer(state), server)
         try:
             bound = server.add_insecure_port(f"{_host(host)}:{port}")
         except RuntimeError:

@@ -4,8 +4,10 @@ Rules (the limits and their defaults are listed in docs/reliability.md):
 - a request body is bounded (``--max-request-body-mb``): 413 from Content-Length before anything is read, or as
   soon as the bytes read pass the limit; a client that stalls while sending (or stops reading a response) for
   ``--client-timeout`` seconds is answered 408 (or disconnected): :class:`ConnectionLimits`;
-- the server holds at most ``max_num_seqs + --max-queued-requests`` requests; one more gets 429 before any work
-  is done for it: :class:`Admission`;
+- the server holds at most ``max_num_seqs + --max-queued-requests`` sequences (a request counts prompts x ``n``);
+  one past that gets 429 before its prompts are tokenized: :class:`Admission`;
+- what one request may cost (its sequences, its prompt tokens) is checked before any work:
+  keepwarm.worker.api.budget;
 - a prompt whose characters cannot fit in ``max_model_len`` tokens whatever the tokenizer does is refused before
   tokenizing: :func:`check_prompt_chars`;
 - CPU-heavy per-request work (tokenization, chat-template rendering, logprob offsets) runs in one bounded thread
@@ -21,6 +23,7 @@ import asyncio
 import functools
 import logging
 import os
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -47,40 +50,71 @@ async def offload(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
 
 
 # -- request admission ---------------------------------------------------------------------------------------------
-class Admission:
-    """Bounds the requests a server holds: ``max_running`` run in the engine's batch, up to ``max_queued`` more
-    wait; one past that is refused at once with 429 (vLLM's answer under overload), before any tokenizing.
+class Seats:
+    """One request's hold on :class:`Admission`: one seat while its body is read, then one per sequence it runs
+    (prompts x ``n``) once that is known (:meth:`resize`), until its response ends (:meth:`release`)."""
 
-    Counted from the moment a request is admitted (before its body is read) until its response ends (the ASGI call
-    returns: the stream is done or the client went away), so a flood of long prompts cannot pile up in the
-    tokenizer either. :class:`AdmissionLimit` applies it to the generation routes."""
+    def __init__(self, admission: Admission) -> None:
+        self.admission = admission
+        self.held = 0
+
+    def resize(self, seats: int) -> None:
+        """Hold ``seats`` in all (429 if the server has no room for them: nothing is held more then)."""
+        self.admission.take(seats - self.held)
+        self.held = seats
+
+    def release(self) -> None:
+        self.admission.take(-self.held)
+        self.held = 0
+
+
+class Admission:
+    """Bounds the sequences a server holds: ``max_running`` run in the engine's batch, up to ``max_queued`` more
+    wait; a request that would pass that is refused at once with 429 (vLLM's answer under overload), before its
+    prompts are tokenized. A request counts its sequences (prompts x ``n``), not 1, so one request cannot take more
+    than the requests of that many single-sequence clients would get.
+
+    A request takes one seat before its body is read (:class:`AdmissionLimit`), so a flood of long prompts cannot
+    pile up in the tokenizer either; once its size is known it holds one seat per sequence
+    (``Seats.resize``), until its response ends (the ASGI call returns: the stream is done or the client left)."""
 
     def __init__(self, max_running: int, max_queued: int) -> None:
         self.max_running = max_running
         self.max_queued = max_queued
         self.active = 0
         self.refused = 0
+        self._lock = threading.Lock()  # HTTP's loop and gRPC's (another thread) share the seats
 
     @property
     def capacity(self) -> int:
         return self.max_running + self.max_queued
 
-    def enter(self) -> None:
+    def take(self, seats: int) -> None:
+        """Hold ``seats`` more (negative: give them back); 429 if that passes the capacity."""
         from keepwarm.worker.api.protocol import APIError
 
-        if self.active >= self.capacity:
-            self.refused += 1
-            raise APIError(429, f"the server holds {self.active} requests ({self.max_running} running, "
-                                f"--max-queued-requests {self.max_queued} waiting); try again later",
-                           "RateLimitError", code="too_many_requests")
-        self.active += 1
+        with self._lock:
+            if seats > 0 and self.active + seats > self.capacity:
+                self.refused += 1
+                raise APIError(429, f"the server holds {self.active} sequences ({self.max_running} running, "
+                                    f"--max-queued-requests {self.max_queued} waiting) and this request needs "
+                                    f"{seats} more; try again later", "RateLimitError", code="too_many_requests")
+            self.active += seats
 
-    def exit(self) -> None:
-        self.active -= 1
+    def enter(self) -> Seats:
+        """A new request's hold, with its first seat taken (429 when full)."""
+        seats = Seats(self)
+        seats.resize(1)
+        return seats
+
+
+# Where AdmissionLimit leaves a request's Seats in its ASGI scope (pipeline.admit reads it).
+SEATS_KEY = "keepwarm.seats"
 
 
 class AdmissionLimit:
-    """ASGI middleware: requests to ``paths`` pass through ``admission`` (429 when it is full)."""
+    """ASGI middleware: requests to ``paths`` pass through ``admission`` (429 when it is full); their
+    :class:`Seats` ride in the scope under ``SEATS_KEY`` and are released when the response ends."""
 
     def __init__(self, app: ASGIApp, admission: Admission, paths: frozenset[str]) -> None:
         self.app = app
@@ -93,13 +127,14 @@ class AdmissionLimit:
         from keepwarm.worker.api.protocol import APIError
 
         try:
-            self.admission.enter()
+            seats = self.admission.enter()
         except APIError as e:
             return await JSONResponse(e.body(), status_code=e.status)(scope, receive, send)
+        scope[SEATS_KEY] = seats
         try:
             await self.app(scope, receive, send)
         finally:
-            self.admission.exit()
+            seats.release()
 
 
 # -- prompt length before tokenizing ---------------------------------------------------------------------------------

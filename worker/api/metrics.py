@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -68,7 +69,8 @@ HISTOGRAM_HELP = {
 
 def histogram_buckets(d: Distribution) -> list[tuple[str, float]]:
     """Prometheus's cumulative ``le`` buckets of ``d``, bounds written as prometheus_client writes them."""
-    out, total = [], 0
+    out: list[tuple[str, float]] = []
+    total = 0
     for bound, n in zip((*d.bounds, float("inf")), d.counts, strict=True):
         total += n
         out.append((floatToGoString(bound), total))
@@ -95,7 +97,7 @@ class _SnapshotCollector(Collector):
         c.add_metric(self._values, value)
         return c
 
-    def _labelled(self, family: type, name: str, doc: str, label: str, values: dict[str, float]):
+    def _labelled(self, family: type, name: str, doc: str, label: str, values: dict[str, float]) -> Any:
         f = family(name, doc, labels=[*self._labels, label])
         for key, value in values.items():
             f.add_metric([*self._values, key], value)

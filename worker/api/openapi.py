@@ -8,16 +8,27 @@ builder that fixes each operation after FastAPI generated it (rules):
 - no 422 anywhere; every error status a route can answer is listed with the error schema;
 - each 200 has the media types the route really sends, with a schema of what it sends (JSON bodies are described
   by the pydantic models below; schemathesis checks real responses against them in tests/test_schema_fuzz.py);
-- request bodies keep the request models' schemas (strict ints and booleans, ranges): what the schema allows,
-  the server accepts.
+- request bodies keep the request models' schemas (strict ints and booleans, ranges), plus what the routes check
+  beyond the models (``route_rules``: shapes of ``Any``/dict fields, rules across fields, each named beside the
+  route's check): what the schema allows, the server accepts (schemathesis's ``positive_data_acceptance`` holds
+  it in tests/test_schema_fuzz.py, but for what no JSON Schema can state: a prompt's length in tokens, one field
+  compared with another). Integer bounds stay integers (FastAPI's OpenAPI model stores them as floats, and int64's
+  maximum 2^63-1 became 2^63);
+- what depends on this server's flags and model is stated for it (``ServerFacts``): a token id is below the
+  vocabulary size, ``max_tokens`` and ``min_tokens`` below the context length, a request's ``chat_template`` is
+  null unless ``--trust-request-chat-template``, and the LoRA admin routes are listed only with
+  ``--enable-lora --enable-lora-runtime-updates`` (without them every request there is refused).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, TypeAdapter
+
+INT64_MAX = (1 << 63) - 1
 
 
 class _Open(BaseModel):
@@ -217,8 +228,224 @@ def _schema_ref(model: type[BaseModel], components: dict[str, Any]) -> dict[str,
     return {"$ref": f"#/components/schemas/{model.__name__}"}
 
 
-def fix_schema(schema: dict[str, Any]) -> dict[str, Any]:
+@dataclass(frozen=True)
+class ServerFacts:
+    """What the schema says that depends on the server's flags and model."""
+
+    vocab_size: int
+    max_model_len: int
+    trust_request_chat_template: bool = False
+    lora_runtime_updates: bool = False
+    auto_tool_choice: bool = False  # --enable-auto-tool-choice with a --tool-call-parser
+
+
+def facts_of(state: Any) -> ServerFacts:
+    """The facts of a running server (its ``ServerState``)."""
+    c = state.config
+    return ServerFacts(vocab_size=state.engine.model_config.vocab_size, max_model_len=state.engine.max_model_len,
+                       trust_request_chat_template=c.trust_request_chat_template,
+                       lora_runtime_updates=c.enable_lora and c.enable_lora_runtime_updates,
+                       auto_tool_choice=c.enable_auto_tool_choice and c.tool_call_parser is not None)
+
+
+# component -> properties whose integers are token ids of the served model (the routes check the vocabulary)
+TOKEN_ID_FIELDS = {"CompletionRequest": ("prompt",), "DetokenizeRequest": ("tokens",)}
+# properties bounded by the context: a prompt takes at least one token, so fewer than max_model_len remain
+CONTEXT_BOUND_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens", "min_tokens")
+LORA_ADMIN_PATHS = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
+
+
+def _integer_bounds(node: Any) -> None:
+    """Every integer schema's bounds back to integers (2^63 is int64's maximum, rounded up as a float)."""
+    if isinstance(node, dict):
+        if node.get("type") == "integer":
+            for key in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
+                if isinstance(node.get(key), float):
+                    node[key] = min(int(node[key]), INT64_MAX)
+        for value in node.values():
+            _integer_bounds(value)
+    elif isinstance(node, list):
+        for value in node:
+            _integer_bounds(value)
+
+
+def _cap_integers(node: Any, maximum: int) -> None:
+    """Every integer schema under ``node`` at most ``maximum``."""
+    if isinstance(node, dict):
+        if node.get("type") == "integer":
+            node["maximum"] = min(node.get("maximum", maximum), maximum)
+        for value in node.values():
+            _cap_integers(value, maximum)
+    elif isinstance(node, list):
+        for value in node:
+            _cap_integers(value, maximum)
+
+
+# -- what the routes check beyond the request models, stated for the fuzzer and for clients -------------------------
+NULL: dict[str, Any] = {"type": "null"}
+STRUCTURED = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+              "structured_outputs")
+NON_EMPTY = {"type": "string", "minLength": 1}
+TEXT_PART = {"type": "object", "required": ["type", "text"],
+             "properties": {"type": {"enum": ["text", "input_text", "output_text"]}, "text": {"type": "string"}}}
+RESPONSE_FORMAT = {"type": "object", "anyOf": [  # structured_fields._response_format
+    {"properties": {"type": {"enum": ["text", "json_object"]}}},
+    {"required": ["type", "json_schema"], "properties": {
+        "type": {"const": "json_schema"},
+        "json_schema": {"type": "object", "properties": {"schema": {"type": "object"}}}}}]}
+SO_KINDS = {"json": {"type": ["object", "boolean", "string"]}, "regex": NON_EMPTY, "grammar": NON_EMPTY,
+            "choice": {"type": "array", "minItems": 1, "items": NON_EMPTY}, "json_object": {"type": "boolean"}}
+SO_UNSET = {"json_object": {"enum": [None, False]}}  # false is as good as absent there
+STRUCTURED_OUTPUTS = {"type": "object", "additionalProperties": False, "properties": {  # _structured_outputs
+    **{k: {"anyOf": [v, NULL]} for k, v in SO_KINDS.items()},
+    **{k: {"type": "boolean"} for k in ("disable_any_whitespace", "disable_fallback",
+                                        "disable_additional_properties")},
+    "whitespace_pattern": {"type": ["string", "null"]}},
+    "anyOf": [{"properties": {o: SO_UNSET.get(o, NULL) for o in SO_KINDS if o != k}} for k in SO_KINDS]}
+
+
+TOOLS_GIVEN = {"type": "array", "minItems": 1}  # a bare minItems would let null through
+
+
+def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"anyOf": [schema, NULL]}
+
+
+def _at_most_one(props: tuple[str, ...]) -> dict[str, Any]:
+    """At most one of ``props`` is set (not null): one branch per prop that may be."""
+    return {"anyOf": [{"properties": {o: NULL for o in props if o != p}} for p in props]}
+
+
+def _null_unless(prop: str, other: str, value: Any) -> dict[str, Any]:
+    """``prop`` is null unless ``other`` is ``value``."""
+    return {"anyOf": [{"properties": {prop: NULL}}, {"required": [other], "properties": {other: {"const": value}}}]}
+
+
+def _tool_modes(named: dict[str, Any], structured: tuple[str, ...], auto: bool) -> dict[str, Any]:
+    """tool_calls.tool_mode with structured_spec, in one rule: "none" takes any tools, and no choice with no tools is
+    none, each with at most one structured output; "required" or a named function needs tools and no structured
+    output; "auto" (also no choice with tools) only where the server enables it. That a named function is among
+    the tools is the one part no schema states."""
+    free: list[dict[str, Any]] = [
+        {"required": ["tool_choice"], "properties": {"tool_choice": {"const": "none"}}},
+        {"properties": {"tool_choice": NULL, "tools": {"anyOf": [NULL, {"type": "array", "maxItems": 0}]}}}]
+    if auto:
+        free.append({"required": ["tools"], "properties": {"tool_choice": {"anyOf": [{"const": "auto"}, NULL]},
+                                                           "tools": TOOLS_GIVEN}})
+    forced = {"required": ["tool_choice", "tools"], "properties": {
+        "tool_choice": {"anyOf": [{"const": "required"}, named]}, "tools": TOOLS_GIVEN,
+        **{f: NULL for f in structured}}}
+    one = _at_most_one(structured)["anyOf"]
+    return {"anyOf": [*({**m, "properties": {**m["properties"], **o["properties"]}} for m in free for o in one),
+                      forced]}
+
+
+def _chat_tools(auto: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(property schemas, rule) of chat's tools and tool_choice."""
+    named = {"type": "object", "required": ["type", "function"], "properties": {
+        "type": {"const": "function"}, "function": {"type": "object", "required": ["name"],
+                                                    "properties": {"name": {"type": "string"}}}}}
+    tool = {"type": "object", "required": ["function"], "properties": {  # tool_calls.functions
+        "type": {"const": "function"},
+        "function": {"type": "object", "required": ["name"],
+                     "properties": {"name": NON_EMPTY, "parameters": {"type": "object"}}}}}
+    choices = ["none", "required", *(["auto"] if auto else [])]
+    return ({"tools": _nullable({"type": "array", "items": tool}),
+             "tool_choice": {"anyOf": [{"enum": choices}, named, NULL]}},
+            _tool_modes(named, STRUCTURED, auto))  # with structured_fields.structured_spec
+
+
+def _responses_rules(auto: bool) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """(property schemas, rules) of /v1/responses (keepwarm.worker.api.responses: it becomes a chat request)."""
+    named = {"type": "object", "required": ["type", "name"],
+             "properties": {"type": {"const": "function"}, "name": {"type": "string"}}}
+    tool = {"type": "object", "required": ["type", "name"], "properties": {
+        "type": {"const": "function"}, "name": NON_EMPTY, "parameters": {"type": "object"}}}
+    message = {"type": "object", "required": ["content"], "properties": {
+        "type": {"const": "message"}, "role": {"enum": ["system", "user", "assistant", "developer", "tool"]},
+        "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": {**TEXT_PART, "required": ["type"]}}]}}}
+    call = {"type": "object", "required": ["type", "name"], "properties": {
+        "type": {"const": "function_call"}, "name": NON_EMPTY, "arguments": {"type": "string"},
+        "call_id": {"type": "string"}}}
+    output = {"type": "object", "required": ["type"], "properties": {"type": {"const": "function_call_output"},
+                                                                     "call_id": {"type": "string"}}}
+    fmt = {"type": "object", "anyOf": [{"properties": {"type": {"enum": ["text", "json_object"]}}},
+                                       {"required": ["type"], "properties": {"type": {"const": "json_schema"},
+                                                                             "schema": {"type": "object"}}}]}
+    text = _nullable({"type": "object", "properties": {"format": _nullable(fmt)}})
+    props = {"input": {"anyOf": [{"type": "string"},
+                                 {"type": "array", "minItems": 1, "items": {"anyOf": [message, call, output]}}]},
+             "tools": _nullable({"type": "array", "items": tool}),
+             "tool_choice": {"anyOf": [{"enum": ["none", "required", *(["auto"] if auto else [])]}, named, NULL]},
+             "text": text, "previous_response_id": NULL, "conversation": NULL,  # stateless: refused
+             "background": {"enum": [False, None]}}
+    return props, [_tool_modes(named, ("text",), auto)]
+
+
+def route_rules(facts: ServerFacts) -> dict[str, tuple[dict[str, Any], list[dict[str, Any]]]]:
+    """component -> (property schemas that replace the model's, rules added to its ``allOf``): each the schema of a
+    check a route makes beyond pydantic's (named beside it).
+
+    Each rule is an ``anyOf``, and a generator multiplies them out: past a few dozen branches over chat's forty
+    properties schemathesis gives up on the operation. So two rules are stated narrower than the server is (what
+    the schema allows is still accepted): ``best_of`` null or 1 (the server takes any value equal to ``n``), and,
+    in chat, ``stream_options`` and ``top_logprobs`` both null unless ``stream`` and ``logprobs`` are both true."""
+    auto = facts.auto_tool_choice
+    structured = {"response_format": _nullable(RESPONSE_FORMAT), "structured_outputs": _nullable(STRUCTURED_OUTPUTS)}
+    tool_props, tool_rule = _chat_tools(auto)
+    # completions: best_of must equal n (n defaults to 1)
+    best_of = {"anyOf": [{"properties": {"best_of": NULL}},
+                         {"properties": {"best_of": {"const": 1}, "n": {"const": 1}}}]}
+    # _SamplingFields.sampling: stream_options only with stream; chat._constraint: top_logprobs only with logprobs
+    streamed = {"anyOf": [{"properties": {"stream_options": NULL, "top_logprobs": NULL}},
+                          {"required": ["stream", "logprobs"],
+                           "properties": {"stream": {"const": True}, "logprobs": {"const": True}}}]}
+    return {
+        "CompletionRequest": (structured, [_null_unless("stream_options", "stream", True),
+                                           _at_most_one(STRUCTURED), best_of]),
+        "ChatCompletionRequest": ({**structured, **tool_props}, [streamed, tool_rule]),
+        # chat_render.message_dicts: text parts only; tool_calls.template_messages: calls are objects
+        "ChatMessage": ({"content": {"anyOf": [{"type": "string"}, {"type": "array", "items": TEXT_PART}, NULL]},
+                         "tool_calls": _nullable({"type": "array", "items": {"type": "object", "properties": {
+                             "function": {"type": ["object", "null"]}}}})}, []),
+        # tokenize: exactly one of prompt and messages
+        "TokenizeRequest": ({}, [{"oneOf": [{"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+                                            {"required": ["messages"],
+                                             "properties": {"messages": {"type": "array"}}}]}]),
+        "ResponsesRequest": _responses_rules(auto),
+    }
+
+
+def state_facts(schema: dict[str, Any], facts: ServerFacts) -> None:
+    """Rewrite the request schemas for this server (see ``ServerFacts``)."""
+    components = schema.get("components", {}).get("schemas", {})
+    for name, fields in TOKEN_ID_FIELDS.items():
+        for field in fields:
+            _cap_integers(components.get(name, {}).get("properties", {}).get(field), facts.vocab_size - 1)
+    for body in components.values():
+        props = body.get("properties", {})
+        for field in CONTEXT_BOUND_FIELDS:
+            if field in props:
+                _cap_integers(props[field], facts.max_model_len - 1)
+        if "chat_template" in props and not facts.trust_request_chat_template:
+            props["chat_template"] = {"type": "null", "description": "refused unless the server runs with "
+                                                                     "--trust-request-chat-template"}
+    if not facts.lora_runtime_updates:
+        for path in LORA_ADMIN_PATHS:
+            schema.get("paths", {}).pop(path, None)
+    for name, (props, rules) in route_rules(facts).items():
+        body = components.get(name)
+        if body is not None:
+            body.setdefault("properties", {}).update(props)
+            if rules:  # an empty allOf is not a schema
+                body.setdefault("allOf", []).extend(rules)
+
+
+def fix_schema(schema: dict[str, Any], facts: ServerFacts | None = None) -> dict[str, Any]:
     """Rewrite FastAPI's generated schema in place (see the module docstring) and return it."""
+    _integer_bounds(schema)
+    if facts is not None:
+        state_facts(schema, facts)
     components = schema.setdefault("components", {}).setdefault("schemas", {})
     error_ref = _schema_ref(ErrorResponse, components)
     for path, methods in schema.get("paths", {}).items():
@@ -244,13 +471,13 @@ def fix_schema(schema: dict[str, Any]) -> dict[str, Any]:
     return schema
 
 
-def install(app: FastAPI) -> None:
-    """Serve the fixed schema at /openapi.json (built once, on first request)."""
+def install(app: FastAPI, facts: ServerFacts | None = None) -> None:
+    """Serve the fixed schema at /openapi.json (built once, on first request), stating ``facts`` when given."""
     generate = app.openapi
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
-            app.openapi_schema = fix_schema(generate())
+            app.openapi_schema = fix_schema(generate(), facts)
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]

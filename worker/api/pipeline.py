@@ -1,10 +1,12 @@
 """The one request pipeline every front end (the HTTP routers, gRPC) runs a generation request through.
 
-Stages, in order: resolve the model name (base model or a LoRA adapter: 404 if unknown), check the prompt length
-against the context (400), build ``SamplingParams`` (400 naming the field), compile the request's output constraint
-if it has one (``compile_structured``: cached, off the event loop, 400 naming the field), hand the request to the
-engine (``start``), then either collect the final outputs (``collect``: aborts when the client goes away) or stream
-them as deltas (``DeltaTracker``: per choice, the text not yet sent, holding back what a stop string may still cut).
+Stages, in order: resolve the model name (base model or a LoRA adapter: 404 if unknown), check what the request
+may cost (keepwarm.worker.api.budget: 400) and hold one admission seat per sequence (``admit``: 429), tokenize
+(bounded, off the event loop), check the prompt length against the context (400), build ``SamplingParams`` (400
+naming the field), compile the request's output constraint if it has one (``compile_structured``: cached, off the
+event loop, 400 naming the field), hand the request to the engine (``start``), then either collect the final
+outputs (``collect``: aborts when the client goes away) or stream them as deltas (``DeltaTracker``: per choice,
+the text not yet sent, holding back what a stop string may still cut).
 Errors: validation raises ``APIError``; what the engine raises while serving (``ENGINE_ERRORS``) becomes one
 ``APIError`` through ``engine_error``, so a front end maps errors in one place.
 
@@ -24,7 +26,7 @@ from typing import Any, Protocol, cast
 
 from fastapi import Request
 
-from keepwarm.worker.api.limits import until_disconnected
+from keepwarm.worker.api.limits import SEATS_KEY, Seats, until_disconnected
 from keepwarm.worker.api.protocol import APIError, bad_request
 from keepwarm.worker.api.state import ServerState
 from keepwarm.worker.detokenizer import stop_hold_back, streamable_end
@@ -65,6 +67,16 @@ def resolve_model(state: ServerState, name: str | None) -> LoRAAdapter | None:
     if view is not None and not view.unloading:
         return view.adapter
     raise APIError(404, f"The model `{name}` does not exist.", "NotFoundError", "model", "model_not_found")
+
+
+def admit(state: ServerState, request: Request, prompts: int, n: int) -> int:
+    """Check the request's sequences against its budget (400), then hold one admission seat per sequence (429);
+    the seats go back when its response ends (limits.AdmissionLimit). Returns the sequences."""
+    sequences = state.budget.check_sequences(prompts, n)
+    seats: Seats | None = request.scope.get(SEATS_KEY)
+    if seats is not None:
+        seats.resize(sequences)
+    return sequences
 
 
 def check_length(state: ServerState, prompt_len: int, max_tokens: int | None) -> int:

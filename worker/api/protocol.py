@@ -21,16 +21,38 @@ import logging
 import threading
 import time
 import uuid
+from array import array
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 
 from keepwarm.worker.sampling_params import SamplingParams
 
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+
+
+def _integral(value: Any) -> Any:
+    """A JSON number without a fraction as the integer it is (JSON Schema's ``integer`` includes ``5.0``); anything
+    else as it came, for StrictInt to judge (``true`` stays a boolean, ``5.5`` a float: both refused)."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+# On every integer field, after its constraints (inside them, pydantic would drop them from the schema): strict (no
+# booleans, no strings), but 5.0 is 5.
+INTEGRAL = BeforeValidator(_integral)
 # Token ids and counts: strict ints, non-negative, within int64 (the vocabulary bound is checked by the server).
-TokenId = Annotated[StrictInt, Field(ge=0, le=INT64_MAX)]
-Count = Annotated[StrictInt, Field(ge=0, le=INT64_MAX)]
+TokenId = Annotated[StrictInt, Field(ge=0, le=INT64_MAX), INTEGRAL]
+Count = Annotated[StrictInt, Field(ge=0, le=INT64_MAX), INTEGRAL]
 MAX_LOGPROBS = 20
 
 
@@ -73,8 +95,43 @@ def warn_unknown(names: list[str], where: str) -> None:
         warn_once(f"{where}.{n}", f"{where}: ignoring the unknown request field {n!r}")
 
 
+def _all_encodable(value: Any) -> bool:
+    """Whether every string (key or value) in ``value`` is valid Unicode text. A list of only ints or only strings
+    is checked in one C call (``array``, ``join``), so a body of millions of prompts or token ids costs neither
+    a Python step nor an object per entry (issue 43)."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            if not v.isascii():
+                try:
+                    v.encode("utf-8")
+                except UnicodeEncodeError:
+                    return False
+        elif isinstance(v, dict):
+            if not _all_encodable(list(v)):
+                return False
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            try:
+                array("q", v)  # only ints: no string inside
+                continue
+            except (TypeError, OverflowError):
+                pass
+            try:
+                "".join(v).encode("utf-8")  # only strings
+                continue
+            except TypeError:
+                stack.extend(v)  # mixed: entry by entry
+            except UnicodeEncodeError:
+                return False
+    return True
+
+
 def unencodable_path(value: Any, path: str = "") -> str | None:
     """The dotted path of the first string (key or value) in ``value`` that is not valid Unicode text, or None."""
+    if _all_encodable(value):
+        return None
     stack = [(value, path)]
     while stack:
         v, where = stack.pop()
@@ -97,6 +154,42 @@ def unencodable_path(value: Any, path: str = "") -> str | None:
     return None
 
 
+UNENCODABLE = "unencodable_string"
+
+
+def _union_tag(part: Any) -> bool:
+    """Whether a ``loc`` part is pydantic's name of a union member (``list[constrained-str]``), not a field's."""
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool", "dict", "list")
+                                      or any(c in part for c in "[-("))
+
+
+def field_error(errors: list[Any]) -> tuple[list[str | int], str]:
+    """pydantic's first error as (the field's path, without union tags or FastAPI's "body"; the message). For a
+    union field (``prompt``, ``stop``), the error of the member the value has the shape of: the one that is not a
+    type mismatch (``["ok", ""]`` fails ``str`` on its type, ``list[str]`` on the empty string)."""
+    def path(e: Any) -> list[str | int]:
+        return [x for x in e.get("loc", ()) if x != "body" and not _union_tag(x)]
+
+    field = path(errors[0])[:1]
+    first = next((e for e in errors if path(e)[:1] == field and not str(e.get("type")).endswith("_type")),
+                 errors[0])
+    return path(first), str(first.get("msg", "invalid value"))
+
+
+def validation_error(errors: list[Any]) -> APIError:
+    """The 400 for pydantic's error (``ValidationError.errors()``), one line: the message starts with the field's
+    dotted path; ``param`` is the top-level field, or the whole path of a string that is not valid Unicode (it may
+    sit deep in ``messages``). Every front end answers a body's validation through this."""
+    first = errors[0] if errors else {}
+    if first.get("type") == "json_invalid":
+        return bad_request("the request body is not valid JSON")
+    if first.get("type") == UNENCODABLE:
+        return bad_request(str(first["msg"]), str(first["ctx"]["path"]))
+    loc, message = field_error(errors) if errors else ([], "invalid value")
+    return bad_request(" ".join(f"{'.'.join(map(str, loc)) or 'body'}: {message}".split()),
+                       str(loc[0]) if loc else None)
+
+
 class RequestBody(BaseModel):
     """Base of every OpenAI request body: finite numbers, encodable strings; unknown fields accepted and ignored,
     each name warned about once (vLLM's leniency)."""
@@ -108,8 +201,10 @@ class RequestBody(BaseModel):
     def _encodable(cls, data: Any) -> Any:
         where = unencodable_path(data)
         if where is not None:
-            # The message must stay encodable itself: it names the field, never quotes the bad string.
-            raise ValueError(f"{where}: not valid Unicode text (a lone surrogate?)")
+            # The message must stay encodable itself: it names the field, never quotes the bad string. The path
+            # travels in the error's context: the 400's ``param`` (``validation_error``).
+            raise PydanticCustomError(UNENCODABLE, "{path}: not valid Unicode text (a lone surrogate?)",
+                                      {"path": where})
         return data
 
     @model_validator(mode="after")
@@ -131,6 +226,7 @@ class StreamOptions(RequestBody):
 
 
 Unit = Annotated[float, Field(ge=0.0, le=1.0)]
+NonEmpty = Annotated[str, Field(min_length=1)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 
 
@@ -138,20 +234,20 @@ class _SamplingFields(RequestBody):
     """Fields shared by completions and chat; OpenAI's plus vLLM's extras, each with its range."""
 
     model: str | None = None
-    n: Annotated[StrictInt, Field(ge=1, le=16)] = 1
+    n: Annotated[StrictInt, Field(ge=1, le=16), INTEGRAL] = 1
     temperature: Annotated[float, Field(ge=0.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    stop: str | list[str] | None = None
+    stop: NonEmpty | list[NonEmpty] | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    seed: Annotated[StrictInt, Field(ge=INT64_MIN, le=INT64_MAX)] | None = None
+    seed: Annotated[StrictInt, Field(ge=INT64_MIN, le=INT64_MAX), INTEGRAL] | None = None
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
     user: str | None = None
     # Refused when non-empty (keepwarm does not apply logit biases); the schema says so with maxProperties 0.
     logit_bias: Annotated[dict[str, float], Field(max_length=0)] | None = None
     # vLLM's extra sampling parameters
-    top_k: Annotated[StrictInt, Field(ge=-1, le=INT64_MAX)] | None = None
+    top_k: Annotated[StrictInt, Field(ge=-1, le=INT64_MAX), INTEGRAL] | None = None
     min_p: Unit | None = None
     repetition_penalty: Annotated[float, Field(gt=0.0)] | None = None
     ignore_eos: StrictBool = False
@@ -160,12 +256,12 @@ class _SamplingFields(RequestBody):
     skip_special_tokens: StrictBool = True
     include_stop_str_in_output: StrictBool = False
     request_id: Annotated[str, Field(max_length=256)] | None = None
-    prompt_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    prompt_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS), INTEGRAL] | None = None
     # structured outputs: OpenAI's response_format, vLLM's guided_* and structured_outputs
     response_format: dict[str, Any] | None = None
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
-    guided_choice: list[str] | None = None
+    guided_choice: Annotated[list[NonEmpty], Field(min_length=1)] | None = None
     guided_grammar: str | None = None
     structured_outputs: dict[str, Any] | None = None
 
@@ -194,18 +290,18 @@ class _SamplingFields(RequestBody):
         )
 
 
-MaxTokens = Annotated[StrictInt, Field(ge=1, le=INT64_MAX)]
+MaxTokens = Annotated[StrictInt, Field(ge=1, le=INT64_MAX), INTEGRAL]
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: Annotated[str, Field(min_length=1)] | Annotated[list[str], Field(min_length=1)] | \
+    prompt: NonEmpty | Annotated[list[NonEmpty], Field(min_length=1)] | \
         Annotated[list[TokenId], Field(min_length=1)] | \
         Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
     max_tokens: MaxTokens | None = 16
-    logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS), INTEGRAL] | None = None
     echo: StrictBool = False
     suffix: None = None  # not supported: only null is accepted
-    best_of: Annotated[StrictInt, Field(ge=1, le=16)] | None = None
+    best_of: Annotated[StrictInt, Field(ge=1, le=16), INTEGRAL] | None = None
 
 
 class ChatMessage(BaseModel):
@@ -215,13 +311,23 @@ class ChatMessage(BaseModel):
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _tool_calls_are_objects(cls, data: Any) -> Any:
+        # The renderer reads each call's "function" (tool_calls.template_messages): anything else was a 500.
+        calls = data.get("tool_calls") if isinstance(data, dict) else None
+        if calls is not None and not (isinstance(calls, list) and all(
+                isinstance(c, dict) and isinstance(c.get("function", {}), dict | None) for c in calls)):
+            raise ValueError('tool_calls must be a list of {"function": {...}} objects')
+        return data
+
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: MaxTokens | None = None
     max_completion_tokens: MaxTokens | None = None
     logprobs: StrictBool = False
-    top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS), INTEGRAL] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     add_generation_prompt: StrictBool = True
@@ -229,6 +335,14 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     parallel_tool_calls: StrictBool | None = None
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _named_choice_is_an_object(cls, v: Any) -> Any:
+        # tool_calls.tool_mode reads tool_choice["function"]["name"]: a function that is no object was a 500.
+        if isinstance(v, dict) and not isinstance(v.get("function"), dict | None):
+            raise ValueError('a named tool_choice is {"type": "function", "function": {"name": ...}}')
+        return v
 
 
 def new_id(prefix: str) -> str:
@@ -260,10 +374,10 @@ class DetokenizeRequest(RequestBody):
 
 
 class LoadLoRARequest(ClosedBody):
-    lora_name: str
-    lora_path: str
+    lora_name: NonEmpty
+    lora_path: NonEmpty
 
 
 class UnloadLoRARequest(ClosedBody):
-    lora_name: str
-    lora_int_id: StrictInt | None = None
+    lora_name: NonEmpty
+    lora_int_id: Annotated[StrictInt, INTEGRAL] | None = None

@@ -6,7 +6,9 @@ Rules:
   assistant ``tool_calls`` and ``tool`` messages); ``tools`` (function tools only, flat Responses shape) and
   ``tool_choice``; ``text.format`` the ``response_format``; ``max_output_tokens`` the ``max_tokens``.
 - Stateless: ``store`` is ignored with a warning (once), ``previous_response_id`` and ``conversation`` are a 400
-  (nothing is kept to continue from); built-in tools (web search, file search...) are a 400 naming the type.
+  (nothing is kept to continue from); ``background: true`` is a 400 naming ``background`` (there is nothing to
+  poll or cancel later: the answer comes in the request); built-in tools (web search, file search...) are a 400
+  naming the type.
 - The chat result becomes ``output`` items (a ``message`` with ``output_text``, then one ``function_call`` item
   per call); ``status`` is ``incomplete`` with ``max_output_tokens`` when the length limit ended it.
 - Streaming sends OpenAI's event sequence (``response.created`` ... ``response.completed``), each with its
@@ -23,7 +25,15 @@ from typing import Annotated, Any
 
 from pydantic import Field, StrictBool, StrictInt
 
-from keepwarm.worker.api.protocol import INT64_MAX, INT64_MIN, MaxTokens, RequestBody, bad_request, warn_once
+from keepwarm.worker.api.protocol import (
+    INT64_MAX,
+    INT64_MIN,
+    INTEGRAL,
+    MaxTokens,
+    RequestBody,
+    bad_request,
+    warn_once,
+)
 
 
 class ResponsesRequest(RequestBody):
@@ -44,8 +54,9 @@ class ResponsesRequest(RequestBody):
     text: dict[str, Any] | None = None
     previous_response_id: str | None = None
     conversation: Any = None
+    background: StrictBool | None = None
     user: str | None = None
-    seed: Annotated[StrictInt, Field(ge=INT64_MIN, le=INT64_MAX)] | None = None
+    seed: Annotated[StrictInt, Field(ge=INT64_MIN, le=INT64_MAX), INTEGRAL] | None = None
 
 
 def _new(prefix: str) -> str:
@@ -60,6 +71,8 @@ def _text_of(content: Any, where: str) -> str:
         for p in content:
             if not isinstance(p, dict) or p.get("type") not in ("input_text", "output_text", "text"):
                 raise bad_request(f"{where}: only text content parts are supported", "input")
+            if not isinstance(p.get("text", ""), str):
+                raise bad_request(f"{where}: a text part's text must be a string", "input")
             parts.append(p.get("text", ""))
         return "".join(parts)
     raise bad_request(f"{where}: content must be a string or a list of text parts", "input")
@@ -115,6 +128,8 @@ def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     fmt = (text or {}).get("format")
     if not fmt:
         return None
+    if not isinstance(fmt, dict):
+        raise bad_request("text.format must be an object", "text")
     if fmt.get("type") == "json_schema":
         return {"type": "json_schema", "json_schema": {"name": fmt.get("name", "response"),
                                                         "schema": fmt.get("schema", {}),
@@ -127,6 +142,10 @@ def to_chat_request(req: ResponsesRequest) -> dict[str, Any]:
     if req.previous_response_id is not None or req.conversation is not None:
         raise bad_request("this server is stateless: previous_response_id and conversation are not supported; "
                           "send the whole conversation as input", "previous_response_id")
+    if req.background:
+        raise bad_request("background: true is not supported: this server is stateless, so there is no response "
+                          "to poll or cancel later; send background: false (or leave it out) to get the answer in "
+                          "this request", "background")
     if req.store:
         warn_once("responses.store", "/v1/responses: store is ignored (this server is stateless: nothing is kept)")
     body: dict[str, Any] = {"model": req.model, "messages": _messages(req), "stream": req.stream,

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from keepwarm.worker.api.budget import RequestBudget
 from keepwarm.worker.api.config import ServerConfig
 from keepwarm.worker.api.limits import Admission, longest_token_chars
 from keepwarm.worker.api.metrics import ServerMetrics
@@ -42,6 +43,13 @@ class ServerState:
     def token_chars(self) -> int:
         """The most characters one token stands for (bounds a prompt's characters before tokenizing)."""
         return longest_token_chars(self.engine.tokenizer)
+
+    @functools.cached_property
+    def budget(self) -> RequestBudget:
+        """What one request may cost (keepwarm.worker.api.budget); defaults from --max-num-seqs and the KV pool."""
+        c, cache = self.config, self.engine.cache_config
+        return RequestBudget(c.max_request_sequences or c.max_num_seqs,
+                             c.max_request_prompt_tokens or cache.num_blocks * cache.block_size, self.token_chars)
 
     @property
     def tokenizer(self) -> Any:

@@ -38,6 +38,10 @@ replacement that fails, or a worker that dies within ``REPLACE_STABLE_S`` of bec
 ``REPLACE_MAX_FAILURES`` in a row the supervisor gives up and exits with the worker's status (70 if it was 0) so
 systemd restarts everything; between attempts it waits 0.5, 1, 2... s. Each replacement is logged and counted
 (/health ``restarts.replaced``, /metrics ``keepwarm:worker_replacements_total``). SIGTERM/SIGINT drain everything.
+How a worker ended is logged as it happened (``ended``): "killed by SIGKILL (signal 9)" for a signal (the OOM
+killer's kill -9: the worker could say nothing, its zygote reaps it and says Exit(-9) on its status socket, see
+``keepwarm.worker.api.zygote``), "status N" for an exit; a status that never came (its zygote died too) is said so.
+Giving up on a worker killed by signal N exits with 128 + N, as a shell reports it.
 """
 
 from __future__ import annotations
@@ -85,6 +89,22 @@ PREFIX_TIMEOUT_S = 35.0
 FATAL_STATUS = 70
 
 
+def ended(code: int) -> str:
+    """How a worker ended, from its status as subprocess's returncode (-N: killed by signal N)."""
+    if code >= 0:
+        return f"status {code}"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = "an unknown signal"
+    return f"killed by {name} (signal {-code})"
+
+
+def exit_status(code: int) -> int:
+    """The status to exit with for a worker's ``code``: a shell's 128 + N for a signal, else the code (70 for 0)."""
+    return 128 - code if code < 0 else code or FATAL_STATUS
+
+
 class _NotCarried(Exception):
     """Why a restart's prefix cache was not carried over (the restart goes on)."""
 
@@ -120,7 +140,7 @@ class Worker:
     pid: int
     sock: socket.socket
     config: ServerConfig
-    code: int | None = None  # its exit status once known (Exit, or 1 for a silent death)
+    code: int | None = None  # its exit status once known (Exit: -N killed by signal N; 1 when none came)
     ready_at: float = field(default_factory=time.monotonic)
     fork_s: float = 0.0  # the Fork request to the zygote's Forked (its prepare() and fork())
     phases: dict[str, float] = field(default_factory=dict)  # its startup phases (Ready)
@@ -293,7 +313,7 @@ class Supervisor:
             for fd in fds:
                 os.close(fd)
             why = msg.error if isinstance(msg, ipc.Failed) else "" if isinstance(msg, expected) else \
-                f"it sent {type(msg).__name__}"
+                f"it exited ({ended(msg.code)})" if isinstance(msg, ipc.Exit) else f"it sent {type(msg).__name__}"
         except (EOFError, TimeoutError, ProtocolError, OSError) as e:
             why = "it exited" if isinstance(e, EOFError | OSError) else \
                 f"not ready after {timeout:.0f}s" if time.monotonic() >= deadline else str(e)
@@ -355,7 +375,7 @@ class Supervisor:
         served_s = time.monotonic() - dead.ready_at
         self._forget(dead)
         self.replace_policy.worker_died(served_s)
-        log.warning("the worker (pid %d) exited on its own with status %d after %.1fs; replacing it", dead.pid, code,
+        log.warning("the worker (pid %d) exited on its own: %s after %.1fs; replacing it", dead.pid, ended(code),
                     served_s)
         policy, t0 = self.replace_policy, time.monotonic()
         while not policy.give_up:
@@ -380,13 +400,13 @@ class Supervisor:
                                              "mode": mode, "reason": reason, "seconds": time.monotonic() - t0,
                                              "at": time.time()}
             self._send_history()
-            log.warning("replaced worker %d (status %d) with %d in %.3fs (%s)", dead.pid, code, self.worker.pid,
+            log.warning("replaced worker %d (%s) with %d in %.3fs (%s)", dead.pid, ended(code), self.worker.pid,
                         time.monotonic() - t0, mode)
             return None
         log.error("gave up replacing the worker after %d failures in a row; exiting with status %d so the service "
-                  "manager restarts the server", policy.failures, code or FATAL_STATUS)
+                  "manager restarts the server", policy.failures, exit_status(code))
         self.worker = None
-        return code or FATAL_STATUS
+        return exit_status(code)
 
     def _forget(self, dead: Worker) -> None:
         """A dead worker's last traces: its socket closed, the process killed if it lingers after saying Exit."""
@@ -402,7 +422,8 @@ class Supervisor:
         except (EOFError, OSError):
             if worker.code is None:
                 worker.code = 1
-                log.warning("worker %d ended without a word", worker.pid)
+                log.warning("worker %d ended without a word, and no exit status came (its zygote is gone)",
+                            worker.pid)
             if worker in self.old:
                 self.old.remove(worker)
             return True
@@ -439,7 +460,8 @@ class Supervisor:
         for w in workers:
             if w.wait(deadline) is None:
                 w.kill()
-        return (self.worker.code or 0) if self.worker is not None else 0
+        code = (self.worker.code or 0) if self.worker is not None else 0
+        return 128 - code if code < 0 else code  # a worker killed by signal N meanwhile: 128 + N
 
     def _close(self) -> None:
         for z in [self.zygote, *self.prepared.values()]:
@@ -618,7 +640,7 @@ class Supervisor:
                 os.close(fd)
             if isinstance(msg, ipc.Exit):
                 worker.code = msg.code
-                raise EOFError(f"worker {worker.pid} exited (status {msg.code})")
+                raise EOFError(f"worker {worker.pid} exited ({ended(msg.code)})")
 
     # -- the standby (``serve --standby``) ------------------------------------------------------------------------
     def _tend_standby(self) -> None:
@@ -626,7 +648,7 @@ class Supervisor:
         one worker besides the current one holds a KV pool: the draining one or the standby)."""
         s = self.standby
         if s is not None and s.code is not None:
-            log.warning("standby worker %d exited (status %d); the next restart forks its worker", s.pid, s.code)
+            log.warning("standby worker %d exited (%s); the next restart forks its worker", s.pid, ended(s.code))
             self.standby = None
             self._send_history()
         if not (self.config.standby and self.standby_due is not None and time.monotonic() >= self.standby_due

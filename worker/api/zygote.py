@@ -24,6 +24,11 @@ imports made; measured before this: the child's engine setup took ~0.3 s against
 The child resets the signals the zygote changed, attaches to the daemon's weights, builds its engine and warms
 one step (``server.warm_up``, in the engine thread while the app is built) before it says ``Ready`` (a standby,
 ``Fork.standby``: says ``Standing`` and accepts only once told ``Go``, ``WorkerLink.await_go``).
+How a worker ended (``Reaper``): the zygote is its parent, so the one process that learns its wait status. It keeps
+each worker's status socket until it reaps the worker, then says ``Exit(code)`` on it for the worker (``code`` as
+subprocess's returncode: -N for a worker killed by signal N, which could say nothing itself) and closes it: the
+supervisor reads how the worker ended before it sees the socket's EOF. SIGCHLD only wakes the zygote's loop (a
+wakeup fd; nothing runs in the handler), which reaps, so a child is never reaped before its socket is kept.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import contextlib
 import gc
 import logging
 import os
+import select
 import signal
 import socket
 import sys
@@ -296,18 +302,71 @@ def _child(request: Any, fds: list[int], fork_time: float) -> int:
     return code
 
 
-def _fork(sock: socket.socket, request: Any, fds: list[int]) -> int:
+class Reaper:
+    """The zygote's forked workers, each with its status socket kept until the worker is reaped (module docstring).
+
+    Created in the zygote's main thread (``signal.set_wakeup_fd`` must be); ``wakeup`` is what its loop selects on.
+    """
+
+    def __init__(self) -> None:
+        self.links: dict[int, socket.socket] = {}
+        self.wakeup, self._wake_w = os.pipe()
+        os.set_blocking(self.wakeup, False)
+        os.set_blocking(self._wake_w, False)
+        signal.set_wakeup_fd(self._wake_w)
+        signal.signal(signal.SIGCHLD, lambda _s, _f: None)  # a Python handler, so the wakeup fd is written
+
+    def keep(self, pid: int, status_fd: int) -> None:
+        # Blocking, as it came: O_NONBLOCK would be set on the file description the worker shares with us.
+        self.links[pid] = socket.socket(fileno=status_fd)
+
+    def reap(self) -> None:
+        """Reap every child that ended; tell the supervisor how each one did, on its status socket."""
+        from keepwarm.worker.api import ipc
+
+        with contextlib.suppress(BlockingIOError):
+            while os.read(self.wakeup, 512):
+                pass
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            link = self.links.pop(pid, None)
+            if link is None:
+                continue
+            # A supervisor that stopped reading must not block the zygote: send only where there is room; an error
+            # means it gave up on the worker already (it killed a failed one and closed its end).
+            with contextlib.suppress(OSError):
+                if select.select([], [link], [], 1.0)[1]:
+                    ipc.send(link, ipc.Exit(os.waitstatus_to_exitcode(status)))
+            link.close()
+
+    def close_in_child(self) -> None:
+        """In a forked worker: none of the zygote's links, pipe or SIGCHLD handling (the supervisor must see a
+        worker's socket close when that worker and the zygote let go of it, not when its younger sibling does)."""
+        signal.set_wakeup_fd(-1)
+        for link in self.links.values():
+            link.close()
+        os.close(self.wakeup)
+        os.close(self._wake_w)
+
+
+def _fork(sock: socket.socket, request: Any, fds: list[int], reaper: Reaper) -> int:
     fork_time = time.time()
     gc.freeze()
     pid = os.fork()
     if pid:
-        for fd in fds:
-            os.close(fd)
+        os.close(fds[0])
+        reaper.keep(pid, fds[1])
         return pid
     code = 1
     try:
         gc.enable()
         sock.close()
+        reaper.close_in_child()
         for sig in (signal.SIGCHLD, signal.SIGHUP, signal.SIGTERM):
             signal.signal(sig, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -329,7 +388,7 @@ def main(argv: list[str]) -> int:
     from keepwarm.formats.version import __version__
     from keepwarm.worker.api import ipc
 
-    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps our children; their end is told to the supervisor
+    reaper = Reaper()  # we reap our children and tell the supervisor how each one ended
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C: the supervisor decides, we follow its EOF
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     ipc.send(sock, ipc.Hello(pid=os.getpid(), python=sys.executable, version=__version__,
@@ -337,6 +396,9 @@ def main(argv: list[str]) -> int:
     log.info("zygote %d ready: imports took %.2fs, %d thread(s)", os.getpid(), time.time() - spawn_time,
              thread_count())
     while True:
+        reaper.reap()
+        if sock.fileno() not in select.select([sock.fileno(), reaper.wakeup], [], [])[0]:
+            continue  # SIGCHLD: reaped at the top
         try:
             msg, fds = ipc.recv(sock)
         except EOFError:
@@ -346,7 +408,7 @@ def main(argv: list[str]) -> int:
             continue
         if isinstance(msg, ipc.Fork) and len(fds) == 2:
             prepare(msg.config)
-            ipc.send(sock, ipc.Forked(pid=_fork(sock, msg, fds)))
+            ipc.send(sock, ipc.Forked(pid=_fork(sock, msg, fds, reaper)))
             continue
         for fd_ in fds:
             os.close(fd_)

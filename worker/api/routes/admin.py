@@ -63,7 +63,10 @@ def router(state: ServerState) -> APIRouter:
                     for a in state.async_engine.adapters.values()]
         # "engine": what the engine runs with, read from its live parts (not this server's config).
         engine = await state.async_engine.call(EffectiveConfig())
+        budget = state.budget  # what one request may cost, the defaults resolved (keepwarm.worker.api.budget)
+        limits = {"max_request_sequences": budget.max_sequences, "max_request_prompt_tokens": budget.max_prompt_tokens,
+                  "admission_seats": state.admission.capacity}
         return {"config": cfg, "engine": engine, "weights": state.weights_info(),
-                "model_dir": str(state.engine.model_dir), "adapters": adapters}
+                "model_dir": str(state.engine.model_dir), "adapters": adapters, "request_limits": limits}
 
     return api

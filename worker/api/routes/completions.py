@@ -63,23 +63,29 @@ def vllm_prompt_logprobs(tokenizer: Any, lps: list[TokenLogprob | None] | None) 
     return out
 
 
-async def _prompts(state: ServerState, req: CompletionRequest) -> tuple[list[list[int]], list[str | None]]:
-    """(token ids, text or None) per prompt; 400 for a shape OpenAI does not allow, a text that cannot fit the
-    context whatever it tokenizes to, or ids outside the vocab. Tokenizing runs off the event loop."""
-    tok = state.tokenizer
-    p = req.prompt
+async def _prompts(state: ServerState, req: CompletionRequest, request: Request
+                   ) -> tuple[list[list[int]], list[str | None]]:
+    """(token ids, text or None) per prompt; 400 for a shape OpenAI does not allow, a request past its budget
+    (sequences, prompt tokens: keepwarm.worker.api.budget; checked before tokenizing, and tokenizing stops at the
+    limit), a text that cannot fit the context whatever it tokenizes to, or ids outside the vocab; 429 when the
+    server has no seat for its sequences. Tokenizing runs off the event loop, in chunks."""
+    p, budget = req.prompt, state.budget
     prompts: list[list[int]]
     texts: list[str | None]
     if isinstance(p, str) or (p and all(isinstance(x, str) for x in p)):
         strs: list[str] = [p] if isinstance(p, str) else list(p)  # type: ignore[arg-type]
+        pipeline.admit(state, request, len(strs), req.n)
         check_prompt_chars(max(len(t) for t in strs), state.engine.max_model_len, state.token_chars, "prompt")
-        prompts, texts = await offload(lambda: [tok.encode(t) for t in strs]), list(strs)
+        prompts, texts = await budget.tokenize(state.tokenizer, strs, "prompt"), list(strs)
     elif p and all(isinstance(x, int) for x in p):
         prompts, texts = [list(p)], [None]  # type: ignore[arg-type]
     elif p and all(isinstance(x, list) for x in p):
         prompts, texts = [list(x) for x in p], [None] * len(p)  # type: ignore[arg-type]
     else:
         raise bad_request("prompt must be a string, a list of strings, or token ids", "prompt")
+    if texts[0] is None:
+        pipeline.admit(state, request, len(prompts), req.n)
+        budget.count_token_prompts(prompts, "prompt")
     vocab = state.engine.model_config.vocab_size
     for ids in prompts:
         if any(t < 0 or t >= vocab for t in ids):
@@ -95,7 +101,7 @@ def router(state: ServerState) -> APIRouter:
         lora = pipeline.resolve_model(state, req.model)
         if req.best_of is not None and req.best_of != req.n:
             raise bad_request("best_of is not supported (it must equal n)", "best_of")
-        prompts, texts = await _prompts(state, req)
+        prompts, texts = await _prompts(state, req, request)
         max_tokens = min(pipeline.check_length(state, len(ids), req.max_tokens) for ids in prompts)
         params = pipeline.request_params(req, max_tokens, req.logprobs)
         if req.echo and req.logprobs is not None and params.prompt_logprobs is None:

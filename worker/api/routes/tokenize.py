@@ -35,6 +35,7 @@ def router(state: ServerState) -> APIRouter:
     async def detokenize(req: DetokenizeRequest) -> dict[str, str]:
         pipeline.resolve_model(state, req.model)
         vocab = state.engine.model_config.vocab_size
+        state.budget.check_prompt_tokens(len(req.tokens), "tokens")  # as a request's prompts: bounded
         if any(t < 0 or t >= vocab for t in req.tokens):
             raise bad_request(f"token ids must be in [0, {vocab})", "tokens")
         return {"prompt": await offload(state.tokenizer.decode, req.tokens)}
