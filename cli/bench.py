@@ -315,7 +315,7 @@ def quality(
         tok = llm.get_tokenizer()
         ids = tok.encode(HELDOUT_TEXT)[:text_tokens]
         out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
-        lps = [x.logprob for x in out.prompt_logprobs[1:]]
+        lps = [x[t].logprob for x, t in zip(out.prompt_logprobs[1:], ids[1:], strict=True)]  # vLLM's dicts
         ppl = math.exp(-sum(lps) / len(lps))
         prompts = bench_prompts(tok, 8)
         greedy = [o.outputs[0].token_ids for o in llm.generate(

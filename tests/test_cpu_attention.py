@@ -347,7 +347,7 @@ def test_bf16_engine_greedy_same_with_and_without(tiny_model_factory, model_name
         if on.token_ids == off.token_ids:
             continue
         j = next(i for i, (a, b) in enumerate(zip(on.token_ids, off.token_ids, strict=True)) if a != b)
-        top = dict(off.logprobs[j].top)
+        top = {t: x.logprob for t, x in off.logprobs[j].items()}  # vLLM's {id: Logprob}
         gap = top[off.token_ids[j]] - top.get(on.token_ids[j], float("-inf"))
         print(f"{model_name}: flip at token {j}, gap {gap:.4f}")
         assert gap < NEAR_TIE, f"greedy token {j} differs at a log-probability gap of {gap:.3f}: not a near-tie"

@@ -198,8 +198,9 @@ def test_sampling_features_end_to_end(tiny_llama) -> None:
     assert out.outputs[0].token_ids == greedy[: greedy.index(stop_id) + 1]
     assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == stop_id
     lp = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=3, logprobs=2))[0].outputs[0]
-    assert len(lp.logprobs) == 3 and all(len(x.top) == 2 for x in lp.logprobs)
-    assert all(x.token_id == t for x, t in zip(lp.logprobs, lp.token_ids, strict=True))
+    # vLLM's shape: per token {id: Logprob}, the sampled token first; greedy, so it is the top-1 (of 2)
+    assert len(lp.logprobs) == 3 and all(len(x) == 2 for x in lp.logprobs)
+    assert all(next(iter(x)) == t and x[t].rank == 1 for x, t in zip(lp.logprobs, lp.token_ids, strict=True))
     n3 = llm.generate([prompt], SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True))[0]
     assert len(n3.outputs) == 3 and [o.index for o in n3.outputs] == [0, 1, 2]
 
@@ -245,7 +246,8 @@ def test_prompt_logprobs_match_transformers(tiny_llama, budget) -> None:
     hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
     with torch.no_grad():
         ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), dim=-1)
-    for i in range(1, len(prompt)):
-        assert lps[i].token_id == prompt[i]
-        assert abs(lps[i].logprob - ref[i - 1, prompt[i]].item()) < 1e-4
-        assert [t for t, _ in lps[i].top] == ref[i - 1].topk(3).indices.tolist()
+    for i in range(1, len(prompt)):  # vLLM's shape: {id: Logprob}, the prompt token first, then the top-3
+        assert next(iter(lps[i])) == prompt[i]
+        assert abs(lps[i][prompt[i]].logprob - ref[i - 1, prompt[i]].item()) < 1e-4
+        top = sorted((x.rank, t) for t, x in lps[i].items() if x.rank is not None and x.rank <= 3)
+        assert [t for _, t in top] == ref[i - 1].topk(3).indices.tolist()
