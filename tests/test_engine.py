@@ -167,6 +167,11 @@ def test_prompt_longer_than_max_model_len_is_rejected(tiny_llama) -> None:
     out = llm.generate([list(range(5, 60))], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))[0]
     assert out.outputs[0].finish_reason == "length"
     assert len(out.prompt_token_ids) + len(out.outputs[0].token_ids) == 64
+    # A logit_bias id outside the vocabulary is refused before the request runs, not inside the sampler.
+    vocab = llm.llm_engine.model_config.vocab_size
+    with pytest.raises(RequestError, match=f"logit_bias token ids must be in \\[0, {vocab}\\)"):
+        llm.generate([[5, 6]], SamplingParams(max_tokens=2, logit_bias={vocab: 1.0}))
+    assert not llm.llm_engine.has_unfinished_requests()
 
 
 def test_abort_frees_blocks(tiny_llama) -> None:

@@ -75,6 +75,7 @@ EFFECT_TESTS = {
     "trust_request_chat_template": "test_hostile::test_item5_a_request_chat_template_needs_the_trust_flag",
     "enable_auto_tool_choice": "test_tool_calls::test_tool_choice_rules",
     "tool_call_parser": "test_tool_calls::test_tool_choice_rules",
+    "enable_responses_store": "test_request_fields::test_the_store_off_refuses_in_one_line_naming_the_switch",
     "zygote": "test_restart::test_restarts_under_load",
     "standby": "test_standby::test_restarts_take_over_the_warmed_standby_under_load",
     "tensor_parallel_size": "test_tensor_parallel::test_serve_tp_dies_with_a_killed_rank_and_restarts_warm",

@@ -140,7 +140,7 @@ MALFORMED = [
     ("completions", {"model": "tiny", "prompt": [1, 99999]}, 400),
     ("completions", {"model": "tiny", "prompt": ""}, 400),
     ("completions", {"model": "tiny", "prompt": "x", "stream_options": {"include_usage": True}}, 400),
-    ("completions", {"model": "tiny", "prompt": "x", "logit_bias": {"5": 10}}, 400),
+    ("completions", {"model": "tiny", "prompt": "x", "logit_bias": {"5": 101}}, 400),
     ("chat/completions", {"model": "tiny", "messages": []}, 400),
     ("chat/completions", {"model": "tiny", "messages": [{"role": "wizard", "content": "x"}]}, 400),
     ("chat/completions", {"model": "tiny"}, 400),

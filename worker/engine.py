@@ -465,6 +465,8 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if any(t < 0 or t >= vocab for t in prompt_token_ids):
             raise RequestError(f"prompt token ids must be in [0, {vocab})")
+        if params.logit_bias and any(t < 0 or t >= vocab for t in params.logit_bias):  # refused before it runs
+            raise RequestError(f"logit_bias token ids must be in [0, {vocab})")
         params.validate()
         if isinstance(params.structured, StructuredOutputs):
             # The offline API hands the spec; the HTTP front end compiles ahead, off the engine thread.

@@ -1,7 +1,11 @@
 """Batched next-token sampling with vLLM semantics: penalties, min_tokens, greedy, temperature, top-k/p/min-p.
 
-Order per step (as vLLM): raw logprobs -> penalties -> grammar masks (constrained rows) -> min_tokens EOS/stop
-masking -> greedy argmax or (temperature -> top-k -> top-p -> min-p -> softmax -> sample). Grammar masks are
+Order per step (as vLLM v1's sampler): raw logprobs -> logit_bias -> penalties -> grammar masks (constrained rows) ->
+min_tokens EOS/stop masking -> greedy argmax or (temperature -> top-k -> top-p -> min-p -> softmax -> sample). The
+returned logprobs are the model's own, taken before any of it (vLLM's default ``logprobs_mode``, raw_logprobs): a
+bias changes which token is sampled, not the logprob reported for it. ``logit_bias`` is a sparse add on the rows
+whose request has one (vLLM adds it, as a logits processor, before the penalties: the two do not commute under a
+repetition penalty); the other rows are untouched. Grammar masks are
 filled per constrained row and applied in one batched fill; free rows are untouched. A constrained row that
 min_tokens would leave with no token (the grammar allows only EOS) keeps the grammar's choice: the output must
 stay valid. Everything is vectorized over the batch with
@@ -70,6 +74,27 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     sub = sub - freq[:, None] * counts - pres[:, None] * occurred.to(sub.dtype)
     logits[rows] = sub
     return logits
+
+
+def add_logit_bias(logits: torch.Tensor, params: list[SamplingParams], rows: list[int]) -> torch.Tensor:
+    """``logits`` (out of place) plus each listed row's ``logit_bias``: one sparse add over (row, token id) pairs,
+    at most 300 per row (SamplingParams' limit). A token id outside the logits is an error naming it (the servers
+    refuse such a request before it runs; this keeps an offline one from indexing out of range)."""
+    row_ids: list[int] = []
+    cols: list[int] = []
+    values: list[float] = []
+    for i in rows:
+        bias = params[i].logit_bias or {}
+        row_ids += [i] * len(bias)
+        cols += bias.keys()
+        values += bias.values()
+    vocab = logits.shape[1]
+    if max(cols) >= vocab:
+        raise ValueError(f"logit_bias token id {max(cols)} is outside the vocabulary (size {vocab})")
+    device = logits.device
+    # accumulate: the bias is added to the logit (without it, index_put would replace the logit by the bias).
+    return logits.index_put((torch.tensor(row_ids, device=device), torch.tensor(cols, device=device)),
+                            torch.tensor(values, dtype=logits.dtype, device=device), accumulate=True)
 
 
 _MT_HEADER = struct.Struct("<QiiQ")  # torch's CPU generator state: seed, left, seeded, next, then 624 words
@@ -145,10 +170,13 @@ class Sampler:
 
         min_tok_rows = [i for i, s in enumerate(seqs) if s.num_output_tokens < s.sampling_params.min_tokens]
         grammar_rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
+        bias_rows = [i for i, p in enumerate(params) if p.logit_bias]
         # These steps work on a copy: the caller's tensor stays untouched.
+        if bias_rows:
+            logits = add_logit_bias(logits, params, bias_rows)
         if any(p.needs_penalties for p in params):
             logits = apply_penalties(logits, seqs)
-        elif min_tok_rows or grammar_rows:
+        elif (min_tok_rows or grammar_rows) and not bias_rows:
             logits = logits.clone()
         grammar_logits = None
         if grammar_rows:

@@ -3,7 +3,10 @@
 Rules: every value has vLLM's range (a SamplingParamsError naming the field, an HTTP 400); ``seed`` (and
 ``seed + n - 1``) within ``[SEED_MIN, SEED_MAX]``; stop conditions bounded (``MAX_STOP_STRINGS`` strings of at
 most ``MAX_STOP_STRING_CHARS`` characters, ``MAX_STOP_TOKEN_IDS`` ids), since the engine checks them on every
-token; an error message quotes at most 100 characters of the value it refuses.
+token; ``logit_bias`` has OpenAI's limits (at most ``MAX_LOGIT_BIAS_ENTRIES`` token ids, each bias finite and in
+``[-LOGIT_BIAS_LIMIT, LOGIT_BIAS_LIMIT]``; vLLM clamps a bias past them, keepwarm refuses it as OpenAI does), its
+keys taken as ints the way vLLM takes them (``{"50256": -100}`` from JSON); an error message quotes at most 100
+characters of the value it refuses.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from keepwarm.worker.structured import CompiledGrammar, StructuredOutputs
@@ -23,6 +26,9 @@ SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1
 MAX_STOP_STRINGS = 128
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
+# OpenAI's logit_bias limits: the sampler adds each row's entries on every step.
+MAX_LOGIT_BIAS_ENTRIES = 300
+LOGIT_BIAS_LIMIT = 100.0
 
 
 class SamplingParamsError(ValueError):
@@ -63,6 +69,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     detokenize: bool = True
+    # Token id -> a value added to its logit before sampling (after the logprobs are taken: they stay the model's,
+    # as vLLM's default logprobs_mode). Keys may come as strings of ints (JSON object keys).
+    logit_bias: dict[int, float] | None = None
     # Constrained decoding (structured outputs, forced tool calls): the grammar every sequence of the request
     # follows (each with its own matcher); None samples freely. A StructuredOutputs spec is compiled by the
     # engine's add_request (cached); the HTTP front end passes it compiled.
@@ -77,6 +86,7 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        self.logit_bias = _int_keys(self.logit_bias)
         self.validate()
 
     def validate(self) -> None:
@@ -119,6 +129,7 @@ class SamplingParams:
                                                  or not 0 <= self.prompt_logprobs <= 20):
             raise bad("prompt_logprobs", "an integer in [0, 20]")
         self._validate_stops(bad)
+        self._validate_logit_bias()
 
     def _validate_stops(self, bad: Callable[[str, str], SamplingParamsError]) -> None:
         stop, ids = list(self.stop or ()), list(self.stop_token_ids or ())  # lists since __post_init__
@@ -135,6 +146,25 @@ class SamplingParams:
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "a list of non-negative integers")
 
+    def _validate_logit_bias(self) -> None:
+        bias = self.logit_bias
+        if bias is None:
+            return
+        if not isinstance(bias, dict):
+            raise SamplingParamsError("logit_bias must be a mapping of token ids to biases", "logit_bias")
+        if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise SamplingParamsError(f"logit_bias has {len(bias)} entries (limit {MAX_LOGIT_BIAS_ENTRIES})",
+                                      "logit_bias")
+        for token, value in bias.items():
+            if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                raise SamplingParamsError(f"logit_bias keys must be token ids (non-negative integers), got "
+                                          f"{_quoted(token)}", "logit_bias")
+            # The range check also refuses NaN and the infinities (every comparison with NaN is False).
+            if isinstance(value, bool) or not isinstance(value, int | float) \
+                    or not -LOGIT_BIAS_LIMIT <= value <= LOGIT_BIAS_LIMIT:
+                raise SamplingParamsError(f"logit_bias[{token}] must be a number in [{-LOGIT_BIAS_LIMIT:g}, "
+                                          f"{LOGIT_BIAS_LIMIT:g}], got {_quoted(value)}", "logit_bias")
+
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5
@@ -142,3 +172,24 @@ class SamplingParams:
     @property
     def needs_penalties(self) -> bool:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1.0
+
+
+def _quoted(value: Any) -> str:
+    """``repr(value)``, at most 100 characters (Python refuses to print an int of more than 4300 digits)."""
+    try:
+        text = repr(value)
+    except ValueError:
+        return f"an {type(value).__name__} too long to print"
+    return text if len(text) <= 100 else text[:100] + "..."
+
+
+def _int_keys(bias: Any) -> Any:
+    """``logit_bias`` with keys that are strings of decimal digits as the ints they spell (vLLM's ``int(token)``);
+    an empty mapping as None. Anything else stays as it came, for ``validate`` to refuse (a key of more than 20
+    digits too: past int64, and ``int()`` refuses thousands of digits with an error of its own)."""
+    if not isinstance(bias, dict):
+        return bias
+    if not bias:
+        return None
+    return {int(k) if isinstance(k, str) and k.isascii() and k.isdigit() and len(k) <= 20 else k: v
+            for k, v in bias.items()}

@@ -1,14 +1,14 @@
 """The FastAPI app: the routers of ``keepwarm.worker.api.routes``, API-key auth, OpenAI-shaped errors, shutdown.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses (all streamable as server-sent
-events), GET /v1/models, POST /tokenize, /detokenize, POST /v1/load_lora_adapter, /v1/unload_lora_adapter, GET
-/health, GET|POST /ping, GET /version, GET /metrics, GET /keepwarm/config (the effective config). With ``--api-key``
-every route needs ``Authorization: Bearer <key>`` (the /v1 API, /tokenize, /detokenize, /keepwarm/config, the docs
-and /openapi.json) except /health, /ping, /metrics and /version, which stay open, as in vLLM. Every error, whatever
-raised it, is OpenAI's error JSON; a 405 carries the router's ``Allow`` (the path's methods). The
-connection limits, the admission bound and the schema's truth are in keepwarm.worker.api.limits and
-keepwarm.worker.api.openapi.
-
+events), GET /v1/responses/{id} (with the response store), GET /v1/models, POST /tokenize, /detokenize, POST
+/v1/load_lora_adapter, /v1/unload_lora_adapter, GET /health, GET|POST /ping, GET /version, GET /metrics, GET
+/keepwarm/config (the effective config). With ``--api-key`` every route needs ``Authorization: Bearer <key>``
+(the /v1 API, /tokenize, /detokenize, /keepwarm/config, the docs and /openapi.json) except /health, /ping,
+/metrics and /version, which stay open, as in vLLM. Every error, whatever raised it, is OpenAI's error JSON; a
+405 carries the router's ``Allow`` (the path's methods). The connection limits, the admission bound and the
+schema's truth are in keepwarm.worker.api.limits and keepwarm.worker.api.openapi; the per-request budget in
+keepwarm.worker.api.budget.
 """
 
 from __future__ import annotations

@@ -133,6 +133,10 @@ class ServerConfig:
                                                                "tokens)."))
     client_timeout: float = setting(30.0, Flag("Seconds a client may stall sending a body (408) or reading a "
                                                "response (disconnected)."))
+    # vLLM's switch is the environment variable; the store is in memory and bounded (worker/api/responses.py)
+    enable_responses_store: bool = setting(False, Flag(
+        "Keep /v1/responses results (in memory, bounded) for previous_response_id and GET /v1/responses/{id}; "
+        "also VLLM_ENABLE_RESPONSES_API_STORE=1, vLLM's switch.", envvar="VLLM_ENABLE_RESPONSES_API_STORE"))
 
     def __post_init__(self) -> None:
         for key, least in (("max_queued_requests", 0), ("max_request_sequences", 1),

@@ -15,9 +15,11 @@ builder that fixes each operation after FastAPI generated it (rules):
   compared with another). Integer bounds stay integers (FastAPI's OpenAPI model stores them as floats, and int64's
   maximum 2^63-1 became 2^63);
 - what depends on this server's flags and model is stated for it (``ServerFacts``): a token id is below the
-  vocabulary size, ``max_tokens`` and ``min_tokens`` below the context length, a request's ``chat_template`` is
-  null unless ``--trust-request-chat-template``, and the LoRA admin routes are listed only with
-  ``--enable-lora --enable-lora-runtime-updates`` (without them every request there is refused).
+  vocabulary size (``logit_bias``'s keys too: a pattern of the decimal numbers below it, ``decimal_below``),
+  ``max_tokens`` and ``min_tokens`` below the context length, a request's ``chat_template`` is null unless
+  ``--trust-request-chat-template``, the LoRA admin routes are listed only with ``--enable-lora
+  --enable-lora-runtime-updates`` (without them every request there is refused), and ``previous_response_id``
+  and ``GET /v1/responses/{response_id}`` only with the response store (``--enable-responses-store``).
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from typing import Any, Literal
 
 from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, TypeAdapter
+
+from keepwarm.worker.sampling_params import LOGIT_BIAS_LIMIT, MAX_LOGIT_BIAS_ENTRIES
 
 INT64_MAX = (1 << 63) - 1
 
@@ -135,7 +139,7 @@ class ChatCompletionResponse(BaseModel):
 
 
 class ResponseObject(_Open):
-    """OpenAI's Responses object (stateless: ``store`` is always false)."""
+    """OpenAI's Responses object (``store`` true when the server's response store kept it)."""
 
     id: str
     object: Literal["response"]
@@ -198,11 +202,13 @@ ERRORS = {
     503: "The server is draining or its engine stopped",
 }
 GENERATE_ERRORS = (400, 401, 404, 413, 429, 500, 503)
+RESPONSE_PATH = "/v1/responses/{response_id}"  # a stored response (routes/responses.py)
 # path -> method -> (200 content, error statuses)
 ROUTES: dict[str, dict[str, tuple[dict[str, Any], tuple[int, ...]]]] = {
     "/v1/completions": {"post": ({"application/json": CompletionResponse, **SSE}, GENERATE_ERRORS)},
     "/v1/chat/completions": {"post": ({"application/json": ChatCompletionResponse, **SSE}, GENERATE_ERRORS)},
     "/v1/responses": {"post": ({"application/json": ResponseObject, **SSE}, GENERATE_ERRORS)},
+    RESPONSE_PATH: {"get": ({"application/json": ResponseObject}, (401, 404))},
     "/tokenize": {"post": ({"application/json": TokenizeResponse}, (400, 401, 404, 413, 500))},
     "/detokenize": {"post": ({"application/json": DetokenizeResponse}, (400, 401, 404, 413, 500))},
     "/v1/models": {"get": ({"application/json": ModelList}, (401,))},
@@ -237,6 +243,7 @@ class ServerFacts:
     trust_request_chat_template: bool = False
     lora_runtime_updates: bool = False
     auto_tool_choice: bool = False  # --enable-auto-tool-choice with a --tool-call-parser
+    responses_store: bool = False  # --enable-responses-store (or VLLM_ENABLE_RESPONSES_API_STORE=1)
 
 
 def facts_of(state: Any) -> ServerFacts:
@@ -245,7 +252,8 @@ def facts_of(state: Any) -> ServerFacts:
     return ServerFacts(vocab_size=state.engine.model_config.vocab_size, max_model_len=state.engine.max_model_len,
                        trust_request_chat_template=c.trust_request_chat_template,
                        lora_runtime_updates=c.enable_lora and c.enable_lora_runtime_updates,
-                       auto_tool_choice=c.enable_auto_tool_choice and c.tool_call_parser is not None)
+                       auto_tool_choice=c.enable_auto_tool_choice and c.tool_call_parser is not None,
+                       responses_store=c.enable_responses_store)
 
 
 # component -> properties whose integers are token ids of the served model (the routes check the vocabulary)
@@ -316,6 +324,16 @@ def _at_most_one(props: tuple[str, ...]) -> dict[str, Any]:
     return {"anyOf": [{"properties": {o: NULL for o in props if o != p}} for p in props]}
 
 
+def _structured_or_scoring(structured: tuple[str, ...]) -> dict[str, Any]:
+    """Completions: at most one of ``structured`` with ``max_tokens`` at least 1 (or null); or, to score a prompt
+    (``max_tokens: 0`` takes ``echo: true``, protocol.CompletionRequest), echo with none of them. One rule, not
+    two: a rule of its own would double the branches a generator multiplies out (see ``route_rules``)."""
+    at_least_one = _nullable({"type": "integer", "minimum": 1})
+    free = [{"properties": {**b["properties"], "max_tokens": at_least_one}} for b in _at_most_one(structured)["anyOf"]]
+    scoring = {"required": ["echo"], "properties": {**{f: NULL for f in structured}, "echo": {"const": True}}}
+    return {"anyOf": [*free, scoring]}
+
+
 def _null_unless(prop: str, other: str, value: Any) -> dict[str, Any]:
     """``prop`` is null unless ``other`` is ``value``."""
     return {"anyOf": [{"properties": {prop: NULL}}, {"required": [other], "properties": {other: {"const": value}}}]}
@@ -355,7 +373,34 @@ def _chat_tools(auto: bool) -> tuple[dict[str, Any], dict[str, Any]]:
             _tool_modes(named, STRUCTURED, auto))  # with structured_fields.structured_spec
 
 
-def _responses_rules(auto: bool) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+def decimal_below(n: int) -> str:
+    """A regular expression (unanchored) for the integers in [0, n), n >= 1, in decimal without leading zeros: the
+    token-id keys of ``logit_bias`` for a vocabulary of n (protocol.TokenKey's form, check_logit_bias's bound)."""
+    top = str(n - 1)
+    width = len(top)
+    parts = []
+    if width > 1:  # every shorter number
+        parts.append("[0-9]" if width == 2 else f"0|[1-9][0-9]{{0,{width - 2}}}")
+    for i, digit in enumerate(top):  # as wide: top's first i digits, a smaller digit, then any digits
+        low, high = (1 if i == 0 and width > 1 else 0), int(digit) - 1
+        if high >= low:
+            rest = width - i - 1
+            parts.append(top[:i] + (str(low) if high == low else f"[{low}-{high}]")
+                         + ("[0-9]" + (f"{{{rest}}}" if rest > 1 else "") if rest else ""))
+    parts.append(top)
+    return "(" + "|".join(parts) + ")"
+
+
+def _logit_bias(vocab_size: int) -> dict[str, Any]:
+    """``logit_bias`` as the server takes it: every key a token id of this vocabulary (pydantic's schema has
+    ``patternProperties``, which lets any other key through), at most 300, each bias in [-100, 100]."""
+    return _nullable({"type": "object", "maxProperties": MAX_LOGIT_BIAS_ENTRIES,
+                      "propertyNames": {"pattern": f"^{decimal_below(vocab_size)}$"},
+                      "additionalProperties": {"type": "number", "minimum": -LOGIT_BIAS_LIMIT,
+                                               "maximum": LOGIT_BIAS_LIMIT}})
+
+
+def _responses_rules(auto: bool, store: bool) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """(property schemas, rules) of /v1/responses (keepwarm.worker.api.responses: it becomes a chat request)."""
     named = {"type": "object", "required": ["type", "name"],
              "properties": {"type": {"const": "function"}, "name": {"type": "string"}}}
@@ -377,8 +422,9 @@ def _responses_rules(auto: bool) -> tuple[dict[str, Any], list[dict[str, Any]]]:
                                  {"type": "array", "minItems": 1, "items": {"anyOf": [message, call, output]}}]},
              "tools": _nullable({"type": "array", "items": tool}),
              "tool_choice": {"anyOf": [{"enum": ["none", "required", *(["auto"] if auto else [])]}, named, NULL]},
-             "text": text, "previous_response_id": NULL, "conversation": NULL,  # stateless: refused
-             "background": {"enum": [False, None]}}
+             "text": text, "conversation": NULL, "background": {"enum": [False, None]},  # refused
+             # an id the store does not hold is a 404 (as vLLM), which a client expects of an id
+             "previous_response_id": {"type": ["string", "null"]} if store else NULL}
     return props, [_tool_modes(named, ("text",), auto)]
 
 
@@ -387,23 +433,26 @@ def route_rules(facts: ServerFacts) -> dict[str, tuple[dict[str, Any], list[dict
     check a route makes beyond pydantic's (named beside it).
 
     Each rule is an ``anyOf``, and a generator multiplies them out: past a few dozen branches over chat's forty
-    properties schemathesis gives up on the operation. So two rules are stated narrower than the server is (what
-    the schema allows is still accepted): ``best_of`` null or 1 (the server takes any value equal to ``n``), and,
-    in chat, ``stream_options`` and ``top_logprobs`` both null unless ``stream`` and ``logprobs`` are both true."""
+    properties schemathesis gives up on the operation. So three rules are stated narrower than the server is (what
+    the schema allows is still accepted): ``best_of`` null or 1 (the server takes any value equal to ``n``); in
+    chat, ``stream_options`` and ``top_logprobs`` both null unless ``stream`` and ``logprobs`` are both true; and
+    in completions, ``max_tokens: 0`` (with ``echo``) only with no structured output (the server takes one there,
+    and has no output for it to shape)."""
     auto = facts.auto_tool_choice
     structured = {"response_format": _nullable(RESPONSE_FORMAT), "structured_outputs": _nullable(STRUCTURED_OUTPUTS)}
     tool_props, tool_rule = _chat_tools(auto)
     # completions: best_of must equal n (n defaults to 1)
     best_of = {"anyOf": [{"properties": {"best_of": NULL}},
                          {"properties": {"best_of": {"const": 1}, "n": {"const": 1}}}]}
+    bias = {"logit_bias": _logit_bias(facts.vocab_size)}
     # _SamplingFields.sampling: stream_options only with stream; chat._constraint: top_logprobs only with logprobs
     streamed = {"anyOf": [{"properties": {"stream_options": NULL, "top_logprobs": NULL}},
                           {"required": ["stream", "logprobs"],
                            "properties": {"stream": {"const": True}, "logprobs": {"const": True}}}]}
     return {
-        "CompletionRequest": (structured, [_null_unless("stream_options", "stream", True),
-                                           _at_most_one(STRUCTURED), best_of]),
-        "ChatCompletionRequest": ({**structured, **tool_props}, [streamed, tool_rule]),
+        "CompletionRequest": ({**structured, **bias}, [_null_unless("stream_options", "stream", True),
+                                                       _structured_or_scoring(STRUCTURED), best_of]),
+        "ChatCompletionRequest": ({**structured, **tool_props, **bias}, [streamed, tool_rule]),
         # chat_render.message_dicts: text parts only; tool_calls.template_messages: calls are objects
         "ChatMessage": ({"content": {"anyOf": [{"type": "string"}, {"type": "array", "items": TEXT_PART}, NULL]},
                          "tool_calls": _nullable({"type": "array", "items": {"type": "object", "properties": {
@@ -412,7 +461,7 @@ def route_rules(facts: ServerFacts) -> dict[str, tuple[dict[str, Any], list[dict
         "TokenizeRequest": ({}, [{"oneOf": [{"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
                                             {"required": ["messages"],
                                              "properties": {"messages": {"type": "array"}}}]}]),
-        "ResponsesRequest": _responses_rules(auto),
+        "ResponsesRequest": _responses_rules(auto, facts.responses_store),
     }
 
 
@@ -433,6 +482,8 @@ def state_facts(schema: dict[str, Any], facts: ServerFacts) -> None:
     if not facts.lora_runtime_updates:
         for path in LORA_ADMIN_PATHS:
             schema.get("paths", {}).pop(path, None)
+    if not facts.responses_store:  # without the store every id is unknown (routes/responses.py says why)
+        schema.get("paths", {}).pop(RESPONSE_PATH, None)
     for name, (props, rules) in route_rules(facts).items():
         body = components.get(name)
         if body is not None:

@@ -9,8 +9,13 @@ Validation lives here, at the boundary, so nothing the engine cannot run reaches
   Unicode text) is refused with the path of the field that holds it;
 - lenient like vLLM about names: a request field this server does not know is accepted and ignored, with one
   warning per field name for the life of the process (clients send ``store``, ``metadata``, ``service_tier``...);
-  a field it knows but cannot honour is a 400 naming it (``logit_bias``, ``suffix``...). Admin bodies (LoRA
-  load/unload) stay closed (``extra="forbid"``): a typo there must not silently mean the default.
+  a field it knows but cannot honour is a 400 naming it (``suffix``...). Admin bodies (LoRA load/unload) stay
+  closed (``extra="forbid"``): a typo there must not silently mean the default;
+- ``logit_bias`` has OpenAI's limits: keys are token ids in decimal (``"50256"``), at most 300, each bias in
+  [-100, 100]; the count is checked before any entry is (a body of a million keys costs no per-key work); ids
+  must also be in the served model's vocabulary (``check_logit_bias``, called by the routes);
+- ``max_tokens: 0`` is only taken with ``echo: true`` on /v1/completions (scoring a prompt, as OpenAI's legacy
+  API and vLLM); anything else needs at least 1.
 
 Errors surface as OpenAI's error JSON with HTTP 400 (the server maps pydantic's errors, naming the field).
 """
@@ -31,12 +36,13 @@ from pydantic import (
     Field,
     StrictBool,
     StrictInt,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
 from pydantic_core import PydanticCustomError
 
-from keepwarm.worker.sampling_params import SamplingParams
+from keepwarm.worker.sampling_params import LOGIT_BIAS_LIMIT, MAX_LOGIT_BIAS_ENTRIES, SamplingParams
 
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 
@@ -230,6 +236,11 @@ NonEmpty = Annotated[str, Field(min_length=1)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 
 
+# A token id as a JSON object key: decimal digits, no sign, no leading zero (what str(int) writes).
+TokenKey = Annotated[str, Field(pattern=r"^(0|[1-9][0-9]{0,18})$")]
+LogitBias = Annotated[float, Field(ge=-LOGIT_BIAS_LIMIT, le=LOGIT_BIAS_LIMIT)]
+
+
 class _SamplingFields(RequestBody):
     """Fields shared by completions and chat; OpenAI's plus vLLM's extras, each with its range."""
 
@@ -244,8 +255,8 @@ class _SamplingFields(RequestBody):
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
     user: str | None = None
-    # Refused when non-empty (keepwarm does not apply logit biases); the schema says so with maxProperties 0.
-    logit_bias: Annotated[dict[str, float], Field(max_length=0)] | None = None
+    # OpenAI's: token id (a JSON key, so a string of digits) -> a bias added to its logit before sampling.
+    logit_bias: Annotated[dict[TokenKey, LogitBias], Field(max_length=MAX_LOGIT_BIAS_ENTRIES)] | None = None
     # vLLM's extra sampling parameters
     top_k: Annotated[StrictInt, Field(ge=-1, le=INT64_MAX), INTEGRAL] | None = None
     min_p: Unit | None = None
@@ -264,6 +275,22 @@ class _SamplingFields(RequestBody):
     guided_choice: Annotated[list[NonEmpty], Field(min_length=1)] | None = None
     guided_grammar: str | None = None
     structured_outputs: dict[str, Any] | None = None
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _bias_count_first(cls, v: Any) -> Any:
+        # Before pydantic validates every entry: a body of a million keys is refused on its count alone.
+        if isinstance(v, dict) and len(v) > MAX_LOGIT_BIAS_ENTRIES:
+            raise PydanticCustomError("too_long", "logit_bias has {count} entries (limit {limit})",
+                                      {"count": len(v), "limit": MAX_LOGIT_BIAS_ENTRIES})
+        return v
+
+    def check_logit_bias(self, vocab_size: int) -> None:
+        """400 naming ``logit_bias`` when one of its token ids is outside the served model's vocabulary."""
+        outside = sorted(int(k) for k in self.logit_bias or () if int(k) >= vocab_size)
+        if outside:
+            raise bad_request(f"logit_bias: token id(s) {outside[:10]} are outside the vocabulary (ids are in "
+                              f"[0, {vocab_size}))", "logit_bias")
 
     def sampling(self, max_tokens: int | None, logprobs: int | None, default_max: int) -> SamplingParams:
         if self.stream_options is not None and not self.stream:
@@ -287,6 +314,7 @@ class _SamplingFields(RequestBody):
             logprobs=logprobs,
             prompt_logprobs=self.prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
+            logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
         )
 
 
@@ -297,11 +325,25 @@ class CompletionRequest(_SamplingFields):
     prompt: NonEmpty | Annotated[list[NonEmpty], Field(min_length=1)] | \
         Annotated[list[TokenId], Field(min_length=1)] | \
         Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
-    max_tokens: MaxTokens | None = 16
+    echo: StrictBool = False  # before max_tokens: its validator reads it
+    # 0 only with echo (scoring the prompt: routes/completions.py); the schema states the rule (openapi.py).
+    max_tokens: Annotated[StrictInt, Field(ge=0, le=INT64_MAX), INTEGRAL] | None = 16
     logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS), INTEGRAL] | None = None
-    echo: StrictBool = False
     suffix: None = None  # not supported: only null is accepted
     best_of: Annotated[StrictInt, Field(ge=1, le=16), INTEGRAL] | None = None
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _zero_only_with_echo(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v == 0 and not info.data.get("echo"):
+            raise PydanticCustomError("greater_than_equal", "Input should be greater than or equal to 1 (0 only "
+                                      "with echo: true, which scores the prompt without generating)", {"ge": 1})
+        return v
+
+    @property
+    def scores_only(self) -> bool:
+        """``echo`` with ``max_tokens: 0``: the prompt echoed (with its logprobs when asked), nothing generated."""
+        return self.echo and self.max_tokens == 0
 
 
 class ChatMessage(BaseModel):

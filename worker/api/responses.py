@@ -1,14 +1,24 @@
-"""OpenAI's Responses API (``POST /v1/responses``), stateless, as a translation over the chat pipeline.
+"""OpenAI's Responses API (``POST /v1/responses``) as a translation over the chat pipeline, with vLLM's optional
+response store.
 
 Rules:
 - A Responses request becomes a chat request: ``instructions`` a system message; ``input`` a string (one user
   message) or items (messages with text parts, ``function_call`` and ``function_call_output`` items, which become
   assistant ``tool_calls`` and ``tool`` messages); ``tools`` (function tools only, flat Responses shape) and
   ``tool_choice``; ``text.format`` the ``response_format``; ``max_output_tokens`` the ``max_tokens``.
-- Stateless: ``store`` is ignored with a warning (once), ``previous_response_id`` and ``conversation`` are a 400
-  (nothing is kept to continue from); ``background: true`` is a 400 naming ``background`` (there is nothing to
-  poll or cancel later: the answer comes in the request); built-in tools (web search, file search...) are a 400
-  naming the type.
+- Stateless unless the store is on (``--enable-responses-store``, or vLLM's switch
+  ``VLLM_ENABLE_RESPONSES_API_STORE=1``): then a response is kept unless the request says ``store: false``
+  (OpenAI's default is to store), and ``previous_response_id`` continues from it: the previous response's
+  conversation (its own prefix, its input, its output items) comes before this request's input, as OpenAI does;
+  its ``instructions`` are not carried over (OpenAI: only this request's apply). An id the store does not hold
+  is a 404 (as vLLM). With the store off, ``store`` is ignored with a warning (once, as vLLM ignores it) and
+  ``previous_response_id`` is a 400 naming the switch.
+- ``ResponseStore`` is bounded: at most ``STORE_MAX_RESPONSES`` responses and ``STORE_MAX_BYTES`` bytes (their
+  JSON), each kept ``STORE_TTL_S`` seconds at most; past a bound the oldest go first; a response larger than the
+  byte bound alone is not kept (its ``store`` reads false). In memory, per worker: a restart starts it empty.
+- ``conversation`` is a 400 (no Conversations API, nor has vLLM one); ``background: true`` is a 400 naming
+  ``background`` (there is nothing to poll or cancel later: the answer comes in the request); built-in tools (web
+  search, file search...) are a 400 naming the type.
 - The chat result becomes ``output`` items (a ``message`` with ``output_text``, then one ``function_call`` item
   per call); ``status`` is ``incomplete`` with ``max_output_tokens`` when the length limit ended it.
 - Streaming sends OpenAI's event sequence (``response.created`` ... ``response.completed``), each with its
@@ -18,9 +28,12 @@ Rules:
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Annotated, Any
 
 from pydantic import Field, StrictBool, StrictInt
@@ -29,11 +42,73 @@ from keepwarm.worker.api.protocol import (
     INT64_MAX,
     INT64_MIN,
     INTEGRAL,
+    APIError,
     MaxTokens,
     RequestBody,
     bad_request,
     warn_once,
 )
+
+log = logging.getLogger("keepwarm.server")
+
+# The response store's bounds (docs/reliability.md, Limits): past either count, the oldest responses go first.
+STORE_MAX_RESPONSES = 1000
+STORE_MAX_BYTES = 64 << 20
+STORE_TTL_S = 3600.0
+STORE_SWITCH = "--enable-responses-store (or VLLM_ENABLE_RESPONSES_API_STORE=1)"
+
+
+@dataclass(frozen=True)
+class StoredResponse:
+    response: dict[str, Any]  # the Responses object, as it was returned
+    conversation: list[dict[str, Any]]  # input items: its prefix, its input, its output (what continues from it)
+    created: float  # the store's clock
+    nbytes: int
+
+
+class ResponseStore:
+    """Responses kept for ``previous_response_id`` and ``GET /v1/responses/{id}``: in memory, oldest first out past
+    ``max_responses`` or ``max_bytes`` (each counted as its JSON's length), none older than ``ttl_s``. Used from
+    the event loop only (no lock)."""
+
+    def __init__(self, max_responses: int = STORE_MAX_RESPONSES, max_bytes: int = STORE_MAX_BYTES,
+                 ttl_s: float = STORE_TTL_S, clock: Callable[[], float] = time.monotonic) -> None:
+        self.max_responses, self.max_bytes, self.ttl_s, self.clock = max_responses, max_bytes, ttl_s, clock
+        self._entries: OrderedDict[str, StoredResponse] = OrderedDict()  # oldest first
+        self.nbytes = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def put(self, response: dict[str, Any], conversation: list[dict[str, Any]]) -> bool:
+        """Keep ``response`` (under its ``id``); False when it alone is larger than the byte bound (not kept)."""
+        nbytes = len(json.dumps(response, ensure_ascii=False)) + len(json.dumps(conversation, ensure_ascii=False))
+        self._expire()
+        if nbytes > self.max_bytes:
+            warn_once("responses.store.too_big", f"/v1/responses: a response of {nbytes} bytes is larger than the "
+                      f"store's {self.max_bytes} and is not kept")
+            return False
+        self._drop(response["id"])
+        self._entries[response["id"]] = StoredResponse(response, conversation, self.clock(), nbytes)
+        self.nbytes += nbytes
+        while len(self._entries) > self.max_responses or self.nbytes > self.max_bytes:
+            self._drop(next(iter(self._entries)))
+        return True
+
+    def get(self, response_id: str) -> StoredResponse | None:
+        self._expire()
+        return self._entries.get(response_id)
+
+    def _expire(self) -> None:
+        """Drop what is older than the TTL: the oldest are first, so this stops at the first one kept."""
+        horizon = self.clock() - self.ttl_s
+        while self._entries and next(iter(self._entries.values())).created <= horizon:
+            self._drop(next(iter(self._entries)))
+
+    def _drop(self, response_id: str) -> None:
+        entry = self._entries.pop(response_id, None)
+        if entry is not None:
+            self.nbytes -= entry.nbytes
 
 
 class ResponsesRequest(RequestBody):
@@ -78,13 +153,20 @@ def _text_of(content: Any, where: str) -> str:
     raise bad_request(f"{where}: content must be a string or a list of text parts", "input")
 
 
-def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
-    msgs: list[dict[str, Any]] = []
-    if req.instructions:
-        msgs.append({"role": "system", "content": req.instructions})
+def input_items(req: ResponsesRequest) -> list[dict[str, Any]]:
+    """The request's ``input`` as items (a string is one user message)."""
     if isinstance(req.input, str):
-        return [*msgs, {"role": "user", "content": req.input}]
-    for i, item in enumerate(req.input):
+        return [{"type": "message", "role": "user", "content": req.input}]
+    return req.input
+
+
+def _messages(instructions: str | None, items: list[dict[str, Any]], history: int = 0) -> list[dict[str, Any]]:
+    """Chat messages: the instructions as a system message, then each item; the first ``history`` items are a
+    previous response's conversation, so an error's ``input[i]`` counts from the item after them."""
+    msgs: list[dict[str, Any]] = []
+    if instructions:
+        msgs.append({"role": "system", "content": instructions})
+    for i, item in enumerate(items, start=-history):
         kind = item.get("type", "message")
         if kind == "message":
             msgs.append({"role": item.get("role", "user"), "content": _text_of(item.get("content"), f"input[{i}]")})
@@ -137,18 +219,39 @@ def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     return {"type": fmt.get("type", "text")}
 
 
-def to_chat_request(req: ResponsesRequest) -> dict[str, Any]:
-    """The chat request that computes this response (a 400 for what a stateless server cannot do)."""
-    if req.previous_response_id is not None or req.conversation is not None:
-        raise bad_request("this server is stateless: previous_response_id and conversation are not supported; "
-                          "send the whole conversation as input", "previous_response_id")
+def previous_conversation(store: ResponseStore | None, req: ResponsesRequest) -> list[dict[str, Any]]:
+    """The conversation ``previous_response_id`` continues (none without one); a 400 naming the switch when the
+    store is off, a 404 for an id it does not hold (as vLLM: never stored, ``store: false``, or evicted)."""
+    rid = req.previous_response_id
+    if rid is None:
+        return []
+    if store is None:
+        raise bad_request(f"previous_response_id needs the response store, which is off: start the server with "
+                          f"{STORE_SWITCH}, or send the whole conversation as input", "previous_response_id")
+    stored = store.get(rid)
+    if stored is None:
+        raise APIError(404, f"Response with id '{rid}' not found.", "invalid_request_error", "previous_response_id",
+                       "previous_response_not_found")
+    return stored.conversation
+
+
+def to_chat_request(req: ResponsesRequest, history: list[dict[str, Any]] | None = None,
+                    store_on: bool = False) -> dict[str, Any]:
+    """The chat request that computes this response: ``history`` (a previous response's conversation) before the
+    input; a 400 for what this server cannot do."""
+    if req.conversation is not None:
+        raise bad_request("conversation is not supported (nor is it by vLLM): continue with previous_response_id "
+                          f"(needs {STORE_SWITCH}) or send the whole conversation as input", "conversation")
     if req.background:
-        raise bad_request("background: true is not supported: this server is stateless, so there is no response "
-                          "to poll or cancel later; send background: false (or leave it out) to get the answer in "
-                          "this request", "background")
-    if req.store:
-        warn_once("responses.store", "/v1/responses: store is ignored (this server is stateless: nothing is kept)")
-    body: dict[str, Any] = {"model": req.model, "messages": _messages(req), "stream": req.stream,
+        raise bad_request("background: true is not supported: a response runs within its request (stateless: "
+                          "nothing runs on to poll or cancel later); send background: false (or leave it out) to "
+                          "get the answer in this request", "background")
+    if req.store and not store_on:
+        warn_once("responses.store", f"/v1/responses: store is ignored: the response store is off ({STORE_SWITCH} "
+                  "turns it on)")
+    history = history or []
+    messages = _messages(req.instructions, [*history, *input_items(req)], len(history))
+    body: dict[str, Any] = {"model": req.model, "messages": messages, "stream": req.stream,
                             "tools": _tools(req.tools), "tool_choice": _tool_choice(req.tool_choice),
                             "parallel_tool_calls": req.parallel_tool_calls,
                             "response_format": _response_format(req.text), "max_tokens": req.max_output_tokens,
@@ -161,14 +264,15 @@ def to_chat_request(req: ResponsesRequest) -> dict[str, Any]:
 
 
 def _envelope(req: ResponsesRequest, rid: str, created: int, status: str, output: list[dict[str, Any]],
-              usage: dict[str, Any] | None, incomplete: str | None) -> dict[str, Any]:
+              usage: dict[str, Any] | None, incomplete: str | None, store: bool = False) -> dict[str, Any]:
     return {"id": rid, "object": "response", "created_at": created, "status": status, "model": req.model,
             "output": output, "usage": usage, "error": None,
             "incomplete_details": {"reason": incomplete} if incomplete else None,
             "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
-            "parallel_tool_calls": req.parallel_tool_calls is not False, "previous_response_id": None,
+            "parallel_tool_calls": req.parallel_tool_calls is not False,
+            "previous_response_id": req.previous_response_id,
             "temperature": req.temperature, "top_p": req.top_p, "tool_choice": req.tool_choice or "auto",
-            "tools": req.tools or [], "text": req.text or {"format": {"type": "text"}}, "store": False,
+            "tools": req.tools or [], "text": req.text or {"format": {"type": "text"}}, "store": store,
             "metadata": req.metadata or {}, "truncation": "disabled", "reasoning": None, "user": req.user}
 
 
@@ -188,7 +292,15 @@ def _call_item(call: dict[str, Any], status: str = "completed") -> dict[str, Any
             "arguments": call["function"]["arguments"], "status": status}
 
 
-def from_chat_completion(req: ResponsesRequest, chat: dict[str, Any]) -> dict[str, Any]:
+def conversation_after(history: list[dict[str, Any]], req: ResponsesRequest, output: list[dict[str, Any]]
+                       ) -> list[dict[str, Any]]:
+    """What a request continuing from this response starts with: the previous conversation, this input, this
+    output (output items are input items too: an assistant message, function calls)."""
+    return [*history, *input_items(req), *output]
+
+
+def from_chat_completion(req: ResponsesRequest, chat: dict[str, Any], store: bool = False) -> dict[str, Any]:
+    """The Responses object of a finished chat completion (``store``: whether it is to be kept)."""
     choice = chat["choices"][0]
     msg = choice["message"]
     output = []
@@ -198,12 +310,16 @@ def from_chat_completion(req: ResponsesRequest, chat: dict[str, Any]) -> dict[st
     incomplete = "max_output_tokens" if choice["finish_reason"] == "length" else None
     req.model = req.model or chat["model"]
     return _envelope(req, _new("resp"), chat["created"], "incomplete" if incomplete else "completed", output,
-                     _usage(chat["usage"]), incomplete)
+                     _usage(chat["usage"]), incomplete, store)
 
 
-async def stream_events(req: ResponsesRequest, chat_sse: AsyncIterator[str | bytes]) -> AsyncIterator[str]:
-    """Translate the chat stream's server-sent chunks into the Responses API's events."""
+async def stream_events(req: ResponsesRequest, chat_sse: AsyncIterator[str | bytes],
+                        keep: Callable[[dict[str, Any]], bool] | None = None) -> AsyncIterator[str]:
+    """Translate the chat stream's server-sent chunks into the Responses API's events; ``keep`` (the store's) takes
+    the final response before its event goes out, and says whether it kept it. A stream that ends in an error or
+    is abandoned keeps nothing."""
     rid, created, seq = _new("resp"), int(time.time()), 0
+    store = keep is not None
 
     def event(kind: str, **data: Any) -> str:
         nonlocal seq
@@ -211,8 +327,8 @@ async def stream_events(req: ResponsesRequest, chat_sse: AsyncIterator[str | byt
         seq += 1
         return f"event: {kind}\ndata: {json.dumps(body, ensure_ascii=False)}\n\n"
 
-    yield event("response.created", response=_envelope(req, rid, created, "in_progress", [], None, None))
-    yield event("response.in_progress", response=_envelope(req, rid, created, "in_progress", [], None, None))
+    yield event("response.created", response=_envelope(req, rid, created, "in_progress", [], None, None, store))
+    yield event("response.in_progress", response=_envelope(req, rid, created, "in_progress", [], None, None, store))
     output: list[dict[str, Any]] = []
     msg_id, text, usage, finish = None, "", None, None
     async for raw in chat_sse:
@@ -260,7 +376,9 @@ async def stream_events(req: ResponsesRequest, chat_sse: AsyncIterator[str | byt
         output.append(_message_item(text, item_id=msg_id))
     incomplete = "max_output_tokens" if finish == "length" else None
     final = _envelope(req, rid, created, "incomplete" if incomplete else "completed", output,
-                      _usage(usage) if usage else None, incomplete)
+                      _usage(usage) if usage else None, incomplete, store)
+    if keep is not None:
+        final["store"] = keep(final)
     yield event("response.incomplete" if incomplete else "response.completed", response=final)
 
 

@@ -66,6 +66,7 @@ def router(state: ServerState) -> APIRouter:
 async def chat_completion(state: ServerState, req: ChatCompletionRequest, request: Request) -> Any:
     """The chat completion (a dict) or its stream (a StreamingResponse); /v1/responses runs through it too."""
     lora = pipeline.resolve_model(state, req.model)
+    req.check_logit_bias(state.engine.model_config.vocab_size)
     pipeline.admit(state, request, 1, req.n)
     mode, spec = _constraint(state, req)
     known = set(functions(req.tools))

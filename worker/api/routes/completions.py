@@ -1,8 +1,11 @@
 """POST /v1/completions: OpenAI's legacy completions (several prompts, n choices each, echo, logprobs).
 
 ``echo`` with ``logprobs`` returns the prompt's tokens with their logprobs before the output's (the first prompt
-token has none), as vLLM does: lm-evaluation-harness scores log-likelihoods this way. vLLM's ``prompt_logprobs``
-and the structured-output fields (``guided_*``, ``structured_outputs``, ``response_format``) work here too."""
+token has none), as vLLM does: lm-evaluation-harness scores log-likelihoods this way (``max_tokens: 1``, the one
+generated token dropped on its side). ``echo`` with ``max_tokens: 0`` scores the prompt alone (``score_prompts``):
+the prompt as the text, its tokens' logprobs when ``logprobs`` is given, ``finish_reason`` "length", no completion
+tokens. vLLM's ``prompt_logprobs``, ``logit_bias`` (token ids checked against the vocabulary here) and the
+structured-output fields (``guided_*``, ``structured_outputs``, ``response_format``) work here too."""
 
 from __future__ import annotations
 
@@ -18,7 +21,9 @@ from keepwarm.worker.api.limits import check_prompt_chars, offload
 from keepwarm.worker.api.protocol import CompletionRequest, bad_request, new_id, now
 from keepwarm.worker.api.state import ServerState
 from keepwarm.worker.api.structured_fields import structured_spec
+from keepwarm.worker.lora import LoRAAdapter
 from keepwarm.worker.outputs import CompletionOutput, RequestOutput
+from keepwarm.worker.sampling_params import SamplingParams
 from keepwarm.worker.sequence import TokenLogprob
 
 
@@ -46,6 +51,8 @@ def prompt_completion_logprobs(tokenizer: Any, prompt_ids: list[int], lps: list[
     rest = completion_logprobs(tokenizer, [x for x in lps if x is not None], offsets)
     return {"tokens": [first, *rest["tokens"]], "token_logprobs": [None, *rest["token_logprobs"]],
             "top_logprobs": [None, *rest["top_logprobs"]], "text_offset": [0, *rest["text_offset"]]}
+
+
 def vllm_prompt_logprobs(tokenizer: Any, lps: list[TokenLogprob | None] | None) -> list[dict | None] | None:
     """vLLM's ``prompt_logprobs``: per prompt token, {token id: {logprob, rank, decoded_token}} (None first)."""
     if lps is None:
@@ -61,6 +68,13 @@ def vllm_prompt_logprobs(tokenizer: Any, lps: list[TokenLogprob | None] | None) 
                                   "decoded_token": tokenizer.decode([x.token_id])}
         out.append(entry)
     return out
+
+
+def _check_fields(state: ServerState, req: CompletionRequest) -> None:
+    """What the model cannot check: best_of equals n (nothing else is supported), logit_bias ids in the vocabulary."""
+    if req.best_of is not None and req.best_of != req.n:
+        raise bad_request("best_of is not supported (it must equal n)", "best_of")
+    req.check_logit_bias(state.engine.model_config.vocab_size)
 
 
 async def _prompts(state: ServerState, req: CompletionRequest, request: Request
@@ -99,9 +113,10 @@ def router(state: ServerState) -> APIRouter:
     @api.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request) -> Any:
         lora = pipeline.resolve_model(state, req.model)
-        if req.best_of is not None and req.best_of != req.n:
-            raise bad_request("best_of is not supported (it must equal n)", "best_of")
+        _check_fields(state, req)
         prompts, texts = await _prompts(state, req, request)
+        if req.scores_only:
+            return await score_prompts(state, req, request, prompts, texts, lora)
         max_tokens = min(pipeline.check_length(state, len(ids), req.max_tokens) for ids in prompts)
         params = pipeline.request_params(req, max_tokens, req.logprobs)
         if req.echo and req.logprobs is not None and params.prompt_logprobs is None:
@@ -189,3 +204,63 @@ def router(state: ServerState) -> APIRouter:
         return StreamingResponse(pipeline.sse_events(chunks()), media_type="text/event-stream")
 
     return api
+
+
+# -- echo with max_tokens 0: the prompt scored, nothing generated ------------------------------------------------------
+def scoring_params(req: CompletionRequest) -> SamplingParams:
+    """The engine request that scores a prompt: one greedy token, sampled from the prefill's last row and never
+    returned, so the prefill is the only step (no decode step runs); the prompt's logprobs come from the prefill's
+    rows exactly as for any echo, the sampled token's row is not one of them. One sequence whatever ``n`` is: the n
+    choices are the same prompt. The request's sampling fields are still checked as any request's (a 400 naming
+    the field), though nothing is generated for them to shape."""
+    if req.min_tokens:
+        raise bad_request("min_tokens must be between 0 and max_tokens (0: echo with max_tokens 0 scores the prompt, "
+                          "nothing is generated)", "min_tokens")
+    pipeline.request_params(req, 1, req.logprobs)
+    k = req.prompt_logprobs if req.prompt_logprobs is not None else req.logprobs
+    return SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=k, detokenize=False)
+
+
+async def score_prompts(state: ServerState, req: CompletionRequest, request: Request, prompts: list[list[int]],
+                        texts: list[str | None], lora: LoRAAdapter | None) -> Any:
+    """``echo`` with ``max_tokens: 0`` (OpenAI's legacy API, vLLM): per prompt, ``n`` choices whose text is the
+    prompt, with its logprobs when ``logprobs`` is given (vLLM's ``prompt_logprobs`` too, unstreamed),
+    ``finish_reason`` "length", no completion tokens; streamed, one chunk per choice."""
+    for ids in prompts:
+        pipeline.check_length(state, len(ids), 1)  # the discarded token needs its place in the context
+    params = scoring_params(req)
+    rid = req.request_id or new_id("cmpl")
+    head = {"id": rid, "object": "text_completion", "created": now(), "model": req.model or state.model_name}
+    merged = pipeline.start(state, prompts, texts, params, lora, rid)
+    tok = state.tokenizer
+
+    def choices(i: int, out: RequestOutput, with_prompt_logprobs: bool) -> list[dict[str, Any]]:
+        text = texts[i] or tok.decode(out.prompt_token_ids)
+        lps = None if req.logprobs is None or out.prompt_logprobs is None else \
+            prompt_completion_logprobs(tok, out.prompt_token_ids, out.prompt_logprobs[1:], len(text))
+        extra = {"prompt_logprobs": vllm_prompt_logprobs(tok, out.prompt_logprobs)} \
+            if with_prompt_logprobs and req.prompt_logprobs is not None else {}
+        return [{"index": i * req.n + j, "text": text, "logprobs": lps, "finish_reason": "length",
+                 "stop_reason": None, **extra} for j in range(req.n)]
+
+    def usage(prompt_tokens: int) -> dict[str, int]:
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": 0, "total_tokens": prompt_tokens}
+
+    if not req.stream:
+        finals = await pipeline.collect(state, request, merged, len(prompts))
+        scored = [c for i, out in enumerate(finals) for c in await offload(choices, i, out, True)]
+        return {**head, "choices": scored, "usage": usage(sum(len(out.prompt_token_ids) for out in finals))}
+
+    async def chunks() -> AsyncGenerator[dict[str, Any], None]:
+        prompt_tokens = 0
+        async with aclosing(merged):
+            async for i, out in merged:
+                if out.finished:
+                    pipeline.observe(state, out)
+                    prompt_tokens += len(out.prompt_token_ids)
+                    for choice in await offload(choices, i, out, False):
+                        yield {**head, "choices": [choice]}
+        if req.stream_options and req.stream_options.include_usage:
+            yield {**head, "choices": [], "usage": usage(prompt_tokens)}
+
+    return StreamingResponse(pipeline.sse_events(chunks()), media_type="text/event-stream")
