@@ -98,7 +98,7 @@ def test_bad_loads_are_400s_naming_the_cause(server, lora_adapters, tmp_path, ma
         ({"lora_name": "x5", "lora_path": head}, "targets module 'lm_head'"),
         ({"lora_name": "ad_qv", "lora_path": lora_adapters["ad_all"]}, "already loaded"),
         ({"lora_name": "base", "lora_path": lora_adapters["ad_all"]}, "base model"),
-        ({"lora_name": "", "lora_path": lora_adapters["ad_all"]}, "required"),
+        ({"lora_name": "", "lora_path": lora_adapters["ad_all"]}, "lora_name: String should have at least 1 character"),
         ({"lora_name": "x9"}, "lora_path"),
     ]
     before = {m["id"] for m in httpx.get(server.base + "/v1/models").json()["data"]}
