@@ -349,15 +349,16 @@ def test_restart_attaches_warm_weights(tiny_llama) -> None:
 
 
 def test_serve_falls_back_to_disk_and_says_so(tiny_llama, tmp_path) -> None:
-    # A runtime dir we cannot use (not private) -> no daemon: the server loads from disk and says why.
-    rt = tmp_path / "open"
-    rt.mkdir(mode=0o755)
-    rt.chmod(0o755)
+    # A daemon that cannot start (a directory where its socket goes) -> the server loads from disk and says why.
+    # (A runtime dir that is not private is refused before any work: tests/test_vllm_flags.py.)
+    rt = tmp_path / "rt"
+    rt.mkdir(mode=0o700)
+    (rt / "daemon.sock").mkdir()
     s = ServerProc(tiny_llama, env={"KEEPWARM_RUNTIME_DIR": str(rt)})
     try:
         health = httpx.get(s.base + "/health").json()
         assert health["weights"]["source"] == "disk"
-        assert "0700" in health["weights"]["fallback_reason"]
+        assert "the daemon exited" in health["weights"]["fallback_reason"]
         assert "weights from disk" in s.output()
         m = s.metrics()
         assert metric(m, "keepwarm:weights_source", source="disk") == 1.0

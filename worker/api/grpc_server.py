@@ -258,7 +258,6 @@ class KeepwarmServicer(pb_grpc.KeepwarmServicer):
                 async for out in outputs:
                     messages = self._messages(rid, out, params, tracker, done)
                     if out.finished:
-                        pipeline.observe(state, out)
                         usage = pb.Usage(prompt_tokens=len(out.prompt_token_ids),
                                          completion_tokens=sum(len(c.token_ids) for c in out.outputs))
                         if not messages:

@@ -235,10 +235,5 @@ class ServerMetrics:
         self.registry.register(_SnapshotCollector(snapshot, model_name, info, admission_refused))
         self.registry.register(_RestartCollector(restarts))
 
-    def observe_request(self, arrival: float, first_token: float | None, finished: float, num_output_tokens: int,
-                        ) -> None:
-        """Nothing: the engine records every request's latencies itself (see the module's rules). Kept because the
-        request pipeline still calls it (keepwarm.worker.api.pipeline.observe)."""
-
     def render(self) -> bytes:
         return generate_latest(self.registry)

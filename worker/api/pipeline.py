@@ -123,14 +123,6 @@ async def compile_structured(state: ServerState, spec: StructuredOutputs | None,
         raise bad_request(str(e), e.field) from None
 
 
-def observe(state: ServerState, out: RequestOutput) -> None:
-    """Record a finished request's latencies in the metrics (once, when its final output arrives)."""
-    m, metrics = out.metrics, state.metrics
-    if metrics is not None and m is not None and m.finished_time is not None:
-        n = max((len(c.token_ids) for c in out.outputs), default=0)
-        metrics.observe_request(m.arrival_time, m.first_token_time, m.finished_time, n)
-
-
 def start(state: ServerState, prompts: list[list[int]], texts: list[str | None], params: SamplingParams,
           lora: LoRAAdapter | None, base_id: str) -> AsyncGenerator[tuple[int, RequestOutput], None]:
     """Submit one engine request per prompt (``<base_id>-<i>``); their outputs interleaved as (i, output).
@@ -153,7 +145,6 @@ async def collect(state: ServerState, request: Request, merged: AsyncGenerator[t
             async for i, out in merged:
                 if out.finished:
                     finals[i] = out
-                    observe(state, out)
 
     # Racing the requests against the client's disconnect: the body has been read, so the next message the
     # client's side can produce is http.disconnect (Request.is_disconnected() only peeks and missed it: issue 17).

@@ -149,8 +149,6 @@ async def chat_completion(state: ServerState, req: ChatCompletionRequest, reques
                         yield chunk([{"index": c.index, "delta": {}, "logprobs": None,
                                       "finish_reason": finish_reason(c, called.get(c.index, False)),
                                       "stop_reason": c.stop_reason}])
-                if out.finished:
-                    pipeline.observe(state, out)
         if include_usage:
             yield chunk([], usage())
 

@@ -193,7 +193,6 @@ def router(state: ServerState) -> APIRouter:
                                                         "finish_reason": c.finish_reason,
                                                         "stop_reason": c.stop_reason}]}
                     if out.finished:
-                        pipeline.observe(state, out)
                         usage["prompt"] += len(out.prompt_token_ids)
                         usage["completion"] += sum(len(c.token_ids) for c in out.outputs)
             if include_usage:
@@ -256,7 +255,6 @@ async def score_prompts(state: ServerState, req: CompletionRequest, request: Req
         async with aclosing(merged):
             async for i, out in merged:
                 if out.finished:
-                    pipeline.observe(state, out)
                     prompt_tokens += len(out.prompt_token_ids)
                     for choice in await offload(choices, i, out, False):
                         yield {**head, "choices": [choice]}
