@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import time
 from pathlib import Path
 from typing import Annotated
@@ -62,6 +64,36 @@ def _guard(fn):
         _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
 
 
+def _write_textfile(write) -> None:
+    """Run ``write(textfile module)``; a metrics file that cannot be written is a warning, never a failed command."""
+    from keepwarm.snapshot import textfile
+
+    try:
+        write(textfile)
+    except OSError as e:
+        logging.getLogger("keepwarm.snapshot").warning("could not write %s: %s", textfile.textfile_path(),
+                                                       e.strerror or e)
+
+
+@contextlib.contextmanager
+def _recorded(op: str):
+    """The run, recorded for node_exporter's textfile collector (keepwarm.snapshot.textfile): the command calls
+    the yielded function with (snapshot name, seconds, bytes moved) once it succeeded; a run that fails (exits
+    non-zero, or raises) counts as a failure."""
+    done: list[tuple[str, float, int]] = []
+    try:
+        yield lambda name, seconds, nbytes: done.append((name, seconds, nbytes))
+    except typer.Exit as e:
+        if e.exit_code:
+            _write_textfile(lambda t: t.record_failure(op))
+        raise
+    except BaseException:
+        _write_textfile(lambda t: t.record_failure(op))
+        raise
+    if done:
+        _write_textfile(lambda t: t.record_success(op, *done[0]))
+
+
 @snapshot_app.command()
 def create(
     name: Annotated[str, typer.Argument(help="Snapshot name (letters, digits, . _ -).")],
@@ -83,8 +115,10 @@ def create(
 
     if server and from_config:
         _fail("--server and --from-config exclude each other")
-    r = _guard(lambda: do_create(name, server=server, config_path=from_config, api_key=api_key, preload=preload,
-                                 force=force, say=(lambda _: None) if json_out else _say))
+    with _recorded("create") as record:
+        r = _guard(lambda: do_create(name, server=server, config_path=from_config, api_key=api_key,
+                                     preload=preload, force=force, say=(lambda _: None) if json_out else _say))
+        record(name, r.seconds, r.new_bytes)
     if json_out:
         typer.echo(json.dumps(r.manifest, indent=1, sort_keys=True))
         return
@@ -224,9 +258,12 @@ def export_(
     from keepwarm.snapshot.archive import export as do_export
     from keepwarm.snapshot.inspect import mb
 
-    t0 = time.perf_counter()
-    size = _guard(lambda: do_export(_store(), name, output, zstd=zstd))
-    typer.echo(f"exported {name} to {output} ({mb(size)}) in {time.perf_counter() - t0:.2f}s")
+    with _recorded("export") as record:
+        t0 = time.perf_counter()
+        size = _guard(lambda: do_export(_store(), name, output, zstd=zstd))
+        seconds = time.perf_counter() - t0
+        record(name, seconds, size)
+    typer.echo(f"exported {name} to {output} ({mb(size)}) in {seconds:.2f}s")
 
 
 @snapshot_app.command("import")
@@ -239,7 +276,11 @@ def import_(
     from keepwarm.snapshot.archive import import_archive
     from keepwarm.snapshot.inspect import mb
 
-    r = _guard(lambda: import_archive(_store(), archive, rename=name, force=force))
+    with _recorded("import") as record:
+        t0 = time.perf_counter()
+        r = _guard(lambda: import_archive(_store(), archive, rename=name, force=force))
+        seconds = time.perf_counter() - t0
+        record(r.name, seconds, r.new_bytes)
     if r.already_present:
         typer.echo(f"{r.name}: already in the store")
     else:
@@ -287,9 +328,11 @@ def push(
     from keepwarm.snapshot.inspect import mb
     from keepwarm.snapshot.oci import push as do_push
 
-    reg = _registry(reference, insecure, username, password_stdin, chunk_size)
-    with reg:
-        r = _guard(lambda: do_push(_store(), name, reg))
+    with _recorded("push") as record:
+        reg = _registry(reference, insecure, username, password_stdin, chunk_size)
+        with reg:
+            r = _guard(lambda: do_push(_store(), name, reg))
+        record(name, r.seconds, r.uploaded_bytes)
     rate = r.uploaded_bytes / 1e6 / r.seconds if r.seconds > 0 else 0.0
     typer.echo(f"pushed {name} to {r.reference} ({r.manifest_digest}): {r.blobs} blobs ({mb(r.total_bytes)}), "
                f"{r.uploaded} uploaded ({mb(r.uploaded_bytes)}, {rate:.0f} MB/s), {r.blobs - r.uploaded} already "
@@ -310,9 +353,11 @@ def pull(
     from keepwarm.snapshot.inspect import mb
     from keepwarm.snapshot.oci import pull as do_pull
 
-    reg = _registry(reference, insecure, username, password_stdin, 64 << 20)
-    with reg:
-        r = _guard(lambda: do_pull(_store(), reg, rename=name, force=force))
+    with _recorded("pull") as record:
+        reg = _registry(reference, insecure, username, password_stdin, 64 << 20)
+        with reg:
+            r = _guard(lambda: do_pull(_store(), reg, rename=name, force=force))
+        record(r.imported.name, r.seconds, r.downloaded_bytes)
     i = r.imported
     rate = r.downloaded_bytes / 1e6 / r.seconds if r.seconds > 0 else 0.0
     state = "already in the store" if i.already_present else "pulled"

@@ -29,6 +29,7 @@ from _serve import ServeProcess, parse_metrics
 from prometheus_client.parser import text_string_to_metric_families
 
 from keepwarm import LLM, SamplingParams
+from keepwarm.snapshot import textfile
 from keepwarm.worker.api.metrics import ServerMetrics, histogram_buckets
 from keepwarm.worker.async_engine import Distribution, EngineSnapshot, buckets_1_2_5
 from keepwarm.worker.engine import Observations
@@ -376,19 +377,40 @@ def test_vllm_dashboard_has_data(server, load) -> None:
             assert _moved(load, by_name[base]), (panel["title"], name)
 
 
+def textfile_series(tmp_path: Path) -> set[str]:
+    """The series keepwarm's snapshot commands write for node_exporter's textfile collector: a file written by
+    keepwarm.snapshot.textfile (one success and one failure of every command), parsed back."""
+    path = tmp_path / textfile.FILENAME
+    for op in textfile.OPS:
+        textfile.record_success(op, "snap", 1.5, 1000, path)
+        textfile.record_failure(op, path)
+    return {s.name for f in text_string_to_metric_families(path.read_text()) for s in f.samples}
+
+
 @pytest.mark.slow
-def test_keepwarm_dashboard_queries_exported_series(server, load) -> None:
+def test_keepwarm_dashboard_queries_exported_series(server, load, tmp_path) -> None:
+    """Every series keepwarm's dashboard queries is on the server's /metrics, or (snapshot commands) in the textfile
+    they write for node_exporter; a panel naming a series neither has fails."""
     exported = {name for name, _ in load.after}
+    from_textfile = textfile_series(tmp_path)
+    assert from_textfile and not from_textfile & exported
     exprs = dashboard_exprs(KEEPWARM_DASHBOARD)
     for expr in exprs:
         names = promql_series(expr)
-        assert names and names <= exported, (expr, names - exported)
+        # one query reads one source: a worker's /metrics, or node_exporter's textfile
+        assert names and (names <= exported or names <= from_textfile), (expr, names - exported - from_textfile)
     assert set(dashboard_exprs(VLLM_DASHBOARD)) <= set(exprs)  # vLLM's panels, unchanged
     assert any(n.startswith("keepwarm:") for e in exprs for n in promql_series(e))
+    charted = set().union(*map(promql_series, exprs))
+    assert {"keepwarm:preload_seconds", "keepwarm:preload_source_bytes"} <= charted  # preload GB/s
+    assert from_textfile <= charted
 
 
 def test_prometheus_scrape_example() -> None:
     config = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())
-    (job,) = config["scrape_configs"]
-    assert job["metrics_path"] == "/metrics"
-    assert job["static_configs"][0]["targets"] == ["localhost:8000"]
+    jobs = {j["job_name"]: j for j in config["scrape_configs"]}
+    assert set(jobs) == {"keepwarm", "keepwarm-snapshot"}
+    assert jobs["keepwarm"]["metrics_path"] == "/metrics"
+    assert jobs["keepwarm"]["static_configs"][0]["targets"] == ["localhost:8000"]
+    # node_exporter (its default port), exporting the snapshot commands' textfile
+    assert jobs["keepwarm-snapshot"]["static_configs"][0]["targets"] == ["localhost:9100"]

@@ -36,6 +36,34 @@ from keepwarm.worker.parallel.pipeline import make_stage
 log = logging.getLogger("keepwarm.worker")
 
 
+@dataclass(frozen=True)
+class Preload:
+    """How the weights were read and packed: by the daemon (``origin`` "preload" or "image": its ``status``
+    figures for the arena) or by this worker (``origin`` "disk": reading the checkpoint and building its private
+    arena, binding excluded)."""
+
+    origin: str
+    seconds: float
+    source_bytes: int  # bytes read: the checkpoint's tensors, or the arena image
+    arena_bytes: int  # the arena's allocation
+
+
+def _daemon_preload(runtime_dir: Path | None, fingerprint: str) -> Preload | None:
+    """The daemon's figures for the arena ``fingerprint`` (its ``status``: one request, once, at attach time; the
+    attach reply does not carry them); None when it read nothing for it (an adopted arena, a shard after the first
+    of a split load) or it does not answer (the weights are attached all the same)."""
+    try:
+        with DaemonClient(runtime_dir, timeout=2.0) as client:
+            models = client.status().get("models", [])
+    except (DaemonError, RuntimeDirError) as e:
+        log.info("no preload figures from the daemon: %s", getattr(e, "message", e))
+        return None
+    for m in models:
+        if m.get("fingerprint") == fingerprint and m.get("source_bytes", 0) > 0:
+            return Preload(str(m["origin"]), float(m["load_seconds"]), int(m["source_bytes"]), int(m["arena_bytes"]))
+    return None
+
+
 @dataclass
 class LoadedModel:
     model: LlamaForCausalLM
@@ -47,6 +75,7 @@ class LoadedModel:
     attachment: Attachment | None = None
     fallback_reason: str | None = None  # why a daemon load fell back to disk
     phases: dict[str, float] = field(default_factory=dict)  # seconds per step of a daemon attach (startup breakdown)
+    preload: Preload | None = None  # how the weights were read and built (keepwarm:preload_* on /metrics)
 
     def close(self) -> None:
         if self.attachment is not None:
@@ -88,12 +117,13 @@ def load_from_disk(ckpt: Checkpoint, dtype: str, quantization: str, device: torc
     _, total = plan_arena(ckpt, quantization, resolve_dtype(ckpt, dtype), device.type)
     flat = torch.empty(total, dtype=torch.uint8, device=device)
     manifest = build_arena(ckpt, quantization, dtype, flat, str(device))
+    preload = Preload("disk", time.perf_counter() - t0, ckpt.nbytes, total)
     model, nbytes = bind_model(ckpt.config, model_tensors(manifest, flat), max_position, device, tp)
     total = total if tp is None else nbytes
     seconds = time.perf_counter() - t0
     log.info("loaded %s from disk (%s): %.1f MB in %.2fs", ckpt.model_dir.name, quantization, total / 1e6, seconds)
     return LoadedModel(model, ckpt.config, "disk", seconds, total, manifest.fingerprint,
-                       fallback_reason=fallback_reason)
+                       fallback_reason=fallback_reason, preload=preload)
 
 
 def load_from_daemon(model_dir: str, dtype: str, quantization: str, device: torch.device, max_position: int,
@@ -120,7 +150,8 @@ def load_from_daemon(model_dir: str, dtype: str, quantization: str, device: torc
         model, nbytes = bind_model(config, att.tensors, max_position, device, tp, presharded=sharded)
         t4 = time.perf_counter()
         return LoadedModel(model, config, "daemon", t4 - t0, nbytes, m.model_fingerprint, att,
-                           phases={"attach": att.seconds, "shard_and_bind" if not sharded else "bind": t4 - t2})
+                           phases={"attach": att.seconds, "shard_and_bind" if not sharded else "bind": t4 - t2},
+                           preload=_daemon_preload(runtime_dir, m.fingerprint))
     model = build_model(config, max_position, device)
     t3 = time.perf_counter()
     model.load_weights(att.tensors)
@@ -128,7 +159,8 @@ def load_from_daemon(model_dir: str, dtype: str, quantization: str, device: torc
     # attach: the daemon's answer and the views into its arena; lease_keeper: starting its process
     phases = {"attach": att.seconds, "lease_keeper": t1 - t0 - att.seconds, "model_build": t3 - t2,
               "load_weights": t4 - t3}
-    return LoadedModel(model, config, "daemon", t4 - t0, m.total_bytes, m.fingerprint, att, phases=phases)
+    return LoadedModel(model, config, "daemon", t4 - t0, m.total_bytes, m.fingerprint, att, phases=phases,
+                       preload=_daemon_preload(runtime_dir, m.fingerprint))
 
 
 def load_model(model_dir: Path, dtype: str, quantization: str, device: torch.device, max_position: int,

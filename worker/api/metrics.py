@@ -15,7 +15,9 @@ Rules:
   external KV source, no repetition detection, no prompt-token admission cap). Two names vLLM 0.32 no longer has
   but dashboards chart (``vllm:gpu_cache_usage_perc``, ``vllm:time_per_output_token_seconds``) carry their
   successors' values.
-- ``keepwarm:*`` series are keepwarm's own (the weights, the KV pool, restarts). Each server owns its registry.
+- ``keepwarm:*`` series are keepwarm's own (the weights and how they were loaded, the KV pool, restarts). Each
+  server owns its registry. The preload figures come with the weights (asked of the daemon's ``status`` once, at
+  attach time, or measured by the disk load): nothing is asked of the daemon at scrape time.
 """
 
 from __future__ import annotations
@@ -191,6 +193,21 @@ class _SnapshotCollector(Collector):
                              "source).", "source",
                              {src: 1.0 if info["source"] == src else 0.0 for src in ("daemon", "disk")})
         yield self._gauge("keepwarm:engine_steps", "Engine steps run.", s.steps)
+        yield from self._preload(info.get("preload"))
+
+    def _preload(self, p: dict[str, Any] | None) -> Iterator:
+        """How the weights were read and built: the daemon's preload (or image load) of the arena this worker
+        attached, as its ``status`` reports it, or this worker's own disk load; left out when nothing was read
+        (an adopted arena). Preload GB/s = source_bytes / seconds / 1e9."""
+        if not p:
+            return
+        for name, doc, key in (
+                ("keepwarm:preload_seconds", "Seconds the weights' load took: the daemon's preload or image load "
+                 "(its status figure), or this worker's disk load (read and build, binding excluded).", "seconds"),
+                ("keepwarm:preload_source_bytes", "Bytes that load read (checkpoint tensors, or the arena image).",
+                 "source_bytes"),
+                ("keepwarm:preload_arena_bytes", "Bytes of the arena that load allocated.", "arena_bytes")):
+            yield self._labelled(GaugeMetricFamily, name, doc, "origin", {str(p["origin"]): float(p[key])})
 
 
 class _RestartCollector(Collector):

@@ -8,6 +8,7 @@ adapters) goes through ``AsyncEngine`` commands and comes back through what its 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from dataclasses import dataclass, field
@@ -65,5 +66,8 @@ class ServerState:
 
     def weights_info(self) -> dict[str, Any]:
         loaded = self.engine.loaded
+        # preload: how the weights were read and built (the daemon's figures, or this worker's disk load); None
+        # when nothing was read for them (an adopted arena)
+        preload = None if loaded.preload is None else dataclasses.asdict(loaded.preload)
         return {"source": loaded.source, "attach_seconds": loaded.seconds, "bytes": loaded.nbytes,
-                "fingerprint": loaded.fingerprint, "fallback_reason": loaded.fallback_reason}
+                "fingerprint": loaded.fingerprint, "fallback_reason": loaded.fallback_reason, "preload": preload}
