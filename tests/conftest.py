@@ -134,3 +134,28 @@ def lora_adapters(tiny_llama, tmp_path_factory) -> dict[str, str]:
 def make_adapter():
     """make_peft_adapter(base_dir, out_dir, seed=0, **LoraConfig kwargs) -> adapter dir."""
     return make_peft_adapter
+
+
+@pytest.fixture
+def small_tmpfs():
+    """``small_tmpfs(size_bytes)``: a tmpfs of that size mounted for the test (root only; skipped, saying why,
+    where mounting is refused), unmounted after it. For full-disk tests (ENOSPC named, nothing half-written)."""
+    import shutil
+    import subprocess
+
+    mounts: list[Path] = []
+
+    def mount(size_bytes: int) -> Path:
+        d = Path(tempfile.mkdtemp(prefix="kw-full-"))
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_bytes}", "tmpfs", str(d)],
+                           capture_output=True, text=True)
+        if r.returncode != 0:
+            os.rmdir(d)
+            pytest.skip(f"cannot mount a tmpfs here (needs root or CAP_SYS_ADMIN): {r.stderr.strip()}")
+        mounts.append(d)
+        return d
+
+    yield mount
+    for d in mounts:
+        subprocess.run(["umount", "-l", str(d)], check=False)
+        shutil.rmtree(d, ignore_errors=True)

@@ -16,7 +16,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -207,26 +206,6 @@ def test_kill9_inside_snapshot_restore(side, tiny_llama, killer_dir, tmp_path) -
 
 
 # -- a full filesystem -----------------------------------------------------------------------------------------
-@pytest.fixture
-def small_tmpfs():
-    """Mount a tmpfs of a given size (root only); skipped, saying why, where mounting is refused."""
-    mounts: list[Path] = []
-
-    def mount(size_bytes: int) -> Path:
-        d = Path(tempfile.mkdtemp(prefix="kw-full-"))
-        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_bytes}", "tmpfs", str(d)],
-                           capture_output=True, text=True)
-        if r.returncode != 0:
-            pytest.skip(f"cannot mount a tmpfs here (needs root or CAP_SYS_ADMIN): {r.stderr.strip()}")
-        mounts.append(d)
-        return d
-
-    yield mount
-    for d in mounts:
-        subprocess.run(["umount", "-l", str(d)], check=False)
-        shutil.rmtree(d, ignore_errors=True)
-
-
 @pytest.mark.parametrize(("quantization", "dtype"), [("none", "float32"), ("int8", "bfloat16")])
 def test_a_preload_into_a_full_tmpfs_fails_with_enospc(tiny_llama, small_tmpfs, quantization, dtype) -> None:
     """The arena file is not allocated up front: float32 tensors are read straight into the mapping (their pages

@@ -19,7 +19,6 @@ import os
 import subprocess
 import sys
 import tarfile
-import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -325,27 +324,6 @@ def test_exports_and_repacked_archives_still_import(case, good, tmp_path) -> Non
 
 
 # -- a full disk (issue 43 row 14) -------------------------------------------------------------------------------
-@pytest.fixture
-def small_tmpfs():
-    """Mount a tmpfs of a given size (root only); skipped, saying why, where mounting is refused."""
-    mounts: list[Path] = []
-
-    def mount(size_bytes: int) -> Path:
-        d = Path(tempfile.mkdtemp(prefix="kw-hostile-full-"))
-        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_bytes}", "tmpfs", str(d)],
-                           capture_output=True, text=True)
-        if r.returncode != 0:
-            os.rmdir(d)
-            pytest.skip(f"cannot mount a tmpfs here (needs root or CAP_SYS_ADMIN): {r.stderr.strip()}")
-        mounts.append(d)
-        return d
-
-    yield mount
-    for d in mounts:
-        subprocess.run(["umount", "-l", str(d)], check=False)
-        os.rmdir(d)
-
-
 def test_import_into_a_full_tmpfs_says_no_space_left(good, small_tmpfs) -> None:
     home = small_tmpfs(128 << 10) / "home"  # the 256 KiB image blob cannot fit
     r = run_import(home, good.tar)
