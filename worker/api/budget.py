@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from keepwarm.worker.api.limits import NORMALIZATION_SLACK, offload
+from keepwarm.worker.api.limits import chars_bound, offload
 from keepwarm.worker.api.protocol import bad_request
 
 # Characters tokenized per offloaded call: the offload pool and the GIL are shared with every other request.
@@ -56,7 +56,7 @@ class RequestBudget:
 
     def check_prompt_chars(self, chars: int, param: str) -> None:
         """400 for prompts whose characters cannot fit in ``max_prompt_tokens`` however they tokenize."""
-        limit = self.max_prompt_tokens * self.token_chars * NORMALIZATION_SLACK
+        limit = chars_bound(self.max_prompt_tokens, self.token_chars)
         if chars > limit:
             raise bad_request(f"this request's prompts hold {chars} characters; at most {limit} could fit in "
                               f"{self.max_prompt_tokens} tokens (--max-request-prompt-tokens)", param)

@@ -153,12 +153,17 @@ def longest_token_chars(tokenizer: Any) -> int:
     return max((len(t) for t in vocab), default=1)
 
 
+def chars_bound(tokens: int, token_chars: int) -> int:
+    """The most characters that could tokenize to ``tokens`` tokens or fewer, whatever the tokenizer does."""
+    return tokens * token_chars * NORMALIZATION_SLACK
+
+
 def check_prompt_chars(chars: int, max_model_len: int, token_chars: int, param: str) -> None:
     """Refuse (400) a prompt whose characters cannot fit in ``max_model_len`` tokens however it tokenizes, before
     the tokenizer spends time on it."""
     from keepwarm.worker.api.protocol import bad_request
 
-    limit = max_model_len * token_chars * NORMALIZATION_SLACK
+    limit = chars_bound(max_model_len, token_chars)
     if chars > limit:
         raise bad_request(f"This model's maximum context length is {max_model_len} tokens; a prompt of {chars} "
                           f"characters cannot fit (at most {limit} characters could)", param)
