@@ -2,21 +2,16 @@
 
     .venv/bin/python benchmarks/cpu_quant_kernels.py [--rows 1,8,32,256] [--rounds 11] [--threads 2]
 
-On a CPU without AVX512-BF16 (the AVX2 kernels):
-
-One "layer" is the 1B's four matmuls (qkv [3072, 2048], o [2048, 2048], gate_up [11264, 2048], down [2048,
-5632]), three layers' weights per scheme so that each call reads its weight from memory, not from the last-level
-cache. Each round times bf16 (``cpu_native.bf16_linear``), int8 and fp8 (``q8_linear``) and int4 groups of 128
-(``q4_linear``) back to back; the figure is the median over rounds of each scheme's time divided by bf16's in the
-same round (this machine's speed drifts by tens of percent from minute to minute; a ratio taken within seconds
-does not). Random codes: the kernels' work does not depend on the values. Run it from the repository root on a
-quiet machine; the C library is built on first use like the server's.
-
-On an AVX512-BF16 CPU the candidates there: bf16 is oneDNN's matmul on a weight packed with batch hint 32 (what the
-arena holds), int8 / fp8 ``int8_linear`` / ``fp8_linear`` on the vector path and, with AMX, on the tiles
-(``set_amx``; at one row both are the same streaming loop), int8 also torch's ``_weight_int8pack_mm``, int4 torch's
-``_weight_int4pack_mm_for_cpu``, with AVX-512 VBMI ``q4_vec_linear`` and, with AMX, ``q4_amx_linear``.
-"""
+One "layer" is the 1B's four matmuls (qkv [3072, 2048], o [2048, 2048], gate_up [11264, 2048], down [2048, 5632]),
+three layers' weights per scheme so that each call reads its weight from memory, not from the last-level cache.
+Each round times every candidate back to back; the figure is the median over rounds of each one's time divided by
+bf16's in the same round (these VMs drift by tens of percent from minute to minute; a ratio taken within seconds
+does not). Random codes: the kernels' work does not depend on the values. The candidates are what the CPU has:
+with AVX2 only, bf16 ``bf16_linear``, int8 / fp8 ``q8_linear``, int4 ``q4_linear``; with AVX512-BF16, bf16 is
+oneDNN's matmul on a weight packed as the arena packs it, int8 / fp8 ``int8_linear`` / ``fp8_linear`` on the vector
+units (and on the AMX tiles where there are some), torch's own int8 and int4 ops, ``q4_vec_linear`` (VBMI) and
+``q4_amx_linear`` (AMX). Run it from the repository root on a quiet machine; the C library is built on first use.
+Figures: docs/quantization.md, "Throughput"."""
 
 from __future__ import annotations
 
@@ -30,7 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from keepwarm.kernels import cpu_native  # noqa: E402
+from keepwarm.kernels import cpu_native, native_ops  # noqa: E402
 
 SHAPES = [(3072, 2048), (2048, 2048), (11264, 2048), (2048, 5632)] * 3
 
@@ -53,11 +48,11 @@ def _runner(scheme: str, parts: list[tuple[torch.Tensor, ...]], xs: list[torch.T
     def run() -> None:
         for x, p in zip(xs, parts, strict=True):
             if scheme == "bf16":
-                cpu_native.bf16_linear(x, p[0])
+                native_ops.bf16_linear(x, p[0])
             elif scheme == "int4":
-                cpu_native.q4_linear(x, p[0], p[1], 128, 32)
+                native_ops.q4_linear(x, p[0], p[1], 128, 32)
             else:
-                cpu_native.q8_linear(x, p[0], p[1])
+                native_ops.q8_linear(x, p[0], p[1])
     return run
 
 
@@ -85,16 +80,16 @@ def _avx512_runners(xs: list[torch.Tensor]) -> dict[str, Callable[[], None]]:
     runs = {
         "bf16": calls(lambda x, p: torch.ops.mkldnn._linear_pointwise(x, p[0], None, "none", [], ""), "bf16"),
         "int8-op": calls(lambda x, p: torch._weight_int8pack_mm(x, p[0], p[1]), "int8"),
-        "int8-vec": calls(lambda x, p: cpu_native.int8_linear(x, p[0], p[1]), "int8", False),
-        "fp8-vec": calls(lambda x, p: cpu_native.fp8_linear(x, p[0], p[1]), "fp8", False),
+        "int8-vec": calls(lambda x, p: native_ops.int8_linear(x, p[0], p[1]), "int8", False),
+        "fp8-vec": calls(lambda x, p: native_ops.fp8_linear(x, p[0], p[1]), "fp8", False),
         "int4-op": calls(lambda x, p: torch._weight_int4pack_mm_for_cpu(x, p[0], 128, p[1]), "int4"),
     }
-    if cpu_native._has_vbmi():
-        runs["int4-vec"] = calls(lambda x, p: cpu_native.q4_vec_linear(x, p[0], p[1], 128, block), "int4")
+    if cpu_native.has_vbmi():
+        runs["int4-vec"] = calls(lambda x, p: native_ops.q4_vec_linear(x, p[0], p[1], 128, block), "int4")
     if amx:
-        runs["int8-amx"] = calls(lambda x, p: cpu_native.int8_linear(x, p[0], p[1]), "int8", True)
-        runs["fp8-amx"] = calls(lambda x, p: cpu_native.fp8_linear(x, p[0], p[1]), "fp8", True)
-        runs["int4-amx"] = calls(lambda x, p: cpu_native.q4_amx_linear(x, p[0], p[1], 128, block), "int4", True)
+        runs["int8-amx"] = calls(lambda x, p: native_ops.int8_linear(x, p[0], p[1]), "int8", True)
+        runs["fp8-amx"] = calls(lambda x, p: native_ops.fp8_linear(x, p[0], p[1]), "fp8", True)
+        runs["int4-amx"] = calls(lambda x, p: native_ops.q4_amx_linear(x, p[0], p[1], 128, block), "int4", True)
     return runs
 
 

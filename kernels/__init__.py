@@ -1,41 +1,39 @@
-"""keepwarm.kernels: one dispatch point per kernel.
+"""keepwarm.kernels: one dispatch point per kernel; model code calls these and nothing below them.
 
-The backend comes from env var KEEPWARM_KERNELS, read and checked once (at the first dispatch), and from then on
-only `set_backend` changes it: a process picks its kernels at start (workers inherit the variable), and code that
-must switch in-process (tests, benchmarks) says so with `set_backend`, never by editing os.environ:
-  auto   (default) triton when the input is on CUDA, triton is importable and the kernel has a triton impl;
-         torch otherwise.
-  torch  always the plain-torch reference (`kernels/reference.py`).
-  triton always triton; a kernel without a triton impl raises KernelBackendError.
-
-Backends plug in through `register(name, backend, fn)`: a `kernels/triton_*.py` module registers its
-functions at import, and gets imported at the bottom of this file (guarded, so CPU-only installs skip it);
-model code never changes when a backend is added.
+What it owns: the public kernel functions (each looks its implementation up in kernels/registry.py by name and device)
+and the wiring of the backends into that registry. It may import formats only; nothing in kernels/ imports it.
+- torch backend: kernels/cpu.py (dense ops), quant.py (``linear_<scheme>``), cpu_packed.py (oneDNN-packed weights),
+  reference.py (LoRA, MoE); on the CPU they run the kernel kernels/dispatch.py's table picks (`describe`).
+- triton backend: kernels/triton_*.py, imported only where it can run (see `_register_triton`).
 
 KV cache layout (every backend): one pool per layer and side, ``[num_kv_heads, num_blocks, block_size, head_dim]``.
-Head-major, so that gathering a batch's blocks yields ``[Hk, S, L, D]``, which the attention matmuls use with no
-further copy (on CPU the copies, not the math, dominated decode attention in the block-major layout).
-
-Per-step plans: `plan_attention` turns one step's attention metadata into what the torch write_kv_cache and
-paged_attention read (host lengths, gather tables, masks, write slots), once for all layers; it is derived from the
-metadata alone, so a kernel computes exactly the same with or without it. Backends that read the metadata on the
-device get no plan (plan_attention returns None for them). `plan_rotary` does the same for rotary: a table's rows at
-the step's positions, gathered once instead of in every layer.
+Head-major, so gathering a batch's blocks yields ``[Hk, S, L, D]``, which the attention matmuls use with no further
+copy. Per-step plans: `plan_attention` / `plan_rotary` turn one step's metadata into what the torch kernels read,
+once for all layers; derived from the metadata alone, so a kernel computes exactly the same with or without one.
+Backends that read the metadata on the device get no plan (None).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from . import cpu_packed, quant, reference
+from . import cpu, cpu_packed, quant, reference, registry
+from .dispatch import describe
 from .quant import QuantizedWeight
 from .reference import MoEWeights, activation, build_cos_sin_cache
+from .registry import (
+    BACKENDS,
+    ENV_VAR,
+    KernelBackendError,
+    get_impl,
+    register,
+    select_backend,
+    set_backend,
+)
 
 __all__ = [
     "BACKENDS",
@@ -45,6 +43,7 @@ __all__ = [
     "QuantizedWeight",
     "activation",
     "build_cos_sin_cache",
+    "describe",
     "fused_add_rms_norm",
     "fused_moe",
     "get_impl",
@@ -63,89 +62,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger("keepwarm.kernels")
-
-ENV_VAR = "KEEPWARM_KERNELS"
-BACKENDS = ("torch", "triton")
-_MODES = ("auto", *BACKENDS)
-# Checked once: find_spec walks sys.path, too slow for every kernel call.
-_TRITON_IMPORTABLE = importlib.util.find_spec("triton") is not None
-
-# kernel name -> backend -> implementation.
-_IMPLS: dict[str, dict[str, Callable[..., Any]]] = {}
-# The checked mode; None until the first dispatch reads KEEPWARM_KERNELS (or `set_backend` sets it).
-_mode_now: str | None = None
-# (kernel, backend) pairs already logged, so each choice is logged once rather than per call.
-_LOGGED: set[tuple[str, str]] = set()
-# (kernel, device type) -> the implementation get_impl chose: a decode step dispatches ~300 kernels, and choosing
-# anew each time cost ~1 us apiece. Emptied by whatever can change a choice: register and set_backend.
-_RESOLVED: dict[tuple[str, str], Callable[..., Any]] = {}
-
-
-class KernelBackendError(RuntimeError):
-    """The requested backend has no implementation of a kernel."""
-
-
-def register(name: str, backend: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Make `fn` the `backend` implementation of kernel `name` (replacing any previous one)."""
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown kernel backend {backend!r}; expected one of {BACKENDS}")
-    _IMPLS.setdefault(name, {})[backend] = fn
-    _RESOLVED.clear()
-    return fn
-
-
-def _checked(raw: str | None, source: str) -> str:
-    mode = (raw or "auto").strip().lower() or "auto"
-    if mode not in _MODES:
-        raise ValueError(f"{source}={mode!r} is not one of {_MODES}")
-    return mode
-
-
-def _mode() -> str:
-    global _mode_now
-    if _mode_now is None:
-        _mode_now = _checked(os.environ.get(ENV_VAR), ENV_VAR)
-    return _mode_now
-
-
-def set_backend(mode: str | None) -> str | None:
-    """Select the kernel mode ('auto', 'torch' or 'triton') for this process; None re-reads KEEPWARM_KERNELS at
-    the next dispatch. Returns the previous setting (None if the environment had not been read yet), so callers
-    can restore it."""
-    global _mode_now
-    previous = _mode_now
-    _mode_now = None if mode is None else _checked(mode, "kernel backend")
-    _RESOLVED.clear()
-    return previous
-
-
-def select_backend(name: str, device: torch.device) -> str:
-    """The backend that `name` runs on for inputs on `device` under the current KEEPWARM_KERNELS."""
-    impls = _IMPLS.get(name)
-    if not impls:
-        raise KeyError(f"no kernel named {name!r}; known: {sorted(_IMPLS)}")
-    mode = _mode()
-    if mode == "auto":
-        use_triton = device.type == "cuda" and _TRITON_IMPORTABLE and "triton" in impls
-        mode = "triton" if use_triton else "torch"
-    if mode not in impls:
-        raise KernelBackendError(
-            f"{ENV_VAR} selects the {mode!r} backend, but kernel {name!r} has no {mode} implementation "
-            f"(available: {sorted(impls)}); set {ENV_VAR}=auto to fall back per kernel"
-        )
-    return mode
-
-
-def get_impl(name: str, device: torch.device) -> Callable[..., Any]:
-    fn = _RESOLVED.get((name, device.type))
-    if fn is not None:
-        return fn
-    backend = select_backend(name, device)
-    if (name, backend) not in _LOGGED:
-        _LOGGED.add((name, backend))
-        logger.info("kernel %s: %s backend (device %s)", name, backend, device)
-    fn = _RESOLVED[(name, device.type)] = _IMPLS[name][backend]
-    return fn
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -191,7 +107,7 @@ def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_sta
     device = block_tables.device
     if any(select_backend(k, device) != "torch" for k in ("write_kv_cache", "paged_attention")):
         return None
-    return reference.plan_attention(block_tables, seq_lens, query_start_loc, slot_mapping, block_size, windows)
+    return cpu.plan_attention(block_tables, seq_lens, query_start_loc, slot_mapping, block_size, windows)
 
 
 def _plan_kwargs(plan: Any) -> dict[str, Any]:
@@ -272,8 +188,9 @@ def _fused_moe_torch(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torc
 
 
 register("fused_moe", "torch", _fused_moe_torch)
-for _name in ("lora_shrink", "lora_expand", "linear", "rms_norm", "fused_add_rms_norm", "rotary_embedding",
-              "write_kv_cache", "paged_attention"):
+for _name in ("linear", "rms_norm", "fused_add_rms_norm", "rotary_embedding", "write_kv_cache", "paged_attention"):
+    register(_name, "torch", getattr(cpu, _name))
+for _name in ("lora_shrink", "lora_expand"):
     register(_name, "torch", getattr(reference, _name))
 del _name
 for _scheme, _fn in quant.TORCH_IMPLS.items():
@@ -289,6 +206,7 @@ register("linear_none", "torch", cpu_packed.linear_none)
 # `auto` never picks it, and importing triton would add ~0.2 s to every CPU worker's start.
 def _register_triton() -> None:
     try:
+        # deferred: these import triton, heavy and absent on CPU-only installs
         from . import triton_attention, triton_lora, triton_moe, triton_norm, triton_quant
     except Exception as e:  # triton missing, too old or broken: the torch backend serves, as on a CPU-only install
         logger.warning("triton backend unavailable: %s: %s", type(e).__name__, e)
@@ -298,5 +216,5 @@ def _register_triton() -> None:
             register(name, "triton", fn)
 
 
-if _TRITON_IMPORTABLE and (os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available()):
+if registry._TRITON_IMPORTABLE and (os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available()):
     _register_triton()

@@ -1,21 +1,15 @@
 """glibc malloc kept from handing large freed blocks back to the kernel, for CPU serving and the daemon's loads.
 
-Why: a step's big activations (a prefill chunk's gate/up output is tens of MB) are allocated and freed every
-step. glibc serves blocks above its mmap threshold with fresh ``mmap`` pages and trims the heap top back to the
-kernel, so each step touches new pages and takes a page fault per 4 KiB. Measured on the random 1B, 8 prompts of
-prefill in process (Intel, 2 cores, alternating, three runs each): 2.45-2.95 s as shipped, 2.16-2.41 s with the
-thresholds raised; in a profile of that prefill ``silu`` on the gate took 17 ms per layer, where the same op on a warm
-buffer takes ~3 ms.
+A step's big activations are allocated and freed every step; above glibc's mmap threshold each is fresh ``mmap``
+pages, a page fault per 4 KiB (measured: 2.45-2.95 s vs 2.16-2.41 s for a 1B's 8-prompt prefill; docs/kernels.md).
 
 Rules:
-- Called once per process by a CPU engine (``LLMEngine``), before the first step. ``M_MMAP_THRESHOLD`` and
-  ``M_TRIM_THRESHOLD`` go to 1 GiB, so blocks below that come from the heap and the process keeps up to its peak
-  activation memory for reuse (steady state reuses it every step anyway). 32 MiB (glibc's own ceiling for its
-  dynamic threshold) was measured first and changed nothing: the 1B's gate/up output at ~1,500 prefill tokens is
-  34 MB.
-- The daemon does the same at start: a preload's oneDNN packs allocate each packed weight afresh (~0.2 M faults
-  on the 1B); it then hands what its loads freed back with :func:`release_freed_memory` (``malloc_trim``) when a
-  load ends, so between loads it holds its arenas, not their scratch.
+- Called once per process by a CPU engine, before the first step. ``M_MMAP_THRESHOLD`` and ``M_TRIM_THRESHOLD`` go
+  to 1 GiB, so blocks below that come from the heap and the process keeps up to its peak activation memory for
+  reuse (steady state reuses it every step anyway).
+- The daemon does the same at start (a preload's oneDNN packs allocate each packed weight afresh); it then hands
+  what its loads freed back with :func:`release_freed_memory` (``malloc_trim``) when a load ends, so between loads
+  it holds its arenas, not their scratch.
 - ``KEEPWARM_CPU_MALLOC=0`` leaves malloc as it is (A/B, escape hatch). Anything that cannot be set (not glibc,
   mallopt refuses) is said in the log, once, and serving goes on with the defaults.
 """

@@ -1,43 +1,17 @@
 """Linear weights pre-packed for oneDNN, viewed in place in the daemon's arena (CPU, bfloat16).
 
-Why: bfloat16 ``F.linear`` on CPU re-lays the weight out for oneDNN on every call. A weight packed once with
-``torch.ops.mkldnn._reorder_linear_weight`` and multiplied with ``torch.ops.mkldnn._linear_pointwise`` is 1.7-3.7x
-faster on SmolLM2's shapes and gives bit-identical results (AVX512-BF16, 2 threads, us per call):
-
-  shape          M=1: F.linear  packed     M=32: F.linear  packed
-  [960, 576]             56        21                99       58
-  [576, 576]             38        18                74       41
-  [3072, 576]           118        39               288      146
-  [576, 1536]            67        28               198       86
-  [49152, 576]         2418       649              5090     2759
-
-float32 packs too, but loses at M=1 on [576, 576] (19 vs 28 us) and [576, 1536] (45 vs 56 us) and is not
-bit-identical to F.linear (|err| ~1e-4), so it stays off; float16 cannot be packed on this CPU (oneDNN wants
-AVX-NE-CONVERT or AVX512-FP16). Only bfloat16 is enabled.
-
-The daemon packs at preload and stores the packed bytes in the arena (one ``packed`` uint8 part) with oneDNN's
-serialized memory descriptor in the weight's ``QuantMeta``. A worker makes an mkldnn tensor over those bytes
-(a read-only mapping: oneDNN only reads a weight) through libtorch's exported AOTInductor C shim
-``aoti_torch_create_tensor_from_blob_v2(..., layout=mkldnn, opaque_metadata=descriptor)``; no copy is made.
-
-Batch hint: oneDNN's reorder takes the expected number of rows; keepwarm packs with 32 (``BATCH_HINT``, as
-vLLM's CPU ``create_onednn_mm``). On an AVX512-BF16 Zen 4 hints 1, 8, 32, 128 and 1024 give the same descriptor
-and bytes. On an Intel Xeon with AMX (family 6 model 207) a hint of 1 gives a format of its own and every hint
->= 2 another; measured in one process, alternating, 2 threads, the 1B's four matmul shapes x 20 layers: hint 1
-176 / 176 / 98 ms at 1 / 8 / 32 rows, hint 32 126 / 127 / 92 ms; SmolLM2's x 30 layers: 32.0 / 33.2 / 37.1 vs
-25.4 / 25.7 / 36.6 ms. The hint-1 format also differed from ``F.linear`` at 100 rows (and at 32 rows on [2048,
-5632]); hint 32's matched it at 1-100 rows on every shape tried. Images packed with hint 1 by earlier versions
-still load (``keepwarm.formats.packed.LEGACY_HINTS``).
-
-Thread count: oneDNN picks the blocked format from shape, dtype, CPU *and the calling thread's OpenMP thread
-count* (measured: [576, 576] bf16 packs with 144-row blocks at 1-8 threads, 72 at 16), so every pack runs under
-``keepwarm.formats.packed.PACK_THREADS`` threads, whatever the process uses. A packed weight carries its
-descriptor, and oneDNN computes with it exactly what ``F.linear`` computes at the worker's thread count (tested
-at 1, 2, 8 and 16; on an AMX CPU both split the reduction at 16 threads, so bits there follow the worker's count,
-never the daemon's).
-
-``KEEPWARM_CPU_PACK=0`` turns packing off (A/B benchmarks, escape hatch); read on every call of
-:func:`packing_available`, the probe of what this process can do is cached.
+Rules:
+- The daemon packs at preload (``torch.ops.mkldnn._reorder_linear_weight``, `formats.packed`) and stores the packed
+  bytes in the arena (one ``packed`` uint8 part) with oneDNN's serialized memory descriptor in the weight's
+  ``QuantMeta``. A worker makes an mkldnn tensor over those bytes (a read-only mapping: oneDNN only reads a weight)
+  through libtorch's exported AOTInductor C shim ``aoti_torch_create_tensor_from_blob_v2``; no copy is made.
+- Only bfloat16 packs: it beats F.linear on every measured shape at 1 and 32 rows, bit for bit; float32 loses at one
+  row and differs in the last bits; float16 cannot be packed on the CPUs measured (docs/kernels.md has the figures).
+- Packs use the batch hint ``BATCH_HINT`` (32, as vLLM's CPU path) and ``formats.packed.PACK_THREADS`` threads:
+  oneDNN picks the blocked format from the shape, dtype, CPU and the thread count; a packed weight computes what
+  F.linear computes at the worker's thread count (docs/kernels.md).
+- kernels/dispatch.py's table sends a packed weight here when x is a CPU tensor of its dtype. ``KEEPWARM_CPU_PACK=0``
+  turns packing off (A/B, escape hatch), read on every :func:`packing_available`; the probe of this process is cached.
 """
 
 from __future__ import annotations
@@ -53,8 +27,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from keepwarm.formats.errors import QuantizationError
 from keepwarm.formats.packed import BATCH_HINT, pack, packed_layout, packed_nbytes
-from keepwarm.formats.quant import LAYOUT_MKLDNN_PACKED, QuantizationError, QuantMeta
+from keepwarm.formats.quant import LAYOUT_MKLDNN_PACKED, QuantMeta
+
+from . import dispatch, quant
 
 __all__ = ["BATCH_HINT", "ENV_VAR", "PackedWeight", "linear_none", "pack", "packed_layout", "packed_nbytes",
            "packing_available"]
@@ -227,11 +204,9 @@ def _log_once(path: str, x: torch.Tensor) -> None:
 def linear_none(x: torch.Tensor, w: Any, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The torch backend of ``linear_none``: a PackedWeight runs oneDNN's packed matmul; others as before."""
     if not isinstance(w, PackedWeight):
-        from keepwarm.kernels.quant import TORCH_IMPLS
-
-        return TORCH_IMPLS["none"](x, w, bias)
-    if x.device.type == "cpu" and x.dtype == w.dtype:
-        _log_once("mkldnn packed", x)
+        return quant.TORCH_IMPLS["none"](x, w, bias)
+    if dispatch.select("linear_none", 0, x, w) == dispatch.MKLDNN_PACKED:
+        _log_once(dispatch.MKLDNN_PACKED, x)
         return _packed_linear(x, w, bias)
     _log_once("reference to_dense+matmul", x)  # another dtype or device than the weight was packed for
     return F.linear(x, w.dequantize(x.dtype).to(x.device), bias)

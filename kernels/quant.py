@@ -1,91 +1,41 @@
 """Quantized linear weights and their matmuls (`x @ dequant(W)^T + b`, output in x's dtype).
 
-`QuantizedWeight` wraps the parts `keepwarm.formats.quant` produces (possibly read-only views into the daemon's
-shared memory: nothing here writes them). Each scheme has a plain-torch reference (`linear_reference`: dequantize
-in float32, cast to x's dtype, F.linear), correct for every layout and device, and a "torch" backend
-(`TORCH_IMPLS`, registered in `keepwarm.kernels`) that picks the fastest measured path (`PATHS`) on CPU:
-
-  int8  torch._weight_int8pack_mm is vectorized only for bfloat16 x on AVX2/AVX512 and wins only for few rows
-        (AVX512, [1536, 576]: 19 us vs 97 us at M=1, 189 vs 152 at M=32, 1.6 ms vs 0.6 ms at M=256); for float32
-        and float16 it is a scalar loop (0.3 ms at M=1, 9.7 ms at M=32). Above 4 rows of bfloat16, keepwarm's C
-        kernel (`kernels.cpu_native`, AVX512-BF16) where it builds: one 1B layer's four matmuls, 2 cores, ms:
-        M=8 9.0 (op) / 13.2 (C), M=32 33.7 / 20.5 / 49 (cast), M=128 127 / 50 / 74, M=512 495 / 167 / 184,
-        against 4.2 / 10.3 / 36 / 144 for the bfloat16 oneDNN matmul; since its weight tiles are transposed in
-        registers, not gathered (Zen 4, against bf16's time): M=6 1.52x (op 1.64x), M=8 1.31x (op 1.66x), M=32 1.27x
-        (op 2.8x), so it is taken from 5 rows. Otherwise: cast the int8 codes to x's
-        dtype (exact), matmul (for bfloat16 on a CPU where oneDNN has no bf16 matmul: keepwarm's AVX2 one,
-        `cpu_native.bf16_linear`), scale the [M, N] output per channel.
-        On CPUs without AVX512-BF16 (AVX2), bfloat16 x takes keepwarm's AVX2 int8 kernel at every M
-        (`cpu_native.q8_linear`; one 1B layer, 2 cores, Zen 3: M=1 0.78x bf16's time, M=32 1.08x; the op 0.9x and
-        1.8x; docs/quantization.md).
-        With AMX tiles (Intel, `cpu_native.amx_takes`): the op up to 4 rows, then the C kernel on the tiles (one 1B
-        layer against bf16's time: M=2 op 0.90x / tiles 1.20x, M=4 1.12 / 1.24, M=6 1.72 / 1.25, M=32 5.0 / 1.58);
-        above 512 rows the codes go to bf16 once per call (C, exact) for oneDNN's bf16 matmul, the scale on the
-        output (one 1B layer, ms, tiles / that / bf16: M=512 57.7 / 58.1 / 27.0, M=2048 326 / 151 / 109).
-  int4  On CPUs without AVX512-BF16, bfloat16 x takes keepwarm's AVX2 int4 kernel (`cpu_native.q4_linear`, torch's
-        "halves" CPU pack read in place; one 1B layer: M=1 0.41x bf16's time, M=32 1.07x; the op 0.6-0.8x, 1.5x).
-        With AMX tiles, above 4 rows: keepwarm's int4 tile kernel (`cpu_native.q4_amx_linear`, the same pack read in
-        place; one 1B layer against bf16's time: M=6 op 1.13x / tiles 0.86x, M=32 3.97 / 0.94; M=1 op 0.47x).
-        Without the tiles on AVX512-BF16 with VBMI (Zen 4), above 4 rows: the same kernel's pack and fold on the
-        vector units (`cpu_native.q4_vec_linear`; one 1B layer on a Zen 4 against bf16's time: M=6 op 1.45x / C
-        1.16x, M=8 1.23 / 1.08, M=32 2.12 / 1.24, M=256 2.59 / 1.27; M=4 0.70 / 1.00).
-        Elsewhere torch._weight_int4pack_mm_for_cpu, when the weight was packed in this process's CPU layout, for
-        bfloat16 on AVX2/AVX512 (21 us vs 0.49 ms for the reference at M=1, 167 us vs 0.48 ms at M=32). Elsewhere
-        it is a scalar loop (~0.65 ms per row) that loses to the reference even at M=1 (0.40 ms).
-  fp8   On CPUs without AVX512-BF16, bfloat16 x with one scale per tensor or row takes keepwarm's AVX2 kernel (the
-        int8 one with e4m3 codes built into float32 exactly, `cpu_native.q8_linear`). Otherwise:
-        no fused CPU op for weight-only fp8 (torch._scaled_mm would quantize x too, and is slower), and torch's
-        fp8 -> float cast is a slow scalar loop (1.2 ms for 0.9M weights). For bfloat16 x, keepwarm's C kernel
-        (the int8 kernel with the codes converted in registers, same float16 bit trick; on the AMX tiles from 2
-        rows: M=8 1.46x bf16's time against 2.14x without). Otherwise the codes are
-        re-read as float16 with integer ops (exact, q / 256), then matmul and one scalar scale (0.15-0.24 ms vs
-        1.25-1.3 ms).
-  fp8_block   (pre-quantized fp8 per channel / block) per channel and bfloat16 x: the C kernel. Otherwise the same
-        float16 re-read; per channel the scale is applied to the [M, N] output, per block to the weight before the
-        matmul.
-  int8_group, int4_gidx   (pre-quantized groups with zero points or a group index) the reference, on every device:
-        no fused op takes their layout (logged once per path, like every choice here).
-Off CPU every scheme takes the reference (a GPU backend registers its own kernels; the Triton backend has none for
-fp8_block, int8_group and int4_gidx, so those take this reference on CUDA too, logged by keepwarm.kernels).
+Rules:
+- `QuantizedWeight` wraps the parts `keepwarm.formats.quant` produces (possibly read-only views into the daemon's
+  shared memory: nothing here writes them).
+- Each scheme has a plain-torch reference (`linear_reference`: dequantize in float32, cast to x's dtype, F.linear),
+  correct for every layout and device, and a "torch" backend (`TORCH_IMPLS`, registered in `keepwarm.kernels`) that
+  runs the path kernels/dispatch.py's table names (`PATHS`: ATen's weight-pack ops, keepwarm's C kernels, casts);
+  every path computes the same product as the reference, up to float32 summation order and one rounding.
+- Each (scheme, path, device, dtype) choice is logged once. Off the CPU every scheme takes the reference (a GPU
+  backend registers its own kernels; the Triton backend has none for fp8_block, int8_group and int4_gidx).
+- The measurements behind each path's rows: docs/kernels.md.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
-import re
 from collections.abc import Callable, Mapping
 
 import torch
 import torch.nn.functional as F
 
+from keepwarm.formats.errors import QuantizationError
 from keepwarm.formats.quant import (
     LAYOUT_INT4_CANONICAL,
     LAYOUT_INT4_GIDX,
     WEIGHT_SCHEMES,
-    QuantizationError,
     QuantMeta,
-    cpu_int4_layout,
     layout_parts,
     unpack_int4,
 )
 
-from . import cpu_native, reference
+from . import cpu, dispatch, native_ops
 
 __all__ = ["PATHS", "TORCH_IMPLS", "QuantizedWeight", "fp8_as_float16", "linear_reference"]
 
 logger = logging.getLogger("keepwarm.kernels")
 
-_FAST_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# Capabilities whose ATen int8/int4 weight-pack kernels are vectorized for bfloat16 (measured: AVX512, AVX2).
-_SIMD_CAPABILITIES = ("AVX2", "AVX512")
-# Above this many rows the int8 op loses to cast + matmul (AVX512: even at M=16; AVX2: before M=32).
-_INT8_OP_MAX_ROWS = 8
-# With keepwarm's C kernels (AVX512-BF16, on the tiles or not): torch's int8 / int4 ops up to 4 rows, the C kernel
-# above (one 1B layer on a Zen 4, time against bf16's: M=4 op 0.99x / C 1.27x, M=6 1.64 / 1.52; docs/quantization.md)
-_AMX_OP_MAX_ROWS = 4
-_AMX_MAX_ROWS = 512  # ... and int8 / fp8 above 512 rows: the codes to bf16 once, then oneDNN (prefill chunks)
-_INT4_HALVES_RE = re.compile(r"int4_cpu_halves(\d+)")
 # (scheme, path, device type, dtype) already logged: the path choice is logged once, not per call.
 _LOGGED: set[tuple[str, str, str, torch.dtype]] = set()
 
@@ -206,23 +156,23 @@ def _int8_cast(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -
     if x.dtype == torch.float16:
         # Scale the weight, not the output: x @ q^T can exceed float16's range before scaling.
         return F.linear(x, q.mul_(scales[:, None]), bias)
-    # reference.linear: bf16 on a CPU without oneDNN's bf16 matmul takes the AVX2 kernel, else F.linear
-    return _add_bias(reference.linear(x, q).mul_(scales), x, bias)
+    # cpu.linear: bf16 on a CPU without oneDNN's bf16 matmul takes the AVX2 kernel, else F.linear
+    return _add_bias(cpu.linear(x, q).mul_(scales), x, bias)
 
 
 def _int8_native(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     if x.dtype != torch.bfloat16:
         raise ValueError(f"the native int8 path takes bfloat16 x, not {x.dtype}")
-    return _add_bias(cpu_native.int8_linear(_as_2d(x), w.parts["qweight"], w.parts["scales"]), x, bias)
+    return _add_bias(native_ops.int8_linear(_as_2d(x), w.parts["qweight"], w.parts["scales"]), x, bias)
 
 
 def _fp8_native(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     if x.dtype != torch.bfloat16:
         raise ValueError(f"the native fp8 path takes bfloat16 x, not {x.dtype}")
-    scale = _fp8_scale(w)
+    scale = dispatch.fp8_scale(w)
     if scale is None:
         raise ValueError(f"the native fp8 path takes one scale per tensor or row, not blocks of {w.meta.group_size}")
-    return _add_bias(cpu_native.fp8_linear(_as_2d(x), w.parts["qweight"], scale), x, bias)
+    return _add_bias(native_ops.fp8_linear(_as_2d(x), w.parts["qweight"], scale), x, bias)
 
 
 def _codes_wide(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
@@ -231,47 +181,31 @@ def _codes_wide(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) 
     if x.dtype != torch.bfloat16:
         raise ValueError(f"the wide int8 / fp8 path takes bfloat16 x, not {x.dtype}")
     fp8 = w.meta.scheme != "int8"
-    scale = _fp8_scale(w) if fp8 else w.parts["scales"]
+    scale = dispatch.fp8_scale(w) if fp8 else w.parts["scales"]
     if scale is None:
         raise ValueError(f"the wide fp8 path takes one scale per tensor or row, not blocks of {w.meta.group_size}")
-    y = F.linear(x, cpu_native.codes_to_bf16(w.parts["qweight"]))
+    y = F.linear(x, native_ops.codes_to_bf16(w.parts["qweight"]))
     return _add_bias(y.float().mul_(scale.float() * (256.0 if fp8 else 1.0)).to(x.dtype), x, bias)
 
 
 def _int8_avx2(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    return _add_bias(cpu_native.q8_linear(_as_2d(x), w.parts["qweight"], w.parts["scales"]), x, bias)
-
-
-def _fp8_scale(w: QuantizedWeight) -> torch.Tensor | None:
-    """fp8's float32 scale for a per-tensor or per-row weight (what the fused kernels take); None for blocks."""
-    if w.meta.scheme == "fp8":
-        return w.parts["scale"]
-    if w.meta.group_size is not None and w.meta.group_size >= w.meta.shape[1]:
-        return w.parts["scales"][:, 0]
-    return None
+    return _add_bias(native_ops.q8_linear(_as_2d(x), w.parts["qweight"], w.parts["scales"]), x, bias)
 
 
 def _fp8_avx2(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    scale = _fp8_scale(w)
+    scale = dispatch.fp8_scale(w)
     if scale is None:
         raise ValueError(f"the AVX2 fp8 path takes one scale per tensor or row, not blocks of {w.meta.group_size}")
-    return _add_bias(cpu_native.q8_linear(_as_2d(x), w.parts["qweight"], scale), x, bias)
-
-
-@functools.cache
-def _int4_block(layout: str) -> int:
-    """Rows per block of an int4 "halves" CPU layout; 0 for any other layout. Cached: asked on every int4 call."""
-    m = _INT4_HALVES_RE.fullmatch(layout)
-    return int(m.group(1)) if m else 0
+    return _add_bias(native_ops.q8_linear(_as_2d(x), w.parts["qweight"], scale), x, bias)
 
 
 def _int4_c(kernel: str) -> Callable[..., torch.Tensor]:
-    """The path of one of keepwarm's int4 C kernels on torch's "halves" pack (`cpu_native.<kernel>`, looked up at
+    """The path of one of keepwarm's int4 C kernels on torch's "halves" pack (`native_ops.<kernel>`, looked up at
     each call), with the bias added after."""
     def linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
         assert w.meta.group_size is not None
-        y = getattr(cpu_native, kernel)(_as_2d(x), w.parts["qweight"], w.parts["scales_and_zeros"], w.meta.group_size,
-                                        _int4_block(w.meta.layout))
+        y = getattr(native_ops, kernel)(_as_2d(x), w.parts["qweight"], w.parts["scales_and_zeros"], w.meta.group_size,
+                                        dispatch.int4_block(w.meta.layout))
         return _add_bias(y, x, bias)
 
     linear.__name__ = linear.__qualname__ = f"_int4_{kernel}"
@@ -311,88 +245,22 @@ def _fp8_block_bits(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | No
     return F.linear(x, w16.float().mul_(_per_column(scales, w.meta)).to(x.dtype), bias)
 
 
-_INT8_NATIVE = "keepwarm C kernel (AVX512-BF16)"
-_INT8_AVX2 = "keepwarm C kernel, int8 (AVX2)"
-_INT4_AVX2 = "keepwarm C kernel, int4 (AVX2)"
-_FP8_AVX2 = "keepwarm C kernel, fp8 (AVX2)"
-_FP8_NATIVE = "keepwarm C kernel, fp8 (AVX512-BF16)"
-_INT8_AMX = "keepwarm C kernel, int8 (AMX tiles)"
-_FP8_AMX = "keepwarm C kernel, fp8 (AMX tiles)"
-_INT4_AMX = "keepwarm C kernel, int4 (AMX tiles)"
-_INT4_VEC = "keepwarm C kernel, int4 (AVX512-BF16)"
-_CODES_WIDE = "codes->bf16 (C) + oneDNN bf16 matmul, scale on the output"
-
-
-# scheme -> path name (as logged) -> implementation; every path computes the same product as the reference.
+# scheme -> path name (dispatch's kernel names, as logged) -> implementation; each computes the reference's product.
+D = dispatch
 PATHS: dict[str, dict[str, Callable[..., torch.Tensor]]] = {
-    "int8": {"torch._weight_int8pack_mm": _int8_op, "int8->dtype cast + matmul, per-channel scale": _int8_cast,
-             _INT8_NATIVE: _int8_native, _INT8_AVX2: _int8_avx2, _INT8_AMX: _int8_native, _CODES_WIDE: _codes_wide},
-    "int4": {"torch._weight_int4pack_mm_for_cpu": _int4_op, _INT4_AVX2: _int4_avx2, _INT4_AMX: _int4_amx,
-             _INT4_VEC: _int4_vec},
-    "fp8": {"fp8 bits->float16 + matmul, scalar scale": _fp8_bits, _FP8_NATIVE: _fp8_native, _FP8_AVX2: _fp8_avx2,
-            _FP8_AMX: _fp8_native, _CODES_WIDE: _codes_wide},
-    "fp8_block": {"fp8 bits->float16 + matmul, channel/block scales": _fp8_block_bits, _FP8_NATIVE: _fp8_native,
-                  _FP8_AVX2: _fp8_avx2, _FP8_AMX: _fp8_native, _CODES_WIDE: _codes_wide},
+    "int8": {D.INT8_OP: _int8_op, D.INT8_CAST: _int8_cast, D.INT8_NATIVE: _int8_native, D.INT8_AVX2: _int8_avx2,
+             D.INT8_AMX: _int8_native, D.CODES_WIDE: _codes_wide},
+    "int4": {D.INT4_OP: _int4_op, D.INT4_AVX2: _int4_avx2, D.INT4_AMX: _int4_amx, D.INT4_VEC: _int4_vec},
+    "fp8": {D.FP8_BITS: _fp8_bits, D.FP8_NATIVE: _fp8_native, D.FP8_AVX2: _fp8_avx2, D.FP8_AMX: _fp8_native,
+            D.CODES_WIDE: _codes_wide},
+    "fp8_block": {D.FP8_BLOCK_BITS: _fp8_block_bits, D.FP8_NATIVE: _fp8_native, D.FP8_AVX2: _fp8_avx2,
+                  D.FP8_AMX: _fp8_native, D.CODES_WIDE: _codes_wide},
 }
-_REFERENCE = "reference dequantize+matmul"
-
-
-@functools.cache
-def _simd() -> bool:
-    return torch.backends.cpu.get_cpu_capability() in _SIMD_CAPABILITIES
-
-
-def _native_fits(x: torch.Tensor, w: QuantizedWeight) -> bool:
-    return x.dtype == torch.bfloat16 and w.parts["qweight"].is_contiguous() and cpu_native.available()
 
 
 def select_path(scheme: str, x: torch.Tensor, w: QuantizedWeight) -> str:
-    """The path name the torch backend takes for this input (see the module docstring for the measurements)."""
-    if scheme == "none" or x.device.type != "cpu" or w.device.type != "cpu" or x.dtype not in _FAST_DTYPES:
-        return _REFERENCE
-    rows = x.numel() // max(x.shape[-1], 1)
-    vectorized = x.dtype == torch.bfloat16 and _simd()
-    if scheme == "int8":
-        if cpu_native.avx2_quant_on() and cpu_native.q8_fits(x, w.parts["qweight"], w.parts["scales"]):
-            return _INT8_AVX2
-        native = _native_fits(x, w)
-        tiles = native and cpu_native.amx_takes(rows, x.shape[-1])
-        if vectorized and rows <= (_AMX_OP_MAX_ROWS if native else _INT8_OP_MAX_ROWS):
-            return "torch._weight_int8pack_mm"
-        if native:
-            return _CODES_WIDE if tiles and rows > _AMX_MAX_ROWS else _INT8_AMX if tiles else _INT8_NATIVE
-        return "int8->dtype cast + matmul, per-channel scale"
-    if scheme == "int4":
-        return _int4_path(x, w, rows, vectorized)
-    native = scheme in ("fp8", "fp8_block") and _native_fits(x, w)
-    if scheme in ("fp8", "fp8_block") and not native and cpu_native.avx2_quant_on():
-        scale = _fp8_scale(w)
-        if scale is not None and cpu_native.q8_fits(x, w.parts["qweight"], scale):
-            return _FP8_AVX2
-    tiles = native and cpu_native.amx_takes(rows, x.shape[-1])
-    fused = _CODES_WIDE if tiles and rows > _AMX_MAX_ROWS else _FP8_AMX if tiles else _FP8_NATIVE
-    if scheme == "fp8":
-        return fused if native else "fp8 bits->float16 + matmul, scalar scale"
-    if scheme == "fp8_block":
-        per_channel = w.meta.group_size is not None and w.meta.group_size >= w.meta.shape[1]
-        return fused if native and per_channel else "fp8 bits->float16 + matmul, channel/block scales"
-    return _REFERENCE
-
-
-def _int4_path(x: torch.Tensor, w: QuantizedWeight, rows: int, vectorized: bool) -> str:
-    block, gs = _int4_block(w.meta.layout), w.meta.group_size or 0
-    if block and cpu_native.avx2_quant_on() and cpu_native.q4_fits(x, w.parts["qweight"],
-                                                                   w.parts["scales_and_zeros"], gs, block):
-        return _INT4_AVX2
-    if (block and rows > _AMX_OP_MAX_ROWS
-            and cpu_native.q4_amx_fits(x, w.parts["qweight"], w.parts["scales_and_zeros"], gs, block)):
-        return _INT4_AMX
-    if (block and rows > _AMX_OP_MAX_ROWS
-            and cpu_native.q4_vec_fits(x, w.parts["qweight"], w.parts["scales_and_zeros"], gs, block)):
-        return _INT4_VEC
-    # The packed order is per CPU capability: only a weight packed as this process packs can use the op.
-    use_op = vectorized and w.meta.layout == cpu_int4_layout()
-    return "torch._weight_int4pack_mm_for_cpu" if use_op else _REFERENCE
+    """The path name the torch backend takes for this input: kernels/dispatch.py's row for it."""
+    return dispatch.select_linear(scheme, x, w)
 
 
 def _run(scheme: str, x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
@@ -401,7 +269,7 @@ def _run(scheme: str, x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | 
     if key not in _LOGGED:
         _LOGGED.add(key)
         logger.info("linear %s: %s (%s, %s)", scheme, path, x.device.type, str(x.dtype).removeprefix("torch."))
-    if path == _REFERENCE:
+    if path == dispatch.REFERENCE:
         return linear_reference(x, w, bias)
     return PATHS[scheme][path](x, w, bias)
 

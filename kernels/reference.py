@@ -1,7 +1,11 @@
-"""Plain-torch kernels: the numerical reference for every backend and the CPU production path.
+"""Plain-torch kernels: the numerical reference every backend is tested against, and nothing else.
 
-Everything here is vectorized over tokens; only prefill chunks of paged attention loop (per sequence).
-Callers should go through `keepwarm.kernels` (the dispatcher), not import this module directly.
+Rules:
+- Only torch ops: no C kernel, no switch, no device-specific branch; correct on every device and dtype.
+- Rounds where transformers rounds (HF's op order, float32 softmax, bf16 scores on decode rows): the C kernels
+  (kernels/cpu.py picks them) and the Triton kernels round at the same points.
+- Vectorized over tokens; only prefill chunks of paged attention loop (per sequence).
+- Model code goes through `keepwarm.kernels`; kernels/cpu.py falls back to these where no C kernel takes a call.
 """
 
 from __future__ import annotations
@@ -13,28 +17,15 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from . import cpu_native
-
 # Caches of these dtypes hold scaled values: stored = clamp(x / scale), read = stored * scale.
 FP8_DTYPES: tuple[torch.dtype, ...] = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    # bf16 on a CPU without oneDNN bf16 (AVX2 only): torch's generic loop is ~4x slower than keepwarm's kernel
-    if bias is None and cpu_native.bf16_fits(x, weight) and cpu_native.bf16_matmul_on():
-        return cpu_native.bf16_linear(x, weight)
-    return torch.nn.functional.linear(x, weight, bias)
-
-
-def _glue_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """The C glue (cpu_native.rms_norm) computes this norm: CPU bfloat16 rows, a bfloat16 weight, the switch on."""
-    return (cpu_native.rows_fit(x, 8) and weight.dtype == torch.bfloat16 and weight.is_contiguous()
-            and weight.shape == (x.shape[1],) and cpu_native.glue_on())
+    return F.linear(x, weight, bias)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    if _glue_fits(x, weight):  # one C call for the ops below; only the order of the sum of squares differs
-        return cpu_native.rms_norm(x, None, weight, eps)[0]
     # HF LlamaRMSNorm, bit for bit: F.rms_norm without a weight runs HF's op sequence (float32 upcast, pow(2),
     # mean, + eps, rsqrt, multiply, cast back) in one call instead of seven from Python; the weight multiplies
     # after the cast, in the model's dtype, as in HF (with a weight, F.rms_norm would multiply before the cast).
@@ -46,11 +37,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def fused_add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    if residual.dtype == x.dtype and residual.shape == x.shape and cpu_native.rows_fit(residual, 8) \
-            and _glue_fits(x, weight):
-        out, added = cpu_native.rms_norm(x, residual, weight, eps)
-        assert added is not None
-        return out, added
     new_residual = x + residual.to(x.dtype)
     return rms_norm(new_residual, weight, eps), new_residual
 
@@ -137,10 +123,6 @@ def rotary_embedding(
     if cos.shape[-1] * 2 > head_dim:
         raise ValueError(f"rotary dim {cos.shape[-1] * 2} exceeds head_dim {head_dim}")
     if is_neox and cos.shape[-1] * 2 == head_dim and query.dtype == key.dtype:
-        if (cpu_native.rows_fit(query, 16) and cpu_native.rows_fit(key, 16) and head_dim % 16 == 0
-                and cos.stride(1) == 1 and sin.stride(1) == 1 and cos.stride(0) == sin.stride(0)
-                and cos.shape[0] == query.shape[0] and cpu_native.glue_on()):
-            return cpu_native.rotary_neox(query, key, cos, sin, head_dim)  # the same rounding, one C call
         return _rotate_neox_full(query, key, head_dim, plan)
     if query.dtype != key.dtype:
         return _rotate(query, cos, sin, head_dim, is_neox), _rotate(key, cos, sin, head_dim, is_neox)
@@ -188,16 +170,6 @@ def _store(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
     cache.view(hk, nb * bs, d).index_copy_(1, slots, x)
 
 
-def _store_fits(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
-    bf16 = torch.bfloat16
-    if not (key.dtype == value.dtype == key_cache.dtype == value_cache.dtype == bf16 and key.dim() == 3
-            and key.shape == value.shape and key_cache.shape == value_cache.shape and key.device.type == "cpu"):
-        return False
-    d = key.shape[2]
-    return (key.stride()[1:] == (d, 1) and value.stride()[1:] == (d, 1) and key_cache.shape[::3] == key.shape[1:]
-            and key_cache.is_contiguous() and value_cache.is_contiguous() and cpu_native.glue_on())
-
-
 def write_kv_cache(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -209,11 +181,6 @@ def write_kv_cache(
     plan: AttentionPlan | None = None,
 ) -> None:
     """``plan`` (plan_attention): the step's slots with padding already dropped; else derived from slot_mapping."""
-    if _store_fits(key, value, key_cache, value_cache):  # rows copied in place by C (bf16 pools: no scale)
-        slots = slot_mapping if slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous() \
-            else slot_mapping.long().contiguous()
-        cpu_native.store_kv(key, value, key_cache, value_cache, slots)
-        return
     # Drop padding before indexing: slot -1 would otherwise wrap around to the last slot of the pool.
     if plan is not None and plan.write_slots is not None:
         slots, rows = plan.write_slots, plan.write_rows
@@ -292,9 +259,10 @@ class DecodeGather:
 
     table: torch.Tensor  # [Sd, nb] int64 block ids (columns past a sequence's last block point at block 0)
     masked: torch.Tensor  # [Sd, 1, nb * block_size] bool: True where a gathered key is outside the row's context
-    # The same rows for the C kernel (cpu_native.attention_plan), which reads blocks in place; None off the CPU or
-    # with KEEPWARM_CPU_NATIVE=0 (read here, once per step).
-    native: torch.Tensor | None = None
+    ctx: torch.Tensor  # [Sd] int64 context lengths
+    # [Sd] int64 first visible positions and the block column each gather starts at; None without a window
+    lo: torch.Tensor | None = None
+    first: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -315,10 +283,11 @@ class AttentionPlan:
     # (None: every row). write_slots is None when the plan was made without a slot_mapping.
     write_slots: torch.Tensor | None
     write_rows: torch.Tensor | None
-    # The prefill chunks' query rows ([Tp] int64, in order) and, per sliding window, those rows as rows of the C
-    # kernel (_native_prefill); None where the step has no prefill rows, off the CPU, or with KEEPWARM_CPU_NATIVE=0.
-    prefill_rows: torch.Tensor | None = None
-    native_prefill: dict[int | None, torch.Tensor] | None = None
+
+    @property
+    def prefills(self) -> list[int]:
+        """The sequences with more than one query row (prefill chunks)."""
+        return [s for s in range(len(self.lens)) if self.starts[s + 1] - self.starts[s] > 1]
 
 
 def _decode_gather(block_tables: torch.Tensor, seq_lens: torch.Tensor, decodes: list[int], lens: list[int],
@@ -328,6 +297,7 @@ def _decode_gather(block_tables: torch.Tensor, seq_lens: torch.Tensor, decodes: 
     device = block_tables.device
     seqs = torch.tensor(decodes, dtype=torch.long, device=device)
     ctx = seq_lens.to(device=device, dtype=torch.long)[seqs]
+    lo_t = first = None
     if window:
         lo = [max(0, lens[s] - window) for s in decodes]  # each sequence's first visible position
         first = torch.tensor([p // block_size for p in lo], dtype=torch.long, device=device)
@@ -340,37 +310,13 @@ def _decode_gather(block_tables: torch.Tensor, seq_lens: torch.Tensor, decodes: 
         table = block_tables[seqs, :num_blocks].long()
     # Columns past a sequence's last block may be garbage or past the table: point them at block 0 instead.
     table = torch.where(cols * block_size < ctx[:, None], table, 0)
-    native = None
-    on_cpu = device.type == "cpu" and cpu_native.attention_switched_on()
     if window:
         lo_t = torch.tensor(lo, device=device)
         pos = (cols[:, :, None] * block_size + torch.arange(block_size, device=device)).reshape(len(decodes), -1)
         pos_ok = (pos < ctx[:, None]) & (pos >= lo_t[:, None])  # [Sd, L]
-        if on_cpu:
-            native = cpu_native.attention_plan(table, ctx, lo_t, first * block_size)
     else:
         pos_ok = torch.arange(num_blocks * block_size, device=device)[None, :] < ctx[:, None]
-        if on_cpu:
-            native = cpu_native.attention_plan(table, ctx, None, None)
-    return DecodeGather(table, ~pos_ok[:, None, :], native)
-
-
-def _native_prefill(block_tables: torch.Tensor, lens: list[int], starts: list[int], prefills: list[int],
-                    block_size: int, windows: tuple[int | None, ...]) -> dict[int | None, torch.Tensor]:
-    """Per sliding window, the prefill chunks' rows as rows of the C kernel: row i of a chunk of q_len rows whose
-    sequence has context n sits at position n - q_len + i, so it sees the keys up to that position (from position
-    - window + 1 under a sliding window) through its sequence's block-table row: a chunk runs as q_len one-row
-    queries, with SDPA's roundings (scores and probabilities in float32, only the output rounded). Decode rows keep
-    theirs (the torch decode path's bf16 roundings), so a decode row's output does not depend on a prefill sharing
-    its step. Only the first visible positions differ between windows."""
-    q_lens = torch.tensor([starts[s + 1] - starts[s] for s in prefills], dtype=torch.long)
-    seq = torch.repeat_interleave(torch.tensor(prefills, dtype=torch.long), q_lens)  # [Tp] each row's sequence
-    first = torch.tensor([lens[s] for s in prefills], dtype=torch.long) - q_lens + 1  # first row's context
-    offsets = torch.cumsum(q_lens, 0) - q_lens  # where each chunk starts among the prefill rows
-    ctx = torch.repeat_interleave(first - offsets, q_lens) + torch.arange(int(q_lens.sum()))
-    table = block_tables[:, :-(-max(lens[s] for s in prefills) // block_size)].long()[seq]
-    return {w: cpu_native.attention_plan(table, ctx, (ctx - w).clamp(min=0) if w else None, None,
-                                         float32_scores=True) for w in windows}
+    return DecodeGather(table, ~pos_ok[:, None, :], ctx, lo_t, first)
 
 
 def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
@@ -385,15 +331,35 @@ def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_sta
     gathers = {w: _decode_gather(block_tables, seq_lens, decodes, lens, block_size, w) for w in windows} \
         if decodes else {}
     slots, rows = _write_targets(slot_mapping) if slot_mapping is not None else (None, None)
-    prefills = [s for s in range(len(lens)) if starts[s + 1] - starts[s] > 1]
-    prefill_rows = native = None
-    if prefills and block_tables.device.type == "cpu" and cpu_native.attention_switched_on():
-        prefill_rows = torch.cat([torch.arange(starts[s], starts[s + 1]) for s in prefills])
-        native = _native_prefill(block_tables, lens, starts, prefills, block_size, windows)
     return AttentionPlan(starts, lens, decodes,
                          torch.tensor([starts[s] for s in decodes], dtype=torch.long, device=block_tables.device),
-                         len(decodes) == len(lens) and starts == list(range(len(lens) + 1)), gathers, slots, rows,
-                         prefill_rows, native)
+                         len(decodes) == len(lens) and starts == list(range(len(lens) + 1)), gathers, slots, rows)
+
+
+def check_attention(query: torch.Tensor, key_cache: torch.Tensor, plan: AttentionPlan,
+                    sliding_window: int | None) -> None:
+    """The checks every paged_attention makes before computing: GQA heads, and a gather for the window."""
+    if query.shape[1] % key_cache.shape[0]:
+        raise ValueError(f"{query.shape[1]} query heads is not a multiple of {key_cache.shape[0]} kv heads")
+    if plan.decodes and sliding_window not in plan.gathers:
+        raise ValueError(f"the attention plan has no gather for sliding_window={sliding_window}")
+
+
+def attend_decodes(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, g: DecodeGather,
+                   scale: float, k_scale: float, v_scale: float, softcap: float | None) -> torch.Tensor:
+    """The decode rows q [Sd, Hq, D] against their gathered blocks (:class:`DecodeGather`) -> [Sd, Hq, D]."""
+    return _decode_attention(q, _gather_blocks(key_cache, g.table), _gather_blocks(value_cache, g.table), g.masked,
+                             scale, k_scale, v_scale, softcap)
+
+
+def attend_prefills(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                    block_tables: torch.Tensor, plan: AttentionPlan, scale: float, k_scale: float, v_scale: float,
+                    window: int | None, softcap: float | None) -> None:
+    """Each prefill chunk's rows of ``out``, one sequence at a time (SDPA, or explicit attention when capped)."""
+    starts, lens = plan.starts, plan.lens
+    for s in plan.prefills:
+        _paged_prefill(out, query, key_cache, value_cache, block_tables[s], starts[s], starts[s + 1], lens[s],
+                       scale, k_scale, v_scale, window, softcap)
 
 
 def paged_attention(
@@ -414,65 +380,31 @@ def paged_attention(
     """Causal attention of a flattened varlen batch over a paged KV cache.
 
     Sequence s owns query rows query_start_loc[s]:query_start_loc[s+1]; seq_lens[s] counts its whole context
-    including those rows (already written), so row i sits at position seq_lens[s] - q_len + i. Position p
-    lives at block_tables[s, p // block_size], offset p % block_size. Decodes (q_len 1) run as one padded
-    batch; prefill chunks loop per sequence (on the CPU in bf16, both read the cache in place in the C kernel
-    instead). Computes in the query's dtype (SDPA accumulates in float32).
-    `max_query_len` is only a hint for grid-sizing backends: this one reads lengths from the metadata.
-    ``plan``: the step's :class:`AttentionPlan` (plan_attention), so that 30 layers do not each rebuild it.
-
-    ``sliding_window`` w: a row at position p sees keys p-w+1..p only (transformers' sliding mask); blocks wholly
-    before every row's window are neither gathered nor read, so their table entries may be anything.
-    ``logit_softcap`` c: scores become c * tanh(score / c) before the mask and softmax (Gemma 2).
-
-    Cache slots a sequence has not written (the tail of its last block) are masked out of the softmax, so they
-    may hold any finite value; the engine allocates its pools with zeros, so they never hold NaN.
+    including those rows (already written), so row i sits at position seq_lens[s] - q_len + i. Position p lives at
+    block_tables[s, p // block_size], offset p % block_size. Decodes (q_len 1) run as one padded batch; prefill
+    chunks loop per sequence. Computes in the query's dtype (SDPA accumulates in float32). `max_query_len` is only
+    a hint for grid-sizing backends. ``plan``: the step's :class:`AttentionPlan`, so 30 layers do not each rebuild
+    it. ``sliding_window`` w: a row at position p sees keys p-w+1..p only; blocks wholly before every row's window
+    are neither gathered nor read. ``logit_softcap`` c: scores become c * tanh(score / c) before the mask and
+    softmax (Gemma 2). Unwritten cache slots (the tail of a last block) are masked out, so they may hold any finite
+    value; the engine allocates its pools with zeros, so they never hold NaN.
     """
     del max_query_len
-    num_q_heads = query.shape[1]
-    num_kv_heads = key_cache.shape[0]
-    if num_q_heads % num_kv_heads:
-        raise ValueError(f"{num_q_heads} query heads is not a multiple of {num_kv_heads} kv heads")
     if plan is None:
         plan = plan_attention(block_tables, seq_lens, query_start_loc, None, key_cache.shape[2], (sliding_window,))
-    elif plan.decodes and sliding_window not in plan.gathers:
-        raise ValueError(f"the attention plan has no gather for sliding_window={sliding_window}")
-    decoded = None
+    check_attention(query, key_cache, plan, sliding_window)
     every_row = plan.decode_only and query.shape[0] == len(plan.decodes)  # no padding rows after the sequences
+    decoded = None
     if plan.decodes:
-        g = plan.gathers[sliding_window]
-        q = query if every_row else query[plan.decode_rows]
-        if g.native is not None and cpu_native.attention_fits(q, key_cache, value_cache, k_scale, v_scale):
-            # bf16 on CPU: blocks read in place by the C kernel, rounded where _decode_attention rounds.
-            decoded = cpu_native.decode_attention(q, key_cache, value_cache, g.native, scale, logit_softcap)
-        else:
-            decoded = _decode_attention(q, _gather_blocks(key_cache, g.table), _gather_blocks(value_cache, g.table),
-                                        g.masked, scale, k_scale, v_scale, logit_softcap)
+        decoded = attend_decodes(query if every_row else query[plan.decode_rows], key_cache, value_cache,
+                                 plan.gathers[sliding_window], scale, k_scale, v_scale, logit_softcap)
         if every_row:
             return decoded
-    # bf16 on CPU: each prefill row a one-row query of the C kernel, with SDPA's roundings (_native_prefill)
-    native, rows = plan.native_prefill, plan.prefill_rows
-    if native is not None and not cpu_native.attention_fits(query, key_cache, value_cache, k_scale, v_scale):
-        native = None
-    if native is not None:
-        if sliding_window not in native:
-            raise ValueError(f"the attention plan has no prefill rows for sliding_window={sliding_window}")
-        assert rows is not None
-        if decoded is None and len(rows) == query.shape[0]:  # the step is prefill chunks only, with no padding
-            return cpu_native.decode_attention(query, key_cache, value_cache, native[sliding_window], scale,
-                                               logit_softcap)
     out = torch.zeros_like(query)  # rows not owned by any sequence (padding) stay zero
     if decoded is not None:
         out[plan.decode_rows] = decoded
-    if native is not None:
-        out[rows] = cpu_native.decode_attention(query[rows], key_cache, value_cache, native[sliding_window], scale,
-                                                logit_softcap)
-        return out
-    starts, lens = plan.starts, plan.lens
-    for s in range(len(lens)):
-        if starts[s + 1] - starts[s] > 1:
-            _paged_prefill(out, query, key_cache, value_cache, block_tables[s], starts[s], starts[s + 1], lens[s],
-                           scale, k_scale, v_scale, sliding_window, logit_softcap)
+    attend_prefills(out, query, key_cache, value_cache, block_tables, plan, scale, k_scale, v_scale, sliding_window,
+                    logit_softcap)
     return out
 
 

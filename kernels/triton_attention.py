@@ -1,33 +1,16 @@
 """Triton paged attention over the head-major KV cache, and the KV-cache write.
 
-Same signatures and semantics as `kernels/reference.py` (cache layout ``[num_kv_heads, num_blocks, block_size,
-head_dim]``; slot -1 skips a write; fp8 caches hold ``clamp(x / scale)``). Nothing here syncs with the host: grids
-and workspace sizes come from tensor shapes and the ``max_query_len`` hint only, so both run inside a CUDA graph.
-
-Paged attention, one kernel for a mixed batch of prefill chunks (with their cached prefix) and decodes:
-  - a program owns one kv head and a tile of BLOCK_Q query tokens of one sequence, with all GROUP query heads of
-    that kv head (GQA without repeating K/V: each K/V tile is loaded once for the whole group). Its rows are
-    (token, head) pairs, BLOCK_Q * GROUP_PAD of them, so a tile of a decode still has 16 rows for `tl.dot`.
-  - grid axis 0 is the query tiles. Decode-only batches (max_query_len == 1) get one program per sequence. Mixed
-    batches use vLLM's trick: sequence s owns tiles ``query_start_loc[s] // BLOCK_Q + s`` onwards, so
-    ``T // BLOCK_Q + S`` programs cover every tile of every sequence and a program finds its sequence by binary
-    search over query_start_loc; the surplus programs exit at once. Axis 1 is the kv head; axis 2 the KV split.
-  - the context is walked in tiles of BLOCK_N positions; each position's block comes from the block table, so any
-    cache block size works (8, 16, 32, ...), and a tile may span several cache blocks. Online softmax in float32
-    with exp2; causal masking per row; positions past the sequence are never read (table entries past a
-    sequence's last block may be garbage).
-  - float8 caches: K and V tiles are converted unscaled (exact) to float16 by the hardware's conversion on sm_89+,
-    with q scaled into float16's range by a power of two (integer decode to q's dtype elsewhere and under the
-    interpreter); k_scale is folded into the softmax scale and v_scale applied once to the accumulator, so a K/V
-    element costs one conversion and nothing else.
-  - sliding window (``window`` > 0): a row at position p sees p-window+1..p; a tile's walk starts at its first
-    row's first visible position, so blocks wholly before every row's window are never read. Soft-capping
-    (``SOFTCAP``): scores become softcap * tanh(score / softcap) before the mask.
-  - split-KV (flash-decoding): when there are too few programs to fill the GPU (few sequences x kv heads, long
-    contexts), each program covers one of NUM_SPLITS contiguous slices of the context and writes an
-    unnormalised partial (acc, max, sum) to a float32 workspace; a second kernel combines them. The split count
-    is a function of the grid and of the block table's width (an upper bound of every context), never of the
-    actual lengths, so it is fixed for a captured CUDA graph.
+Rules:
+- Same signatures and semantics as `kernels/reference.py` (cache layout ``[num_kv_heads, num_blocks, block_size,
+  head_dim]``; slot -1 skips a write; fp8 caches hold ``clamp(x / scale)``).
+- Nothing here syncs with the host: grids and workspace sizes come from tensor shapes and the ``max_query_len``
+  hint only, so both kernels run inside a CUDA graph.
+- One attention kernel for a mixed batch of prefill chunks (with their cached prefix) and decodes: a program owns
+  one kv head and a tile of query tokens of one sequence with all its GQA heads; online softmax in float32;
+  positions past a sequence are never read; sliding windows skip blocks before every row's window; split-KV
+  (flash-decoding) when too few programs fill the GPU, with a split count fixed by the grid, not the lengths.
+- float8 caches convert unscaled (exact) to float16, k_scale folded into the softmax scale, v_scale applied once.
+The design in full (grid, tiles, fp8, windows, split-KV): docs/kernels.md, "Paged attention".
 """
 
 from __future__ import annotations
@@ -44,7 +27,7 @@ _LOG2E = 1.4426950408889634
 # sm_80); decode tiles use 16, tl.dot's minimum, with 4 warps (8 when decoding float8 or with float32 math, which
 # otherwise spill). float32 models use true float32 products (no tensor cores: Triton's FMA dot holds whole operand
 # rows in registers), so their tiles are halved as well. (Register counts from compiling for sm_80 and sm_90 with
-# Triton's ptxas: tests/_triton_compile_check.py; no GPU run here.)
+# Triton's ptxas: tests/support/triton_compile_check.py; no GPU run here.)
 _ROWS_MIXED = 64
 _ROWS_MIXED_FP32 = 32
 _ROWS_DECODE = 16

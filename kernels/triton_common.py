@@ -1,18 +1,14 @@
 """Shared pieces of the Triton backend: in-kernel dtype helpers and host-side launch helpers.
 
-Numerics rule for every Triton kernel here: load, upcast to float32, compute in float32, and round once when
-storing (or when feeding a matmul). Two reasons:
-  - it is what the torch reference does (float32 math, one rounding to the output dtype);
-  - Triton's CPU interpreter (TRITON_INTERPRET=1, used by the tests) stores bfloat16 as raw uint16: its
-    float32 -> bfloat16 cast truncates instead of rounding, a bfloat16 `tl.dot` multiplies the raw integers, and
-    it has no float8 arithmetic. So bfloat16 rounding is done with integer ops (`round_as`), float8 is handled as
-    uint8 bits (`fp8_to_f32` / `f32_to_fp8`), and under the interpreter bfloat16 matmul operands are fed to
-    `tl.dot` as float32 (`dot_dtype`): the same values, the products are exact in float32 either way, and the
-    accumulation is float32 on both paths, so only the summation order differs from the GPU.
-
-These helpers are `@triton.jit` functions called from the kernels of the other `triton_*` modules. Whether a
-function is compiled or interpreted is fixed when it is decorated (TRITON_INTERPRET is read at import), so the
-interpreter tests load private copies of these modules with the variable set (tests/test_triton_kernels.py).
+Rules:
+- Every Triton kernel here loads, upcasts to float32, computes in float32 and rounds once when storing (or when
+  feeding a matmul): what the torch reference does.
+- Triton's CPU interpreter (TRITON_INTERPRET=1, the tests) stores bfloat16 as raw uint16 and has no float8
+  arithmetic, so bfloat16 rounding is integer ops (`round_as`), float8 is uint8 bits (`fp8_to_f32` /
+  `f32_to_fp8`), and interpreted bfloat16 matmul operands go to `tl.dot` as float32 (`dot_dtype`): the same values,
+  so only the summation order differs from the GPU.
+- Whether a function is compiled or interpreted is fixed when it is decorated (TRITON_INTERPRET is read at import):
+  the interpreter tests load private copies of these modules with the variable set. More: docs/kernels.md.
 """
 
 from __future__ import annotations

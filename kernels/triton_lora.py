@@ -1,18 +1,12 @@
 """Triton batched LoRA over the stacked layout of `worker/lora.py` (semantics of `kernels.reference`).
 
-lora_shrink: x [T, K] against A [G * S * R, K] -> [T, G * S * R]; token t keeps only the R columns of its own
-  slot (token_slots[t]) in each group, zeros elsewhere (-1 = base model: all zeros). The reference multiplies by
-  every slot and masks; here the slot index is used directly: program (token tile, group g, slot s) computes the
-  [BLOCK_T, R] block of its tokens that use slot s and writes zeros for the others. A tile where no token uses s
-  skips the K loop entirely, so with the engine's batches (a sequence's tokens are contiguous and share one
-  slot) nearly all (tile, slot) pairs but one per tile do no matmul work: ~1x the minimal FLOPs instead of S x.
-  Grid: (T / BLOCK_T, G * S). BLOCK_T 16 (tl.dot's minimum; a decode batch is a few tiles), R padded to a power
-  of two >= 16, BLOCK_K 64 (x and A tiles of 16-32 KB at most).
-lora_expand: y[:, offset:offset + N] += buf [T, S * R] @ B [N, S * R]^T, in place. The signature carries no
-  slot index, and buf is already zero outside each token's slot, so this is a plain small-K GEMM (K = S * R,
-  e.g. 4 * 16) fused with the add into y: y is read and written once. Grid: (T / BLOCK_T, N / BLOCK_N), BLOCK_T 16
-  for decode batches else 64, BLOCK_N 64 (float32: 16 x 32, which does not spill on sm_80).
-Both accumulate in float32 and round once (the reference rounds the product, then the sum).
+Rules:
+- lora_shrink: x [T, K] against A [G * S * R, K] -> [T, G * S * R], token t keeping only the R columns of its own
+  slot in each group (-1: all zeros). A program computes its tokens' block for one (group, slot) and skips the K
+  loop when no token of its tile uses the slot: ~1x the minimal FLOPs instead of the reference's S x.
+- lora_expand: y[:, offset:offset + N] += buf [T, S * R] @ B [N, S * R]^T, in place, y read and written once.
+- Both accumulate in float32 and round once (the reference rounds the product, then the sum).
+Grids and tile sizes: docs/kernels.md, "Batched LoRA".
 """
 
 from __future__ import annotations

@@ -2,37 +2,16 @@
 # (the @triton.jit kernels: Triton reads parameter annotations as its own, so their launch args stay untyped)
 """Triton fused mixture-of-experts: the routed experts of one layer in two grouped-GEMM launches.
 
-The design is vLLM's fused_moe (sort, pad, one program per block of an expert's tokens), written for keepwarm's
-weights and for exactness against the torch reference (``kernels/reference.py``: group by expert, one matmul
-pair per expert, ``index_add_`` in ascending expert order):
-
-  align   the T * k (token, slot) pairs, each token's slots first sorted by expert id, are grouped by expert
-          (stable: tokens ascending) and each expert's group is padded to a multiple of BLOCK_M with a sentinel
-          pair id (T * k). `block_expert[b]` names the expert of block b (-1 past the last). Torch ops only and
-          no host sync: the block count is bounded by T * k + min(E, T * k) * (BLOCK_M - 1), so the launch grid
-          depends on T alone (CUDA graphs can capture it). Experts with no tokens get no block.
-  gate_up one program per (block, N tile of the intermediate size): the block's rows of x (gathered by pair //
-          k) against its expert's gate rows and up rows (two accumulators, x loaded once), then
-          act(gate) * up with one rounding to x's dtype after each op, as the reference computes it -> h [T*k, I].
-  down    the same over h (rows = pair ids) and the expert's down weight; the output is rounded to x's dtype,
-          times the routing weight (rounded again) -> y [T*k, H], one row per pair.
-  sum     out[t] = ((0 + y[t, 0]) + y[t, 1]) + ...: slots in ascending expert order, each add rounded, which is
-          what the reference's index_add_ in expert order computes.
-
-Weights are read where they live: each expert's tensors are separate arena views, so the kernel gets a table of
-per-expert data pointers per part ([E] int64 on the device, built once per layer and cached in
-`MoEWeights.prepared`) and casts the entry to a pointer; every expert must share strides and dtypes. Layouts
-(those the CUDA arena holds, `formats/quant.py`'s canonical ones):
-  dense   weight [N, K] in x's dtype (float32, bfloat16, float16)
-  int8    qweight int8 [N, K], scales [N]                   w = q * scale[n]
-  fp8     qweight e4m3 [N, K], scale [1] or [N]             w = q * scale (per tensor, or per channel)
-  int4    qweight uint8 [N, K/2] (low nibble = even k), scales/zeros [N, K/gs]   w = (q - 8) * s[n, g] + z[n, g]
-Quantized experts are dequantized per tile: each weight element is computed in float32 exactly as the reference's
-``dequantize`` does and rounded to x's dtype before the tile's matmul, so the products equal the reference's and
-only the summation order differs. (This costs a multiply per weight element, which `triton_quant.py`'s dense
-kernels avoid by scaling the float32 accumulator; a measured MoE tile table and that trick are for when a GPU is
-lent.) Anything else (another int4 layout such as the CPU pack, mixed layouts across experts, an activation other
-than silu) takes the torch reference, logged once.
+Rules:
+- vLLM's fused_moe design (sort, pad, one program per block of an expert's tokens), exact against the reference
+  (``kernels/reference.py``: group by expert, one matmul pair per expert, ``index_add_`` in ascending expert
+  order): each token's slots are added in ascending expert order, rounding where the reference rounds.
+- No host sync: the block count is bounded by T alone, so CUDA graphs can capture the launches.
+- Weights are read where they live (per-expert pointer tables, built once per layer and cached in
+  `MoEWeights.prepared`); quantized experts are dequantized per tile exactly as the reference's ``dequantize``.
+- Anything else (another int4 layout such as the CPU pack, mixed layouts across experts, an activation other than
+  silu) takes the torch backend's fused_moe, logged once.
+The stages (align, gate_up, down, sum) and layouts: docs/kernels.md, "Fused MoE".
 """
 
 from __future__ import annotations
@@ -44,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import registry
 from . import triton_common as tc
 from .reference import MoEWeights
 
@@ -208,7 +188,7 @@ def _tiles(pairs: int, fp32: bool, kind: int, gated: bool) -> tuple[int, int, in
     """(BLOCK_M, BLOCK_N, BLOCK_K, warps): 16-row blocks while few pairs per expert (decode), else 64 with 8 warps;
     float32 (Triton's FMA dot, true float32 products, operands in registers) 16 x 32 x 32; int4's gate_up with K
     tiles of 32. Each other choice tried spilled registers on sm_90 somewhere (gate_up keeps two accumulators and
-    a dequantized tile live), which tests/_triton_compile_check.py checks. Not tuned on a GPU yet."""
+    a dequantized tile live), which tests/support/triton_compile_check.py checks. Not tuned on a GPU yet."""
     if fp32 or tc.INTERPRETED:
         return (16, 32, 32, 4)
     bk = 32 if kind == KIND_INT4 and gated else 64
@@ -234,14 +214,11 @@ def _launch(a: torch.Tensor, part: _Part, out: torch.Tensor, rw: torch.Tensor, s
 
 def _fallback(reason: str, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
               experts: MoEWeights, act: str) -> torch.Tensor:
-    from keepwarm import kernels  # the dispatcher's linear, for the reference's per-expert matmuls
-
     if reason not in _LOGGED:
         _LOGGED.add(reason)
         logger.warning("fused_moe: triton kernel does not take %s; running the torch reference", reason)
-    from . import reference
-
-    return reference.fused_moe(x, topk_weights, topk_ids, experts, act, kernels.linear)
+    # the torch backend's fused_moe: the reference, each expert's matmuls through the dispatcher's linear
+    return registry.impl("fused_moe", "torch")(x, topk_weights, topk_ids, experts, act)
 
 
 def fused_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, experts: MoEWeights,

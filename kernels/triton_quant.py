@@ -1,42 +1,16 @@
 """Triton weight-only quantized matmuls: ``y = x @ dequant(W)^T + b`` for int8 (W8A16), int4 (W4A16) and fp8.
 
-At decode these matmuls are weight-bandwidth bound: the point is to read the packed weight once, at memory
-bandwidth, and spend as few instructions per weight element as possible on the way to the tensor cores.
-
-Weight layouts (the CUDA arena keeps the canonical layouts of `formats/quant.py`; the CPU arena its own):
-  int8  qweight int8 [N, K], scales [N]                          w = q * scale[n]
-  fp8   qweight float8_e4m3fn [N, K], scale float32 [1] or [N]   w = q * scale (per tensor or per output channel)
-  int4  qweight uint8 [N, K/2] (low nibble = even k), scales/zeros [N, K/gs]
-                                                                 w = (q - 8) * scale[n, g] + zero[n, g]
-All three are N-major with K contiguous, which is what this kernel wants: a program streams BLOCK_N weight rows
-in long contiguous runs (16-byte loads), and int4's two nibbles of a byte are the even and odd k, so the kernel
-takes two half-K dots (even k with x's even columns, odd with odd) instead of re-interleaving. No re-layout is
-written at preload: the canonical layout already is the kernel's layout.
-
-How the K loop stays cheap (the reason this is fast, where dequantizing to float32 per element was not):
-  - "swap AB": the weight tile is the MMA's A operand ([BLOCK_N, BLOCK_K], N on the MMA's M side) and x^T its B
-    operand, so a decode's 1..16 tokens pad to 16 MMA columns, not 16 of 64+ rows, and on Hopper the converted
-    weight tile feeds wgmma straight from registers;
-  - the codes go to the MMA exactly as small integers (int8 -> bf16 and e4m3 -> bf16 are exact, and so is
-    int4's q - 8), and the scales are applied to the float32 partial product: per output channel after the
-    loop (int8, fp8), per group once per K tile (int4: ``sum_k x_k ((q_k - 8) s + z) = s * sum_k x_k (q_k - 8)
-    + z * sum_k x_k``, BLOCK_K dividing the group size). So no per-element float math at all; the result differs
-    from the reference (which rounds each dequantized weight to x's dtype first) by less than that rounding.
-  - split-K for small M: the grid is (N / BLOCK_N, M / BLOCK_M, SPLIT_K); with SPLIT_K > 1 each program covers a
-    slice of K and writes a float32 partial to a [SPLIT_K, M, N] workspace; a second kernel sums the slices in a
-    fixed order (deterministic: replays of a CUDA graph and eager runs give the same bits), adds the bias and
-    casts. Decode shapes have N / BLOCK_N of 32..448 tiles, too few to keep 132 SMs' memory pipes busy alone.
-
-Tiles come from a committed table, `kernels/quant_tiles.json`, measured offline on a GPU by
-`benchmarks/tune_quant.py` per kind, M range and (N, K); nothing is autotuned at serve time. A shape missing from
-the table takes its kind and M range's default row, then the built-in heuristic of `_default_tile`.
-
-FP8 W8A8 on Hopper: `torch._scaled_mm` with per-token activation scales (x quantized to e4m3 per row, the weight
-scale per column) uses fp8 tensor cores. It changes the numbers (x is rounded to 3 mantissa bits), so it is taken
-only where it wins: bfloat16 activations, compute capability 9.x, M at or above the measured crossover for the
-shape (`fp8_min_rows`, from the table's timings; else the table's all-shapes ``fp8_scaled_mm_min_rows``; else 128),
-K and N multiples of 16. ``KEEPWARM_FP8_MATMUL=auto|triton|
-scaled_mm`` overrides the choice (read per call, for A/B runs on a GPU).
+Rules:
+- The CUDA arena's canonical layouts (`formats/quant.py`) are the kernel's layouts: no re-layout at preload.
+- The codes go to the MMA exactly as small integers and the scales are applied to the float32 partial product
+  (per channel after the loop, per group once per K tile), so there is no per-element float math; the result
+  differs from the reference (which rounds each dequantized weight first) by less than that rounding.
+- Split-K for small M sums its slices in a fixed order: CUDA-graph replays and eager runs give the same bits.
+- Tiles come from the committed `kernels/quant_tiles.json` (benchmarks/tune_quant.py); nothing is autotuned at
+  serve time; a missing shape takes its row's default, then `_default_tile`.
+- FP8 W8A8 (`torch._scaled_mm`, Hopper) changes the numbers, so it is taken only where measured to win
+  (`fp8_min_rows`); ``KEEPWARM_FP8_MATMUL=auto|triton|scaled_mm`` overrides it (read per call, for A/B runs).
+The design in full ("swap AB", int4's two half-K dots, split-K): docs/kernels.md, "Quantized matmuls".
 """
 
 from __future__ import annotations
@@ -57,6 +31,7 @@ import triton.language as tl
 from keepwarm.formats.quant import LAYOUT_INT4_CANONICAL
 
 from . import triton_common as tc
+from .quant import linear_reference
 
 logger = logging.getLogger("keepwarm.kernels")
 
@@ -380,8 +355,6 @@ def linear_int8(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.T
 
 def linear_int4(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
     if w.meta.layout != LAYOUT_INT4_CANONICAL:
-        from .quant import linear_reference
-
         return linear_reference(x, w, bias)
     return launch(x, w, bias, KIND_INT4)
 

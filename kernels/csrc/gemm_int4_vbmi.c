@@ -1,0 +1,171 @@
+/* int4 weight-only matmul for bf16 x without the tiles (AVX512-BF16 + VBMI: Zen 4, Intel without AMX), M > 1, and
+ * the paired-code scratch the tile kernel (gemm_int4_amx.c) shares.
+ *
+ * torch's CPU "halves" pack (blocks of B = 32 or 64 rows, k-major, byte j = rows j and j + B/2) is read in place:
+ * each pair of k rows of a block becomes B scratch rows of (16 + code k, 16 + code k+1) bf16 pairs per channel in
+ * L1 (exact; q4_pack_pairs), multiplied by the int8 kernel's micro-kernels (kw_micros: a broadcast pair of x by 32
+ * channels' pairs, vdpbf16ps) with the block's stride. A group's sums start from zero and fold into the float32
+ * total as total = fma(scale, sum x (16 + c), total), then fma(zero - 24 scale, sum x, total): w = (c - 8) scale +
+ * zero, group by group in k order: one order per output whatever M, so a row's bits do not depend on its batch.
+ * The 16 costs float32 headroom (sums of x (16 + c), not x c: ~3x the rounding error of kw_q4gemm's x c, still far
+ * inside one bf16 rounding; tests/unit/kernels/test_cpu_amx.py bounds it).
+ */
+#include "kw_avx512.h"
+
+/* vpermt2b's table: bytes 0..63 from the loaded codes, 64 = the constant 0x41. For 16 channels whose codes lie
+ * at bytes o0 + i (k) and o1 + i (k + 1), i < 16: each dword = the two bf16 (low byte, 0x41), k first. */
+static void q4_perm_index(int o0, int o1, uint8_t idx[64]) {
+    for (int i = 0; i < 16; i++) {
+        idx[4 * i] = (uint8_t)(o0 + i);
+        idx[4 * i + 1] = 64;
+        idx[4 * i + 2] = (uint8_t)(o1 + i);
+        idx[4 * i + 3] = 64;
+    }
+}
+
+/* s[k2][c] = (16 + code[k0 + 2 k2][c], 16 + code[k0 + 2 k2 + 1][c]) as bf16, c < B, for kc k of block b. 16 + c
+ * is bf16 0x4180 | c << 3 (16..31, step 1: exact), so a byte permute builds each tile row from the codes with no
+ * widening or conversion; the fold takes the 16 back out (q4_tiles_amx). One 64-byte load holds 2 (B = 64) or 4
+ * (B = 32) consecutive k rows of the block. */
+void q4_pack_pairs(const q4amx_t *a, int64_t b, int64_t k0, int64_t kc, uint32_t *s) {
+    const int64_t hb = a->B / 2, B = a->B;
+    uint8_t i0[64], i1[64];
+    q4_perm_index(0, B == 64 ? 32 : 16, i0);        /* B = 64: channels 0-15 (k, k+1); B = 32: the first pair */
+    q4_perm_index(B == 64 ? 16 : 32, 48, i1);       /* B = 64: channels 16-31; B = 32: the second pair */
+    const __m512i idx0 = _mm512_loadu_si512(i0), idx1 = _mm512_loadu_si512(i1);
+    const __m512i c41 = _mm512_set1_epi8(0x41), m78 = _mm512_set1_epi8(0x78), m80 = _mm512_set1_epi8((char)0x80);
+    const uint8_t *blk = a->q + b * a->K * hb;
+    for (int64_t k = k0; k < k0 + kc; k += 128 / B) {
+        __m512i v = _mm512_loadu_si512(blk + k * hb);
+        /* per byte: (low nibble << 3) | 0x80 and (high nibble << 3) | 0x80 (ternary logic: (a & b) | c) */
+        __m512i lo = _mm512_ternarylogic_epi32(_mm512_slli_epi16(v, 3), m78, m80, 0xEA);
+        __m512i hi = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 1), m78, m80, 0xEA);
+        uint32_t *dst = s + (k - k0) / 2 * B;
+        if (B == 64) { /* low nibbles: channels 0-31, high: 32-63 */
+            _mm512_storeu_si512(dst, _mm512_permutex2var_epi8(lo, idx0, c41));
+            _mm512_storeu_si512(dst + 16, _mm512_permutex2var_epi8(lo, idx1, c41));
+            _mm512_storeu_si512(dst + 32, _mm512_permutex2var_epi8(hi, idx0, c41));
+            _mm512_storeu_si512(dst + 48, _mm512_permutex2var_epi8(hi, idx1, c41));
+        } else { /* low nibbles: channels 0-15, high: 16-31; two k pairs */
+            _mm512_storeu_si512(dst, _mm512_permutex2var_epi8(lo, idx0, c41));
+            _mm512_storeu_si512(dst + 16, _mm512_permutex2var_epi8(hi, idx0, c41));
+            _mm512_storeu_si512(dst + 32, _mm512_permutex2var_epi8(lo, idx1, c41));
+            _mm512_storeu_si512(dst + 48, _mm512_permutex2var_epi8(hi, idx1, c41));
+        }
+    }
+}
+
+int q4_slice_start(const q4amx_t *a, int t, int nthreads, int64_t rows, int64_t *b0, int64_t *b1, uint32_t **s,
+                   float **cg, float **tot) {
+    static __thread kw_buf sb, cb, totb;
+    int64_t blocks = a->N / a->B;
+    *b0 = blocks * t / nthreads, *b1 = blocks * (t + 1) / nthreads;
+    if (*b0 >= *b1) return 1;
+    *s = kw_scratch(&sb, QKC / 2 * 64 * 4);
+    *cg = kw_scratch(&cb, 16 * 64 * 4); /* the tiles' [16][64]; the vector kernel uses [12][32] */
+    *tot = kw_scratch(&totb, (size_t)(rows * a->B) * sizeof(float));
+    return *s && *cg && *tot ? 0 : -1;
+}
+
+/* x rows padded to Mp (a multiple of 16) with zeros, and each row's sum over each group: per thread, kept. */
+static int q4_prep(const uint16_t *x, int64_t M, int64_t K, int64_t gs, uint16_t **xpo, float **xso, int64_t *Mpo) {
+    static __thread kw_buf xpb, xsb;
+    const int64_t Mp = (M + 15) / 16 * 16, G = K / gs;
+    uint16_t *xp = kw_scratch(&xpb, (size_t)(Mp * K * 2));
+    float *xs = kw_scratch(&xsb, (size_t)(G * Mp * 4));
+    if (!xp || !xs) return -2;
+    memcpy(xp, x, (size_t)(M * K * 2));
+    memset(xp + M * K, 0, (size_t)((Mp - M) * K * 2));
+    for (int64_t g = 0; g < G; g++)
+        for (int64_t m = 0; m < Mp; m++) {
+            float acc = 0.0f;
+            for (int64_t k = g * gs; k < (g + 1) * gs; k++) {
+                uint32_t bits = (uint32_t)xp[m * K + k] << 16;
+                float v;
+                memcpy(&v, &bits, 4);
+                acc += v;
+            }
+            xs[g * Mp + m] = acc;
+        }
+    *xpo = xp, *xso = xs, *Mpo = Mp;
+    return 0;
+}
+
+static int q4_sizes_ok(int64_t M, int64_t N, int64_t K, int64_t gs, int64_t B) {
+    return M >= 1 && K % 32 == 0 && gs >= 32 && gs % 32 == 0 && K % gs == 0 && (B == 32 || B == 64) && N >= B &&
+           N % B == 0;
+}
+
+int q4_run(kw_slice_fn slice, const uint16_t *x, const uint8_t *q, const uint16_t *sz, uint16_t *out, int64_t M,
+           int64_t N, int64_t K, int64_t gs, int64_t B, int nthreads) {
+    if (!q4_sizes_ok(M, N, K, gs, B)) return -1;
+    uint16_t *xp;
+    float *xs;
+    int64_t Mp;
+    if (q4_prep(x, M, K, gs, &xp, &xs, &Mp)) return -2;
+    nthreads = kw_threads(nthreads);
+    q4amx_t a = {xp, q, sz, xs, out, M, Mp, N, K, gs, B, 0};
+    kw_run(slice, &a, nthreads);
+    return atomic_load(&a.fail) ? -2 : 0;
+}
+
+/* tot[m][c0 + c] += scale * cg[m][c] + (zero - 24 scale) * xs[g][m], rows mb..mb+R-1, channels c0..c0+31 of block b */
+static void q4v_fold(const q4amx_t *a, int64_t b, int64_t g, int64_t mb, int R, int64_t c0, const float *cg,
+                    float *tot) {
+    for (int64_t c = 0; c < 32; c += 16) {
+        __m512i r = _mm512_loadu_si512(a->sz + (g * a->N + b * a->B + c0 + c) * 2); /* 16 (scale, zero) pairs */
+        __m512 sc = _mm512_castsi512_ps(_mm512_slli_epi32(r, 16));
+        __m512 z = _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32((int)0xFFFF0000u)));
+        __m512 zf = _mm512_fnmadd_ps(_mm512_set1_ps(24.0f), sc, z); /* the codes entered as 16 + c */
+        for (int i = 0; i < R; i++) {
+            float *t = tot + (mb + i) * a->B + c0 + c;
+            __m512 v = _mm512_fmadd_ps(sc, _mm512_loadu_ps(cg + i * 32 + c), _mm512_loadu_ps(t));
+            _mm512_storeu_ps(t, _mm512_fmadd_ps(zf, _mm512_set1_ps(a->xs[g * a->Mp + mb + i]), v));
+        }
+    }
+}
+
+static void q4vec_slice(const void *arg, int t, int nthreads) {
+    q4amx_t *a = (q4amx_t *)arg;
+    int64_t b0, b1;
+    uint32_t *s;
+    float *cg, *tot;
+    int rc = q4_slice_start(a, t, nthreads, a->M, &b0, &b1, &s, &cg, &tot);
+    if (rc > 0) return;
+    if (rc < 0) {
+        atomic_store(&a->fail, 1);
+        return;
+    }
+    const int64_t K = a->K, B = a->B, gs = a->gs, K2 = K / 2;
+    static __thread kw_buf panel_b;
+    uint32_t *panel = kw_scratch(&panel_b, (size_t)(a->M * K2 * 4));
+    if (!panel) {
+        atomic_store(&a->fail, 1);
+        return;
+    }
+    x_panel(a->x, a->M, K, panel);
+    for (int64_t b = b0; b < b1; b++) {
+        memset(tot, 0, (size_t)(a->M * B) * 4);
+        for (int64_t k0 = 0; k0 < K; k0 += QKC) {
+            int64_t kc = K - k0 < QKC ? K - k0 : QKC;
+            q4_pack_pairs(a, b, k0, kc, s);
+            for (int64_t mb = 0; mb < a->M; mb += MB) {
+                int R = (int)(a->M - mb < MB ? a->M - mb : MB);
+                for (int64_t c0 = 0; c0 < B; c0 += 32)
+                    for (int64_t g0 = k0; g0 < k0 + kc; g0 += gs) {
+                        memset(cg, 0, (size_t)R * NT * 4); /* a group's sums start from zero */
+                        kw_micros[R](panel + mb * K2 + g0 / 2 * R, s + (g0 - k0) / 2 * B + c0, B, gs / 2, cg, NULL);
+                        q4v_fold(a, b, g0 / gs, mb, R, c0, cg, tot);
+                    }
+            }
+        }
+        for (int64_t m = 0; m < a->M; m++)
+            for (int64_t c = 0; c < B; c++) a->out[m * a->N + b * B + c] = f32_to_bf16(tot[m * B + c]);
+    }
+}
+
+/* kw_q4amx's product on the vector units (the caller checks avx512vbmi); q4_run's codes. */
+int kw_q4vec(const uint16_t *x, const uint8_t *q, const uint16_t *sz, uint16_t *out, int64_t M, int64_t N, int64_t K,
+             int64_t gs, int64_t B, int nthreads) {
+    return q4_run(q4vec_slice, x, q, sz, out, M, N, K, gs, B, nthreads);
+}

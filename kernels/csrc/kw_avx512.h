@@ -1,0 +1,95 @@
+/* What the AVX512-BF16 files share (the avx512 build only): the int8 / fp8 matmul's job and code conversion, the
+ * vdpbf16ps micro-kernels and x panel (gemm_int8_avx512.c) that the int4 vector kernel reuses, the AMX tile state
+ * (gemm_int8_amx.c) both tile kernels use, and the int4 paired-code scratch (gemm_int4_vbmi.c) both int4 kernels
+ * fill. */
+#ifndef KW_AVX512_H
+#define KW_AVX512_H
+
+#include <immintrin.h>
+
+#include "kw.h"
+
+/* ---- the int8 / fp8 matmul: out[m, n] = bf16( scale[n] * sum_k x[m, k] * w[n, k] ) (gemm_int8_avx512.c) ---- */
+typedef struct {
+    const uint16_t *x;
+    const int8_t *w;
+    const float *scale;
+    uint16_t *out;
+    int64_t M, N, K;
+    int fp8; /* w holds float8_e4m3fn codes, not int8 */
+    const uint32_t *xt; /* AMX only: x's bf16 pairs transposed in 16-row blocks, [Mp/16][K/2][16], zero beyond M;
+                         * NULL: no AMX */
+    int64_t Mp;         /* M rounded up to 16 */
+} job_t;
+
+#define NT 32 /* channels per tile (two zmm of 16) */
+#define MB 12 /* x rows per micro-kernel call: 24 accumulators + 2 weights + 1 broadcast */
+
+static inline __mmask32 tail_mask(int64_t left) { return left >= 32 ? 0xFFFFFFFFu : ((1u << left) - 1u); }
+
+/* 32 weight bytes -> 32 bf16, exactly: int8 codes as integers; float8_e4m3fn codes as their value / 256 (the
+ * bits shifted onto float16's, as kernels.quant.fp8_as_float16 does; the caller's scale carries the 256). */
+static inline __m512bh cvt_bytes(__m256i b, int fp8) {
+    __m512 lo, hi;
+    if (fp8) {
+        __m512i h = _mm512_and_si512(_mm512_slli_epi16(_mm512_cvtepi8_epi16(b), 7), _mm512_set1_epi16(~0x4000));
+        lo = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
+        hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
+    } else {
+        lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(b)));
+        hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b, 1)));
+    }
+    return _mm512_cvtne2ps_pbh(hi, lo); /* elements 0-15 from lo, 16-31 from hi */
+}
+
+static inline __m512bh cvt_w(const int8_t *p, __mmask32 m, int fp8) {
+    return cvt_bytes(_mm256_maskz_loadu_epi8(m, p), fp8);
+}
+
+/* The vector path over channels [n0, n1) for M > 1 (K even, >= 4): the AMX path's fallback without memory. */
+KW_INTERNAL void gemm_rows(const job_t *j, int64_t n0, int64_t n1);
+
+/* Micro-kernel of R rows (kw_micros[R], 1 <= R <= MB): x rows by kb2 k pairs of a weight tile (pair k2's NT channels
+ * at scratch + k2 * ws), added to acc_out (R rows of NT floats); x as a panel of its pairs (xp[k2 * R + r]). The
+ * pack job (NULL: none) lets the int8 kernel pack its next tile on the way; the sums are the same either way. */
+typedef struct pack_job pack_job;
+typedef void (*micro_fn)(const uint32_t *xp, const uint32_t *scratch, int64_t ws, int64_t kb2, float *acc_out,
+                         const pack_job *pj);
+KW_INTERNAL extern const micro_fn kw_micros[MB + 1];
+/* x's pairs in MB-row blocks, as the micro-kernels read them: block m at panel + m * K2, pair (m + r, k2) at
+ * k2 * R + r. */
+KW_INTERNAL void x_panel(const uint16_t *x, int64_t M, int64_t K, uint32_t *panel);
+
+/* ---- AMX tiles (gemm_int8_amx.c) ---- */
+KW_INTERNAL int amx_on(void);       /* kw_amx_enable(1) succeeded: the kernels may run tile instructions */
+KW_INTERNAL void amx_counted(void); /* one more call took the tiles (kw_amx_calls) */
+KW_INTERNAL void tiles_on(void);    /* this thread's eight tiles as 16 rows x 64 bytes; _tile_release() after */
+/* x's pairs transposed for the tiles when kw_gemm takes them (tiles on, M >= 2, K % 32 == 0), counted; else NULL */
+KW_INTERNAL const uint32_t *amx_pairs(const uint16_t *x, int64_t M, int64_t K, int64_t Mp);
+KW_INTERNAL void gemm_rows_amx(const job_t *j, int64_t n0, int64_t n1);
+
+/* ---- int4 in torch's CPU "halves" pack, as (16 + code) bf16 pairs (gemm_int4_vbmi.c, gemm_int4_amx.c) ---- */
+typedef struct {
+    const uint16_t *x; /* bf16 [Mp][K], zero rows beyond M */
+    const uint8_t *q;
+    const uint16_t *sz; /* bf16 [K / gs][N][2]: (scale, zero) */
+    const float *xs;    /* [K / gs][Mp]: each row's sum over each group */
+    uint16_t *out;
+    int64_t M, Mp, N, K, gs, B;
+    atomic_int fail;
+} q4amx_t;
+
+#define QKC 256 /* k per code scratch: 128 pairs x 64 channels x 4 bytes = 32 KiB */
+
+/* s[k2][c] = (16 + code[k0 + 2 k2][c], 16 + code[k0 + 2 k2 + 1][c]) as bf16, c < B, for kc k of block b. */
+KW_INTERNAL void q4_pack_pairs(const q4amx_t *a, int64_t b, int64_t k0, int64_t kc, uint32_t *s);
+/* Slice t's blocks of channels [*b0, *b1), this thread's code scratch, group sums and a float total of `rows` x B:
+ * 0; 1 when the slice is empty; -1 out of memory. */
+KW_INTERNAL int q4_slice_start(const q4amx_t *a, int t, int nthreads, int64_t rows, int64_t *b0, int64_t *b1,
+                               uint32_t **s, float **cg, float **tot);
+/* Both int4 entries: the sizes, x prepared, then `slice` over the blocks of channels. 0; -1 on sizes they do not
+ * take (K and gs multiples of 32, B 32 or 64, N a multiple of B); -2 out of memory. */
+KW_INTERNAL int q4_run(kw_slice_fn slice, const uint16_t *x, const uint8_t *q, const uint16_t *sz, uint16_t *out,
+                       int64_t M, int64_t N, int64_t K, int64_t gs, int64_t B, int nthreads);
+
+#endif /* KW_AVX512_H */
