@@ -24,8 +24,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from keepwarm.daemon.checkpoint import SAFETENSORS_DTYPES
 from keepwarm.formats.adapter import LoRAError, adapter_digest, read_adapter_dir
+from keepwarm.weights.checkpoint import SAFETENSORS_DTYPES
 
 log = logging.getLogger("keepwarm.daemon")
 

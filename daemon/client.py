@@ -1,4 +1,9 @@
-"""Talking to the daemon: a small synchronous client, and starting a daemon when none answers."""
+"""Talking to the daemon: a small synchronous client, and starting a daemon when none answers.
+
+The worker reaches the daemon through this module only (an import-linter contract): what it needs of the
+protocol comes back as the client's replies and ``DaemonError``, and the lease rule it shares with the daemon
+(``pid_alive``: a zombie holds no lease) lives here.
+"""
 
 from __future__ import annotations
 
@@ -11,21 +16,21 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import msgpack
+import psutil
 import zmq
 
 from keepwarm.daemon.protocol import (
-    PROTOCOL_VERSION,
     AdapterReply,
     AttachReply,
     LoadReply,
-    ProtocolError,
     R,
+    decode_answer,
     decode_reply,
-    encode,
+    encode_request,
 )
 from keepwarm.formats import paths
 from keepwarm.formats.layout import Layout
+from keepwarm.formats.wire import ProtocolError
 
 ProgressCallback = Callable[[dict[str, Any]], None]
 
@@ -122,11 +127,15 @@ class DaemonClient:
         rid = f"{os.getpid()}-{next(self._ids)}"
         sock = self._socket()
         self._drain_disconnects()
-        sock.send(encode({"v": PROTOCOL_VERSION, "id": rid, "verb": verb, "args": args or {}}))
+        try:
+            frame = encode_request(rid, verb, args or {})
+        except ProtocolError as e:  # a request the daemon would refuse unread (too big): refused here, as it would be
+            raise DaemonError(e.code, e.message) from None
+        sock.send(frame)
         wait = self.timeout if timeout is None else timeout
         while True:
             self._wait(sock, verb, wait)
-            msg = msgpack.unpackb(sock.recv(), raw=False)
+            msg = decode_answer(sock.recv())
             if msg.get("id") != rid:
                 continue  # a late answer to an earlier, timed-out request
             if "event" in msg:
@@ -242,3 +251,18 @@ def ensure_daemon(runtime_dir: Path | None = None, memory_budget: str | None = N
         return client, False
     client.close()
     return start_daemon(runtime_dir, memory_budget, device), True
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether ``pid`` can hold a lease: it exists and is not a zombie (killed, not yet reaped by its parent). The
+    daemon drops the leases of pids that are not; a lease keeper stops renewing for its worker by the same rule."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False

@@ -31,8 +31,9 @@ from keepwarm.formats.arena import (
     dtype_from_name,
     pwrite_all,
 )
+from keepwarm.formats.errors import QuantizationError
 from keepwarm.formats.packed import BATCH_HINT, LEGACY_HINTS, packed_layout
-from keepwarm.formats.quant import LAYOUT_MKLDNN_PACKED, QuantizationError, QuantMeta, cpu_int4_layout
+from keepwarm.formats.quant import LAYOUT_MKLDNN_PACKED, QuantMeta, cpu_int4_layout
 
 CHUNK = 1 << 20  # still in cache when hashed (see snapshot/store.py's CHUNK)
 

@@ -1,7 +1,7 @@
 """Load jobs: making a model resident off the socket loop, one thread per job.
 
 One job type for both ways in: ``preload`` (read the checkpoint, quantize, pack into a new arena; for N
-tensor-parallel ranks, N shard arenas in the same pass: :mod:`keepwarm.daemon.shards`) and ``load_image`` (copy a
+tensor-parallel ranks, N shard arenas in the same pass: :mod:`keepwarm.weights.shards`) and ``load_image`` (copy a
 snapshot's arena image into a new arena and check its digest; nothing is re-quantized). The socket loop
 creates a job, adds every request waiting on the same key to ``waiters``, forwards progress (``bytes_done``) and,
 once ``done`` is set, makes ``result`` resident and answers the waiters (``error`` is their answer on failure).
@@ -25,19 +25,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from keepwarm.daemon.checkpoint import Checkpoint
 from keepwarm.daemon.image import ImageError, check_cpu_layouts, check_gaps_zero, fill_cpu, fill_cuda, image_size
-from keepwarm.daemon.loader import build_arena, plan_arena, resolve_dtype
-from keepwarm.daemon.protocol import ProtocolError
 from keepwarm.daemon.residency import Residency, Resident
-from keepwarm.daemon.sharding import TensorParallelError
-from keepwarm.daemon.shards import build_shards
 from keepwarm.formats import paths
 from keepwarm.formats.arena import ArenaManifest, CpuArenaFile, CudaArena
+from keepwarm.formats.errors import QuantizationError
 from keepwarm.formats.layout import describe_sizes
 from keepwarm.formats.model_config import ModelConfigError
-from keepwarm.formats.quant import QuantizationError
+from keepwarm.formats.wire import ProtocolError
 from keepwarm.kernels.cpu_malloc import release_freed_memory
+from keepwarm.weights.checkpoint import Checkpoint
+from keepwarm.weights.loader import build_arena, plan_arena, resolve_dtype
+from keepwarm.weights.sharding import TensorParallelError
+from keepwarm.weights.shards import build_shards
 
 log = logging.getLogger("keepwarm.daemon")
 

@@ -8,12 +8,11 @@ the worker detaches, and when its arena is evicted. Residency never evicts a mod
 from __future__ import annotations
 
 import logging
-import os
 import secrets
 import time
 from dataclasses import dataclass
 
-import psutil
+from keepwarm.daemon.client import pid_alive
 
 log = logging.getLogger("keepwarm.daemon")
 
@@ -74,15 +73,3 @@ class Leases:
                 self.counters["leases_dropped"] += 1
                 log.info("lease %s dropped: %s", lease_id, reason)
 
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie (killed, not yet reaped by its parent) holds no lease
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False

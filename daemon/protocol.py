@@ -1,9 +1,9 @@
-"""The daemon's wire protocol: versioned, typed messages encoded with msgpack (never pickle).
+"""The daemon's wire protocol: versioned, typed messages in keepwarm.formats.wire's frames (msgpack, never pickle).
 
 A request is ``{"v": PROTOCOL_VERSION, "id": str, "verb": str, "args": {...}}``. The daemon answers with zero or
 more events (``{"v", "id", "event": "progress", ...}``) and then one reply: ``{"v", "id", "ok": true, ...}`` or
 ``{"v", "id", "ok": false, "error": {"code", "message"}}``. Each verb's arguments are a frozen dataclass; unknown
-fields, missing fields and wrong types are rejected with code ``bad_request``.
+fields, missing fields and wrong types are rejected with code ``bad_request`` (``REQUESTS``, a strict codec).
 
 Replies that code reads field by field are frozen dataclasses too (``AttachReply``, ``LoadReply``,
 ``AdapterReply``): the daemon builds them, ``decode_reply`` (called by the client, the one place replies are
@@ -14,23 +14,13 @@ daemon may add some). ``status`` and ``list`` replies stay maps: they are shown 
 from __future__ import annotations
 
 import dataclasses
-import typing
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-import msgpack
+from keepwarm.formats.wire import MAX_FRAME_BYTES, Codec, ProtocolError, decode_fields, pack, unpack
 
 PROTOCOL_VERSION = 1
-MAX_MESSAGE_BYTES = 1 << 20
-
-
-class ProtocolError(Exception):
-    """A request the daemon refuses; ``code`` is machine-readable, ``message`` one line for humans."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
+MAX_MESSAGE_BYTES = MAX_FRAME_BYTES
 
 
 @dataclass(frozen=True)
@@ -105,70 +95,33 @@ VERBS: dict[str, type] = {
 }
 
 
-def _type_ok(value: Any, hint: Any) -> bool:
-    origin = typing.get_origin(hint)
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
-        return any(_type_ok(value, h) for h in typing.get_args(hint))
-    if origin is not None:  # dict[str, Any], list[...]: the container's type (its items are the reader's concern)
-        return isinstance(value, origin)
-    if hint is type(None):
-        return value is None
-    if hint is bool:
-        return isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if hint is float:
-        return isinstance(value, int | float) and not isinstance(value, bool)
-    return isinstance(value, hint)
-
-
-def parse_args(verb: str, args: Any) -> Any:
-    cls = VERBS.get(verb)
-    if cls is None:
-        raise ProtocolError("unknown_verb", f"unknown verb {verb!r} (known: {', '.join(sorted(VERBS))})")
-    if not isinstance(args, dict):
-        raise ProtocolError("bad_request", f"{verb}: args must be a map")
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(args) - set(fields))
-    if unknown:
-        raise ProtocolError("bad_request", f"{verb}: unknown field(s) {', '.join(map(repr, unknown))}")
-    for name, f in fields.items():
-        if name not in args:
-            if f.default is dataclasses.MISSING:
-                raise ProtocolError("bad_request", f"{verb}: missing field {name!r}")
-            continue
-        if not _type_ok(args[name], hints[name]):
-            raise ProtocolError("bad_request", f"{verb}: field {name!r} must be {hints[name]}, "
-                                               f"got {type(args[name]).__name__}")
-    return cls(**args)
+REQUESTS = Codec("daemon", PROTOCOL_VERSION, VERBS, tag="verb", body="args", strict=True, code="bad_request",
+                 max_bytes=MAX_MESSAGE_BYTES)
 
 
 def encode(message: dict[str, Any]) -> bytes:
-    return msgpack.packb(message, use_bin_type=True)
+    """A reply or event map as a frame's bytes."""
+    return pack(message)
+
+
+def encode_request(rid: str, verb: str, args: dict[str, Any]) -> bytes:
+    """A request's frame; its arguments are the daemon's to check (a refusal comes back as a reply)."""
+    return REQUESTS.frame(verb, args, id=rid)
 
 
 def decode_request(raw: bytes) -> tuple[str, str, Any]:
     """(request id, verb, typed args); raises ProtocolError for anything malformed."""
-    if len(raw) > MAX_MESSAGE_BYTES:
-        raise ProtocolError("bad_request", f"message of {len(raw)} bytes exceeds {MAX_MESSAGE_BYTES}")
-    try:
-        msg = msgpack.unpackb(raw, raw=False, strict_map_key=True)
-    except Exception:  # msgpack raises several unrelated types for garbage
-        raise ProtocolError("bad_request", "message is not valid msgpack") from None
-    if not isinstance(msg, dict):
-        raise ProtocolError("bad_request", "message must be a map")
-    version = msg.get("v")
-    if version != PROTOCOL_VERSION or isinstance(version, bool):  # True == 1 in Python, not on the wire
-        raise ProtocolError("version_mismatch",
-                            f"message has protocol version {version!r}; this daemon speaks {PROTOCOL_VERSION}")
+    msg = REQUESTS.unpack(raw)
     rid = msg.get("id", "")
     if not isinstance(rid, str):
         raise ProtocolError("bad_request", "id must be a string")
-    verb = msg.get("verb")
-    if not isinstance(verb, str):
-        raise ProtocolError("bad_request", "verb must be a string")
-    return rid, verb, parse_args(verb, msg.get("args", {}))
+    verb, args = REQUESTS.message(msg)
+    return rid, verb, args
+
+
+def decode_answer(raw: bytes) -> dict[str, Any]:
+    """An event or reply map as the client reads it (its fields are checked by ``decode_reply``)."""
+    return unpack(raw)
 
 
 def reply_ok(rid: str, **fields: Any) -> dict[str, Any]:
@@ -255,27 +208,8 @@ class AdapterReply(Reply):
 
 
 R = TypeVar("R", bound=Reply)
-T = TypeVar("T")
 
 
 def decode_reply(cls: type[R], msg: dict[str, Any]) -> R:
     """The typed reply in ``msg`` (an ``ok`` reply); ProtocolError ``bad_reply`` naming the field if it is not."""
-    return decode_fields(cls, msg)
-
-
-def decode_fields(cls: type[T], msg: dict[str, Any], code: str = "bad_reply") -> T:
-    """The frozen dataclass ``cls`` from the map ``msg``: every field present (or defaulted) and of its declared
-    type, extra keys ignored (a newer peer may add some); ProtocolError ``code`` naming the field otherwise. Also
-    used by the server's supervisor messages (keepwarm.worker.api.ipc)."""
-    hints = typing.get_type_hints(cls)
-    values = {}
-    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
-        if f.name not in msg:
-            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                raise ProtocolError(code, f"{cls.__name__}: missing field {f.name!r}")
-            continue
-        if not _type_ok(msg[f.name], hints[f.name]):
-            raise ProtocolError(code, f"{cls.__name__}: field {f.name!r} must be {hints[f.name]}, "
-                                      f"got {type(msg[f.name]).__name__}")
-        values[f.name] = msg[f.name]
-    return cls(**values)
+    return decode_fields(cls, msg, "bad_reply")

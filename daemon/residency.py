@@ -26,8 +26,6 @@ import torch
 
 from keepwarm.daemon.adapters import AdapterStore, write_file_atomic
 from keepwarm.daemon.leases import Leases
-from keepwarm.daemon.loader import checkpoint_changed
-from keepwarm.daemon.protocol import ProtocolError
 from keepwarm.formats.arena import (
     ArenaManifest,
     CpuArenaFile,
@@ -36,6 +34,8 @@ from keepwarm.formats.arena import (
     iter_manifest_files,
 )
 from keepwarm.formats.layout import Layout
+from keepwarm.formats.wire import ProtocolError
+from keepwarm.weights.loader import checkpoint_changed
 
 WHOLE = Layout()
 

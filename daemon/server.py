@@ -1,28 +1,21 @@
 """The keepwarm daemon: the socket loop and its verbs. It keeps models resident and hands them to workers.
 
 One thread runs the socket loop (a pyzmq ROUTER on ``ipc://$KEEPWARM_RUNTIME_DIR/daemon.sock``), so ``status``
-answers at once even while a model loads. The rooms around it: ``jobs`` (a thread per preload or image load,
-progress through shared counters that the loop forwards to the clients waiting on it), ``residency`` (the resident
-arenas, the memory budget, eviction, adoption after a crash) and ``leases`` (who holds what).
-
-Rules:
-- Peers must have our uid (``IPC_FILTER_UID``, enforced by the kernel's SO_PEERCRED) and the socket lives in a
-  0700 directory. Messages are msgpack (see ``protocol.py``), never pickle.
+answers at once even while a model loads. The rooms around it (loads, jobs, residency, leases) and what each owns:
+docs/architecture.md, "The daemon"; the weights are read, converted and packed by keepwarm.weights. Rules:
+- Peers must have our uid (``IPC_FILTER_UID``: SO_PEERCRED), in a 0700 directory; messages are msgpack, never pickle.
 - Only this loop touches residency, leases and the job table; job threads touch their own job and files.
-- ``load_image`` makes a model resident from an arena image (a snapshot's blob): the bytes are copied into a new
-  arena and checked against the manifest's ``arena_digest``; nothing is re-quantized and the checkpoint is not read.
-  Models it would evict for the memory budget are evicted only once the new arena checked out.
-- A failed operation leaves nothing resident: ``load_adapter`` checks what needs no model before it writes a byte
-  (``adapters.py``), a failed preload or image load removes every file its job made (``jobs.py``); no ``status``
-  entry, no file in the arena directory, nothing a restarted daemon re-adopts.
+- ``load_image`` copies a snapshot's arena image into a new arena, checked against the manifest's ``arena_digest``
+  (nothing re-quantized, no checkpoint read); models it evicts for the budget go only once the new arena checked out.
+- A failed operation leaves nothing resident (no ``status`` entry, no arena file, nothing a restarted daemon
+  re-adopts): ``adapters.py`` checks before it writes a byte, ``jobs.py`` removes every file a failed job made.
 - A clean shutdown (``shutdown`` verb, SIGTERM, SIGINT) removes every arena and the arena directory.
-- A CPU daemon pays a preload's one-time costs (the packing probe, the native library: ``loader.warm_up``) at
-  start, in a thread that touches only those process-wide caches, so its first preload does not.
+- A CPU daemon pays a preload's one-time costs (the packing probe, the native library: ``weights.loader.warm_up``)
+  at start, in a thread that touches only those process-wide caches, so its first preload does not.
 """
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import logging
 import os
@@ -39,13 +32,9 @@ import torch
 import zmq
 
 from keepwarm.daemon.adapters import AdapterStore
-from keepwarm.daemon.checkpoint import Checkpoint
-from keepwarm.daemon.image import ImageError, check_device, image_size
-from keepwarm.daemon.jobs import JobKey, LoadJob, image_job, load_error_code, preload_job, shard_job
 from keepwarm.daemon.leases import Leases
-from keepwarm.daemon.loader import plan_arena, resolve_dtype, warm_up
+from keepwarm.daemon.loads import Loads, resolve_model, waiter_arena
 from keepwarm.daemon.protocol import (
-    PROTOCOL_VERSION,
     AdapterReply,
     AttachArgs,
     AttachReply,
@@ -55,16 +44,14 @@ from keepwarm.daemon.protocol import (
     LoadImageArgs,
     LoadReply,
     PreloadArgs,
-    ProtocolError,
     UnloadAdapterArgs,
     decode_request,
     encode,
-    event,
+    encode_request,
     reply_error,
     reply_ok,
 )
-from keepwarm.daemon.residency import WHOLE, Residency, Resident, parse_memory_budget
-from keepwarm.daemon.sharding import TensorParallelError, check_pipeline, check_supported
+from keepwarm.daemon.residency import Residency, Resident, parse_memory_budget
 from keepwarm.formats import paths
 from keepwarm.formats.adapter import LoRAError
 from keepwarm.formats.arena import (
@@ -72,13 +59,12 @@ from keepwarm.formats.arena import (
     CudaArena,
     cuda_device_by_uuid,
     cuda_uuid,
-    dtype_name,
 )
-from keepwarm.formats.layout import Layout, describe_sizes
-from keepwarm.formats.model_config import ModelConfigError
-from keepwarm.formats.quant import QuantizationError
+from keepwarm.formats.layout import Layout
 from keepwarm.formats.version import __version__
+from keepwarm.formats.wire import ProtocolError
 from keepwarm.kernels.cpu_malloc import keep_freed_memory
+from keepwarm.weights.loader import warm_up
 
 log = logging.getLogger("keepwarm.daemon")
 
@@ -94,7 +80,6 @@ class Daemon:
         self.memory_budget = parse_memory_budget(memory_budget, self.device)
         self.lease_ttl = lease_ttl
         self.threads = threads
-        self.jobs: dict[JobKey, LoadJob] = {}
         self.counters = {"preloads": 0, "preload_bytes_read": 0, "adopted": 0, "attaches": 0, "evictions": 0,
                          "leases_dropped": 0, "images_loaded": 0, "rejected_requests": 0, "adapter_file_reads": 0,
                          "adapter_loads": 0}
@@ -105,10 +90,8 @@ class Daemon:
         self.adapters = AdapterStore(self.arena_dir)
         self.leases = Leases(lease_ttl, self.counters)
         self.residency = Residency(self.arena_dir, self.device, self.memory_budget, threads, self.adapters,
-                                   self.leases, self.counters, lambda: sum(j.arena_bytes for j in self.jobs.values()))
-        # A preload thread writes a byte here when it finishes, waking the socket loop at once.
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
+                                   self.leases, self.counters, lambda: self.loads.building_bytes())
+        self.loads = Loads(self.residency, self.device_name)
 
     @staticmethod
     def _pick_device(name: str) -> torch.device:
@@ -158,7 +141,7 @@ class Daemon:
                  "none" if self.memory_budget is None else f"{self.memory_budget / 1e9:.2f} GB")
         poller = zmq.Poller()
         poller.register(router, zmq.POLLIN)
-        poller.register(self._wake_r, zmq.POLLIN)
+        poller.register(self.loads.wake_fd, zmq.POLLIN)
         # Under systemd (Type=notify), READY=1 goes out only once a `status` sent through the socket, exactly
         # as a client sends it, has been answered by this loop: units ordered After= us can use us at once.
         probe: zmq.Socket | None = None
@@ -166,7 +149,7 @@ class Daemon:
             probe = ctx.socket(zmq.DEALER)
             probe.setsockopt(zmq.LINGER, 0)
             probe.connect(paths.endpoint(self.runtime_dir))
-            probe.send(encode({"v": PROTOCOL_VERSION, "id": "sd-ready-probe", "verb": "status", "args": {}}))
+            probe.send(encode_request("sd-ready-probe", "status", {}))
             poller.register(probe, zmq.POLLIN)
         last_reap = last_progress = time.monotonic()
         try:
@@ -185,9 +168,8 @@ class Daemon:
                         except zmq.Again:
                             break
                         self._handle(router, frames)
-                if self._wake_r in events:
-                    with contextlib.suppress(BlockingIOError):
-                        os.read(self._wake_r, 4096)
+                if self.loads.wake_fd in events:
+                    self.loads.woken()
                 now = time.monotonic()
                 self._finish_jobs(router)
                 if now - last_progress >= PROGRESS_INTERVAL_S:
@@ -209,8 +191,8 @@ class Daemon:
 
     @staticmethod
     def _warm_up() -> None:
-        """A CPU daemon's one-time costs (``loader.warm_up``) paid at start, beside the socket loop, not inside the
-        first preload; a failure here only logs: the preload then pays them, or says what fails."""
+        """A CPU daemon's one-time costs (``weights.loader.warm_up``) paid at start, beside the socket loop, not
+        inside the first preload; a failure here only logs: the preload then pays them, or says what fails."""
         try:
             log.info("warm-up: the packing probe, native kernels and hashes ready in %.2fs", warm_up())
         except Exception as e:  # noqa: BLE001 - the first preload meets the same failure and reports it
@@ -221,14 +203,8 @@ class Daemon:
         self._stop = True
 
     def shutdown_cleanup(self) -> None:
-        for job in self.jobs.values():
-            job.done.wait()
+        self.loads.wait_all()
         self.residency.clear()
-
-    def _job_ended(self) -> None:
-        """Called by a job thread as it ends: wake the socket loop to answer its waiters at once."""
-        with contextlib.suppress(OSError):
-            os.write(self._wake_w, b"x")
 
     # -- dispatch --------------------------------------------------------------------------------------------------
     def _handle(self, router: zmq.Socket, frames: list[bytes]) -> None:
@@ -250,16 +226,6 @@ class Daemon:
         if reply is not None:
             router.send_multipart([identity, encode(reply)])
 
-    def _resolve_model(self, model: str, quantization: str, dtype: str) -> tuple[Checkpoint, tuple[str, str, str]]:
-        try:
-            ckpt = Checkpoint(model)
-            quantization = ckpt.resolve_quantization(quantization)
-            target = resolve_dtype(ckpt, dtype)
-        except (QuantizationError, ModelConfigError) as e:
-            code = "bad_quantization" if isinstance(e, QuantizationError) else "bad_model"
-            raise ProtocolError(code, str(e)) from None
-        return ckpt, (str(ckpt.model_dir), quantization, dtype_name(target))
-
     def _model_info(self, r: Resident) -> dict[str, Any]:
         m = r.manifest
         leases = self.leases.holders(m.fingerprint)
@@ -278,8 +244,7 @@ class Daemon:
                         adapters=[e.info() for e in self.adapters.entries.values()],
                         uptime_s=round(time.time() - self.started_at, 3), counters=dict(self.counters),
                         models=[self._model_info(r) for r in self.residency.residents.values()],
-                        loading=[{"model": j.key[0], "quantization": j.quantization, "bytes_done": j.bytes_done,
-                                  "bytes_total": j.total_bytes} for j in self.jobs.values()],
+                        loading=self.loads.loading(),
                         leases=len(self.leases))
 
     def _verb_list(self, _identity: bytes, rid: str, _args: Any) -> dict:
@@ -315,8 +280,9 @@ class Daemon:
         return reply_ok(rid, leases=len(self.leases))
 
     def _verb_preload(self, identity: bytes, rid: str, args: PreloadArgs) -> dict | None:
-        return self._load_or_wait(identity, rid, "preload", args, args.model, args.quantization, args.dtype,
-                                  args.fingerprint, self._layout(Layout(0, args.tp_size, 0, args.pp_size)))
+        r = self.loads.load_or_wait((identity, rid, "preload", args), args.model, args.quantization, args.dtype,
+                                    args.fingerprint, self._layout(Layout(0, args.tp_size, 0, args.pp_size)))
+        return None if r is None else self._done_reply(rid, "preload", args, r, cached=True)
 
     def _layout(self, layout: Layout) -> Layout:
         """``layout`` checked: shard arenas are built by CPU daemons only."""
@@ -337,14 +303,15 @@ class Daemon:
             if args.fingerprint:  # no checkpoint needed (a snapshot's restored model directory has no weights)
                 r = self.residency.find(("", "", ""), args.fingerprint, layout)
             else:
-                _, key = self._resolve_model(args.model, args.quantization, args.dtype)
+                _, key = resolve_model(args.model, args.quantization, args.dtype)
                 r = self.residency.find(key, None, layout)
             if r is None:
                 shard = "" if layout.whole else f", {layout}"
                 raise ProtocolError("not_resident", f"{args.model} ({args.quantization}{shard}) is not resident")
             return self._attach_reply(rid, r, args, cached=True)
-        return self._load_or_wait(identity, rid, "attach", args, args.model, args.quantization, args.dtype,
-                                  args.fingerprint, layout)
+        r = self.loads.load_or_wait((identity, rid, "attach", args), args.model, args.quantization, args.dtype,
+                                    args.fingerprint, layout)
+        return None if r is None else self._done_reply(rid, "attach", args, r, cached=True)
 
     def _attach_reply(self, rid: str, r: Resident, args: AttachArgs, cached: bool) -> dict:
         lease = self.leases.grant(args.pid, r.manifest.fingerprint)
@@ -404,71 +371,10 @@ class Daemon:
             raise ProtocolError("bad_request", "load_image: the image path must be absolute")
         if args.sha256 is not None and not re.fullmatch(r"[0-9a-f]{64}", args.sha256):
             raise ProtocolError("bad_request", "load_image: sha256 must be 64 lowercase hex digits")
-        try:
-            check_device(manifest, self.device)  # the CPU layouts are checked in the job's thread
-            size = image_size(manifest, image)
-        except ImageError as e:
-            raise ProtocolError(e.code, e.message) from None
-        key = (manifest.model, f"image:{manifest.fingerprint}", manifest.dtype, 1, 1)
-        job = self.jobs.get(key)
-        if job is None:
-            arena_bytes = size if self.device.type == "cpu" else manifest.total_bytes
-            self.residency.room_plan(arena_bytes, manifest.model_name)  # refuse now if it can never fit
-            job = image_job(key, manifest, image, arena_bytes, self.residency, args.sha256)
-            self.jobs[key] = job
-            job.start(f"image-{manifest.fingerprint[:12]}", self._job_ended)
-        job.waiters.append((identity, rid, "load_image", args))
+        self.loads.load_image((identity, rid, "load_image", args), manifest, image, args.sha256)
         return None  # answered when the job finishes
 
-    # -- loading ---------------------------------------------------------------------------------------------------
-    def _load_or_wait(self, identity: bytes, rid: str, verb: str, args: Any, model: str, quantization: str,
-                      dtype: str, fingerprint: str | None, layout: Layout = WHOLE) -> dict | None:
-        """Answer from a resident arena (a split ``layout``: that shard), or wait on the job that builds it."""
-        if fingerprint:
-            r = self.residency.find(("", "", ""), fingerprint, layout)
-            if r is not None:
-                return self._done_reply(rid, verb, args, r, cached=True)
-        try:
-            ckpt, model_key = self._resolve_model(model, quantization, dtype)
-        except ProtocolError as e:  # e.g. a restored snapshot's directory: the weights exist only as its arenas
-            other = self._resident_layouts(fingerprint) if fingerprint else ""
-            if e.code != "bad_model" or not other or not fingerprint:
-                raise
-            wanted = "one arena" if layout.whole else f"the shard of {layout}"
-            raise ProtocolError("tensor_parallel", f"{Path(model).name} (fingerprint {fingerprint[:16]}) is "
-                                                   f"resident as {other}, not as {wanted}, and its checkpoint cannot "
-                                                   f"be read to cut that ({e.message}); serve it with the "
-                                                   "tensor-parallel size it was preloaded or snapshotted with"
-                                ) from None
-        r = self.residency.find(model_key, fingerprint, layout)
-        if r is not None:
-            return self._done_reply(rid, verb, args, r, cached=True)
-        key: JobKey = (*model_key, *layout.sizes)
-        job = self.jobs.get(key)
-        if job is None:
-            try:
-                _, total = plan_arena(ckpt, key[1], resolve_dtype(ckpt, dtype), self.device.type)
-                if layout.tp_size > 1:
-                    check_supported(ckpt.config, layout.tp_size)
-                check_pipeline(ckpt.config, layout.pp_size)
-            except (QuantizationError, ModelConfigError, TensorParallelError) as e:
-                raise ProtocolError(load_error_code(e), str(e)) from None
-            self.residency.make_room(total, ckpt.model_dir.name)
-            if not layout.whole:
-                job = shard_job(key, ckpt, dtype, total, fingerprint, self.residency)
-            else:
-                job = preload_job(key, ckpt, dtype, total, fingerprint, self.residency, self.device_name)
-            self.jobs[key] = job
-            job.start(f"preload-{ckpt.model_dir.name}", self._job_ended)
-        job.waiters.append((identity, rid, verb, args))
-        return None  # answered when the job finishes
-
-    def _resident_layouts(self, fingerprint: str) -> str:
-        """How the model of ``fingerprint`` is resident ("one arena", "2 tensor-parallel shards"), or ""."""
-        sizes = sorted({r.manifest.layout.sizes for r in self.residency.residents.values()
-                        if r.manifest.model_fingerprint == fingerprint})
-        return " and ".join(describe_sizes(*n) for n in sizes)
-
+    # -- answers -----------------------------------------------------------------------------------------------------
     def _done_reply(self, rid: str, verb: str, args: Any, r: Resident, cached: bool) -> dict:
         m = r.manifest
         if getattr(args, "fingerprint", None) and m.model_fingerprint != args.fingerprint:
@@ -487,43 +393,21 @@ class Daemon:
         return reply_ok(rid, **LoadReply(cached=cached, shards=shards, **self._model_info(r)).to_dict())
 
     def _finish_jobs(self, router: zmq.Socket) -> None:
-        for key, job in list(self.jobs.items()):
-            if not job.done.is_set():
-                continue
-            del self.jobs[key]
-            made: list[Resident] = []
+        for (identity, rid, verb, args), made, error in self.loads.finished():
             try:
-                for i, r in enumerate(job.result or []):
-                    if job.kind == "image":
-                        made.append(self.residency.add_image(r, job.arena_bytes))
-                    else:
-                        made.append(self.residency.add_preloaded(r, job.total_bytes, count=i == 0))
-            except ProtocolError as e:  # the image no longer fits the budget (its arena is dropped)
-                job.error = e
-            for identity, rid, verb, args in job.waiters:
-                try:
-                    if job.error is not None:
-                        raise job.error
-                    # a shard job's waiters each get their (stage, rank)'s arena (a preload's waiter: the first)
-                    want = (getattr(args, "pp_stage", 0), getattr(args, "tp_rank", 0))
-                    r = made[0] if len(made) == 1 else \
-                        next(x for x in made if (x.manifest.pp_stage, x.manifest.tp_rank) == want)
-                    reply = self._done_reply(rid, verb, args, r, cached=False)
-                except ProtocolError as e:
-                    reply = reply_error(rid, e.code, e.message)
-                except Exception as e:  # a bug answers its waiter; it must not leave it waiting
-                    log.error("internal error answering %s: %s\n%s", verb, e, traceback.format_exc())
-                    reply = reply_error(rid, "internal", f"{type(e).__name__}: {e}")
-                router.send_multipart([identity, encode(reply)])
+                if error is not None:
+                    raise error
+                reply = self._done_reply(rid, verb, args, waiter_arena(made, args), cached=False)
+            except ProtocolError as e:
+                reply = reply_error(rid, e.code, e.message)
+            except Exception as e:  # a bug answers its waiter; it must not leave it waiting
+                log.error("internal error answering %s: %s\n%s", verb, e, traceback.format_exc())
+                reply = reply_error(rid, "internal", f"{type(e).__name__}: {e}")
+            router.send_multipart([identity, encode(reply)])
 
     def _send_progress(self, router: zmq.Socket) -> None:
-        for job in self.jobs.values():
-            elapsed = time.monotonic() - job.started
-            for identity, rid, _verb, _args in job.waiters:
-                router.send_multipart([identity, encode(event(
-                    rid, "progress", model=job.key[0], bytes_done=job.bytes_done, bytes_total=job.total_bytes,
-                    seconds=round(elapsed, 3)))])
-
+        for identity, progress in self.loads.progress():
+            router.send_multipart([identity, encode(progress)])
 
 def sd_notify(state: str) -> bool:
     """Tell systemd (Type=notify) our state, when it started us; a no-op otherwise.

@@ -6,8 +6,10 @@
 - ``model_config``: ``ModelConfig`` from a checkpoint's ``config.json``.
 - ``adapter``: a LoRA adapter directory on disk and its identity (``adapter_digest``).
 - ``paths``: the daemon's runtime and shared-memory directories, keepwarm's data home.
-- ``version``: keepwarm's version.
+- ``wire``: the one codec of every process boundary (typed frozen dataclasses <-> msgpack frames).
+- ``errors``: errors more than one of these modules raises (``QuantizationError``); ``version``: keepwarm's version.
 
-Rule: modules here import nothing from keepwarm outside ``keepwarm.formats`` (torch, numpy and the standard
-library only), so every other package can depend on them; the import-linter contract in pyproject.toml checks it.
+Rule: modules here import nothing from keepwarm outside ``keepwarm.formats`` (torch, numpy, msgpack and the
+standard library only), so every other package can depend on them; the import-linter contract in pyproject.toml
+checks it. ``wire`` imports no torch: the process side that must not load torch uses it.
 """

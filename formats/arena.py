@@ -1,19 +1,14 @@
 """The arena: one contiguous buffer per resident model, and the manifest that maps tensors into it.
 
-Layout: every tensor (plain weights, and each part of a quantized weight) sits at an offset aligned to
-``ALIGN`` bytes, in the order of the checkpoint's fusion plan. The manifest (JSON) names each tensor's
-offset, dtype and shape, the quantization metadata, the model's config files, and two digests:
-
+Every tensor (plain weights, and each part of a quantized weight) sits at an offset aligned to ``ALIGN`` bytes, in
+the order of the checkpoint's fusion plan. The manifest (JSON) names each tensor's offset, dtype and shape, the
+quantization metadata, the model's config files, and two digests (in full: docs/architecture.md, "Data path"):
 - ``fingerprint``: sha256 over the checkpoint's tensor bytes as read from disk (per-part digests, in plan
   order), the quantization scheme, the dtype and ``LAYOUT_VERSION``. It identifies *what* is resident.
-- ``arena_digest``: a tree hash of the arena's own bytes, scheme ``arena_digest_scheme``: sha256 over the label
-  ``arena`` and each entry's leaf digest, in manifest order. The leaves are BLAKE3 (``blake3-tensors``, what this
-  keepwarm writes: 3x sha256's speed on one core, so the arena pass of a preload, a snapshot create and an image
-  load costs a third) or sha256 (``sha256-tensors``: arenas and snapshot images written before; manifests without
-  the field are these). Both are read and checked; any other scheme is refused, naming it. Per-entry leaves let
-  every entry hash on its own thread, a preload hash each entry as its bytes are read or placed, and a copy or
-  download feed it chunk by chunk (:class:`ArenaHasher`), so no one re-reads an arena to hash it. A restarted
-  daemon re-adopts an arena only when its bytes still hash to this.
+- ``arena_digest``: a tree hash of the arena's own bytes, one leaf per entry (``arena_digest_scheme``: BLAKE3
+  leaves now, sha256 in older arenas and images; both are checked, any other scheme is refused naming it), fed
+  chunk by chunk as bytes are read or copied (:class:`ArenaHasher`), so no one re-reads an arena to hash it. A
+  restarted daemon re-adopts an arena only when its bytes still hash to this.
 
 CPU arenas are files in a 0700 tmpfs directory, mapped read-only by workers. CUDA arenas are one device
 allocation exported as one IPC handle (see ``CudaArena``).
@@ -35,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from blake3 import blake3
 
 from keepwarm.formats.layout import Layout
 
@@ -96,7 +92,7 @@ class ArenaManifest:
     keepwarm_version: str = ""
     arena_digest_scheme: str = ARENA_DIGEST_SCHEME
     # A shard holds tensor-parallel rank ``tp_rank``'s part (of ``tp_size``) of pipeline stage ``pp_stage``'s weights
-    # (of ``pp_size``), by the rules of ``keepwarm.daemon.sharding``; ``source_fingerprint`` is then the whole
+    # (of ``pp_size``), by the rules of ``keepwarm.weights.sharding``; ``source_fingerprint`` is then the whole
     # model's fingerprint, and ``fingerprint`` is :func:`shard_fingerprint` of it. A whole arena: 0, 1, 0, 1, "".
     tp_rank: int = 0
     tp_size: int = 1
@@ -155,8 +151,6 @@ def source_signature(model_dir: Path, files: list[Path]) -> tuple[tuple[str, int
 
 
 def _blake3() -> Any:
-    from blake3 import blake3  # the daemon's and snapshot tools' dependency; a worker never hashes an arena
-
     return blake3()  # one thread: entries and chunks are hashed on the caller's threads (it releases the GIL)
 
 

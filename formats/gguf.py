@@ -1,15 +1,13 @@
 """llama.cpp GGUF files read directly: the model config from the metadata, each tensor's raw blocks decoded here
 (never through transformers' dequantization) into the same (codes, scale, offset) form as the other pre-quantized
-formats, so keepwarm.daemon.convert stores them in the arena's int4 / int8 layouts exactly.
+formats, so keepwarm.weights.convert stores them in the arena's int4 / int8 layouts exactly.
 
 Rules:
 - The container (header, metadata, tensor table) is parsed by the `gguf` package; the blocks are decoded here.
-- Supported tensor types: F32, F16, BF16 (plain), Q4_0 and Q4_1 (int4 groups of 32: torch's int4 op), Q4_K
-  (4-bit codes in int8 groups of 32: its d*sc*q - dmin*m does not fold into the int4 op's (q - 8) * s + z form
-  without rounding), Q8_0 (int8 groups of 32), Q5_K (5-bit codes, int8 groups of 32), Q6_K (6-bit codes, int8 groups
-  of 16). A fused weight whose projections have different types is stored as int8 groups of the smallest group
-  size (every code fits). Anything else (Q2_K, IQ*, a type the package does not know, a truncated file) is refused in
-  one line naming the tensor and its type.
+- Supported tensor types and the layout each becomes: docs/quantization.md, "Support matrix" and "GGUF blocks"
+  (F32 / F16 / BF16 plain; Q4_0 / Q4_1 as int4 groups of 32; Q4_K, Q5_K, Q8_0, Q6_K as int8 groups; a fused weight
+  of mixed types as int8 groups of the smallest group size). Anything else (Q2_K, IQ*, a type the package does not
+  know, a truncated file) is refused in one line naming the tensor and its type.
 - llama.cpp's converter permutes the rows of Q and K for its rotary layout; they are permuted back (whole rows, so
   the blocks stay intact), as transformers does.
 - A quantized token embedding (not a matmul) is decoded to dense values in the activation dtype (exact in float32).
@@ -25,7 +23,7 @@ from typing import Any
 
 import torch
 
-from keepwarm.formats.quant import QuantizationError
+from keepwarm.formats.errors import QuantizationError
 
 # ggml type name -> (bits of the stored code, values per block, bytes per block, values per scale)
 QUANT_TYPES: dict[str, tuple[int, int, int, int]] = {
@@ -54,7 +52,7 @@ def is_gguf(path: str | Path) -> bool:
 
 
 def _reader(path: Path) -> Any:
-    import gguf
+    import gguf  # deferred: the gguf package costs ~0.2 s and only a .gguf model needs it
 
     try:
         return gguf.GGUFReader(str(path))

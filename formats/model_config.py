@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from keepwarm.formats.gguf import gguf_config_json
+
 FAMILIES: dict[str, str] = {
     "LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "llama",
     "Qwen3ForCausalLM": "llama", "Phi3ForCausalLM": "llama",
@@ -247,8 +249,6 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     """Read and validate ``config.json``; raises :class:`ModelConfigError` with a one-line reason."""
     model_dir = Path(model_dir)
     if model_dir.suffix == ".gguf" and model_dir.is_file():  # a llama.cpp file: its config is in its metadata
-        from keepwarm.formats.gguf import gguf_config_json
-
         return parse_model_config(gguf_config_json(model_dir), None, source=str(model_dir))
     if not model_dir.exists():
         raise ModelConfigError(f"model directory {str(model_dir)!r} does not exist")

@@ -3,26 +3,15 @@ descriptor are made and how many bytes it takes, known from (shape, dtype) befor
 
 This is a storage format (the daemon writes it, workers view it); the matmul over it, the availability probe and
 the ``KEEPWARM_CPU_PACK`` switch live in keepwarm.kernels.cpu_packed. Torch only, no keepwarm imports but formats.
-
-Batch hint: oneDNN's reorder takes the expected number of rows. It is 32, as vLLM's CPU ``create_onednn_mm``
-uses: on an AMX CPU (Sapphire Rapids) a hint of 1 picks a format of its own whose matmuls are 20-35% slower at 1
-and 8 rows and which, unlike every hint >= 2, is not bit-identical to ``F.linear`` at 100 rows; on CPUs without
-AMX every hint gives the same format (measurements in keepwarm.kernels.cpu_packed). Images packed with the
-earlier hint of 1 (``LEGACY_HINTS``) are still accepted: oneDNN computes with whatever format a weight carries.
-
-Thread count: oneDNN also picks the blocked format from the calling thread's OpenMP thread count (SmolLM2's
-[576, 576] and [960, 576] bf16 weights block differently at 16 threads than at 1-8), and the arena is planned
-from :func:`packed_layout` in one thread and packed in others. So every pack runs under ``PACK_THREADS``
-threads: the layout is a function of (shape, dtype, CPU) alone, whatever thread count the daemon runs with.
-
-Layouts on disk: finding a layout packs a zero weight of the full shape (0.2 s for SmolLM2's five shapes, 0.6 s for
-the 1B's, measured on a 2-core Xeon), which a fresh daemon's first preload and a restore's layout check paid every
-time. Each layout found is kept in ``$KEEPWARM_HOME/cache/packed/<CPU and torch key>.json``; the key is a hash of
-everything oneDNN picks a format from (the CPU's vendor, family, model, stepping, flags and cache sizes, torch's
-version and commit, oneDNN's ISA environment variables, ``PACK_THREADS``), so another CPU or torch reads another
-file. A stale entry cannot give wrong numbers: every real pack is checked against its planned layout (a
-mismatch fails the preload, naming the weight), and a packed weight carries its own descriptor. Written by an
-atomic rename; a home that cannot be written leaves the layouts in memory only (logged once).
+Rules (measured in docs/kernels.md, "oneDNN-packed bf16 weights"; the layout cache: docs/architecture.md):
+- ``BATCH_HINT`` is 32, as vLLM's CPU ``create_onednn_mm`` (on AMX a hint of 1 packs a slower format that is not
+  bit-identical to ``F.linear``); images packed with the earlier hint of 1 (``LEGACY_HINTS``) are still accepted.
+- Every pack runs under ``PACK_THREADS`` threads: oneDNN also picks the format from the calling thread's OpenMP
+  thread count, so the layout is a function of (shape, dtype, CPU) alone, whatever threads the daemon runs with.
+- Layouts found (each costs a pack of a zero weight) are kept in ``$KEEPWARM_HOME/cache/packed/<key>.json``, the key
+  a hash of all oneDNN picks a format from. A stale entry cannot give wrong numbers: every real pack is checked
+  against its planned layout (a mismatch fails the preload, naming the weight) and carries its own descriptor.
+  Written by an atomic rename; a home that cannot be written keeps the layouts in memory (logged once).
 """
 
 from __future__ import annotations
@@ -40,8 +29,8 @@ from pathlib import Path
 
 import torch
 
+from keepwarm.formats.errors import QuantizationError
 from keepwarm.formats.paths import keepwarm_home
-from keepwarm.formats.quant import QuantizationError
 
 log = logging.getLogger("keepwarm.formats")
 

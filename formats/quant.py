@@ -1,35 +1,17 @@
 """Weight-only quantization of the fused linear weights at preload time (torch only, no model code).
 
-Schemes (every dequantization is computed in float32, then cast):
-  none  the weight as is, in the activation dtype.
-  int8  symmetric, one scale per output channel: w ~ q * scale[n], q in [-127, 127].
-  fp8   float8 e4m3fn, one float32 scale per tensor: w ~ q * scale, scale = amax / 448.
-  int4  asymmetric, one (scale, zero) per group of `group_size` along K, q in [0, 15], torch's tinygemm
-        convention: w ~ (q - 8) * scale + zero (so zero = min + 8 * scale). Groups of 128 where 128 divides K,
-        else 64, else 32; `int4-g64` / `int4-g32` ask for smaller groups (better quality, more scale bytes).
+Schemes (every dequantization is computed in float32, then cast): ``none`` (the weight as is); ``int8`` (symmetric,
+one scale per output channel, q in [-127, 127]); ``fp8`` (e4m3fn, one float32 scale per tensor, amax / 448);
+``int4`` (asymmetric, one (scale, zero) per group along K, q in [0, 15], torch's tinygemm convention
+w ~ (q - 8) * scale + zero; groups of 128 where 128 divides K, else 64, else 32; ``int4-g64`` / ``int4-g32`` ask
+for smaller groups: better quality, more scale bytes).
 
-The parts a weight is stored as (`quantized_layout`) are known from the shape alone, before any data is read,
-so the daemon can lay out its arena first. Layouts, named in `QuantMeta.layout`:
-  dense               weight [N, K] act_dtype
-  int8_channel        qweight int8 [N, K]; scales act_dtype [N] (torch._weight_int8pack_mm wants x's dtype)
-  fp8_tensor          qweight float8_e4m3fn [N, K]; scale float32 [1]
-  int4_cpu_<mode><B>  qweight uint8 [N, K/2] from torch._convert_weight_to_int4pack_for_cpu;
-                      scales_and_zeros act_dtype [K/gs, N, 2] (what torch._weight_int4pack_mm_for_cpu takes)
-  int4_canonical      qweight uint8 [N, K/2], low nibble = even k; scales, zeros act_dtype [N, K/gs]
-  fp8_block           scheme "fp8_block" (pre-quantized fp8 per channel / block): qweight float8_e4m3fn [N, K];
-                      scales float32 [N, ceil(K/gs)], w = q * scales[n, k // gs] (gs = K: per channel)
-  int8_group          scheme "int8_group": qweight int8 [N, K]; scales, zeros act_dtype [N, K/gs],
-                      w = q * scale + zero per group
-  int8_gidx           the same with g_idx int32 [K]: column k's group is g_idx[k] (GPTQ desc_act)
-  int4_gidx           scheme "int4_gidx": qweight uint8 [N, K/2] as int4_canonical; scales, zeros act_dtype [N, G];
-                      g_idx int32 [K] (compressed-tensors actorder group, GPTQ desc_act)
-  mkldnn_packed       scheme "none" only: packed uint8 [nbytes], the weight in oneDNN's blocked layout, described by
-                      `QuantMeta.descriptor` (see keepwarm.formats.packed; CPU arenas only)
-
-The CPU int4 pack order depends on the ATen CPU capability of the process (AVX512 packs blocks of 64 rows as
-two interleaved halves, AVX2 blocks of 32, the scalar build adjacent row pairs), so it is probed once and named
-in the layout: a process whose torch packs differently still dequantizes the weight (`unpack_int4`), it just
-cannot use the fast op on it.
+Rules:
+- The parts a weight is stored as (``quantized_layout``) are known from the shape alone, before any data is read,
+  so the daemon can lay out its arena first. Each layout (``QuantMeta.layout``) and its parts: docs/quantization.md,
+  "Arena layouts".
+- The CPU int4 pack order depends on the process's ATen CPU capability: probed once and named in the layout, so a
+  process whose torch packs differently still dequantizes the weight (``unpack_int4``), without the fast op.
 """
 
 from __future__ import annotations
@@ -41,6 +23,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from keepwarm.formats.errors import QuantizationError
+from keepwarm.formats.packed import packed_nbytes
 
 SCHEMES = ("none", "int8", "fp8", "int4")
 # int4 with a smaller preferred group (the largest of it, 64, 32 that divides K): a scheme of its own, so the
@@ -67,16 +52,12 @@ _SCHEME_LAYOUTS = {"none": (LAYOUT_DENSE,), "int8": (LAYOUT_INT8,), "fp8": (LAYO
                    "int4_gidx": (LAYOUT_INT4_GIDX,)}
 _INT4_CPU_RE = re.compile(r"int4_cpu_(pairs|halves)(16|32|64)")
 
-# Fused linear weights as planned by daemon/checkpoint.py; embeddings, norms, lm_head and biases stay dense.
+# Fused linear weights as planned by weights/checkpoint.py; embeddings, norms, lm_head and biases stay dense.
 # Experts (mlp.experts.E.gate_up_proj / down_proj) are linears like any other; the MoE router (mlp.gate) stays dense.
 _TARGET_RE = re.compile(
     r"(?:.*\.)?(?:self_attn\.(?:qkv_proj|o_proj)|mlp\.(?:experts\.\d+\.)?(?:gate_up_proj|down_proj))\.weight")
 
 PartsLayout = dict[str, tuple[torch.dtype, tuple[int, ...]]]
-
-
-class QuantizationError(ValueError):
-    """A scheme, shape or manifest entry that cannot be quantized / loaded; one-line message."""
 
 
 @dataclass(frozen=True)
@@ -216,8 +197,6 @@ def layout_parts(meta: QuantMeta, act_dtype: torch.dtype) -> PartsLayout:
     n, k = meta.shape
     lay = meta.layout
     if lay == LAYOUT_MKLDNN_PACKED and meta.scheme == "none":
-        from keepwarm.formats.packed import packed_nbytes  # lazy: oneDNN is asked only for this layout
-
         return {"packed": (torch.uint8, (packed_nbytes((n, k), act_dtype),))}
     expected = _SCHEME_LAYOUTS.get(meta.scheme)
     if expected is not None and lay not in expected:

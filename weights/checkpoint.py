@@ -16,12 +16,13 @@ from pathlib import Path
 
 import torch
 
-from keepwarm.daemon.convert import convert_gguf, convert_weight, dense_shape, plan_gguf, plan_weight
-from keepwarm.daemon.prequant import GGUF_SOURCE, SourceQuant, detect, resolve_quantization
 from keepwarm.formats.arena import source_signature
+from keepwarm.formats.errors import QuantizationError
 from keepwarm.formats.gguf import PLAIN_TYPES, dequantize_dense, is_gguf, read_gguf
 from keepwarm.formats.model_config import ModelConfig, ModelConfigError, load_model_config, parse_model_config
-from keepwarm.formats.quant import QuantizationError, QuantMeta, is_quantized_target
+from keepwarm.formats.quant import QuantMeta, is_quantized_target
+from keepwarm.weights.convert import convert_gguf, convert_weight, dense_shape, plan_gguf, plan_weight
+from keepwarm.weights.prequant import GGUF_SOURCE, SourceQuant, detect, resolve_quantization
 
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,

@@ -2,18 +2,12 @@
 
 Rules:
 - Each projection's codes are unpacked by its format's published packing rule and stored in the kernel-native layout
-  they map to exactly; its scales and zero points become that layout's scales and zeros, computed in float32
-  (exact for the integer zero points and the scales' own dtype) and stored in the activation dtype. Where that
-  store rounds (e.g. fp16 scales in a bfloat16 arena) it is logged once per weight kind, never silent.
+  they map to exactly (which source becomes which layout: docs/quantization.md, "Arena layouts"); its scales and
+  zero points become that layout's scales and zeros, computed in float32 (exact for the integer zero points and the
+  scales' own dtype) and stored in the activation dtype. Where that store rounds (e.g. fp16 scales in a bfloat16
+  arena) it is logged once per weight kind, never silent.
 - A fused weight (q|k|v, gate|up) is the projections' codes and scales concatenated along N; scales that cannot be
   concatenated as they are (per-tensor, or row blocks) are expanded to per row first, which is exact.
-- Layouts, by what the source is (see keepwarm.formats.quant for each layout's parts):
-    int4 codes, contiguous groups      int4 (torch's CPU pack or canonical): (u - 8) * scale + zero
-    int4 codes with a group index      int4_gidx: canonical nibbles + per-column group index
-    int8 symmetric per channel         int8_channel (torch._weight_int8pack_mm's layout)
-    other int8 (groups, zero points)   int8_group: q * scale + zero per group (int8_gidx with a group index)
-    fp8, one scale for the weight      fp8_tensor
-    fp8, per channel / block scales    fp8_block: float32 scales [N, ceil(K / block columns)]
 - Every size and shape is checked against the planned layout: a scale of the wrong shape is refused naming the
   tensor, never broadcast into a wrong answer.
 """
@@ -25,7 +19,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from keepwarm.daemon.prequant import SourceQuant
+from keepwarm.formats.errors import QuantizationError
 from keepwarm.formats.gguf import QUANT_TYPES, decode, unpermute_rows
 from keepwarm.formats.quant import (
     FP8_DTYPE,
@@ -35,12 +29,12 @@ from keepwarm.formats.quant import (
     LAYOUT_INT8,
     LAYOUT_INT8_GIDX,
     LAYOUT_INT8_GROUP,
-    QuantizationError,
     QuantMeta,
     layout_parts,
     pack_int4,
     plan,
 )
+from keepwarm.weights.prequant import SourceQuant
 
 log = logging.getLogger("keepwarm.daemon")
 

@@ -1,26 +1,17 @@
 """Preload: read a checkpoint, fuse, quantize and pack it into an arena, fingerprinting the bytes as read.
 
-Tensors are processed by a few threads at once (``preadv``, the hashes and the packing ops release the GIL). Each
-byte is read once and hashed while it is in cache (1 MiB reads, ``checkpoint.read_into``): sha256 for the
-fingerprint, and the arena's leaf hash (BLAKE3, a third of sha256's cost: ``keepwarm.formats.arena``) for what
-lands in the arena. A plain tensor whose checkpoint dtype is the arena dtype is read straight into its arena slice
-(no intermediate copy), both hashes fed from each chunk as it is read. Others are read into a
-per-thread scratch buffer (reused: no page faults per tensor), converted, quantized or packed, and written into the
-arena: into a CPU arena's tmpfs file with ``pwrite`` (a packed weight straight from oneDNN's buffer), since a first
-write through the mapping faults once per 4 KiB page (0.5-0.7 M faults for the 1B); tensors are taken in the order of
-their bytes in the files (:func:`file_order`).
-The arena file is not allocated up front (zeroing 1 GB of tmpfs took 0.23 s): ``pwrite`` allocates as it writes, and
-the pages of a tensor read straight into the mapping are reserved just before, so a full tmpfs is ENOSPC.
-
-With quantization "none" on CPU, where :func:`keepwarm.kernels.cpu_packed.packing_available` says so, the linear
-weights and ``lm_head.weight`` are stored packed for oneDNN (one ``packed`` uint8 entry each, layout
-``mkldnn_packed``); a tied-embedding model gets a packed ``lm_head.weight`` made from the embedding, which stays
-plain for the lookup. That derived entry re-reads the embedding's bytes but counts neither in the fingerprint nor
-in progress: both stay functions of the checkpoint.
-
-A pre-quantized checkpoint's projections (``FusedTensor.roles``) are read whole (codes, scales, zero points, all
-fingerprinted) and converted into their arena layout by :mod:`keepwarm.daemon.convert`, never re-quantized; its
-dynamic activation quantization, if any, is logged as run weight-only.
+Rules (why, with the measurements: docs/architecture.md, "Data path"):
+- A few threads work at once (``preadv``, the hashes and the packing ops release the GIL), on tensors in the order of
+  their bytes in the files (:func:`file_order`). Each byte is read once (1 MiB reads, ``checkpoint.read_into``) and
+  hashed while in cache: sha256 for the fingerprint, the arena's leaf hash for what lands in the arena.
+- A plain tensor already in the arena dtype is read straight into its arena slice (its pages reserved just before,
+  so a full tmpfs is ENOSPC); others go through a reused per-thread scratch buffer, are converted, quantized or
+  packed, and written into a CPU arena's file with ``pwrite``. The file is not allocated up front.
+- Quantization "none" on a CPU that packs (:func:`keepwarm.kernels.cpu_packed.packing_available`): the linear weights
+  and ``lm_head.weight`` are stored ``mkldnn_packed``; a tied head is a packed copy of the embedding (which stays
+  plain), counted neither in the fingerprint nor in progress: both stay functions of the checkpoint.
+- A pre-quantized checkpoint's projections are read whole and converted by :mod:`keepwarm.weights.convert`, never
+  re-quantized; its dynamic activation quantization, if any, is logged as run weight-only.
 """
 
 from __future__ import annotations
@@ -38,7 +29,6 @@ from typing import Any
 
 import torch
 
-from keepwarm.daemon.checkpoint import Checkpoint, FusedTensor, read_into, tensor_bytes
 from keepwarm.formats.arena import (
     LAYOUT_VERSION,
     ArenaManifest,
@@ -63,8 +53,9 @@ from keepwarm.formats.quant import (
     quantized_layout,
 )
 from keepwarm.formats.version import __version__
-from keepwarm.kernels.cpu_native import quantize_int8
 from keepwarm.kernels.cpu_packed import pack, packed_layout, packed_nbytes, packing_available
+from keepwarm.kernels.native_ops import quantize_int8
+from keepwarm.weights.checkpoint import Checkpoint, FusedTensor, read_into, tensor_bytes
 
 log = logging.getLogger("keepwarm.daemon")
 

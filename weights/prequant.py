@@ -1,6 +1,6 @@
 """Pre-quantized checkpoints: what `config.json`'s `quantization_config` says, and whether keepwarm runs it exactly.
 
-Rules:
+Rules (the formats, ``SourceQuant.kind``, and each one's tensors: docs/quantization.md, "Checkpoint tensors"):
 - A checkpoint's `quantization_config` decides how its linear weights are read. Every field that changes the
   numbers is checked; one keepwarm cannot run exactly is refused with one line naming the field and its value
   (`quantization_config.config_groups.group_0.weights.num_bits = 2 is not supported ...`). Unknown methods and
@@ -11,20 +11,6 @@ Rules:
 - Activation quantization that is dynamic (computed per token at run time) is run weight-only: x stays in the
   activation dtype. That is logged once per checkpoint. Static activation scales are refused: the numbers would
   differ from the checkpoint's.
-
-Formats (`SourceQuant.kind`), with the tensors each projection `<p>` has in the checkpoint:
-  ct_pack   compressed-tensors pack-quantized: <p>.weight_packed int32 [N, K*bits/32] (values + 2^(bits-1),
-            low bits first), <p>.weight_scale [N, G], <p>.weight_zero_point int32 [N*bits/32, G] (asymmetric),
-            <p>.weight_g_idx int32 [K] (actorder group), <p>.weight_shape int64 [2]
-  ct_int    compressed-tensors naive-quantized / int-quantized: <p>.weight int8 [N, K], <p>.weight_scale,
-            <p>.weight_zero_point (asymmetric)
-  ct_float  compressed-tensors float-quantized (fp8 e4m3): <p>.weight [N, K], <p>.weight_scale float
-            [1] / [N, 1] / [ceil(N/bn), ceil(K/bk)] for tensor / channel / block
-  fp8       quant_method fp8 (transformers' FP8 / DeepSeek and Qwen3-FP8 style): <p>.weight e4m3 [N, K],
-            <p>.weight_scale_inv (block, weight_block_size) or <p>.weight_scale (per tensor)
-  gptq      <p>.qweight int32 [K*bits/32, N], <p>.qzeros int32 [G, N*bits/32], <p>.scales [G, N], <p>.g_idx [K]
-  awq       <p>.qweight int32 [K, N/8] (GEMM; nibble order 0 2 4 6 1 3 5 7), <p>.qzeros int32 [G, N/8],
-            <p>.scales [G, N]
 """
 
 from __future__ import annotations
@@ -34,14 +20,15 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from keepwarm.formats.quant import INT4_GROUP_SIZES, SCHEMES, QuantizationError, validate_scheme
+from keepwarm.formats.errors import QuantizationError
+from keepwarm.formats.quant import INT4_GROUP_SIZES, SCHEMES, validate_scheme
 
 log = logging.getLogger("keepwarm.daemon")
 
 METHODS = ("compressed-tensors", "fp8", "gptq", "awq", "gguf")
 AUTO = "auto"
 _QC = "quantization_config"
-# The linear layers keepwarm quantizes (daemon/checkpoint.py fuses them); everything else stays dense.
+# The linear layers keepwarm quantizes (weights/checkpoint.py fuses them); everything else stays dense.
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 

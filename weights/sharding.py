@@ -1,25 +1,17 @@
 """Which slice of each weight a tensor-parallel rank holds (vLLM's rules), cut from the full tensors at load.
 
-Rules (``N`` ranks, rank ``r``):
-- Column-parallel (split along the output rows, no communication): the fused ``qkv_proj`` is cut per component,
-  q by heads, k and v by KV heads (when ``num_key_value_heads < N`` each KV head is replicated on ``N / Hk``
-  ranks: rank r holds KV head ``r // (N / Hk)``); ``gate_up_proj`` as gate and up each cut; their biases the same.
-- Row-parallel (split along the input columns, one all-reduce after): ``o_proj`` and ``down_proj``; their bias is
-  kept whole and added once, after the reduce.
-- Vocab-parallel: ``embed_tokens`` and ``lm_head`` by vocabulary rows, padded to a multiple of N (padding rows are
-  zero and cut from the gathered logits). Norm weights are replicated. Anything else has no rule and is refused.
-- Quantized layouts are cut along the same axis: int8 per-channel (scales follow the rows), fp8 per tensor,
-  fp8 blocks, int8 groups and int4 groups (codes unpacked, cut, packed again in the same layout: exact). A row-parallel
-  cut must fall on a group boundary; otherwise a one-line error names the weight, its shape and the group size.
-  oneDNN-packed weights are unpacked (exact), cut and packed again. Layouts with a group index are refused.
+Rules (``N`` ranks; each rule in full: docs/architecture.md, "Tensor parallelism"):
+- Column-parallel, no communication: ``qkv_proj`` per component (q by heads, k and v by KV heads, each KV head
+  replicated on ``N / Hk`` consecutive ranks when ``num_key_value_heads < N``), ``gate_up_proj`` per component.
+- Row-parallel, one all-reduce after: ``o_proj`` and ``down_proj``; their bias kept whole and added once, after it.
+- Vocab-parallel: ``embed_tokens`` and ``lm_head``, padded to a multiple of N (the zero padding rows are cut from
+  the gathered logits). Norms are replicated. Anything else has no rule and is refused.
+- Quantized layouts are cut along the same axis, exactly (int4 codes unpacked, cut and packed again; oneDNN-packed
+  weights unpacked, cut, re-packed); a row-parallel cut must fall on a group boundary, else a one-line error names
+  the weight, its shape and the group size. Layouts with a group index are refused.
 - The result is a new tensor per weight (a copy): the full tensors can be dropped after the cut.
-- Pipeline stages (``stage_of``, ``stage_tensors``): stage s of P holds the contiguous layers
-  ``stage_layers(L, P, s)``, stage 0 also the embedding, the last stage the final norm and the head (a tied head
-  takes the embedding's tensor there). Under TP x PP a stage's weights are cut over its T ranks as above.
-- LoRA (vLLM's column / row rules, ``shard_lora``): on a column-parallel projection A is whole and B is cut like
-  the weight's rows (per q / k / v, gate / up slice); on a row-parallel one A is cut like the weight's columns and
-  B is whole, and the rank's ``x_r A_r^T B^T`` joins its partial output before the one all-reduce (the sum over
-  ranks is ``x A^T B^T``).
+- Pipeline stages (``stage_of``, ``stage_tensors``): stage s of P holds layers ``stage_layers(L, P, s)``, stage 0 also
+  the embedding, the last the final norm and head (a tied head takes the embedding's tensor); LoRA: ``shard_lora``.
 """
 
 from __future__ import annotations
@@ -30,6 +22,7 @@ from typing import Any
 
 import torch
 
+from keepwarm.formats.errors import QuantizationError
 from keepwarm.formats.model_config import ModelConfig
 from keepwarm.formats.packed import pack
 from keepwarm.formats.quant import (
@@ -40,7 +33,6 @@ from keepwarm.formats.quant import (
     LAYOUT_INT8,
     LAYOUT_INT8_GROUP,
     LAYOUT_MKLDNN_PACKED,
-    QuantizationError,
     QuantMeta,
     pack_int4,
     unpack_int4,

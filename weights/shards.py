@@ -1,25 +1,17 @@
 """Shard arenas: a preload for P pipeline stages of N tensor-parallel ranks builds P x N arenas in one pass.
 
-Rules:
+Rules (the whole path: docs/architecture.md, "Tensor parallelism", loading from a CPU daemon):
 - A plain tensor (kept, converted or packed; not quantized) is read straight from the file into each (stage, rank)
-  slice (:mod:`keepwarm.daemon.slices`: each byte once, hashed in file order), then converted and packed per slice.
-- Any other tensor is read once (and hashed for the model's fingerprint, exactly as :func:`loader.build_arena`
-  does), made into its arena form by the same code (:func:`loader.convert_tensor`: converted or quantized), then,
-  for every stage that binds it (``sharding.stage_holds``: its layers, the embedding on the first, the final norm and
-  head on the last, a tied head as ``lm_head.weight`` there), cut for every rank by :mod:`keepwarm.daemon.sharding`
-  (vLLM's column / row / vocab rules) and written into that (stage, rank)'s arena file. A weight stored packed for
-  oneDNN is cut plain, then each slice is packed (packing is exact, so this is the unpack, cut and re-pack that
-  ``sharding`` does to a packed weight, at a third of the reorders). No whole-model copy exists at any time: a
-  thread holds one tensor and its slices.
-- A shard holds exactly what a worker that cut its part from the whole arena would bind (the same functions cut
-  both: ``stage_tensors`` then ``shard_weights``), so tokens do not depend on which way a rank got its weights.
-- Each shard is an arena like any other (its own manifest, sealed read-only, adopted after a daemon restart, leased
-  and evicted on its own), with its ``Layout`` (``tp_rank``, ``tp_size``, ``pp_stage``, ``pp_size``) and
-  ``source_fingerprint`` (the whole model's fingerprint) in its manifest; its fingerprint is
-  :func:`formats.arena.shard_fingerprint` of the source's.
-- CPU daemons only: a CUDA rank lives on its own device, which one daemon does not hold (refused in one line).
-- Entries are written as tensors finish (threads), so offsets vary from one build to the next; the manifest lists
-  them in plan order, and ``arena_digest`` (over entries in manifest order) does not depend on the offsets.
+  slice (:mod:`keepwarm.weights.slices`: each byte once, hashed in file order), then converted and packed per slice.
+- Any other tensor is read once and hashed as :func:`loader.build_arena` does, made into its arena form by the same
+  code (:func:`loader.convert_tensor`), then cut for every rank of every stage that binds it (``sharding.stage_holds``)
+  by :mod:`keepwarm.weights.sharding`; a weight packed for oneDNN is cut plain and each slice packed (exact, a third
+  of the reorders). No whole-model copy exists at any time: a thread holds one tensor and its slices.
+- A shard holds exactly what a worker cutting its part from the whole arena would bind (the same functions cut both:
+  ``stage_tensors`` then ``shard_weights``), so tokens do not depend on which way a rank got its weights.
+- Each shard is an arena like any other, its ``Layout`` and ``source_fingerprint`` in its manifest, its fingerprint
+  :func:`formats.arena.shard_fingerprint` of the source's. CPU daemons only (a CUDA rank's device is not the daemon's).
+  Offsets vary between builds (entries are written as tensors finish); ``arena_digest`` (in plan order) does not.
 """
 
 from __future__ import annotations
@@ -35,27 +27,6 @@ from typing import Any
 
 import torch
 
-from keepwarm.daemon.checkpoint import Checkpoint
-from keepwarm.daemon.loader import (
-    PlannedTensor,
-    Progress,
-    convert_tensor,
-    file_order,
-    plan_arena,
-    read_tensor,
-    resolve_dtype,
-    scratch,
-)
-from keepwarm.daemon.sharding import (
-    Shard,
-    check_pipeline,
-    check_supported,
-    plan_cut,
-    shard_weight,
-    stage_holds,
-    stage_of,
-)
-from keepwarm.daemon.slices import read_slices, slice_shape
 from keepwarm.formats.arena import (
     LAYOUT_VERSION,
     ArenaManifest,
@@ -73,6 +44,27 @@ from keepwarm.formats.quant import LAYOUT_MKLDNN_PACKED, QuantMeta
 from keepwarm.formats.version import __version__
 from keepwarm.kernels.cpu_packed import PackedWeight, pack
 from keepwarm.kernels.quant import QuantizedWeight
+from keepwarm.weights.checkpoint import Checkpoint
+from keepwarm.weights.loader import (
+    PlannedTensor,
+    Progress,
+    convert_tensor,
+    file_order,
+    plan_arena,
+    read_tensor,
+    resolve_dtype,
+    scratch,
+)
+from keepwarm.weights.sharding import (
+    Shard,
+    check_pipeline,
+    check_supported,
+    plan_cut,
+    shard_weight,
+    stage_holds,
+    stage_of,
+)
+from keepwarm.weights.slices import read_slices, slice_shape
 
 _LM_HEAD = "lm_head.weight"
 _EMBED = "model.embed_tokens.weight"
@@ -213,7 +205,7 @@ def build_shards(ckpt: Checkpoint, quantization: str, dtype: str, tp_size: int, 
 
 def _read_straight(p: PlannedTensor, dests: list[tuple[ShardFile, Shard, str]], config: Any, target: torch.dtype,
                    ) -> tuple[list[tuple[dict[str, torch.Tensor], QuantMeta | None]], list[str]] | None:
-    """A plain tensor's slices read straight from the file for each destination (:mod:`keepwarm.daemon.slices`),
+    """A plain tensor's slices read straight from the file for each destination (:mod:`keepwarm.weights.slices`),
     converted to ``target`` and packed where planned; with the source parts' sha256. None: read it whole."""
     cuts = [plan_cut(name, config, shard) for _, shard, name in dests]
     item = torch.empty((), dtype=p.source.dtype).element_size()

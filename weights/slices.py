@@ -1,16 +1,15 @@
 """Each tensor-parallel rank's slice of a plain tensor, read straight from the checkpoint file into its own buffer.
 
 Rules:
-- A rank's cut (:func:`keepwarm.daemon.sharding.plan_cut`: rows, cols or vocab segments of the fused tensor, or
+- A rank's cut (:func:`keepwarm.weights.sharding.plan_cut`: rows, cols or vocab segments of the fused tensor, or
   None: all of it) becomes byte ranges of the source parts, in file order: a rows segment is one range per part it
   touches, a cols segment one range per row (read with one ``preadv`` per run of adjacent ranges, scattering a row
   over the ranks' buffers).
 - Ranks may hold the same bytes (KV heads replicated when ``num_key_value_heads`` < N, a tied head on the last
   stage): each range is read from the file once, into its first holder, and copied to the others.
-- Every source byte must be held by some rank (the sharding rules cut a tensor into parts or replicate it); the
-  part's sha256 is then taken over the ranges in file order, the digest reading the whole tensor gives, so the
-  model's fingerprint does not depend on how it was read. Cuts that do not cover the tensor exactly once, after
-  the copies are set aside, return None: the caller reads the whole tensor instead.
+- Every source byte must be held by some rank; the part's sha256 is then taken over the ranges in file order (the
+  digest a whole read gives, so the fingerprint does not depend on how it was read). Cuts that do not cover the
+  tensor exactly once, the copies set aside, return None: the caller reads the whole tensor instead.
 - Only plain tensors (kept as stored, converted, or packed for oneDNN after the cut): a quantized layout is
   quantized whole and cut after, since its per-row scales span every column.
 """
@@ -23,8 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from keepwarm.daemon.checkpoint import FusedTensor, tensor_bytes
-from keepwarm.daemon.sharding import Segments
+from keepwarm.weights.checkpoint import FusedTensor, tensor_bytes
+from keepwarm.weights.sharding import Segments
 
 Cut = tuple[str, Segments] | None  # plan_cut's answer for one destination
 _IOV_MAX = 1024  # Linux's limit on one preadv's vector
