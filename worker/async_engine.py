@@ -1,37 +1,17 @@
 """The engine beside an asyncio event loop: one thread steps the engine, coroutines stream its outputs.
 
-Rule: the engine is not thread-safe, so only the engine thread touches its live state (requests, scheduler, KV
-blocks, adapters). Coroutines hand it typed commands through a queue: ``_Add`` and ``_Abort`` for requests, and
-``call(command)`` for an ``EngineCommand`` (``AddLoRA``, ``RemoveLoRA``, ``MarkUnloading``,
-``LoRARequestsInFlight``) whose result or error comes back to the awaiting coroutine (``call_blocking`` for a plain
-thread's: the supervisor link's ``ExportPrefixes`` and ``AdoptPrefixes``). Outputs come back through one
-``asyncio.Queue`` per request, filled with ``loop.call_soon_threadsafe``. What coroutines may read, the engine
-thread publishes as fresh immutable values: ``snapshot`` (figures, after every step) and ``adapters`` (name ->
-``AdapterView``, after every command). Facts fixed when the engine was built (tokenizer, model config, context
-length, model directory, where the weights came from) are read directly.
-
-Torch releases the GIL inside its kernels, so HTTP keeps flowing while a step runs. A request whose consumer goes
-away (client disconnect, cancelled task) is aborted and its KV blocks freed.
-
-Failures (rule): a request the engine fails alone (``RequestOutput.error``) raises :class:`RequestFailed` in its
-consumer; the others go on. If the engine itself dies (:class:`EngineDeadError` or anything else escaping a
-step), every waiting consumer gets a ``RuntimeError``, :attr:`running` turns False and ``on_fatal`` is called once
-(the server exits non-zero so its supervisor restarts it: never a process that answers 503 forever).
-
-Bursts (rule): when the engine thread wakes from idle it first waits for one round trip through each front end's
-event loop (a callback queued with ``call_soon_threadsafe``, at most ``_BURST_WAIT_S``), so requests that loop had
-already accepted when the first one woke the engine are in the same first step, not the next one. Measured,
-SmolLM2 on 2 cores, 8 streams sent at once: TTFT p50 233 -> 141 ms, every request now in one prefill step; a lone
-request pays the round trip (TTFT at one stream 48-54 ms before, 43-49 after: noise).
-
-Statistics (rule): the engine records per step what vLLM's request histograms take (``LLMEngine.stats``: first-token
-and inter-token times, sequences that ended, tokens per step); the engine thread folds them into cumulative
-histograms with vLLM's buckets (:class:`RequestStats`) and publishes frozen copies in ``snapshot``, so /metrics
-reads them at scrape time and nothing is lost between scrapes however rarely they come.
-
-Request ids (rule): the engine keys requests by an internal id this class makes (a counter), never by the client's
-``request_id``, so two clients that pick the same id cannot collide, probe or block each other (vLLM keeps its own
-internal id the same way).
+Rules (the why and the figures: docs/architecture.md, "Serving path"):
+- Only the engine thread touches the engine's live state (requests, scheduler, KV blocks, adapters). Coroutines send
+  typed commands through a queue (``_Add``, ``_Abort``; ``call(EngineCommand)``, or ``call_blocking`` from a plain
+  thread, returns its result or error); outputs come back through one ``asyncio.Queue`` per request. Coroutines read
+  only the fresh immutable values the thread publishes (``snapshot``, ``adapters``) and facts fixed at construction.
+- A request whose consumer goes away is aborted and its KV blocks freed. One the engine fails alone raises
+  :class:`RequestFailed` in its consumer; if the engine dies, every consumer gets a ``RuntimeError``, :attr:`running`
+  turns False and ``on_fatal`` is called once (the server exits non-zero: never a process that answers 503 forever).
+- Bursts: woken from idle, the thread first waits one round trip through each front end's loop (at most
+  ``_BURST_WAIT_S``), so the requests that loop had already accepted are in the same first step.
+- Statistics fold into cumulative histograms with vLLM's buckets, published in ``snapshot`` (/metrics loses nothing
+  between scrapes). Requests are keyed by an internal counter, never the client's ``request_id`` (no collisions).
 """
 
 from __future__ import annotations
@@ -48,9 +28,11 @@ from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from keepwarm.worker.engine import FinishedSequence, LLMEngine, Observations, RequestError, RequestFailed
+from keepwarm.worker.engine import LLMEngine, RequestError, RequestFailed
+from keepwarm.worker.engine.stats import FinishedSequence, Observations
 from keepwarm.worker.lora import LoRAAdapter
 from keepwarm.worker.outputs import RequestOutput
+from keepwarm.worker.prefix_handover import adopt_prefixes, export_prefixes
 from keepwarm.worker.sampling_params import SamplingParams
 
 _BURST_WAIT_S = 0.02  # the longest a wake-up from idle waits for a front end's event loop (see "Bursts")
@@ -279,23 +261,19 @@ class EffectiveConfig(EngineCommand):
 @dataclass(frozen=True)
 class ExportPrefixes(EngineCommand):
     """The cached full blocks into a memfd, for the worker a restart hands over to (keepwarm.worker.prefix_handover):
-    ``(fd or None, Carried)``."""
+    ``(fd or None, CarriedPrefixes)``."""
 
     def run(self, engine: LLMEngine) -> Any:
-        from keepwarm.worker.prefix_handover import export_prefixes
-
         return export_prefixes(engine)
 
 
 @dataclass(frozen=True)
 class AdoptPrefixes(EngineCommand):
-    """Another worker's exported blocks into this pool (``Carried``); the caller closes ``fd``."""
+    """Another worker's exported blocks into this pool (``CarriedPrefixes``); the caller closes ``fd``."""
 
     fd: int
 
     def run(self, engine: LLMEngine) -> Any:
-        from keepwarm.worker.prefix_handover import adopt_prefixes
-
         return adopt_prefixes(engine, self.fd)
 
 

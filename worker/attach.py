@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import subprocess
@@ -124,7 +125,6 @@ def populate_in_background(flat: torch.Tensor) -> None:
     MADV_POPULATE_READ just leaves the pages to fault in as before."""
     if flat.numel() == 0:
         return
-    import ctypes
 
     def run() -> None:
         libc = ctypes.CDLL(None, use_errno=True)

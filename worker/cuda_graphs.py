@@ -1,27 +1,16 @@
 """CUDA graphs for decode steps: capture the model forward once per batch size, then replay it.
 
-A decode step of a small batch is dominated by kernel launches (a Llama-8B step is ~10 launches per layer, 32
-layers) rather than by the GPU work itself; a graph replays all of them with one launch. Only decode-only batches
-(every sequence adds one token, ``max_query_len == 1``) are captured: their shapes depend on the batch size
-alone, so one graph per size serves every step.
-
-Static buffers: the model's inputs (token ids, positions, KV slots, block tables, context lengths, query starts)
-live in fixed buffers sized for the largest graph; the graph of size B reads their first B rows. A batch of n <= B
-sequences copies its inputs into rows :n and turns rows n:B into padding: KV slot -1 (nothing is written to the
-cache) and context length 1 (the row reads position 0 of whatever block id its stale table row holds; every id in
-a table is a valid block, so the read is harmless and the row's output is dropped). The block tables are as wide
-as the longest context the model allows (``max_position // block_size`` blocks), so a graph never needs
-re-capturing as sequences grow; the attention kernel reads only the blocks a sequence has. query_start_loc is
-``arange`` for every decode batch and never changes.
-
-Graphs are captured lazily, the first time a batch of a new padded size arrives (a capture costs a warm-up and a
-recorded forward, tens of milliseconds, once per size), into one memory pool shared by all sizes. Batches larger
-than the largest size, batches with a prefill chunk, and batches with LoRA adapters active (their slot index
-tensor is not a static buffer) run eagerly. The kernels must not sync with the host: the triton attention and
-KV-write kernels qualify (and the fused-MoE kernel: its routing alignment is torch ops without a sync), the torch
-reference ones (`.tolist()`, boolean indexing) do not, so graphs are used only where those dispatch to triton. A
-capture that fails anyway (say an MoE layout the Triton kernel hands to the reference, logged) disables graphs for
-the runner, logged.
+A small batch's decode step is dominated by kernel launches (~10 per layer), not by the GPU work; a graph replays
+them with one launch. Rules (the buffers and padding in full: docs/gpu.md, "CUDA graphs"):
+- Only decode-only batches (``max_query_len == 1``) are captured: their shapes depend on the batch size alone, so one
+  graph per size serves every step. Batches with a prefill chunk, with LoRA adapters active (their slot index
+  tensor is not a static buffer) or larger than the largest size run eagerly.
+- Inputs live in static buffers sized for the largest graph; block tables are as wide as the longest context the
+  model allows, so a graph never needs re-capturing as sequences grow. Padding rows write nothing to the KV cache
+  (slot -1), read only valid blocks, and their output is dropped.
+- Graphs are captured lazily, the first time a batch of a new padded size arrives, into one shared memory pool.
+- Captured kernels must not sync with the host: graphs are used only where attention and the KV write dispatch to
+  Triton (the torch references sync). A capture that fails anyway disables graphs for the runner, logged.
 """
 
 from __future__ import annotations

@@ -100,8 +100,9 @@ def default_model() -> Path:
 
 
 def convert_gguf(gguf_path: Path, target: Path, dtype: str = "bfloat16") -> None:
+    # deferred: torch and transformers (~2 s) for the one-time conversion only; resolving a model needs neither
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaForCausalLM  # deferred
 
     log.info("converting %s to a safetensors directory at %s (once)", gguf_path.name, target)
     src_dir, name = str(gguf_path.parent), gguf_path.name

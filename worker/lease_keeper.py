@@ -2,10 +2,8 @@
 
 Why a process and not a thread: a worker's threads share one GIL, and native code that holds it for long (a
 pydantic parse of a huge body, a tokenizer call on a long text) starved the renewal thread until the daemon
-dropped the lease (issue 17). The keeper imports only the daemon client (no torch: ~0.15 s, ~20 MB), so nothing
-the worker does can stop it from renewing.
-
-Rules:
+dropped the lease. The keeper imports only the daemon client (no torch: ~0.15 s, ~20 MB), so nothing the worker
+does can stop it from renewing. Rules:
 - it renews every ``ttl / 3`` seconds; when the daemon answers ``unknown_lease`` (it restarted, or dropped us) it
   attaches again by fingerprint, for the worker's pid, and reports the new lease id;
 - it ends when the worker's pid is gone, when its stdin closes (the worker died: the daemon drops the lease when
@@ -22,8 +20,7 @@ import sys
 import threading
 from pathlib import Path
 
-from keepwarm.daemon.client import DaemonClient, DaemonError
-from keepwarm.daemon.leases import pid_alive
+from keepwarm.daemon.client import DaemonClient, DaemonError, pid_alive
 
 
 def _say(line: str) -> None:

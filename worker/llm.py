@@ -3,7 +3,7 @@
 What ``generate`` and ``chat`` return is vLLM's shape, so that code written for ``vllm.LLM`` runs unchanged: a
 ``RequestOutput`` whose ``outputs[i].logprobs`` (per generated token) and ``prompt_logprobs`` (per prompt token,
 None first) are ``dict[int, Logprob]`` with ``.logprob``, ``.rank`` (1-based) and ``.decoded_token``. The engine
-and the HTTP/gRPC routes keep their own :class:`~keepwarm.worker.sequence.TokenLogprob`; the conversion happens
+and the HTTP/gRPC routes keep their own :class:`~keepwarm.worker.outputs.TokenLogprob`; the conversion happens
 here, at the offline boundary, once a request has finished (``worker/outputs.py`` states the shapes' rules).
 """
 
@@ -17,8 +17,10 @@ from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from typing import Any
 
+from keepwarm.worker.default_model import default_model
 from keepwarm.worker.engine import EngineConfig, LLMEngine
 from keepwarm.worker.lora import LoRARequest
+from keepwarm.worker.lora_loader import register_adapter
 from keepwarm.worker.outputs import LogprobsOnePosition, RequestOutput, TokenText, to_vllm_output
 from keepwarm.worker.sampling_params import SamplingParams
 
@@ -102,8 +104,6 @@ class LLM:
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         if model is None:
-            from keepwarm.worker.default_model import default_model
-
             model = str(default_model())
         self.llm_engine = LLMEngine(EngineConfig(model=str(model), **kwargs))
         self._counter = itertools.count()
@@ -149,8 +149,6 @@ class LLM:
             return None
         engine = self.llm_engine
         if request.lora_name not in engine.loras:
-            from keepwarm.worker.lora_loader import register_adapter
-
             register_adapter(engine, request.lora_name, request.lora_path)
         return engine.loras[request.lora_name]
 

@@ -1,20 +1,17 @@
 """LoRA adapters: reading PEFT adapters, checking them against the model, and serving many in one batch.
 
-Layout: for every layer and fused projection (qkv, o, gate_up, down) the manager keeps stacked buffers with one
-slot per active adapter (``max_loras`` slots of rank ``max_lora_rank``): A as ``[groups * S * R, in]`` (q, k and v
-share their input, so their A's stack into one matmul) and B per output slice as ``[out, S * R]`` with the
-adapter's scaling folded in. Smaller ranks and untargeted modules are zero-padded, which contributes nothing. A
-batch carries one slot index per token (-1 = base model), so requests for different adapters and for the base
-model run in one forward pass: two matmuls per projection (``kernels.lora_shrink`` / ``kernels.lora_expand``).
+Layout: for every layer and fused projection (qkv, o, gate_up, down) stacked buffers with one slot per active adapter
+(``max_loras`` slots of rank ``max_lora_rank``): A as ``[groups * S * R, in]`` (q, k and v share their input, so their
+A's stack into one matmul), B per output slice as ``[out, S * R]`` with the adapter's scaling folded in; smaller ranks
+and untargeted modules are zero-padded. One slot index per token (-1 = base model) lets requests for different
+adapters and the base model share a forward: two matmuls per projection (``kernels.lora_shrink`` / ``lora_expand``).
 
 Rules: an adapter occupies a slot from the moment one of its requests is scheduled until its last running
 request finishes or is preempted; a slot is rewritten only when its reference count is zero, so a request is
-never served with another adapter's weights. Pickled adapter files are refused.
-
-Under tensor parallelism (``shard``) each rank's buffers have its local widths and hold its part of every pair
-(``daemon.sharding.shard_lora``); a pipeline stage (``layers``) has buffers for its own layers only; rank 0 tells
-the other ranks of every slot write (``on_write``) so all ranks hold the same adapter in the same slot before a
-step reads it.
+never served with another adapter's weights. Pickled adapter files are refused. Under tensor or pipeline
+parallelism each rank's buffers hold its part (``shard``: ``weights.sharding.shard_lora``; ``layers``: a stage's own
+layers) and rank 0 announces every slot write (``on_write``), so all ranks hold the same adapter in the same slot
+before a step reads it (docs/architecture.md, "Tensor parallelism").
 """
 
 from __future__ import annotations
@@ -28,11 +25,12 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
+from safetensors.torch import load
 
 from keepwarm import kernels
-from keepwarm.daemon.sharding import Shard, local_config, shard_lora
 from keepwarm.formats.adapter import LoRAError, adapter_digest, read_adapter_dir
 from keepwarm.formats.model_config import ModelConfig
+from keepwarm.weights.sharding import Shard, local_config, shard_lora
 
 # PEFT module name -> (module path inside a decoder layer, index of the output slice in the fused projection)
 LORA_MODULES: dict[str, tuple[str, int]] = {
@@ -166,8 +164,6 @@ def _module_of(key: str) -> str:
 
 
 def load_adapter_from_disk(name: str, path: str, mc: ModelConfig, max_lora_rank: int) -> LoRAAdapter:
-    from safetensors.torch import load
-
     config_text, weights_file = read_adapter_dir(path)
     data = weights_file.read_bytes()
     try:

@@ -12,9 +12,9 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
-from keepwarm.daemon.checkpoint import tensors_from_buffer
 from keepwarm.daemon.client import DaemonClient, DaemonError
 from keepwarm.formats.arena import CpuArenaFile
+from keepwarm.weights.checkpoint import tensors_from_buffer
 from keepwarm.worker.lora import LoRAAdapter, LoRAError, build_adapter, load_adapter_from_disk
 
 log = logging.getLogger("keepwarm.worker")

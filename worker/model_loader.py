@@ -1,13 +1,13 @@
 """Build the model on placeholders and attach its weights: from the daemon's arena, or from disk.
 
 Both paths produce the same tensors: a disk load builds a private arena with the daemon's own code
-(``daemon.loader.build_arena``: fuse, convert, quantize), so a worker serves identical numbers either way.
+(``weights.loader.build_arena``: fuse, convert, quantize), so a worker serves identical numbers either way.
 
 Under tensor or pipeline parallelism (``tp`` given) a rank on a CPU daemon attaches its own shard arena (its
 pipeline stage's weights, cut for its tensor-parallel rank: the daemon cuts every (stage, rank)'s shard with
-``daemon.sharding`` in one pass over the checkpoint) and binds views into it: no copy. A rank that loads from disk
+``weights.sharding`` in one pass over the checkpoint) and binds views into it: no copy. A rank that loads from disk
 (or from a CUDA daemon, which keeps one whole arena) loads the whole model, then binds its stage's weights (views)
-and, under tensor parallelism, keeps only its part of each (``daemon.sharding``: copies; a disk load's full arena is
+and, under tensor parallelism, keeps only its part of each (``weights.sharding``: copies; a disk load's full arena is
 dropped, unless a stage's views hold it). Either way it builds its decoder from the rank's local config.
 """
 
@@ -20,17 +20,17 @@ from pathlib import Path
 
 import torch
 
-from keepwarm.daemon.checkpoint import Checkpoint
 from keepwarm.daemon.client import DaemonClient, DaemonError, ensure_daemon
-from keepwarm.daemon.loader import build_arena, plan_arena, resolve_dtype
-from keepwarm.daemon.sharding import Shard, local_config, shard_weights, stage_of, stage_tensors, vocab_block
 from keepwarm.formats.layout import Layout
 from keepwarm.formats.model_config import ModelConfig, parse_model_config
 from keepwarm.formats.paths import RuntimeDirError
+from keepwarm.weights.checkpoint import Checkpoint
+from keepwarm.weights.loader import build_arena, plan_arena, resolve_dtype
+from keepwarm.weights.sharding import Shard, local_config, shard_weights, stage_of, stage_tensors, vocab_block
 from keepwarm.worker.attach import Attachment, attach_weights, model_tensors
 from keepwarm.worker.models.llama import LlamaForCausalLM
 from keepwarm.worker.models.registry import build_model
-from keepwarm.worker.parallel.group import TensorParallelGroup
+from keepwarm.worker.parallel.group import ParallelGroup
 from keepwarm.worker.parallel.pipeline import make_stage
 
 log = logging.getLogger("keepwarm.worker")
@@ -87,7 +87,7 @@ def _nbytes(w: object) -> int:
 
 
 def bind_model(config: ModelConfig, tensors: dict, max_position: int, device: torch.device,
-               tp: TensorParallelGroup | None = None, presharded: bool = False) -> tuple[LlamaForCausalLM, int]:
+               tp: ParallelGroup | None = None, presharded: bool = False) -> tuple[LlamaForCausalLM, int]:
     """The family's model with ``tensors`` bound (one rank's part of them under ``tp``: cut here, or already cut
     when ``presharded``); returns it and the bytes its weights take."""
     if tp is None:
@@ -112,7 +112,7 @@ def bind_model(config: ModelConfig, tensors: dict, max_position: int, device: to
 
 
 def load_from_disk(ckpt: Checkpoint, dtype: str, quantization: str, device: torch.device, max_position: int,
-                   fallback_reason: str | None = None, tp: TensorParallelGroup | None = None) -> LoadedModel:
+                   fallback_reason: str | None = None, tp: ParallelGroup | None = None) -> LoadedModel:
     t0 = time.perf_counter()
     _, total = plan_arena(ckpt, quantization, resolve_dtype(ckpt, dtype), device.type)
     flat = torch.empty(total, dtype=torch.uint8, device=device)
@@ -128,7 +128,7 @@ def load_from_disk(ckpt: Checkpoint, dtype: str, quantization: str, device: torc
 
 def load_from_daemon(model_dir: str, dtype: str, quantization: str, device: torch.device, max_position: int,
                      runtime_dir: Path | None = None, fingerprint: str | None = None,
-                     tp: TensorParallelGroup | None = None) -> LoadedModel:
+                     tp: ParallelGroup | None = None) -> LoadedModel:
     t0 = time.perf_counter()
     # A parallel rank on CPU attaches its (stage, rank)'s shard arena; on CUDA the daemon keeps one arena, cut here.
     layout = Layout(tp.tp_rank, tp.tp_size, tp.stage_index, tp.pp_size) if tp is not None else Layout()
@@ -165,7 +165,7 @@ def load_from_daemon(model_dir: str, dtype: str, quantization: str, device: torc
 
 def load_model(model_dir: Path, dtype: str, quantization: str, device: torch.device, max_position: int,
                daemon: bool | str = "auto", runtime_dir: Path | None = None,
-               fingerprint: str | None = None, tp: TensorParallelGroup | None = None) -> LoadedModel:
+               fingerprint: str | None = None, tp: ParallelGroup | None = None) -> LoadedModel:
     """``daemon``: True = attach (start a daemon if none runs; fail if that fails), "start" = the same but fall
     back to disk when no daemon can be reached or started, "auto" = attach if a daemon answers, else disk,
     False = load from disk. A fallback to disk is logged and recorded in ``fallback_reason``."""

@@ -11,17 +11,21 @@ from __future__ import annotations
 import logging
 import mmap
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from keepwarm import kernels
-from keepwarm.daemon.sharding import Stage
 from keepwarm.formats.model_config import ModelConfig
+from keepwarm.weights.sharding import Stage
+from keepwarm.worker.cuda_graphs import CudaGraphRunner, graphs_supported
 from keepwarm.worker.models.llama import AttentionMetadata, KVCache, LlamaForCausalLM
-from keepwarm.worker.parallel.group import TensorParallelGroup
+from keepwarm.worker.parallel.group import ParallelGroup
 from keepwarm.worker.parallel.messages import Step
 from keepwarm.worker.parallel.pipeline import irecv, isend, split_step, stage_forward
-from keepwarm.worker.scheduler import ScheduledBatch
+
+if TYPE_CHECKING:  # the engine package imports this module: at run time it would be half-built here
+    from keepwarm.worker.engine.scheduler import ScheduledBatch
 
 log = logging.getLogger("keepwarm.worker")
 
@@ -72,7 +76,7 @@ class ModelRunner:
 
     def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, block_size: int,
                  block_ids_of: callable, device: torch.device, lora_manager=None, enforce_eager: bool = False,
-                 tp: TensorParallelGroup | None = None, vocab_size: int | None = None, stage: Stage | None = None,
+                 tp: ParallelGroup | None = None, vocab_size: int | None = None, stage: Stage | None = None,
                  act_dtype: torch.dtype | None = None) -> None:
         self.model = model
         self.lora_manager = lora_manager
@@ -247,8 +251,6 @@ class ModelRunner:
     def _make_cuda_graphs(self, enforce_eager: bool):
         if enforce_eager or self.device.type != "cuda":
             return None
-        from keepwarm.worker.cuda_graphs import CudaGraphRunner, graphs_supported
-
         reason = graphs_supported(self.device)
         if reason is not None:
             log.info("CUDA graphs off: %s", reason)

@@ -1,29 +1,16 @@
 """Results returned to callers, shaped like vLLM's ``RequestOutput`` / ``CompletionOutput``.
 
 One pair of classes, two logprob representations; the type parameter says which one an output holds:
-
 - ``RequestOutput[TokenLogprob]``: what the engine makes (``LLMEngine.step``, ``AsyncLLMEngine``) and what the HTTP
   and gRPC routes read. One :class:`TokenLogprob` per position: the chosen token's id, logprob and 1-based rank,
   and the top-k as (token id, logprob) pairs, most likely first.
-- ``RequestOutput[LogprobsOnePosition]``: what the offline ``LLM.generate`` / ``LLM.chat`` return, vLLM's shapes,
-  so that code written for ``vllm.LLM`` runs unchanged. :func:`to_vllm_output` converts at that boundary (the
-  engine and the routes keep ``TokenLogprob``; nothing but the offline API sees the dicts).
+- ``RequestOutput[LogprobsOnePosition]``: what the offline ``LLM.generate`` / ``LLM.chat`` return, vLLM 0.32's
+  shapes (one ``dict[int, Logprob]`` per position, decoded tokens from :class:`TokenText`), so that code written for
+  ``vllm.LLM`` runs unchanged. :func:`to_vllm_output` converts at that boundary (the engine and the routes keep
+  ``TokenLogprob``; nothing but the offline API sees the dicts).
 
-vLLM's shapes (vllm/logprobs.py, vllm/outputs.py, 0.32):
-
-- ``CompletionOutput.logprobs``: one ``dict[int, Logprob]`` per generated token. The sampled token comes first,
-  with its rank in the whole vocabulary, then the top-k with ranks 1..k; a sampled token inside the top-k is one
-  entry (the top-k's). ``logprobs=0`` gives the sampled token alone.
-- ``RequestOutput.prompt_logprobs``: the same per prompt token, ``None`` for the first (nothing predicts it).
-- ``Logprob.decoded_token``: the token decoded on its own, as vLLM does (``tokenizer.decode([id])``, with the
-  leading spaces that a SentencePiece ``▁`` stands for put back); a piece of a multi-byte character (its text ends
-  in U+FFFD) is decoded after the chosen tokens before it instead: "" while the character is incomplete, the whole
-  character on the piece that completes it. ``None`` without a tokenizer. (:class:`TokenText`; the offline ``LLM``
-  makes it, ``worker/llm.py``.)
-- ``cumulative_logprob``: the sum of the sampled tokens' logprobs, when logprobs were asked for (else None).
-
-Where keepwarm differs: ``CompletionOutput.finished`` is a property (vLLM: a method), ``RequestOutput.metrics`` is
-:class:`RequestMetrics` (vLLM: its ``RequestStateStats``), and ``error`` is keepwarm's own.
+vLLM's shapes in detail, and where keepwarm differs (``finished`` a property, ``metrics``, ``error``):
+docs/vllm-compat.md, "Offline outputs".
 """
 
 from __future__ import annotations
@@ -33,7 +20,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Generic
 
-from keepwarm.worker.sequence import TokenLogprob
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """Log-probability of one sampled token and the top alternatives at that position."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: tuple[tuple[int, float], ...]  # (token id, logprob), most likely first
+
 
 # One position's logprobs: TokenLogprob (the engine's; the default, so a bare ``RequestOutput`` is the engine's) or
 # LogprobsOnePosition (the offline API's). The default (PEP 696) is for the type checker: typing's TypeVar takes

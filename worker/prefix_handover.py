@@ -1,24 +1,17 @@
 """A worker's prefix cache carried over a restart: the old worker exports its cached full blocks (their keys and
 their KV) into a memfd; the new worker adopts those its pool has room for, before its next step.
 
-Rules:
+Rules (the handoff and the file's layout: docs/architecture.md, "Restarts with no downtime"):
 - Both sides run in their engine thread, between steps (``AsyncEngine.call_blocking``): a cached full block never
   changes, and nothing can evict one while it is copied.
-- Only an engine whose KV is the same adopts: ``kv_identity`` (the weights' fingerprint and scheme, the dtypes, the
-  block size, the KV shape, the fp8 scales, the model config, and a probe of the block-hash function, since block
-  keys are Python hashes: a worker of another Python has other hashes) must be equal, else the adoption is refused
-  naming the first field that differs, and nothing is adopted. A worker whose KV lies in several processes (tensor
-  or pipeline parallel) neither exports nor adopts, and says so.
+- Only an engine whose KV is the same adopts: ``kv_identity`` (weights, dtypes, block size, KV shape, fp8 scales,
+  model config, a probe of the block-hash function: keys are Python hashes) must be equal, else nothing is adopted,
+  naming the first field that differs. A tensor or pipeline parallel worker neither exports nor adopts, and says so.
 - A block keeps its key whole (chained hash, tokens, salt and adapter digest), so a carried block is hit only by
   the requests that would have hit it in the old worker.
 - Adopted blocks enter this pool as freed blocks (``BlockPool.adopt``): the most recent nearest the free queue's
-  tail, after everything this worker had freed; they take no more than the free blocks.
-- Memory: the export file holds a copy of the old worker's cached blocks (at most its KV pool) until the new worker
-  has copied them; then it is unmapped and closed.
-
-The file: 8 bytes (little-endian length H), H bytes of JSON header {"identity", "blocks": [[hash, tokens, extra],
-...]} , then from the next 4096-byte boundary, per layer, K then V of the n blocks as ``[kv_heads, n, block_size,
-head_dim]``.
+  tail, after everything this worker had freed; they take no more than the free blocks. The export file (at most a
+  KV pool's copy) lives until the new worker has copied it; then it is unmapped and closed.
 """
 
 from __future__ import annotations
@@ -30,28 +23,18 @@ import mmap
 import os
 import struct
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from keepwarm.worker.block_manager import BlockHash, hash_block_tokens
+from keepwarm.worker.engine.block_manager import BlockHash, hash_block_tokens
+from keepwarm.worker.process.ipc import CarriedPrefixes
 
 if TYPE_CHECKING:
     from keepwarm.worker.engine import LLMEngine
 
 FORMAT = 1
 _ALIGN = 4096
-
-
-@dataclass(frozen=True)
-class Carried:
-    """What one side did: blocks exported or adopted (0 with ``reason`` when it did nothing), bytes, seconds."""
-
-    blocks: int
-    nbytes: int
-    seconds: float
-    reason: str = ""
 
 
 def refusal(engine: LLMEngine) -> str:
@@ -109,14 +92,14 @@ def _views(buf: Any, identity: dict[str, Any], n: int, offset: int) -> list[torc
                  .view(shape)) for i in range(2 * layers)]
 
 
-def export_prefixes(engine: LLMEngine) -> tuple[int | None, Carried]:
+def export_prefixes(engine: LLMEngine) -> tuple[int | None, CarriedPrefixes]:
     """The engine's cached full blocks, most recent first, in a new memfd (None, and why, when there are none or
     the engine cannot export). The caller owns (and closes) the fd."""
     t0 = time.perf_counter()
     why = refusal(engine)
     blocks = [] if why else engine.block_manager.pool.cached_by_recency()
     if why or not blocks:
-        return None, Carried(0, 0, time.perf_counter() - t0, why or "no cached blocks")
+        return None, CarriedPrefixes(0, 0, time.perf_counter() - t0, why or "no cached blocks")
     identity = kv_identity(engine)
     keys = [[h.hash_value, list(h.token_ids), h.extra_keys] for h in (b.block_hash for b in blocks) if h is not None]
     header = json.dumps({"identity": identity, "blocks": keys}).encode()
@@ -139,7 +122,7 @@ def export_prefixes(engine: LLMEngine) -> tuple[int | None, Carried]:
     except BaseException:
         os.close(fd)
         raise
-    return fd, Carried(len(blocks), total, time.perf_counter() - t0)
+    return fd, CarriedPrefixes(len(blocks), total, time.perf_counter() - t0)
 
 
 def _first_difference(mine: dict[str, Any], theirs: Any) -> str:
@@ -175,13 +158,13 @@ def _block_keys(entries: list[Any], block_size: int) -> list[BlockHash]:
     return keys
 
 
-def adopt_prefixes(engine: LLMEngine, fd: int) -> Carried:
+def adopt_prefixes(engine: LLMEngine, fd: int) -> CarriedPrefixes:
     """Adopt an export's blocks into free blocks of this engine's pool. Refused (0 blocks, the reason) when the
     engine cannot adopt, the export is malformed, or its KV is not this engine's; nothing is adopted then."""
     t0 = time.perf_counter()
     why = refusal(engine)
     if why:
-        return Carried(0, 0, time.perf_counter() - t0, why)
+        return CarriedPrefixes(0, 0, time.perf_counter() - t0, why)
     size = os.fstat(fd).st_size
     mm = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE)  # copy-on-write: nothing is written back
     try:
@@ -190,7 +173,7 @@ def adopt_prefixes(engine: LLMEngine, fd: int) -> Carried:
         _close(mm)
 
 
-def _adopt(engine: LLMEngine, mm: mmap.mmap, size: int, t0: float) -> Carried:
+def _adopt(engine: LLMEngine, mm: mmap.mmap, size: int, t0: float) -> CarriedPrefixes:
     try:
         header, offset = _read_header(mm, size)
         why = _first_difference(kv_identity(engine), header.get("identity"))
@@ -198,21 +181,21 @@ def _adopt(engine: LLMEngine, mm: mmap.mmap, size: int, t0: float) -> Carried:
     except (ValueError, UnicodeDecodeError) as e:
         why = f"a malformed export: {e}"
     if why:
-        return Carried(0, 0, time.perf_counter() - t0, why)
+        return CarriedPrefixes(0, 0, time.perf_counter() - t0, why)
     identity = header["identity"]
     need = offset + 2 * identity["kv_shape"][0] * _layer_bytes(identity, len(keys))
     if need != size:
-        return Carried(0, 0, time.perf_counter() - t0, f"a malformed export: {size} bytes, not {need}")
+        return CarriedPrefixes(0, 0, time.perf_counter() - t0, f"a malformed export: {size} bytes, not {need}")
     pool = engine.block_manager.pool
     adopted = pool.adopt(keys)
     if not adopted:
-        return Carried(0, 0, time.perf_counter() - t0, "no free block, or every block is cached here already")
+        return CarriedPrefixes(0, 0, time.perf_counter() - t0, "no free block, or every block is cached here already")
     try:
         nbytes = _copy_in(engine, _views(mm, identity, len(keys), offset), adopted)
     except BaseException:
         pool.forget(block for _, block in adopted)  # never a cached block without its KV
         raise
-    return Carried(len(adopted), nbytes, time.perf_counter() - t0)
+    return CarriedPrefixes(len(adopted), nbytes, time.perf_counter() - t0)
 
 
 _RAW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

@@ -5,11 +5,10 @@ min_tokens EOS/stop masking -> greedy argmax or (temperature -> top-k -> top-p -
 returned logprobs are the model's own, taken before any of it (vLLM's default ``logprobs_mode``, raw_logprobs): a
 bias changes which token is sampled, not the logprob reported for it. ``logit_bias`` is a sparse add on the rows
 whose request has one (vLLM adds it, as a logits processor, before the penalties: the two do not commute under a
-repetition penalty); the other rows are untouched. Grammar masks are
-filled per constrained row and applied in one batched fill; free rows are untouched. A constrained row that
-min_tokens would leave with no token (the grammar allows only EOS) keeps the grammar's choice: the output must
-stay valid. Everything is vectorized over the batch with
-per-row parameter tensors; only the noise of seeded rows is drawn per row, from that sequence's own generator,
+repetition penalty); the other rows are untouched. Grammar masks are filled per constrained row and applied in one
+batched fill; free rows are untouched. A constrained row that min_tokens would leave with no token (the grammar
+allows only EOS) keeps the grammar's choice: the output must stay valid. Everything is vectorized over the batch
+with per-row parameter tensors; only the noise of seeded rows is drawn per row, from that sequence's own generator,
 so a seeded request samples the same tokens whatever else is in the batch. Every bit of a seed counts
 (:func:`seeded_generator`): torch's CPU generator keeps only a seed's low 32 bits, so -1 and 2**63-1 (or 0 and
 -2**63) would otherwise sample alike.
@@ -21,12 +20,16 @@ import functools
 import random
 import struct
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
+from keepwarm.worker.outputs import TokenLogprob
 from keepwarm.worker.sampling_params import SEED_MAX, SEED_MIN, SamplingParams
-from keepwarm.worker.sequence import Sequence, TokenLogprob
 from keepwarm.worker.structured import unpack_bitmask
+
+if TYPE_CHECKING:  # the engine package imports this module: at run time it would be half-built here
+    from keepwarm.worker.engine.sequence import Sequence
 
 
 @dataclass

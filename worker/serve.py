@@ -1,8 +1,9 @@
 """`keepwarm serve`: build the engine, then run the HTTP app (and gRPC with ``--grpc``) until SIGTERM.
 
-The app itself is ``keepwarm.worker.api.app`` (routers by resource in ``routes/`` over ``pipeline``); this module
-owns the process: the engine from the config, systemd socket activation, uvicorn, the drain on SIGTERM, and the
-exit with status 70 when the engine cannot go on (so the supervisor restarts the worker, warm).
+This module is the serving half: the engine from the config, the app (keepwarm.worker.http.app), uvicorn and the
+gRPC front end; the process half, the same for a plain server and a supervised worker (the listening socket,
+systemd socket activation, the drain on SIGTERM, the handoff, the exit with status 70 when the engine cannot go
+on), is keepwarm.worker.process (``listen``, ``lifecycle``).
 
 The listening socket is bound first, before the engine is built: a port in use is one line at once, never found
 after an attach and a warm-up. A Hugging Face id resolves to its snapshot in the local cache (served under the id);
@@ -11,47 +12,40 @@ after an attach and a warm-up. A Hugging Face id resolves to its snapshot in the
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
-import signal
 import socket
 import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from keepwarm.formats import paths
 from keepwarm.formats.version import __version__
-from keepwarm.worker.api.app import build_app
-from keepwarm.worker.api.config import ServerConfig
-from keepwarm.worker.api.listen import bind_listener, listen_backlog, systemd_socket
-from keepwarm.worker.api.state import ServerState
-from keepwarm.worker.api.vllm_flags import chat_template_text
-from keepwarm.worker.async_engine import AsyncEngine
+from keepwarm.worker.async_engine import AdoptPrefixes, AsyncEngine, ExportPrefixes
 from keepwarm.worker.default_model import DEFAULT_MODEL_NAME, default_model, resolve_model
 from keepwarm.worker.engine import EngineConfig, LLMEngine
+from keepwarm.worker.http.app import build_app
+from keepwarm.worker.http.state import ServerState
 from keepwarm.worker.lora import parse_lora_modules
 from keepwarm.worker.lora_loader import register_adapter
-
-if TYPE_CHECKING:
-    from keepwarm.worker.api.zygote import WorkerLink
-
-__all__ = ["ServerState", "build_app", "create_engine", "serve"]
+from keepwarm.worker.openai.tool_calls import PARSERS
+from keepwarm.worker.process import ipc, lifecycle
+from keepwarm.worker.process.config import ServerConfig
+from keepwarm.worker.process.link import WorkerLink
+from keepwarm.worker.process.listen import listen, listen_backlog, systemd_socket
+from keepwarm.worker.process.vllm_flags import chat_template_text
+from keepwarm.worker.sampling_params import SamplingParams
 
 log = logging.getLogger("keepwarm.server")
 
 SWITCH_INTERVAL_S = 0.0005
+PREFIX_CALL_TIMEOUT_S = 30.0  # an export or adoption waits for the step in flight, then copies the cached blocks
 
 
-class ListenError(ValueError):
-    """The port cannot be listened on; one line naming it."""
-
-
-# -- running it ------------------------------------------------------------------------------------------------------
 def resolved_config(config: ServerConfig) -> ServerConfig:
     """The model and tokenizer as local paths (a Hugging Face id: its snapshot in the local cache, served under the
     id, as vLLM names it); FileNotFoundError says where it looked."""
@@ -91,8 +85,6 @@ def warm_up(engine: LLMEngine) -> None:
     """A prefill and a decode step through the whole engine (kernels' first-call setup, oneDNN primitives, CUDA
     lazy init), so a worker handed the listening socket answers its first request at full speed. The prompt is
     shorter than a KV block: nothing enters the prefix cache. It counts in the engine's statistics (one request)."""
-    from keepwarm.worker.sampling_params import SamplingParams
-
     engine.add_request("keepwarm-warm-up", [1, 2, 3], SamplingParams(max_tokens=2, temperature=0.0,
                                                                       ignore_eos=True))
     names = iter(("warm_prefill", "warm_decode"))
@@ -103,6 +95,13 @@ def warm_up(engine: LLMEngine) -> None:
         engine.startup_phases[name] = engine.startup_phases.get(name, 0.0) + time.perf_counter() - t
 
 
+def _check_tool_flags(config: ServerConfig) -> None:
+    if config.tool_call_parser is not None and config.tool_call_parser not in PARSERS:
+        raise ValueError(f"--tool-call-parser {config.tool_call_parser!r} is not one of {', '.join(PARSERS)}")
+    if config.enable_auto_tool_choice and config.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+
+
 def serve(config: ServerConfig, process_start: float | None = None, listener: socket.socket | None = None,
           link: WorkerLink | None = None) -> int:
     """Load or attach, then serve until SIGTERM/SIGINT; drains in-flight requests for ``shutdown_timeout``.
@@ -110,14 +109,9 @@ def serve(config: ServerConfig, process_start: float | None = None, listener: so
     Under the supervisor (``keepwarm serve --zygote``) a forked worker gets the supervisor's ``listener`` and its
     ``link``: it warms one step before serving, says Ready once it accepts, and on Drain (a handoff) closes its
     listeners at once and finishes what is in flight, without refusing requests that already arrived."""
-    import uvicorn
+    import uvicorn  # deferred: `keepwarm serve`'s own import; create_engine's callers do without it
 
-    from keepwarm.worker.api.tool_calls import PARSERS
-
-    if config.tool_call_parser is not None and config.tool_call_parser not in PARSERS:
-        raise ValueError(f"--tool-call-parser {config.tool_call_parser!r} is not one of {', '.join(PARSERS)}")
-    if config.enable_auto_tool_choice and config.tool_call_parser is None:
-        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+    _check_tool_flags(config)
     if config.threads:
         torch.set_num_threads(config.threads)
     # The engine thread and the event loop hand the GIL back and forth every token; Python's default 5 ms switch
@@ -127,16 +121,61 @@ def serve(config: ServerConfig, process_start: float | None = None, listener: so
     config = resolved_config(config)
     # Take systemd's socket (and drop LISTEN_*) before anything can start a child process.
     inherited = listener or systemd_socket()
-    own = None if inherited else _listen(config.host, config.port)  # before the engine: a taken port fails now
+    own = None if inherited else listen(config.host, config.port)  # before the engine: a taken port fails now
     fatal_hook: list[Callable[[BaseException], None]] = []  # set once the server exists
 
     def on_fatal(error: BaseException) -> None:
         for hook in fatal_hook:
             hook(error)
 
+    state = _build_state(config, link, on_fatal, process_start, t0)
+    t_app = time.perf_counter()
+    app = build_app(state)
+    uv_options: dict[str, Any] = {"host": config.host, "port": config.port, "log_level": config.uvicorn_log_level,
+                                  "timeout_graceful_shutdown": config.shutdown_timeout, "access_log": False,
+                                  # an idle keep-alive connection is closed after this (uvicorn's default: 5 s)
+                                  "timeout_keep_alive": 5}
+    if inherited or own:
+        uv_options["backlog"] = listen_backlog()
+    uv_config = uvicorn.Config(app, **uv_options)
+    state.startup["app"] = time.perf_counter() - t_app
+    if link is not None:
+        _wait_warm(state.async_engine, state.startup)
+        if link.standby and not _standby_wait(link, state.startup):
+            log.info("standby worker %d dropped by the supervisor before serving: exiting", os.getpid())
+            return 0
+    grpc_server = None
+    if config.grpc:
+        from keepwarm.worker.grpc.server import start_grpc_server  # deferred: grpc only with --grpc
+
+        grpc_server = start_grpc_server(state, config.host, config.grpc_port)
+    server = lifecycle.uvicorn_server(uv_config, state, config.shutdown_timeout, _supervised(state, link),
+                                      _stopping_grpc(grpc_server, config.shutdown_timeout), log_started=own is not None)
+    fatal_hook.append(lambda e: lifecycle.exit_on_fatal(state, server, e))
+    if state.async_engine.errored is not None:
+        lifecycle.exit_on_fatal(state, server, state.async_engine.errored)
+    where = (f"the supervisor's socket ({listener.getsockname()})" if listener else
+             f"systemd socket fd 3 ({inherited.getsockname()})" if inherited else None)
+    _announce(state, where, (time.perf_counter() - t0) if process_start is None else (time.time() - process_start))
+    lifecycle.quiet_reraised_signals()
+    try:
+        server.run(sockets=[inherited or own] if inherited or own else None)
+    finally:
+        if grpc_server is not None:
+            grpc_server.stop(grace=1.0)
+    if state.fatal is not None:
+        print(f"keepwarm: the engine failed ({type(state.fatal).__name__}: {state.fatal}); exiting with status "
+              f"{lifecycle.FATAL_EXIT_CODE} so the supervisor restarts the server", file=sys.stderr, flush=True)
+        return lifecycle.FATAL_EXIT_CODE
+    return 0
+
+
+def _build_state(config: ServerConfig, link: WorkerLink | None, on_fatal: Callable[[BaseException], None],
+                 process_start: float | None, t0: float) -> ServerState:
+    """The engine (attached or loaded; under the supervisor it warms up in its thread while this one builds the
+    app: the warm-up's kernels release the GIL, and the worker listens only once both are done) and the state the
+    front ends share, with the startup phases so far."""
     t_engine = time.perf_counter()
-    # Under the supervisor the engine warms up in its thread while this one builds the app (the warm-up's kernels
-    # release the GIL); the worker listens only once both are done.
     async_engine = AsyncEngine(lambda: create_engine(config), on_fatal=on_fatal,
                                warm_up=warm_up if link is not None else None)
     names = config.served_model_name or [config.model or DEFAULT_MODEL_NAME]
@@ -148,56 +187,8 @@ def serve(config: ServerConfig, process_start: float | None = None, listener: so
     # a copy first: the engine thread adds the warm-up's phases meanwhile
     built = {k: v for k, v in dict(async_engine.engine.startup_phases).items() if not k.startswith("warm_")}
     startup.update(built)
-    t_app = time.perf_counter()
-    startup["engine_other"] = max(0.0, t_app - t_engine - sum(built.values()))
-    app = build_app(state)
-    uv_options: dict[str, Any] = {"host": config.host, "port": config.port, "log_level": config.uvicorn_log_level,
-                                  "timeout_graceful_shutdown": config.shutdown_timeout, "access_log": False,
-                                  # an idle keep-alive connection is closed after this (uvicorn's default: 5 s)
-                                  "timeout_keep_alive": 5}
-    if inherited or own:
-        uv_options["backlog"] = listen_backlog()
-    uv_config = uvicorn.Config(app, **uv_options)
-    startup["app"] = time.perf_counter() - t_app
-    if link is not None:
-        _wait_warm(async_engine, startup)
-        if link.standby and not _standby_wait(link, startup):
-            log.info("standby worker %d dropped by the supervisor before serving: exiting", os.getpid())
-            return 0
-    grpc_server = None
-    if config.grpc:
-        from keepwarm.worker.api.grpc_server import start_grpc_server
-
-        grpc_server = start_grpc_server(state, config.host, config.grpc_port)
-    server = _uvicorn_server(uv_config, state, link, grpc_server, log_started=own is not None)
-    fatal_hook.append(lambda e: _exit_on_fatal(state, server, e))
-    if async_engine.errored is not None:
-        _exit_on_fatal(state, server, async_engine.errored)
-    where = (f"the supervisor's socket ({listener.getsockname()})" if listener else
-             f"systemd socket fd 3 ({inherited.getsockname()})" if inherited else None)
-    _announce(state, where, (time.perf_counter() - t0) if process_start is None else (time.time() - process_start))
-    # uvicorn re-raises the signal it caught once it has shut down, under the handler that was installed
-    # before it; make that one a no-op so a drained SIGTERM ends in exit status 0, not death by signal.
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: None)
-    try:
-        server.run(sockets=[inherited or own] if inherited or own else None)
-    finally:
-        if grpc_server is not None:
-            grpc_server.stop(grace=1.0)
-    if state.fatal is not None:
-        print(f"keepwarm: the engine failed ({type(state.fatal).__name__}: {state.fatal}); exiting with status "
-              f"{FATAL_EXIT_CODE} so the supervisor restarts the server", file=sys.stderr, flush=True)
-        return FATAL_EXIT_CODE
-    return 0
-
-
-def _listen(host: str, port: int) -> socket.socket:
-    try:
-        return bind_listener(host, port)
-    except OSError as e:
-        raise ListenError(f"--port {port}: cannot listen on {host}:{port} ({e.strerror or e}); is another server "
-                          "running there?") from None
+    startup["engine_other"] = max(0.0, time.perf_counter() - t_engine - sum(built.values()))
+    return state
 
 
 def _wait_warm(async_engine: AsyncEngine, startup: dict[str, float]) -> None:
@@ -219,56 +210,32 @@ def _standby_wait(link: WorkerLink, startup: dict[str, float]) -> bool:
     return go
 
 
-def _uvicorn_server(uv_config: Any, state: ServerState, link: WorkerLink | None, grpc_server: Any,
-                    log_started: bool = False) -> Any:
-    """uvicorn's server with keepwarm's drain on SIGTERM/SIGINT and, under the supervisor, Ready and the handoff.
-    ``log_started``: uvicorn's "running on" line for a socket bound here (uvicorn logs it only for its own)."""
-    import uvicorn
+def _supervised(state: ServerState, link: WorkerLink | None) -> lifecycle.Supervised | None:
+    """Under the supervisor: the Ready this worker says, and its answers to ExportPrefixes / AdoptPrefixes (run in
+    the engine thread; keepwarm.worker.prefix_handover)."""
+    if link is None:
+        return None
+    engine = state.async_engine
 
-    config = state.config
+    def ready() -> ipc.Ready:
+        return ipc.Ready(pid=os.getpid(), ready_s=time.time() - link.fork_time,
+                         weights_source=str(state.weights_info()["source"]),
+                         cuda_initialized=torch.cuda.is_initialized(), phases=dict(state.startup))
 
-    class _Server(uvicorn.Server):
-        def handle_exit(self, sig: int, frame: Any) -> None:
-            if not state.draining:
-                log.info("signal %d: draining (up to %.0fs)", sig, config.shutdown_timeout)
-            state.draining = True
-            state.async_engine.stop_accepting()
-            super().handle_exit(sig, frame)
+    def export() -> tuple[int | None, ipc.CarriedPrefixes]:
+        return engine.call_blocking(ExportPrefixes(), PREFIX_CALL_TIMEOUT_S)
 
-        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-            t = time.perf_counter()
-            await super().startup(sockets=sockets)
-            state.startup["uvicorn_start"] = time.perf_counter() - t
-            if log_started and self.started and sockets:
-                self._log_started_message(sockets)
-            log.info("startup phases (s): %s", " ".join(f"{k} {v:.3f}" for k, v in state.startup.items()))
-            if link is not None and self.started:
-                loop = asyncio.get_running_loop()
-                link.listen(on_drain=lambda: (loop.call_soon_threadsafe(self.hand_over), None)[1],
-                            call=lambda command: state.async_engine.call_blocking(command, PREFIX_CALL_TIMEOUT_S))
-                link.say(_ready(state, link))
+    def adopt(fd: int) -> ipc.CarriedPrefixes:
+        return engine.call_blocking(AdoptPrefixes(fd), PREFIX_CALL_TIMEOUT_S)
 
-        def hand_over(self) -> None:
-            """Drain for a handoff: stop accepting now (the new worker accepts on the same socket); requests in
-            flight, and any that arrive over connections already open, are answered with ``Connection: close``;
-            exit once every connection has closed (idle ones at the keep-alive timeout) or after
-            ``shutdown_timeout``. /health stays 200 meanwhile: this worker is fine."""
-            for srv in self.servers:
-                srv.close()
-            state.handing_over = True
-            if grpc_server is not None:  # in-flight RPCs get the drain's time; new ones go to the new worker
-                threading.Thread(target=grpc_server.stop, args=(config.shutdown_timeout,), daemon=True).start()
-            if link is not None:
-                link.say(_draining())
-            self.handover_task = asyncio.get_running_loop().create_task(self._exit_when_closed())
+    return lifecycle.Supervised(link, ready, export, adopt)
 
-        async def _exit_when_closed(self) -> None:
-            deadline = time.monotonic() + config.shutdown_timeout
-            while self.server_state.connections and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
-            self.should_exit = True
 
-    return _Server(uv_config)
+def _stopping_grpc(grpc_server: Any, grace: float) -> Callable[[], None] | None:
+    """On a handoff, in-flight RPCs get the drain's time; new ones go to the new worker."""
+    if grpc_server is None:
+        return None
+    return lambda: threading.Thread(target=grpc_server.stop, args=(grace,), daemon=True).start()
 
 
 def _announce(state: ServerState, where: str | None, started: float) -> None:
@@ -283,36 +250,3 @@ def _announce(state: ServerState, where: str | None, started: float) -> None:
         print(f"  try: curl http://{config.host}:{config.port}/v1/completions -H 'Content-Type: application/json' "
               f"-d '{{\"model\": \"{name}\", \"prompt\": \"The capital of France is\", \"max_tokens\": 16}}'",
               flush=True)
-
-
-def _ready(state: ServerState, link: WorkerLink) -> Any:
-    from keepwarm.worker.api import ipc
-
-    return ipc.Ready(pid=os.getpid(), ready_s=time.time() - link.fork_time,
-                     weights_source=str(state.weights_info()["source"]), cuda_initialized=torch.cuda.is_initialized(),
-                     phases=dict(state.startup))
-
-
-def _draining() -> Any:
-    from keepwarm.worker.api import ipc
-
-    return ipc.Draining(pid=os.getpid())
-
-
-PREFIX_CALL_TIMEOUT_S = 30.0  # an export or adoption waits for the step in flight, then copies the cached blocks
-FATAL_EXIT_CODE = 70  # EX_SOFTWARE: the engine died; systemd's Restart=on-failure brings a fresh worker up warm
-FATAL_EXIT_GRACE_S = 5.0
-
-
-def _exit_on_fatal(state: ServerState, server: Any, error: BaseException) -> None:
-    """The engine cannot go on: stop serving now (waiting requests already got their error) and exit non-zero;
-    if the orderly stop hangs, end the process after a short grace."""
-    if state.fatal is not None:
-        return
-    state.fatal = error
-    state.draining = True
-    state.async_engine.stop_accepting()
-    server.should_exit = True
-    timer = threading.Timer(FATAL_EXIT_GRACE_S, os._exit, (FATAL_EXIT_CODE,))
-    timer.daemon = True
-    timer.start()

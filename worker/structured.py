@@ -1,34 +1,17 @@
 """Structured outputs by constrained decoding: a grammar per request, a token mask per sequence per step.
 
-The engine is llguidance (chosen over xgrammar and outlines-core by `benchmarks/grammar_engines.py`; the figures
-and the reasons are in docs/benchmarks.md). Rules:
-
-- A request's constraint is a :class:`StructuredOutputs` (JSON schema, any JSON object, regex, choice or a Lark /
-  GBNF grammar). :meth:`GrammarCompiler.compile` turns it into a :class:`CompiledGrammar`, validated (an invalid
-  schema or grammar raises :class:`GrammarError`, a 400 naming the field) and kept in a bounded LRU cache keyed by
-  the grammar text, so a repeated schema costs no compile.
-- The compiled grammar travels in the request's ``SamplingParams.structured``; each sequence of the request gets
-  its own :class:`GrammarMatcher` (``n > 1`` samples diverge). The sampler asks every constrained row for its mask
-  and applies them all in one batched ``masked_fill``; free rows are untouched, so constrained and free requests
-  share a batch.
-- JSON is generated compactly with OpenAI's separators (``", "`` and ``": "``, no other whitespace), so a small
-  model cannot wander into endless whitespace; a schema may override this with llguidance's ``x-guidance`` key.
-- Objects are closed: a schema object with ``properties`` and no ``additionalProperties`` gets
-  ``additionalProperties: false`` (xgrammar's strict mode, vLLM's default; OpenAI's strict schemas say so
-  explicitly). Otherwise a small model fills the open object with invented keys until ``max_tokens``. A schema
-  that sets ``additionalProperties`` keeps its choice.
-- EOS is allowed only where the grammar accepts; once the grammar cannot take another token the engine ends the
-  sequence (finish reason ``stop``) without sampling the EOS.
-- Bounded before anything is compiled (:meth:`StructuredOutputs.check_limits`, a 400 naming the field): choices
-  (``MAX_CHOICES`` entries, ``MAX_CHOICE_CHARS`` in all), regex (``MAX_REGEX_CHARS``), grammar
-  (``MAX_GRAMMAR_CHARS``, ``MAX_GBNF_RULES``), JSON schema (``MAX_SCHEMA_NODES`` values, ``MAX_SCHEMA_DEPTH``
-  levels, ``MAX_SCHEMA_CHARS`` of text; tools forced by ``tool_choice`` count here). A schema whose ``$ref``
-  recursion can never end (``{"$ref": "#"}``, a -> b -> a, a required property that is the object itself) is
-  refused: no finite JSON matches it, and llguidance would let the model emit nothing or a dangling ``{``.
-  Recursion with a way out (a tree whose ``children`` may be empty) is fine.
-- Compiling runs on ``COMPILE_THREADS`` threads with ``COMPILE_STACK_BYTES`` stacks: llguidance recurses on a
-  grammar's nesting, and a 3000-rule Lark chain overflows a default 8 MiB stack (the process dies with SIGSEGV).
-- A compiler's error reaches the client as one line: a Rust panic or backtrace never does.
+The engine is llguidance (why, measured against xgrammar and outlines-core: docs/benchmarks.md). Rules (the JSON
+semantics in full: docs/vllm-compat.md, "Structured outputs"; the limits: docs/reliability.md):
+- A :class:`StructuredOutputs` (JSON schema, any JSON object, regex, choice, Lark / GBNF grammar) compiles
+  (:meth:`GrammarCompiler.compile`) into a validated :class:`CompiledGrammar` (else :class:`GrammarError`, a 400
+  naming the field), kept in a bounded LRU keyed by the grammar text. Each sequence gets its own
+  :class:`GrammarMatcher`; the sampler applies every constrained row's mask in one batched ``masked_fill`` (free
+  rows untouched, so constrained and free requests share a batch).
+- JSON is compact (OpenAI's separators) and objects are closed (no ``additionalProperties``: ``false``, vLLM's
+  default), so a small model cannot wander into whitespace or invented keys. EOS only where the grammar accepts.
+- Bounded before anything is compiled (:meth:`StructuredOutputs.check_limits`); ``$ref`` recursion that can never
+  end is refused; compiling runs on ``COMPILE_THREADS`` threads with ``COMPILE_STACK_BYTES`` stacks (llguidance
+  recurses on nesting); a compiler's error is one line, never a Rust panic or backtrace.
 """
 
 from __future__ import annotations
@@ -46,6 +29,7 @@ from typing import Any
 from urllib.parse import unquote
 
 import torch
+from tokenizers import Tokenizer
 
 log = logging.getLogger("keepwarm.structured")
 
@@ -341,7 +325,7 @@ class StructuredOutputs:
 
     def grammar_text(self) -> str:
         """llguidance's grammar text for this constraint (pure: no tokenizer needed)."""
-        import llguidance
+        import llguidance  # deferred: ~35 ms, paid at the first structured request, not at every worker start
 
         k, v = self.kind, self.check_limits()
         try:
@@ -353,7 +337,7 @@ class StructuredOutputs:
             if k == "choice":  # Lark string literals use JSON's escapes.
                 return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in v))
             if "::=" in v:  # GBNF (llama.cpp's, which vLLM's xgrammar backend takes)
-                from llguidance.gbnf_to_lark import gbnf_to_lark
+                from llguidance.gbnf_to_lark import gbnf_to_lark  # deferred with llguidance
 
                 v = gbnf_to_lark(v)
             return llguidance.LLMatcher.grammar_from_lark(v)
@@ -464,7 +448,7 @@ class GrammarCompiler:
 
     def _tokenizer(self) -> Any:
         if self._lltok is None:
-            import llguidance
+            import llguidance  # deferred: ~35 ms, paid at the first structured request, not at every worker start
 
             t0 = time.perf_counter()
             tj = self._tokenizer_json
@@ -480,7 +464,7 @@ class GrammarCompiler:
         return _on_compile_thread(self._compile, spec)
 
     def _compile(self, spec: StructuredOutputs) -> CompiledGrammar:
-        import llguidance
+        import llguidance  # deferred: ~35 ms, paid at the first structured request, not at every worker start
 
         text = spec.grammar_text()
         with self._lock:
@@ -512,8 +496,6 @@ class GrammarCompiler:
 def token_bytes(tokenizer_json: str) -> list[bytes | None]:
     """Each token id's bytes for a byte-level BPE tokenizer (GPT-2's byte-to-character map undone); None for added
     (special) tokens. For tests and the engine benchmark: the grammar engine does this itself."""
-    from tokenizers import Tokenizer
-
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
     cs, n = bs[:], 0
     for b in range(256):

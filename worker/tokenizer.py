@@ -1,32 +1,31 @@
 """A small tokenizer over `tokenizers` + jinja2, for the serving path.
 
-transformers' AutoTokenizer costs ~1 s to import and ~1 s to load SmolLM2's tokenizer on this machine: most of a
-warm restart. A model directory with `tokenizer.json` needs neither: the `tokenizers` library does the encoding
-and decoding (transformers' fast tokenizers are the same library underneath) and jinja2 renders the chat template
-the way transformers does (sandboxed, trim_blocks, lstrip_blocks, loop controls, `raise_exception`,
+transformers' AutoTokenizer costs ~1 s to import and ~1 s to load SmolLM2's tokenizer: most of a warm restart. A model
+directory with `tokenizer.json` needs neither: the `tokenizers` library encodes and decodes and jinja2 renders the chat
+template as transformers does (sandboxed, trim_blocks, lstrip_blocks, loop controls, `raise_exception`,
 `strftime_now`). Directories without `tokenizer.json` (slow tokenizers) still go through AutoTokenizer.
 
-Chat templates are code, and a request may bring its own (only with ``--trust-request-chat-template``), so
-rendering is bounded (rules):
-
-- sandboxed: jinja2's ImmutableSandboxedEnvironment (no attribute escapes, no mutation, ``range`` capped);
-- bounded in time: a render past ``timeout`` seconds raises :class:`TemplateLimitError` (a line tracer on the
-  template's own code checks the deadline, so a loop that calls nothing still stops);
-- bounded in size, checked *before* the result is built, so a refused template never holds the memory: every
-  string an operation makes stays under ``MAX_TEMPLATE_CHARS`` (``~``, ``+``, ``*``, ``%``, ``**``, captured
-  blocks and macros, printed values, every filter, ``str`` methods such as ``join``/``format``/``replace``), every
-  list under ``MAX_TEMPLATE_ITEMS``, and so does the rendered text; ``lipsum`` is gone;
-- compiled templates are kept in an LRU of ``TEMPLATE_CACHE_SIZE`` entries, never without bound.
-
-Callers run :meth:`FastTokenizer.apply_chat_template` and ``encode`` off the event loop (a thread pool).
+Chat templates are code, and a request may bring its own (only with ``--trust-request-chat-template``), so rendering is
+bounded (rules; the limits: docs/reliability.md): sandboxed (jinja2's ImmutableSandboxedEnvironment, ``range`` capped);
+in time (``timeout``: a line tracer on the template's own code checks the deadline, so a loop that calls nothing still
+stops: :class:`TemplateLimitError`); in size, checked *before* a result is built (every string an operation makes under
+``MAX_TEMPLATE_CHARS``, every list under ``MAX_TEMPLATE_ITEMS``, and the rendered text; ``lipsum`` is gone); compiled
+templates in an LRU of ``TEMPLATE_CACHE_SIZE``. Callers run :meth:`FastTokenizer.apply_chat_template` and ``encode``
+off the event loop.
 """
 
 from __future__ import annotations
 
+import fcntl
 import functools
+import hashlib
+import inspect
 import json
+import os
 import re
+import shutil
 import sys
+import tempfile
 import threading
 import time
 from collections import OrderedDict
@@ -34,6 +33,10 @@ from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
+
+from tokenizers import Tokenizer
+
+from keepwarm.formats.paths import keepwarm_home
 
 TEMPLATE_CACHE_SIZE = 16
 DEFAULT_RENDER_TIMEOUT_S = 2.0
@@ -309,8 +312,6 @@ def _filter_args(name: str, sig: Any, args: tuple, kwargs: dict[str, Any]) -> tu
 
 def _checked_filter(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` with its output bounded: checked before it runs (see _FILTER_SIZES), and its result after."""
-    import inspect
-
     skip = 1 if getattr(fn, "jinja_pass_arg", None) is not None else 0  # the context / environment argument
     sig = inspect.signature(fn)
     params = list(sig.parameters.values())
@@ -368,9 +369,10 @@ def _bounded_sandbox():
     """jinja2's immutable sandbox with every operation that can grow a string or a list checked before it
     builds its result: ``*``, ``+``, ``%``, ``**`` (call_binop), ``~`` (its code generator), captured blocks
     (``concat``), printed values (``finalize``), filters (each wrapped) and method calls (``call``)."""
+    # deferred, these three: jinja2 (~30 ms), paid at the first chat template compiled, not at import
     from jinja2.compiler import CodeGenerator, optimizeconst
-    from jinja2.ext import loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    from jinja2.ext import loopcontrols  # deferred (above)
+    from jinja2.sandbox import ImmutableSandboxedEnvironment  # deferred (above)
 
     class SizedConcat(CodeGenerator):
         @optimizeconst
@@ -463,8 +465,6 @@ class FastTokenizer:
     """The subset of a transformers tokenizer keepwarm uses: encode, decode, apply_chat_template, special ids."""
 
     def __init__(self, model_dir: str | Path) -> None:
-        from tokenizers import Tokenizer
-
         d = Path(model_dir)
         self.name_or_path = str(d)
         self.backend_tokenizer = Tokenizer.from_file(str(d / "tokenizer.json"))
@@ -502,7 +502,7 @@ class FastTokenizer:
 
     @functools.cached_property
     def longest_token_chars(self) -> int:
-        """The most characters one vocabulary entry has (a prompt's bound: keepwarm.worker.api.limits)."""
+        """The most characters one vocabulary entry has (a prompt's bound: keepwarm.worker.http.limits)."""
         return max((len(t) for t in self.backend_tokenizer.get_vocab(with_added_tokens=True)), default=1)
 
     @property
@@ -558,14 +558,6 @@ def gguf_tokenizer_dir(path: Path) -> Path:
     keyed by the file's name, size and mtime."""
     if (path.parent / "tokenizer.json").is_file():
         return path.parent
-    import fcntl
-    import hashlib
-    import os
-    import shutil
-    import tempfile
-
-    from keepwarm.formats.paths import keepwarm_home
-
     st = path.stat()
     key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
     target = keepwarm_home() / "tokenizers" / f"{path.stem}-{key}"
@@ -575,7 +567,7 @@ def gguf_tokenizer_dir(path: Path) -> Path:
     with open(target.parent / f".{target.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (target / "tokenizer.json").is_file():
-            from transformers import AutoTokenizer
+            from transformers import AutoTokenizer  # deferred: transformers (~0.7 s) only for a GGUF's tokenizer
 
             tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
             tmp = Path(tempfile.mkdtemp(prefix=".tok-", dir=target.parent))
@@ -584,7 +576,7 @@ def gguf_tokenizer_dir(path: Path) -> Path:
     return target
 
 
-# FastTokenizers loaded ahead by a worker zygote (keepwarm.worker.api.zygote) for the workers it forks, keyed by
+# FastTokenizers loaded ahead by a worker zygote (keepwarm.worker.process.zygote) for the workers it forks, keyed by
 # their files (path, size, mtime): a tokenizer changed on disk is loaded afresh. Empty in any other process.
 _PRELOADED: dict[tuple, FastTokenizer] = {}
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
@@ -637,6 +629,6 @@ def load_tokenizer(path: str | Path):
             if hit is not None:
                 return hit
         return FastTokenizer(p)
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # deferred: ~0.7 s, only for a model without tokenizer.json
 
     return AutoTokenizer.from_pretrained(str(p))

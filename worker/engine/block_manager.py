@@ -1,7 +1,6 @@
 """Paged KV-cache block manager with automatic prefix caching, after vLLM v1's block pool.
 
 Rules, in one place:
-
 * Each block has a reference count: the number of live sequences whose block table holds it. A block with
   ``ref_cnt == 0`` is in the free queue, exactly once; a block with ``ref_cnt > 0`` is never in it.
 * A full block whose tokens have been scheduled for compute gets a ``BlockHash`` and is entered in the
@@ -22,7 +21,7 @@ from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from keepwarm.worker.sequence import Sequence
+from keepwarm.worker.engine.sequence import Sequence
 
 # Parent "hash" of a sequence's first block. Fixed so that hashes of int-only keys are reproducible; keys
 # holding strings (cache salts) still vary per process with PYTHONHASHSEED, which is fine for a

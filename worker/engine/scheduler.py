@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from keepwarm.worker.block_manager import BlockManager
-from keepwarm.worker.sequence import Sequence, SequenceStatus
+from keepwarm.worker.engine.block_manager import BlockManager
+from keepwarm.worker.engine.sequence import Sequence, SequenceStatus
 
 
 @dataclass(frozen=True)

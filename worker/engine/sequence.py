@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass
 
+from keepwarm.worker.outputs import TokenLogprob
 from keepwarm.worker.sampling_params import SamplingParams
 from keepwarm.worker.structured import CompiledGrammar, GrammarMatcher
 
@@ -21,16 +21,6 @@ class SequenceStatus(enum.Enum):
     def is_finished(self) -> bool:
         return self in (SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH,
                         SequenceStatus.FINISHED_ABORTED)
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    """Log-probability of one sampled token and the top alternatives at that position."""
-
-    token_id: int
-    logprob: float
-    rank: int
-    top: tuple[tuple[int, float], ...]  # (token id, logprob), most likely first
 
 
 class Sequence:
@@ -59,7 +49,7 @@ class Sequence:
         self.grammar: GrammarMatcher | None = None
         if isinstance(structured, CompiledGrammar):
             self.grammar = structured.matcher()
-        elif structured is not None:  # LLMEngine.add_request compiles a spec before it makes sequences
+        elif structured is not None:  # the input processor compiles a spec before it makes sequences
             raise TypeError("SamplingParams.structured must be compiled (GrammarCompiler.compile) before a "
                             "Sequence is made")
         self.cache_salt = cache_salt
@@ -107,6 +97,12 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    def use_long_rope(self) -> None:
+        """From now on computed with longrope's long factors; its blocks, rotated with other factors than a short
+        sequence's, are keyed apart so they are never shared."""
+        self.rope_long = True
+        self.cache_salt = f"{self.cache_salt or ''}longrope"
 
     def append_token(self, token_id: int, logprob: TokenLogprob | None = None) -> None:
         self.output_token_ids.append(token_id)

@@ -1,21 +1,17 @@
 """Pipeline parallelism: contiguous layer ranges per stage, activations passed with torch.distributed send/recv.
 
-Rules (``P`` stages of ``T`` tensor-parallel ranks each: rank ``s * T + t`` is stage ``s``'s rank ``t``; each stage
-cuts its weights over its ranks as ``sharding.py`` says and all-reduces within its own process group):
-- Stage ``s`` holds layers ``stage_layers(L, P, s)`` (contiguous; the first ``L % P`` stages one layer more),
-  stage 0 also the embedding, the last stage the final norm and the head (``keepwarm.daemon.sharding``, where the
-  daemon cuts per-stage arenas with the same rules). A stage's model keeps placeholders for the rest
-  (``make_stage``) and binds only its own weights (``stage_tensors``): views into its arena, no copy. Its KV cache
-  holds its own layers.
-- Stage 0 is rank 0: the engine, its scheduler and sampler. Each step is split into up to ``P`` micro-batches by
-  sequence (``split_step``); for each, rank 0 broadcasts the micro-batch's ``Step`` (the typed message tensor
-  parallelism uses), runs its layers and sends the hidden state and residual on without waiting (``isend``), so
-  stage 0 runs micro-batch k + 1 while stage 1 runs micro-batch k. Every other stage receives, runs its layers
-  and sends on (stage s's rank t to stage s + 1's rank t); the last gathers its ranks' logit columns to its first
-  rank, which sends the float32 logits of the micro-batch's sampled rows to rank 0; rank 0 posted those receives
-  before the first micro-batch and samples once they all came.
-- Activations travel as raw bytes of ``[T, hidden]`` tensors in the model dtype; every shape follows from the
-  ``Step`` each rank already has, so nothing else crosses.
+Rules (``P`` stages of ``T`` tensor-parallel ranks, rank ``s * T + t`` is stage ``s``'s rank ``t``; the schedule in
+full: docs/architecture.md, "Tensor parallelism", pipeline parallelism):
+- Stage ``s`` holds layers ``stage_layers(L, P, s)`` (``keepwarm.weights.sharding``), cut over its ranks, with an
+  all-reduce in its own process group. Its model keeps placeholders for the rest (``make_stage``) and binds only its
+  own weights (``stage_tensors``: views into its arena, no copy); its KV cache holds its own layers.
+- Stage 0 is rank 0 (the engine, its scheduler and sampler). Each step is split into up to ``P`` micro-batches by
+  sequence (``split_step``); for each, rank 0 broadcasts its ``Step``, runs its layers and sends the hidden state and
+  residual on without waiting (``isend``), so stage 0 runs micro-batch k + 1 while stage 1 runs micro-batch k.
+- Every other stage receives, runs its layers and sends on (stage s's rank t to stage s + 1's rank t); the last
+  gathers its ranks' logit columns and sends the float32 logits of the sampled rows to rank 0, which posted those
+  receives before the first micro-batch.
+- Activations cross as raw bytes in the model dtype, shaped by the ``Step`` every rank has: nothing else crosses.
 """
 
 from __future__ import annotations
@@ -26,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from keepwarm.daemon.sharding import Stage
+from keepwarm.weights.sharding import Stage
 from keepwarm.worker.models.layers import BoundModule
 from keepwarm.worker.models.llama import AttentionMetadata, KVCache, LlamaForCausalLM
 from keepwarm.worker.parallel.messages import Step

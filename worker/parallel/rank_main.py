@@ -22,12 +22,13 @@ from pathlib import Path
 
 import torch
 
-from keepwarm.daemon.sharding import Shard, local_config, stage_of
 from keepwarm.formats.model_config import parse_dtype
+from keepwarm.weights.sharding import Shard, local_config, stage_of
 from keepwarm.worker.lora import LoRAAdapter, LoRAManager
 from keepwarm.worker.model_loader import load_model
 from keepwarm.worker.model_runner import CacheConfig, ModelRunner, allocate_kv_cache
-from keepwarm.worker.parallel.group import TensorParallelGroup
+from keepwarm.worker.parallel.group import ParallelGroup
+from keepwarm.worker.parallel.launch import join_group
 from keepwarm.worker.parallel.messages import CacheSpec, LoRASlot, Ping, Setup, Shutdown, Step, lora_tensors
 
 log = logging.getLogger("keepwarm.worker")
@@ -47,14 +48,14 @@ def _watch_parent(parent: int) -> None:
     threading.Thread(target=watch, name="keepwarm-tp-parent", daemon=True).start()
 
 
-def _expect(tp: TensorParallelGroup, kind: type) -> object:
+def _expect(tp: ParallelGroup, kind: type) -> object:
     msg = tp.receive()
     if not isinstance(msg, kind):
         raise RuntimeError(f"expected a {kind.__name__} message, got {type(msg).__name__}")
     return msg
 
 
-def serve_rank(tp: TensorParallelGroup) -> int:
+def serve_rank(tp: ParallelGroup) -> int:
     setup = _expect(tp, Setup)
     assert isinstance(setup, Setup)
     tp.make_stage_groups(setup.pp_size)
@@ -126,7 +127,7 @@ def main() -> int:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if os.environ.get(PARENT_ENV):
         _watch_parent(int(os.environ[PARENT_ENV]))
-    tp = TensorParallelGroup.from_env()
+    tp = join_group()
     try:
         return serve_rank(tp)
     except Exception as e:  # noqa: BLE001 - a collective failed: rank 0 is gone or stuck
