@@ -1,21 +1,17 @@
-"""`keepwarm serve --grpc`: the gRPC API of ``worker/api/keepwarm.proto`` (service ``keepwarm.v1.Keepwarm``).
+"""`keepwarm serve --grpc`: the gRPC API of ``worker/grpc/keepwarm.proto`` (service ``keepwarm.v1.Keepwarm``).
 
-A ``grpc.aio`` server on its own event loop in a background thread, beside uvicorn's loop in the main thread.
-``AsyncEngine.generate`` binds each request's output queue to the loop that calls it, so both loops share the one
-engine. A request is read as /v1/completions' own model (``CompletionRequest``, keepwarm.worker.api.protocol) and
-goes through the HTTP route's helpers, so every limit is defined once and holds on both front ends (request_id
-length, prompt size and vocabulary, n, logprobs, seed range, max_tokens and the context, stop strings, finite
-numbers); a bad one ends with INVALID_ARGUMENT, one line starting with the gRPC field's path
-(``sampling_params.n: ...``, ``prompt_token_ids.3: ...``), an unknown model with NOT_FOUND. A message larger than
-the HTTP body limit (``--max-request-body-mb``) is RESOURCE_EXHAUSTED, from gRPC itself. A client that cancels its
-stream cancels the handler, which closes the engine's stream and so aborts the request (its KV blocks are freed).
-
-Admission and the request budget are HTTP's (keepwarm.worker.api.budget, limits.Admission): a Generate holds one
-seat per sequence (``n``) until its stream ends; past the server's seats it is RESOURCE_EXHAUSTED.
-
-With ``--api-key``, Generate and Models need the ``authorization`` metadata ``Bearer <key>`` (the header the
-HTTP API takes), else UNAUTHENTICATED; Health stays open, as /health does. A request that fails inside the
-engine ends with INTERNAL; an engine that cannot go on with UNAVAILABLE.
+A ``grpc.aio`` server on its own event loop in a background thread, beside uvicorn's loop in the main thread
+(``AsyncEngine.generate`` binds each request's output queue to the loop that calls it). Rules (docs/reliability.md):
+- A request is read as /v1/completions' own model (``CompletionRequest``, keepwarm.worker.openai.protocol) through
+  the HTTP route's helpers, so every limit is defined once and holds on both front ends; a bad one is
+  INVALID_ARGUMENT, one line led by the gRPC field's path (``sampling_params.n: ...``, ``prompt_token_ids.3: ...``),
+  an unknown model NOT_FOUND, a message over ``--max-request-body-mb`` RESOURCE_EXHAUSTED (from gRPC itself).
+- Admission and the request budget are HTTP's (keepwarm.worker.http.budget, limits.Admission): a Generate holds one
+  seat per sequence (``n``) until its stream ends; past the server's seats it is RESOURCE_EXHAUSTED.
+- A client that cancels its stream cancels the handler, which aborts the request (its KV blocks are freed).
+- ``--api-key``: Generate and Models need the ``authorization`` metadata ``Bearer <key>``, else UNAUTHENTICATED;
+  Health stays open, as /health does. A request that fails inside the engine ends with INTERNAL; an engine that
+  cannot go on with UNAVAILABLE.
 """
 
 from __future__ import annotations
@@ -34,13 +30,13 @@ import pydantic
 from google.protobuf.message import DecodeError
 
 from keepwarm.formats.version import __version__
-from keepwarm.worker.api import pipeline
-from keepwarm.worker.api.grpc_gen import keepwarm_pb2 as pb
-from keepwarm.worker.api.grpc_gen import keepwarm_pb2_grpc as pb_grpc
-from keepwarm.worker.api.limits import Seats, check_prompt_chars
-from keepwarm.worker.api.protocol import APIError, CompletionRequest, bad_request, field_error, new_id
-from keepwarm.worker.api.state import ServerState
+from keepwarm.worker.grpc.grpc_gen import keepwarm_pb2 as pb
+from keepwarm.worker.grpc.grpc_gen import keepwarm_pb2_grpc as pb_grpc
+from keepwarm.worker.http import pipeline
+from keepwarm.worker.http.limits import Seats, check_prompt_chars
+from keepwarm.worker.http.state import ServerState
 from keepwarm.worker.lora import LoRAAdapter
+from keepwarm.worker.openai.protocol import APIError, CompletionRequest, bad_request, field_error, new_id
 from keepwarm.worker.outputs import RequestOutput
 from keepwarm.worker.sampling_params import SamplingParams
 
@@ -94,7 +90,7 @@ def _prepare(state: ServerState, request: pb.GenerateRequest
     field = "prompt" if isinstance(req.prompt, str) else "prompt_token_ids"
     try:
         lora = pipeline.resolve_model(state, req.model)
-        state.budget.check_sequences(1, req.n)  # keepwarm.worker.api.budget, as HTTP
+        state.budget.check_sequences(1, req.n)  # keepwarm.worker.http.budget, as HTTP
         if isinstance(req.prompt, str):
             text: str | None = req.prompt
             check_prompt_chars(len(req.prompt), state.engine.max_model_len, state.token_chars, "prompt")

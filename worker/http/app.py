@@ -1,4 +1,4 @@
-"""The FastAPI app: the routers of ``keepwarm.worker.api.routes``, API-key auth, OpenAI-shaped errors, shutdown.
+"""The FastAPI app: the routers of ``keepwarm.worker.http.routes``, API-key auth, OpenAI-shaped errors, shutdown.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses (all streamable as server-sent
 events), GET /v1/responses/{id} (with the response store), GET /v1/models, POST /tokenize, /detokenize, POST
@@ -7,8 +7,8 @@ events), GET /v1/responses/{id} (with the response store), GET /v1/models, POST 
 (the /v1 API, /tokenize, /detokenize, /keepwarm/config, the docs and /openapi.json) except /health, /ping,
 /metrics and /version, which stay open, as in vLLM. Every error, whatever raised it, is OpenAI's error JSON; a
 405 carries the router's ``Allow`` (the path's methods). The connection limits, the admission bound and the
-schema's truth are in keepwarm.worker.api.limits and keepwarm.worker.api.openapi; the per-request budget in
-keepwarm.worker.api.budget.
+schema's truth are in keepwarm.worker.http.limits and keepwarm.worker.http.openapi; the per-request budget in
+keepwarm.worker.http.budget.
 """
 
 from __future__ import annotations
@@ -27,13 +27,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from keepwarm.formats.version import __version__
-from keepwarm.worker.api import openapi
-from keepwarm.worker.api.limits import AdmissionLimit, ConnectionLimits
-from keepwarm.worker.api.metrics import ServerMetrics
-from keepwarm.worker.api.protocol import APIError
-from keepwarm.worker.api.protocol import validation_error as protocol_validation_error
-from keepwarm.worker.api.routes import adapters, admin, chat, completions, models, responses, tokenize
-from keepwarm.worker.api.state import ServerState
+from keepwarm.worker.http import openapi
+from keepwarm.worker.http.limits import AdmissionLimit, ConnectionLimits
+from keepwarm.worker.http.metrics import ServerMetrics
+from keepwarm.worker.http.routes import adapters, admin, chat, completions, models, responses, tokenize
+from keepwarm.worker.http.state import ServerState
+from keepwarm.worker.openai.protocol import APIError
+from keepwarm.worker.openai.protocol import validation_error as protocol_validation_error
 
 log = logging.getLogger("keepwarm.server")
 

@@ -1,20 +1,15 @@
 """What one generation request may cost, checked in one place before any work is done for it.
 
 Rules (the limits, their defaults and the tests that hold them: docs/reliability.md):
-
-- **sequences**: prompts x ``n`` at most ``--max-request-sequences`` (default ``--max-num-seqs``: one request may
-  fill one batch, never more than that many single-sequence clients would hold together); 400 naming ``prompt``
-  (several prompts) or ``n``, before a prompt is tokenized;
+- **sequences**: prompts x ``n`` at most ``--max-request-sequences`` (default ``--max-num-seqs``: one request may fill
+  one batch, no more); 400 naming ``prompt`` (several prompts) or ``n``, before a prompt is tokenized;
 - **prompt tokens**, summed over the request's prompts: at most ``--max-request-prompt-tokens`` (default: the KV
-  cache's tokens, so every prompt of one request could be resident at once); token-id prompts are counted as
-  sent, text prompts are first bounded by their characters (a token stands for at most the vocabulary's longest
-  entry; ``NORMALIZATION_SLACK``) and then tokenized in chunks of ``CHUNK_CHARS`` off the event loop, stopping
-  at the limit instead of materialising the whole list;
-- **output tokens**: ``max_tokens`` is bounded per sequence by the context (pipeline.check_length), so one
-  request generates at most sequences x ``max_model_len`` tokens;
-- **admission** then holds one seat per sequence (keepwarm.worker.api.limits.Admission): 429 when the server is
+  cache's tokens); token-id prompts count as sent, text prompts are first bounded by their characters (a token
+  stands for at most the vocabulary's longest entry; ``NORMALIZATION_SLACK``), then tokenized in chunks of
+  ``CHUNK_CHARS`` off the event loop, stopping at the limit instead of materialising the whole list;
+- **output tokens**: ``max_tokens`` is bounded per sequence by the context (pipeline.check_length);
+- **admission** then holds one seat per sequence (keepwarm.worker.http.limits.Admission): 429 when the server is
   full, with nothing tokenized.
-
 Grammars, schemas, choices and stop lists are bounded where they are compiled (keepwarm.worker.structured), a
 chat template's output by its renderer (keepwarm.worker.tokenizer); a body by ``--max-request-body-mb``.
 """
@@ -25,8 +20,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from keepwarm.worker.api.limits import chars_bound, offload
-from keepwarm.worker.api.protocol import bad_request
+from keepwarm.worker.http.limits import chars_bound, offload
+from keepwarm.worker.openai.protocol import bad_request
 
 # Characters tokenized per offloaded call: the offload pool and the GIL are shared with every other request.
 CHUNK_CHARS = 1 << 18

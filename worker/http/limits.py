@@ -1,20 +1,17 @@
 """What keeps one request from stalling or exhausting the server (the front ends' side of isolation).
 
 Rules (the limits and their defaults are listed in docs/reliability.md):
-- a request body is bounded (``--max-request-body-mb``): 413 from Content-Length before anything is read, or as
-  soon as the bytes read pass the limit; a client that stalls while sending (or stops reading a response) for
+- a request body is bounded (``--max-request-body-mb``): 413 from Content-Length before anything is read, or as soon
+  as the bytes read pass the limit; a client that stalls while sending (or stops reading a response) for
   ``--client-timeout`` seconds is answered 408 (or disconnected): :class:`ConnectionLimits`;
-- the server holds at most ``max_num_seqs + --max-queued-requests`` sequences (a request counts prompts x ``n``);
-  one past that gets 429 before its prompts are tokenized: :class:`Admission`;
-- what one request may cost (its sequences, its prompt tokens) is checked before any work:
-  keepwarm.worker.api.budget;
+- the server holds at most ``max_num_seqs + --max-queued-requests`` sequences (prompts x ``n`` per request); one past
+  that gets 429 before its prompts are tokenized (:class:`Admission`); what one request may cost: ``http.budget``;
 - a prompt whose characters cannot fit in ``max_model_len`` tokens whatever the tokenizer does is refused before
   tokenizing: :func:`check_prompt_chars`;
 - CPU-heavy per-request work (tokenization, chat-template rendering, logprob offsets) runs in one bounded thread
   pool (:func:`offload`), never on the event loop, so /health and other requests keep flowing;
 - a non-streaming request whose client disconnects is aborted (:func:`until_disconnected`), like a stream;
-- chat templates render sandboxed, time- and size-bounded (keepwarm.worker.tokenizer); a request's own
-  ``chat_template`` is refused unless the server runs with ``--trust-request-chat-template`` (vLLM's flag).
+- chat templates render sandboxed, bounded (worker.tokenizer); a request's own needs ``--trust-request-chat-template``.
 """
 
 from __future__ import annotations
@@ -30,6 +27,8 @@ from typing import Any, TypeVar
 
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from keepwarm.worker.openai.protocol import APIError, bad_request
 
 T = TypeVar("T")
 log = logging.getLogger("keepwarm.server")
@@ -91,8 +90,6 @@ class Admission:
 
     def take(self, seats: int) -> None:
         """Hold ``seats`` more (negative: give them back); 429 if that passes the capacity."""
-        from keepwarm.worker.api.protocol import APIError
-
         with self._lock:
             if seats > 0 and self.active + seats > self.capacity:
                 self.refused += 1
@@ -124,8 +121,6 @@ class AdmissionLimit:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope.get("path") not in self.paths:
             return await self.app(scope, receive, send)
-        from keepwarm.worker.api.protocol import APIError
-
         try:
             seats = self.admission.enter()
         except APIError as e:
@@ -161,8 +156,6 @@ def chars_bound(tokens: int, token_chars: int) -> int:
 def check_prompt_chars(chars: int, max_model_len: int, token_chars: int, param: str) -> None:
     """Refuse (400) a prompt whose characters cannot fit in ``max_model_len`` tokens however it tokenizes, before
     the tokenizer spends time on it."""
-    from keepwarm.worker.api.protocol import bad_request
-
     limit = chars_bound(max_model_len, token_chars)
     if chars > limit:
         raise bad_request(f"This model's maximum context length is {max_model_len} tokens; a prompt of {chars} "
@@ -175,8 +168,6 @@ class ClientStalled(Exception):
 
 
 def _error_response(status: int, message: str, type_: str, code: str | None = None) -> JSONResponse:
-    from keepwarm.worker.api.protocol import APIError
-
     return JSONResponse(APIError(status, message, type_, code=code).body(), status_code=status)
 
 

@@ -1,23 +1,17 @@
 """Prometheus metrics: vLLM's metric set under vLLM's names (so vLLM's dashboards and alerts work), plus keepwarm's own.
 
-Rules:
-- Names, types, label names, help strings and histogram buckets are vLLM 0.32's (``vllm/v1/metrics/loggers.py``,
-  PrometheusStatLogger; tests/data/vllm_metrics.json lists every series it registers, default-on or behind which
-  flag, and tests/test_vllm_metrics.py holds this module to it). Every vLLM series carries ``model_name`` (the first
-  served name) and ``engine="0"`` where vLLM's do (``vllm:admission_rejections`` has no ``engine``, as in vLLM).
-- Every value is read from the engine's snapshot at scrape time (a custom collector): gauges and counters are
-  the engine's own figures, histograms are the cumulative ones its thread folds after every step
-  (keepwarm.worker.async_engine, "Statistics"). Nothing is observed on the request path, and a request counts
-  whichever front end (HTTP, gRPC) sent it.
-- A series that needs something keepwarm does not have (a KV connector, multimodal inputs, vLLM's FLOP model,
-  speculative decoding) is left out, never exported as a constant (docs/vllm-compat.md, "Metrics", says which and
-  why). Label values vLLM creates up front are all exported; those keepwarm never reaches stay 0 (true zeros: no
-  external KV source, no repetition detection, no prompt-token admission cap). Two names vLLM 0.32 no longer has
-  but dashboards chart (``vllm:gpu_cache_usage_perc``, ``vllm:time_per_output_token_seconds``) carry their
+Rules (each series, and why some are left out: docs/vllm-compat.md, "Metrics"):
+- Names, types, label names, help strings and histogram buckets are vLLM 0.32's (``PrometheusStatLogger``;
+  tests/data/vllm_metrics.json lists every series, and tests/e2e/test_vllm_metrics.py holds this module to it). Every
+  vLLM series carries ``model_name`` (the first served name) and ``engine="0"`` where vLLM's do.
+- Every value is read from the engine's snapshot at scrape time: its figures and the cumulative histograms its thread
+  folds after every step. Nothing is observed on the request path (any front end's requests count).
+- A series that needs what keepwarm does not have (a KV connector, multimodal inputs, speculative decoding...) is left
+  out, never exported as a constant; label values vLLM creates up front are all exported (those never reached stay 0);
+  two names dashboards still chart (``vllm:gpu_cache_usage_perc``, ``vllm:time_per_output_token_seconds``) carry their
   successors' values.
-- ``keepwarm:*`` series are keepwarm's own (the weights and how they were loaded, the KV pool, restarts). Each
-  server owns its registry. The preload figures come with the weights (asked of the daemon's ``status`` once, at
-  attach time, or measured by the disk load): nothing is asked of the daemon at scrape time.
+- ``keepwarm:*`` series are keepwarm's own (weights, KV pool, restarts); each server owns its registry. The preload
+  figures come with the weights at attach time: nothing is asked of the daemon at scrape time.
 """
 
 from __future__ import annotations

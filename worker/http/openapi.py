@@ -1,25 +1,16 @@
 """The OpenAPI schema the server publishes (/openapi.json), made to tell the truth.
 
-FastAPI's generated schema claims things the server never does: a 422 on every route (keepwarm answers a bad
-request with 400 in OpenAI's error shape), JSON for /metrics (Prometheus text) and for streamed completions
-(server-sent events), and no 401/404/413/429/500/503 at all. :func:`install` replaces ``app.openapi`` with a
-builder that fixes each operation after FastAPI generated it (rules):
-
+FastAPI's generated schema claims a 422 on every route (keepwarm answers 400 in OpenAI's error shape), JSON for
+/metrics and for streams, and no 401/404/413/429/500/503. :func:`install` replaces ``app.openapi`` with a builder
+that fixes each operation after FastAPI made it. Rules (each in full: docs/reliability.md, "The OpenAPI schema"):
 - no 422 anywhere; every error status a route can answer is listed with the error schema;
-- each 200 has the media types the route really sends, with a schema of what it sends (JSON bodies are described
-  by the pydantic models below; schemathesis checks real responses against them in tests/test_schema_fuzz.py);
-- request bodies keep the request models' schemas (strict ints and booleans, ranges), plus what the routes check
-  beyond the models (``route_rules``: shapes of ``Any``/dict fields, rules across fields, each named beside the
-  route's check): what the schema allows, the server accepts (schemathesis's ``positive_data_acceptance`` holds
-  it in tests/test_schema_fuzz.py, but for what no JSON Schema can state: a prompt's length in tokens, one field
-  compared with another). Integer bounds stay integers (FastAPI's OpenAPI model stores them as floats, and int64's
-  maximum 2^63-1 became 2^63);
-- what depends on this server's flags and model is stated for it (``ServerFacts``): a token id is below the
-  vocabulary size (``logit_bias``'s keys too: a pattern of the decimal numbers below it, ``decimal_below``),
-  ``max_tokens`` and ``min_tokens`` below the context length, a request's ``chat_template`` is null unless
-  ``--trust-request-chat-template``, the LoRA admin routes are listed only with ``--enable-lora
-  --enable-lora-runtime-updates`` (without them every request there is refused), and ``previous_response_id``
-  and ``GET /v1/responses/{response_id}`` only with the response store (``--enable-responses-store``).
+- each 200 has the media types the route really sends, with a schema of what it sends;
+- request bodies keep the request models' schemas plus what the routes check beyond them (``route_rules``): what the
+  schema allows, the server accepts, but for what no JSON Schema can state (a prompt's length in tokens, one field
+  compared with another); integer bounds stay integers;
+- what depends on this server's flags and model is stated for it (``ServerFacts``: vocabulary, context length, a
+  request's ``chat_template``, the LoRA admin routes, the response store).
+tests/e2e/test_schema_fuzz.py holds both directions with schemathesis.
 """
 
 from __future__ import annotations
@@ -401,7 +392,7 @@ def _logit_bias(vocab_size: int) -> dict[str, Any]:
 
 
 def _responses_rules(auto: bool, store: bool) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """(property schemas, rules) of /v1/responses (keepwarm.worker.api.responses: it becomes a chat request)."""
+    """(property schemas, rules) of /v1/responses (keepwarm.worker.openai.responses: it becomes a chat request)."""
     named = {"type": "object", "required": ["type", "name"],
              "properties": {"type": {"const": "function"}, "name": {"type": "string"}}}
     tool = {"type": "object", "required": ["type", "name"], "properties": {

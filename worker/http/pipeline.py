@@ -1,17 +1,16 @@
 """The one request pipeline every front end (the HTTP routers, gRPC) runs a generation request through.
 
-Stages, in order: resolve the model name (base model or a LoRA adapter: 404 if unknown), check what the request
-may cost (keepwarm.worker.api.budget: 400) and hold one admission seat per sequence (``admit``: 429), tokenize
-(bounded, off the event loop), check the prompt length against the context (400), build ``SamplingParams`` (400
-naming the field), compile the request's output constraint if it has one (``compile_structured``: cached, off the
-event loop, 400 naming the field), hand the request to the engine (``start``), then either collect the final
-outputs (``collect``: aborts when the client goes away) or stream them as deltas (``DeltaTracker``: per choice,
-the text not yet sent, holding back what a stop string may still cut).
+Stages, in order: resolve the model name (base model or a LoRA adapter: 404 if unknown), check what the request may
+cost (keepwarm.worker.http.budget: 400) and hold one admission seat per sequence (``admit``: 429), tokenize (bounded,
+off the event loop; a chat's messages through its template: ``render_chat``), check the prompt length against the
+context (400), build ``SamplingParams`` (400 naming the field), compile the request's output constraint if it has one
+(``compile_structured``: cached, off the event loop, 400 naming the field), hand the request to the engine
+(``start``), then either collect the final outputs (``collect``: aborts when the client goes away) or stream them as
+deltas (``DeltaTracker``: per choice, the text not yet sent, holding back what a stop string may still cut).
 Errors: validation raises ``APIError``; what the engine raises while serving (``ENGINE_ERRORS``) becomes one
-``APIError`` through ``engine_error``, so a front end maps errors in one place.
-
-The pipeline reads only what the engine fixed at construction (tokenizer, model config, context length, the thread-
-safe grammar compiler) and the adapter table the engine thread publishes (``AsyncEngine.adapters``); it never
+``APIError`` through ``engine_error`` (mid-stream: the last item of ``until_error``), so a front end maps errors in
+one place. The pipeline reads only what the engine fixed at construction (tokenizer, model config, context length, the
+thread-safe grammar compiler) and the adapter table the engine thread publishes (``AsyncEngine.adapters``); it never
 touches the engine's live state.
 """
 
@@ -22,16 +21,17 @@ import json
 from collections.abc import AsyncGenerator, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Any, Protocol, cast
+from typing import Any, Protocol, TypeVar, cast
 
 from fastapi import Request
 
-from keepwarm.worker.api.limits import SEATS_KEY, Seats, until_disconnected
-from keepwarm.worker.api.protocol import APIError, bad_request
-from keepwarm.worker.api.state import ServerState
 from keepwarm.worker.detokenizer import stop_hold_back, streamable_end
 from keepwarm.worker.engine import RequestError, RequestFailed
+from keepwarm.worker.http.limits import SEATS_KEY, Seats, check_prompt_chars, offload, until_disconnected
+from keepwarm.worker.http.state import ServerState
 from keepwarm.worker.lora import LoRAAdapter
+from keepwarm.worker.openai import chat_render
+from keepwarm.worker.openai.protocol import APIError, bad_request
 from keepwarm.worker.outputs import CompletionOutput, RequestOutput
 from keepwarm.worker.sampling_params import SamplingParams, SamplingParamsError
 from keepwarm.worker.structured import GrammarError, StructuredOutputs
@@ -40,6 +40,7 @@ from keepwarm.worker.structured import GrammarError, StructuredOutputs
 ENGINE_ERRORS = (RequestError, RuntimeError)
 
 SSE_DONE = "data: [DONE]\n\n"
+T = TypeVar("T")
 
 
 class SamplingRequest(Protocol):
@@ -77,6 +78,20 @@ def admit(state: ServerState, request: Request, prompts: int, n: int) -> int:
     if seats is not None:
         seats.resize(sequences)
     return sequences
+
+
+async def render_chat(state: ServerState, req: Any) -> list[int]:
+    """The prompt ids of a chat (or chat-shaped /tokenize, or /v1/responses) request, through the model's chat
+    template (keepwarm.worker.openai.chat_render): the messages' characters bounded first, then rendered and
+    tokenized off the event loop; 400 naming what is wrong."""
+    chat_render.check_template(req, state.config.trust_request_chat_template)
+    messages = chat_render.message_dicts(req.messages)
+    check_prompt_chars(sum(len(m["content"]) for m in messages), state.engine.max_model_len, state.token_chars,
+                       "messages")
+    try:
+        return await offload(chat_render.prompt_ids, state.tokenizer, req, messages)
+    except Exception as e:  # jinja errors, time/size limits, missing template
+        raise chat_render.template_error(e, req) from None
 
 
 def check_length(state: ServerState, prompt_len: int, max_tokens: int | None) -> int:
@@ -234,13 +249,21 @@ def sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
+async def until_error(chunks: AsyncGenerator[T, None]) -> AsyncGenerator[T | APIError, None]:
+    """``chunks``, then, if the engine fails mid-stream, its error as the last item (a stream's status line has
+    gone out already: each front end sends the error in its own shape). Closing this closes (aborts) ``chunks``."""
+    try:
+        async with aclosing(chunks):
+            async for chunk in chunks:
+                yield chunk
+    except ENGINE_ERRORS as e:
+        yield engine_error(e)
+
+
 async def sse_events(chunks: AsyncGenerator[dict[str, Any], None]) -> AsyncGenerator[str, None]:
     """Server-sent events for ``chunks``, then ``[DONE]``; an engine error mid-stream is sent as OpenAI's error
-    object (the status line has gone out already), then ``[DONE]``."""
-    try:
-        async with aclosing(chunks):  # a client that goes away closes this, which closes (aborts) the requests
-            async for chunk in chunks:
-                yield sse(chunk)
-    except ENGINE_ERRORS as e:
-        yield sse(engine_error(e).body())
+    object, then ``[DONE]``."""
+    async with aclosing(until_error(chunks)) as items:  # a client that goes away closes this: the requests abort
+        async for item in items:
+            yield sse(item.body() if isinstance(item, APIError) else item)
     yield SSE_DONE

@@ -14,12 +14,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from keepwarm.worker.api.budget import RequestBudget
-from keepwarm.worker.api.config import ServerConfig
-from keepwarm.worker.api.limits import Admission, longest_token_chars
-from keepwarm.worker.api.metrics import ServerMetrics
 from keepwarm.worker.async_engine import AsyncEngine
 from keepwarm.worker.engine import LLMEngine
+from keepwarm.worker.http.budget import RequestBudget
+from keepwarm.worker.http.limits import Admission, longest_token_chars
+from keepwarm.worker.http.metrics import ServerMetrics
+from keepwarm.worker.process.config import ServerConfig
+from keepwarm.worker.process.link import WorkerLink
 
 
 @dataclass
@@ -32,9 +33,9 @@ class ServerState:
     draining: bool = False
     metrics: ServerMetrics | None = None
     fatal: BaseException | None = None  # the engine died: the process is exiting non-zero (70)
-    link: Any = None  # keepwarm.worker.api.zygote.WorkerLink under the supervisor (`serve --zygote`), else None
+    link: WorkerLink | None = None  # under the supervisor (`serve --zygote`), else None
     handing_over: bool = False  # a new worker took the socket: responses close their connection (app.py)
-    startup: dict[str, float] = field(default_factory=dict)  # seconds per startup phase (server.serve; /health)
+    startup: dict[str, float] = field(default_factory=dict)  # seconds per startup phase (serve.serve; /health)
     admission: Admission = field(init=False)
 
     def __post_init__(self) -> None:
@@ -47,10 +48,14 @@ class ServerState:
 
     @functools.cached_property
     def budget(self) -> RequestBudget:
-        """What one request may cost (keepwarm.worker.api.budget); defaults from --max-num-seqs and the KV pool."""
+        """What one request may cost (keepwarm.worker.http.budget); defaults from --max-num-seqs and the KV pool."""
         c, cache = self.config, self.engine.cache_config
         return RequestBudget(c.max_request_sequences or c.max_num_seqs,
                              c.max_request_prompt_tokens or cache.num_blocks * cache.block_size, self.token_chars)
+
+    def stop_accepting(self) -> None:
+        """Draining or dead: new requests are refused (keepwarm.worker.process.lifecycle)."""
+        self.async_engine.stop_accepting()
 
     @property
     def tokenizer(self) -> Any:

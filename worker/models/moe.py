@@ -6,14 +6,11 @@ rounded back to the activation dtype. Each expert is a plain gate/up + down MLP 
 :class:`Linear` slots (``mlp.experts.E.gate_up_proj`` / ``down_proj``), so the daemon's arena, quantization
 (int8 / int4 / fp8) and the CPU's oneDNN packing apply to experts exactly as to dense layers.
 
-The experts run through ``kernels.fused_moe`` (one dispatch per layer). CPU (the torch backend,
-``kernels/reference.py``): tokens are grouped by expert (a sort of the flat (token, slot) assignments), and each
-expert that received tokens runs one matmul pair over all of its tokens; results are scaled by the routing weight
-and summed into the output with ``index_add_`` in ascending expert order, the order transformers adds them, so
-float32 sums are bit-identical. CUDA (the Triton backend, ``kernels/triton_moe.py``): two grouped-GEMM launches
-over the same expert weights, in place (no stacked copy). Qwen3-MoE layers listed in ``mlp_only_layers`` (or
-off the ``decoder_sparse_step``) keep a dense MLP. (Shared experts, as in Qwen2-MoE, are not part of either
-family and are not implemented.)
+The experts run through ``kernels.fused_moe`` (one dispatch per layer): on the CPU tokens grouped by expert, one
+matmul pair per expert, summed in transformers' order (float32 sums bit-identical); on CUDA two grouped-GEMM
+launches over the arena's expert weights in place (docs/kernels.md, "Fused MoE"). Qwen3-MoE layers listed in
+``mlp_only_layers`` (or off the ``decoder_sparse_step``) keep a dense MLP. Shared experts (Qwen2-MoE) are part of
+neither family and are not implemented.
 """
 
 from __future__ import annotations

@@ -12,6 +12,12 @@ import json
 from pathlib import Path
 from typing import Any
 
+import torch
+import transformers
+from safetensors.torch import save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -51,9 +57,6 @@ _CORPUS = [
 
 def make_tokenizer(out_dir: str | Path, vocab_size: int = 512, chat_template: str = CHAT_TEMPLATE) -> None:
     """Train a byte-level BPE tokenizer offline and save it as a transformers fast tokenizer."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
     specials = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -76,9 +79,6 @@ def make_random_model(out_dir: str | Path, arch: str = "llama", *, seed: int = 0
                       **extra: Any) -> Path:
     """Save a random model of one of transformers' classes below (safetensors) plus tokenizer to ``out_dir``;
     ``extra`` goes to the config class (windows, experts, soft-capping, rope parameters, ...)."""
-    import torch
-    import transformers
-
     classes = {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
@@ -135,9 +135,6 @@ def make_large_random_model(out_dir: str | Path, preset: str = "1b", dtype: str 
     Weights are N(0, 0.02) like transformers' init; the point is size and shapes, not text quality. ``device``
     draws them there ("cuda": an 8B model's 16 GB in seconds rather than minutes of CPU randn); the values depend
     on the device's generator, not only on ``seed``."""
-    import torch
-    from safetensors.torch import save_file
-
     out = Path(out_dir)
     if (out / "config.json").is_file():
         return out

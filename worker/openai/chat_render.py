@@ -1,22 +1,19 @@
-"""Chat messages -> the prompt's token ids, through the model's chat template (shared by chat, /tokenize and
-/v1/responses).
+"""Chat messages -> the prompt's text, through the model's chat template (chat, /tokenize and /v1/responses).
 
 Text content parts are joined; other part types are a 400. An assistant message's ``tool_calls`` (arguments as
 objects, as Hugging Face templates expect) and a tool message's ``tool_call_id`` and ``name`` reach the template;
 the request's ``tools`` are passed as the template's ``tools``. A template error is a 400 naming ``messages`` (or
-``chat_template``). Issue 17's bounds hold here: a request's own ``chat_template`` needs
-``--trust-request-chat-template``; the messages' characters are checked before tokenizing; rendering and
-tokenizing run off the event loop, sandboxed and bounded in time and size (keepwarm.worker.tokenizer).
+``chat_template``). A request's own ``chat_template`` needs ``--trust-request-chat-template``. The HTTP front runs
+this off the event loop, after checking the messages' characters (keepwarm.worker.http.pipeline.render_chat); the
+tokenizer renders sandboxed, bounded in time and size (keepwarm.worker.tokenizer).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from keepwarm.worker.api.limits import check_prompt_chars, offload
-from keepwarm.worker.api.protocol import bad_request
-from keepwarm.worker.api.state import ServerState
-from keepwarm.worker.api.tool_calls import template_messages
+from keepwarm.worker.openai.protocol import APIError, bad_request
+from keepwarm.worker.openai.tool_calls import template_messages
 
 PASSED_THROUGH = ("tool_calls", "tool_call_id", "name")
 
@@ -42,28 +39,26 @@ def message_dicts(messages: list[Any]) -> list[dict[str, Any]]:
     return template_messages(out)
 
 
-async def render_chat(state: ServerState, req: Any) -> list[int]:
-    """The prompt ids of a chat (or chat-shaped /tokenize, or /v1/responses) request; 400 naming what is wrong."""
-    if req.chat_template is not None and not state.config.trust_request_chat_template:
+def check_template(req: Any, trusted: bool) -> None:
+    """A request's own ``chat_template`` only with ``--trust-request-chat-template`` (``trusted``): else a 400."""
+    if req.chat_template is not None and not trusted:
         raise bad_request("a request's own chat_template is refused unless the server runs with "
                           "--trust-request-chat-template", "chat_template")
-    messages = message_dicts(req.messages)
-    check_prompt_chars(sum(len(m["content"]) for m in messages), state.engine.max_model_len, state.token_chars,
-                       "messages")
+
+
+def prompt_ids(tok: Any, req: Any, messages: list[dict[str, Any]]) -> list[int]:
+    """The token ids of ``messages`` rendered with the request's template settings (and ``tools``); CPU work, run
+    off the event loop. Raises what the template or the tokenizer raise (``template_error`` names it)."""
     kwargs = dict(req.chat_template_kwargs or {})
     if req.tools:
         kwargs["tools"] = req.tools
-    tok = state.tokenizer
+    text = tok.apply_chat_template(messages, chat_template=req.chat_template, tokenize=False,
+                                   add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
+                                   continue_final_message=req.continue_final_message, **kwargs)
+    return tok.encode(text, add_special_tokens=False)
 
-    def render() -> list[int]:
-        text = tok.apply_chat_template(messages, chat_template=req.chat_template, tokenize=False,
-                                       add_generation_prompt=req.add_generation_prompt and
-                                       not req.continue_final_message,
-                                       continue_final_message=req.continue_final_message, **kwargs)
-        return tok.encode(text, add_special_tokens=False)
 
-    try:
-        return await offload(render)
-    except Exception as e:  # jinja errors, time/size limits, missing template
-        raise bad_request(f"cannot apply the chat template: {' '.join(str(e).split())}",
-                          "chat_template" if req.chat_template is not None else "messages") from None
+def template_error(e: Exception, req: Any) -> APIError:
+    """The 400 for a template that failed (jinja errors, time/size limits, a missing template)."""
+    return bad_request(f"cannot apply the chat template: {' '.join(str(e).split())}",
+                       "chat_template" if req.chat_template is not None else "messages")

@@ -1,22 +1,16 @@
 """OpenAI-compatible request and response shapes (with vLLM's extra sampling fields), and OpenAI's error shape.
 
-Validation lives here, at the boundary, so nothing the engine cannot run reaches it (rules):
-
-- every number has a range and is finite (``allow_inf_nan=False``): NaN/inf temperatures, penalties are refused;
-- integers are strict (``true``/``false`` is not a token id or a count) and within a 64-bit range (``seed`` takes
-  what ``torch.Generator.manual_seed`` takes: vLLM's ``torch.long`` range);
-- every string anywhere in the body is encodable as UTF-8: a lone surrogate (``"\\ud800"``, valid JSON but not
-  Unicode text) is refused with the path of the field that holds it;
+Validation lives here, at the boundary, so nothing the engine cannot run reaches it (rules; docs/reliability.md):
+- every number has a range and is finite (``allow_inf_nan=False``); integers are strict (``true``/``false`` is not a
+  token id or a count) and within 64 bits (``seed``: what ``torch.Generator.manual_seed`` takes, ``torch.long``);
+- every string anywhere in the body is encodable as UTF-8: a lone surrogate (``"\\ud800"``) is refused, naming its path;
 - lenient like vLLM about names: a request field this server does not know is accepted and ignored, with one
-  warning per field name for the life of the process (clients send ``store``, ``metadata``, ``service_tier``...);
-  a field it knows but cannot honour is a 400 naming it (``suffix``...). Admin bodies (LoRA load/unload) stay
-  closed (``extra="forbid"``): a typo there must not silently mean the default;
-- ``logit_bias`` has OpenAI's limits: keys are token ids in decimal (``"50256"``), at most 300, each bias in
-  [-100, 100]; the count is checked before any entry is (a body of a million keys costs no per-key work); ids
-  must also be in the served model's vocabulary (``check_logit_bias``, called by the routes);
-- ``max_tokens: 0`` is only taken with ``echo: true`` on /v1/completions (scoring a prompt, as OpenAI's legacy
-  API and vLLM); anything else needs at least 1.
-
+  warning per field name for the life of the process; a field it knows but cannot honour is a 400 naming it
+  (``suffix``...). Admin bodies (LoRA load/unload) stay closed (``extra="forbid"``): a typo there must not
+  silently mean the default;
+- ``logit_bias`` has OpenAI's limits: decimal token-id keys, at most 300 (counted before any entry is checked), each
+  bias in [-100, 100], ids in the served vocabulary (``check_logit_bias``, called by the routes);
+- ``max_tokens: 0`` only with ``echo: true`` on /v1/completions (scoring a prompt, as OpenAI's legacy API and vLLM).
 Errors surface as OpenAI's error JSON with HTTP 400 (the server maps pydantic's errors, naming the field).
 """
 

@@ -1,28 +1,17 @@
 """OpenAI's Responses API (``POST /v1/responses``) as a translation over the chat pipeline, with vLLM's optional
-response store.
+response store (how each field, item and event maps: docs/vllm-compat.md, "The Responses API").
 
 Rules:
-- A Responses request becomes a chat request: ``instructions`` a system message; ``input`` a string (one user
-  message) or items (messages with text parts, ``function_call`` and ``function_call_output`` items, which become
-  assistant ``tool_calls`` and ``tool`` messages); ``tools`` (function tools only, flat Responses shape) and
-  ``tool_choice``; ``text.format`` the ``response_format``; ``max_output_tokens`` the ``max_tokens``.
-- Stateless unless the store is on (``--enable-responses-store``, or vLLM's switch
-  ``VLLM_ENABLE_RESPONSES_API_STORE=1``): then a response is kept unless the request says ``store: false``
-  (OpenAI's default is to store), and ``previous_response_id`` continues from it: the previous response's
-  conversation (its own prefix, its input, its output items) comes before this request's input, as OpenAI does;
-  its ``instructions`` are not carried over (OpenAI: only this request's apply). An id the store does not hold
-  is a 404 (as vLLM). With the store off, ``store`` is ignored with a warning (once, as vLLM ignores it) and
-  ``previous_response_id`` is a 400 naming the switch.
-- ``ResponseStore`` is bounded: at most ``STORE_MAX_RESPONSES`` responses and ``STORE_MAX_BYTES`` bytes (their
-  JSON), each kept ``STORE_TTL_S`` seconds at most; past a bound the oldest go first; a response larger than the
-  byte bound alone is not kept (its ``store`` reads false). In memory, per worker: a restart starts it empty.
-- ``conversation`` is a 400 (no Conversations API, nor has vLLM one); ``background: true`` is a 400 naming
-  ``background`` (there is nothing to poll or cancel later: the answer comes in the request); built-in tools (web
-  search, file search...) are a 400 naming the type.
-- The chat result becomes ``output`` items (a ``message`` with ``output_text``, then one ``function_call`` item
-  per call); ``status`` is ``incomplete`` with ``max_output_tokens`` when the length limit ended it.
-- Streaming sends OpenAI's event sequence (``response.created`` ... ``response.completed``), each with its
-  ``sequence_number``, translated from the chat stream's chunks.
+- A Responses request becomes a chat request (``instructions`` a system message; ``input`` messages, with
+  ``function_call`` and ``function_call_output`` items as assistant ``tool_calls`` and ``tool`` messages; function
+  tools; ``text.format`` the ``response_format``); the chat's typed result objects
+  (keepwarm.worker.openai.chat_output) become ``output`` items, and its stream's chunk objects OpenAI's events.
+- Stateless unless the store is on (``--enable-responses-store`` or ``VLLM_ENABLE_RESPONSES_API_STORE=1``); then
+  ``previous_response_id`` continues a stored conversation (an id not held: 404). With it off, ``store`` is ignored
+  with one warning and ``previous_response_id`` is a 400 naming the switch.
+- ``ResponseStore`` is bounded (``STORE_MAX_RESPONSES``, ``STORE_MAX_BYTES``, ``STORE_TTL_S``; the oldest go first),
+  in memory, per worker. Refused with a 400 naming the field: ``conversation``, ``background: true`` (nothing to
+  poll later), built-in tools. An engine error mid-stream is an ``error`` event, and nothing is kept.
 """
 
 from __future__ import annotations
@@ -36,16 +25,20 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Annotated, Any
 
+import pydantic
 from pydantic import Field, StrictBool, StrictInt
 
-from keepwarm.worker.api.protocol import (
+from keepwarm.worker.openai.chat_output import ChatChunk, ChatCompletion, Usage
+from keepwarm.worker.openai.protocol import (
     INT64_MAX,
     INT64_MIN,
     INTEGRAL,
     APIError,
+    ChatCompletionRequest,
     MaxTokens,
     RequestBody,
     bad_request,
+    validation_error,
     warn_once,
 )
 
@@ -236,9 +229,9 @@ def previous_conversation(store: ResponseStore | None, req: ResponsesRequest) ->
 
 
 def to_chat_request(req: ResponsesRequest, history: list[dict[str, Any]] | None = None,
-                    store_on: bool = False) -> dict[str, Any]:
+                    store_on: bool = False) -> ChatCompletionRequest:
     """The chat request that computes this response: ``history`` (a previous response's conversation) before the
-    input; a 400 for what this server cannot do."""
+    input; a 400 for what this server cannot do, or for what the input items became (checked as a chat request)."""
     if req.conversation is not None:
         raise bad_request("conversation is not supported (nor is it by vLLM): continue with previous_response_id "
                           f"(needs {STORE_SWITCH}) or send the whole conversation as input", "conversation")
@@ -260,7 +253,10 @@ def to_chat_request(req: ResponsesRequest, history: list[dict[str, Any]] | None 
         body["stream_options"] = {"include_usage": True}
     if not body["messages"]:
         raise bad_request("input is empty", "input")
-    return {k: v for k, v in body.items() if v is not None}
+    try:
+        return ChatCompletionRequest(**{k: v for k, v in body.items() if v is not None})
+    except pydantic.ValidationError as e:
+        raise validation_error(e.errors()) from None
 
 
 def _envelope(req: ResponsesRequest, rid: str, created: int, status: str, output: list[dict[str, Any]],
@@ -276,9 +272,9 @@ def _envelope(req: ResponsesRequest, rid: str, created: int, status: str, output
             "metadata": req.metadata or {}, "truncation": "disabled", "reasoning": None, "user": req.user}
 
 
-def _usage(u: dict[str, int]) -> dict[str, Any]:
-    return {"input_tokens": u["prompt_tokens"], "output_tokens": u["completion_tokens"],
-            "total_tokens": u["total_tokens"], "input_tokens_details": {"cached_tokens": 0},
+def _usage(u: Usage) -> dict[str, Any]:
+    return {"input_tokens": u.prompt_tokens, "output_tokens": u.completion_tokens,
+            "total_tokens": u.prompt_tokens + u.completion_tokens, "input_tokens_details": {"cached_tokens": 0},
             "output_tokens_details": {"reasoning_tokens": 0}}
 
 
@@ -287,9 +283,9 @@ def _message_item(text: str, status: str = "completed", item_id: str | None = No
             "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
 
 
-def _call_item(call: dict[str, Any], status: str = "completed") -> dict[str, Any]:
-    return {"type": "function_call", "id": _new("fc"), "call_id": call["id"], "name": call["function"]["name"],
-            "arguments": call["function"]["arguments"], "status": status}
+def _call_item(call_id: str, name: str, arguments: str) -> dict[str, Any]:
+    return {"type": "function_call", "id": _new("fc"), "call_id": call_id, "name": name, "arguments": arguments,
+            "status": "completed"}
 
 
 def conversation_after(history: list[dict[str, Any]], req: ResponsesRequest, output: list[dict[str, Any]]
@@ -299,25 +295,24 @@ def conversation_after(history: list[dict[str, Any]], req: ResponsesRequest, out
     return [*history, *input_items(req), *output]
 
 
-def from_chat_completion(req: ResponsesRequest, chat: dict[str, Any], store: bool = False) -> dict[str, Any]:
+def from_chat_completion(req: ResponsesRequest, chat: ChatCompletion, store: bool = False) -> dict[str, Any]:
     """The Responses object of a finished chat completion (``store``: whether it is to be kept)."""
-    choice = chat["choices"][0]
-    msg = choice["message"]
+    choice = chat.choices[0]
     output = []
-    if msg.get("content"):
-        output.append(_message_item(msg["content"]))
-    output += [_call_item(c) for c in msg.get("tool_calls") or []]
-    incomplete = "max_output_tokens" if choice["finish_reason"] == "length" else None
-    req.model = req.model or chat["model"]
-    return _envelope(req, _new("resp"), chat["created"], "incomplete" if incomplete else "completed", output,
-                     _usage(chat["usage"]), incomplete, store)
+    if choice.content:
+        output.append(_message_item(choice.content))
+    output += [_call_item(c.id, c.name, c.arguments) for c in choice.tool_calls]
+    incomplete = "max_output_tokens" if choice.finish_reason == "length" else None
+    req.model = req.model or chat.model
+    return _envelope(req, _new("resp"), chat.created, "incomplete" if incomplete else "completed", output,
+                     _usage(chat.usage), incomplete, store)
 
 
-async def stream_events(req: ResponsesRequest, chat_sse: AsyncIterator[str | bytes],
+async def stream_events(req: ResponsesRequest, chunks: AsyncIterator[ChatChunk | APIError],
                         keep: Callable[[dict[str, Any]], bool] | None = None) -> AsyncIterator[str]:
-    """Translate the chat stream's server-sent chunks into the Responses API's events; ``keep`` (the store's) takes
-    the final response before its event goes out, and says whether it kept it. A stream that ends in an error or
-    is abandoned keeps nothing."""
+    """Translate the chat stream's chunks (and an engine error, as its last item) into the Responses API's events;
+    ``keep`` (the store's) takes the final response before its event goes out, and says whether it kept it. A
+    stream that ends in an error or is abandoned keeps nothing."""
     rid, created, seq = _new("resp"), int(time.time()), 0
     store = keep is not None
 
@@ -331,45 +326,40 @@ async def stream_events(req: ResponsesRequest, chat_sse: AsyncIterator[str | byt
     yield event("response.in_progress", response=_envelope(req, rid, created, "in_progress", [], None, None, store))
     output: list[dict[str, Any]] = []
     msg_id, text, usage, finish = None, "", None, None
-    async for raw in chat_sse:
-        for line in (raw.decode() if isinstance(raw, bytes) else raw).splitlines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[len("data: "):])
-            if "error" in chunk:
-                yield event("error", message=chunk["error"]["message"], code=chunk["error"].get("code"),
-                            param=chunk["error"].get("param"))
-                return
-            usage = chunk.get("usage") or usage
-            for ch in chunk.get("choices", []):
-                finish = ch.get("finish_reason") or finish
-                delta = ch.get("delta", {})
-                if delta.get("content"):
-                    if msg_id is None:
-                        msg_id = _new("msg")
-                        item = _message_item("", "in_progress", msg_id)
-                        item["content"] = []
-                        yield event("response.output_item.added", output_index=len(output), item=item)
-                        yield event("response.content_part.added", item_id=msg_id, output_index=len(output),
-                                    content_index=0, part={"type": "output_text", "text": "", "annotations": []})
-                    text += delta["content"]
-                    yield event("response.output_text.delta", item_id=msg_id, output_index=len(output),
-                                content_index=0, delta=delta["content"], logprobs=[])
-                for call in delta.get("tool_calls") or []:
-                    if msg_id is not None:
-                        for e in _close_message(event, msg_id, len(output), text):
-                            yield e
-                        output.append(_message_item(text, item_id=msg_id))
-                        msg_id = None
-                    item = _call_item(call)
-                    yield event("response.output_item.added", output_index=len(output),
-                                item={**item, "arguments": "", "status": "in_progress"})
-                    yield event("response.function_call_arguments.delta", item_id=item["id"],
-                                output_index=len(output), delta=item["arguments"])
-                    yield event("response.function_call_arguments.done", item_id=item["id"],
-                                output_index=len(output), name=item["name"], arguments=item["arguments"])
-                    yield event("response.output_item.done", output_index=len(output), item=item)
-                    output.append(item)
+    async for chunk in chunks:
+        if isinstance(chunk, APIError):
+            yield event("error", message=chunk.message, code=chunk.code, param=chunk.param)
+            return
+        usage = chunk.usage or usage
+        for ch in chunk.choices:
+            finish = ch.finish_reason or finish
+            delta = ch.delta
+            if delta.content:
+                if msg_id is None:
+                    msg_id = _new("msg")
+                    item = _message_item("", "in_progress", msg_id)
+                    item["content"] = []
+                    yield event("response.output_item.added", output_index=len(output), item=item)
+                    yield event("response.content_part.added", item_id=msg_id, output_index=len(output),
+                                content_index=0, part={"type": "output_text", "text": "", "annotations": []})
+                text += delta.content
+                yield event("response.output_text.delta", item_id=msg_id, output_index=len(output),
+                            content_index=0, delta=delta.content, logprobs=[])
+            for call in delta.tool_calls or []:
+                if msg_id is not None:
+                    for e in _close_message(event, msg_id, len(output), text):
+                        yield e
+                    output.append(_message_item(text, item_id=msg_id))
+                    msg_id = None
+                item = _call_item(call["id"], call["function"]["name"], call["function"]["arguments"])
+                yield event("response.output_item.added", output_index=len(output),
+                            item={**item, "arguments": "", "status": "in_progress"})
+                yield event("response.function_call_arguments.delta", item_id=item["id"],
+                            output_index=len(output), delta=item["arguments"])
+                yield event("response.function_call_arguments.done", item_id=item["id"],
+                            output_index=len(output), name=item["name"], arguments=item["arguments"])
+                yield event("response.output_item.done", output_index=len(output), item=item)
+                output.append(item)
     if msg_id is not None:
         for e in _close_message(event, msg_id, len(output), text):
             yield e

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from keepwarm.worker.api.protocol import bad_request
+from keepwarm.worker.openai.protocol import bad_request
 from keepwarm.worker.structured import StructuredOutputs
 
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}

@@ -1,19 +1,13 @@
 """Tool calling for chat: tool_choice -> a grammar, model output -> OpenAI ``tool_calls``, and streaming deltas.
 
-Rules (vLLM's behaviour, OpenAI's shapes):
-
+Rules (vLLM's behaviour, OpenAI's shapes; the output shapes and parser formats: docs/vllm-compat.md, "Tool calling"):
 - ``tool_choice: "none"``: tools still reach the chat template; the output is plain content.
-- ``"auto"``: needs ``--enable-auto-tool-choice`` and a ``--tool-call-parser`` (else a 400 naming both); the model
-  writes free text and the parser finds the calls in it. Output a parser cannot read (malformed JSON, an unknown
-  function) stays content: a 200, never an error.
-- ``"required"`` and a named function: enforced by constrained decoding whatever the model, so the arguments are
-  valid JSON matching the function's ``parameters``. Required: the output is a JSON array of
-  ``{"name", "parameters"}`` (at least one; exactly one with ``parallel_tool_calls: false``); named: the output is
-  the arguments object itself. Output cut short by ``max_tokens`` is returned as content (finish reason
-  ``length``), never as a half call.
-- Parsers (``--tool-call-parser``): ``hermes`` (Hermes / Qwen 2.5+: ``<tool_call>{json}</tool_call>``),
-  ``llama3_json`` (``<|python_tag|>``? then ``{"name", "parameters"}`` objects separated by ``;``), ``mistral``
-  (``[TOOL_CALLS]`` then a JSON array, or v11's ``name[ARGS]{json}``).
+- ``"auto"``: needs ``--enable-auto-tool-choice`` and a ``--tool-call-parser`` (``hermes``, ``llama3_json``,
+  ``mistral``; else a 400 naming both); the model writes free text and the parser finds the calls in it. Output a
+  parser cannot read (malformed JSON, an unknown function) stays content: a 200, never an error.
+- ``"required"`` and a named function: enforced by constrained decoding whatever the model, so the arguments are valid
+  JSON matching the function's ``parameters`` (required: one call or more, one if ``parallel_tool_calls`` is false);
+  output cut short by ``max_tokens`` is returned as content (finish ``length``), never as a half call.
 - Streaming: content streams as it comes, except text that may be the start of a tool-call marker, which is held
   back until it is told apart; each call is sent once complete, as one delta with its index, id, type, name and
   the whole arguments string (clients concatenate argument pieces, so one piece is a valid stream).
@@ -28,7 +22,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from keepwarm.worker.api.protocol import bad_request
+from keepwarm.worker.openai.protocol import bad_request
 from keepwarm.worker.structured import StructuredOutputs
 
 PARSERS = ("hermes", "llama3_json", "mistral")

@@ -11,6 +11,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
+
+from keepwarm.worker.process.vllm_flags import FlagRefused, file_values
+
 
 class ConfigError(ValueError):
     """A bad config file or flag value; one line naming the key."""
@@ -133,7 +137,7 @@ class ServerConfig:
                                                                "tokens)."))
     client_timeout: float = setting(30.0, Flag("Seconds a client may stall sending a body (408) or reading a "
                                                "response (disconnected)."))
-    # vLLM's switch is the environment variable; the store is in memory and bounded (worker/api/responses.py)
+    # vLLM's switch is the environment variable; the store is in memory and bounded (worker/openai/responses.py)
     enable_responses_store: bool = setting(False, Flag(
         "Keep /v1/responses results (in memory, bounded) for previous_response_id and GET /v1/responses/{id}; "
         "also VLLM_ENABLE_RESPONSES_API_STORE=1, vLLM's switch.", envvar="VLLM_ENABLE_RESPONSES_API_STORE"))
@@ -205,9 +209,7 @@ def from_mapping(values: dict[str, Any], source: str = "config") -> dict[str, An
 
 def load_toml(path: str | Path) -> dict[str, Any]:
     """A config file: TOML, or vLLM's YAML (``.yaml`` / ``.yml``: flat keys, dashes or underscores). vLLM's keys
-    that keepwarm ignores are logged, those it refuses raise (worker/api/vllm_flags.py)."""
-    from keepwarm.worker.api.vllm_flags import FlagRefused, file_values
-
+    that keepwarm ignores are logged, those it refuses raise (worker/process/vllm_flags.py)."""
     p = Path(path)
     try:
         text = p.read_text()
@@ -228,8 +230,6 @@ def _load_toml_text(p: Path, text: str) -> dict[str, Any]:
 
 
 def _load_yaml(p: Path, text: str) -> dict[str, Any]:
-    import yaml
-
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:

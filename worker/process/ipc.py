@@ -1,9 +1,9 @@
 """The messages between `keepwarm serve --zygote`'s processes: supervisor, zygote, workers, `keepwarm restart`.
 
-Rules (as the daemon protocol's, keepwarm.daemon.protocol):
-- one message per ``SOCK_SEQPACKET`` datagram: a JSON map ``{"v": IPC_VERSION, "type": <name>, ...fields}``,
-  never pickle; each type is a frozen dataclass below, checked on arrival (``decode_fields``: a missing or
-  mistyped field is a ``ProtocolError`` naming it);
+Rules:
+- one message per ``SOCK_SEQPACKET`` datagram: a keepwarm.formats.wire frame (msgpack, never pickle)
+  ``{"v": IPC_VERSION, "type": <name>, ...fields}``; each type is a frozen dataclass below, checked on arrival
+  (``CODEC``: a missing or mistyped field is a ``ProtocolError`` naming it; unknown fields are ignored);
 - file descriptors (the listening socket, a worker's status socket) travel beside a message as ``SCM_RIGHTS``
   and arrive non-inheritable;
 - the supervisor's links to its zygotes and workers are socketpairs (no name anyone could connect to); the one
@@ -13,8 +13,6 @@ Rules (as the daemon protocol's, keepwarm.daemon.protocol):
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import os
 import select
 import socket
@@ -23,10 +21,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from keepwarm.daemon.protocol import ProtocolError, decode_fields
 from keepwarm.formats import paths
+from keepwarm.formats.wire import Codec, ProtocolError
 
-IPC_VERSION = 1
+IPC_VERSION = 2  # 1: JSON frames
 MAX_MESSAGE_BYTES = 1 << 20
 MAX_FDS = 4
 
@@ -82,7 +80,7 @@ class Ready:
     ready_s: float  # fork to ready
     weights_source: str
     cuda_initialized: bool
-    phases: dict[str, float] = field(default_factory=dict)  # seconds per startup phase (server.serve)
+    phases: dict[str, float] = field(default_factory=dict)  # seconds per startup phase (serve.serve)
 
 
 @dataclass(frozen=True)
@@ -121,30 +119,21 @@ class Draining:
 @dataclass(frozen=True)
 class ExportPrefixes:
     """Supervisor -> old worker, before its Drain: its cached prefix blocks into a memfd
-    (keepwarm.worker.prefix_handover)."""
-
-
-@dataclass(frozen=True)
-class PrefixExport:
-    """Old worker -> supervisor: what it exported; fds: [the memfd] when ``blocks`` > 0, else ``reason`` says why
-    not."""
-
-    blocks: int
-    nbytes: int
-    seconds: float
-    reason: str = ""
+    (keepwarm.worker.prefix_handover); it answers CarriedPrefixes, with fds: [the memfd] when ``blocks`` > 0."""
 
 
 @dataclass(frozen=True)
 class AdoptPrefixes:
-    """Supervisor -> new worker: adopt the blocks of the export beside (fds: [the memfd])."""
+    """Supervisor -> new worker: adopt the blocks of the export beside (fds: [the memfd]); it answers
+    CarriedPrefixes."""
 
     blocks: int
 
 
 @dataclass(frozen=True)
-class PrefixAdopted:
-    """New worker -> supervisor: the blocks it adopted (0, and why, when it adopted none)."""
+class CarriedPrefixes:
+    """What a worker's prefix handover did (keepwarm.worker.prefix_handover returns it): the blocks it exported
+    or adopted (0, and ``reason`` why, when it did nothing), their bytes, the seconds it took."""
 
     blocks: int
     nbytes: int
@@ -189,14 +178,13 @@ class RestartReply:
 
 TYPES: dict[str, type] = {cls.__name__.lower(): cls for cls in (
     Hello, Fork, Forked, Probe, ProbeReply, Ready, Standing, Go, Failed, Drain, Draining, ExportPrefixes,
-    PrefixExport, AdoptPrefixes, PrefixAdopted, Exit, Restarts, RestartRequest, RestartReply)}
+    AdoptPrefixes, CarriedPrefixes, Exit, Restarts, RestartRequest, RestartReply)}
+CODEC = Codec("keepwarm", IPC_VERSION, TYPES, tag="type", code="bad_message", max_bytes=MAX_MESSAGE_BYTES,
+              unicode_errors="surrogatepass")  # both ends are keepwarm: a path's undecodable bytes travel
 
 
 def send(sock: socket.socket, message: Any, fds: tuple[int, ...] = ()) -> None:
-    data = json.dumps({"v": IPC_VERSION, "type": type(message).__name__.lower(),
-                       **dataclasses.asdict(message)}).encode()
-    if len(data) > MAX_MESSAGE_BYTES:
-        raise ProtocolError("bad_message", f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    data = CODEC.encode(message)
     if fds:
         socket.send_fds(sock, [data], list(fds))
     else:
@@ -217,18 +205,17 @@ def recv(sock: socket.socket, timeout: float | None = None) -> tuple[Any, list[i
         for fd in fds:
             os.close(fd)
         raise EOFError("peer gone")
-    if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
-        raise ProtocolError("bad_message", "message or its fds truncated")
     try:
-        msg = json.loads(data)
-    except ValueError:
-        raise ProtocolError("bad_message", "message is not JSON") from None
-    if not isinstance(msg, dict) or msg.get("v") != IPC_VERSION or isinstance(msg.get("v"), bool):
-        raise ProtocolError("version_mismatch", f"message is not a version-{IPC_VERSION} map")
-    cls = TYPES.get(msg.get("type"))  # type: ignore[arg-type]
-    if cls is None:
-        raise ProtocolError("bad_message", f"unknown message type {msg.get('type')!r}")
-    return decode_fields(cls, msg, "bad_message"), fds
+        if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
+            raise ProtocolError("bad_message", "message or its fds truncated")
+        if data[:1] == b"{":  # no msgpack map starts so: an older keepwarm's JSON (a zygote of another Python)
+            raise ProtocolError("version_mismatch", f"message has protocol version 1 (JSON); this keepwarm speaks "
+                                                    f"{IPC_VERSION}")
+        return CODEC.decode(data), fds
+    except ProtocolError:
+        for fd in fds:  # a refused message's fds are nobody's
+            os.close(fd)
+        raise
 
 
 def expect(sock: socket.socket, cls: Any, timeout: float | None = None) -> Any:

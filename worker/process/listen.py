@@ -1,4 +1,4 @@
-"""The listening socket a server serves on, without importing torch (the supervisor uses it too).
+"""The listening socket a server serves on (the supervisor's, or a plain server's own).
 
 Rules: a socket systemd passes (socket activation) is taken before anything can start a child process, and
 ``LISTEN_*`` is dropped so no child inherits it; every listening socket is non-inheritable (a daemon or lease
@@ -10,6 +10,10 @@ from __future__ import annotations
 
 import os
 import socket
+
+
+class ListenError(ValueError):
+    """The port cannot be listened on; one line naming it."""
 
 
 def systemd_socket() -> socket.socket | None:
@@ -49,6 +53,19 @@ def bind_listener(host: str, port: int) -> socket.socket:
     each worker it starts)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.create_server((host, port), family=family, backlog=listen_backlog())
+    # Accepted sockets inherit it. asyncio sets TCP_NODELAY only where the socket's proto says TCP, and this one's is
+    # 0: without it every kept-alive response waits ~40 ms for the client's delayed ACK (headers and body are two
+    # writes).
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.set_inheritable(False)
     sock.setblocking(False)
     return sock
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """``bind_listener``, with a port in use as one ListenError line (said before anything is loaded)."""
+    try:
+        return bind_listener(host, port)
+    except OSError as e:
+        raise ListenError(f"--port {port}: cannot listen on {host}:{port} ({e.strerror or e}); is another server "
+                          "running there?") from None

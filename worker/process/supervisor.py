@@ -1,47 +1,17 @@
 """`keepwarm serve --zygote`: a supervisor that owns the listening socket and a zygote, and restarts the worker
-with no downtime (`keepwarm restart`, SIGHUP, systemd's ExecReload).
+with no downtime (`keepwarm restart`, SIGHUP, systemd's ExecReload; the steps: keepwarm.worker.process.handoff).
 
-Processes: the supervisor (this module; it never imports torch: it starts in ~0.2 s and stays small), its zygote
-(``keepwarm.worker.api.zygote``: the imports done, nothing built) and the worker the zygote forked. The supervisor
-owns the zygote, not the daemon: the zygote carries the API stack and one server's Python environment, its life
-is the server's, and only the supervisor holds what a worker needs besides weights (the listening socket, the
+Processes: the supervisor (this module, no torch: it starts in ~0.2 s and stays small), its zygote
+(keepwarm.worker.process.zygote: the imports done, nothing built) and the workers the zygote forks
+(keepwarm.worker.process.children), one of them perhaps a standby (keepwarm.worker.process.standby). It owns the
+zygote, not the daemon: only the supervisor holds what a worker needs besides weights (the listening socket, the
 config, the restart history); the daemon serves several servers and knows none of that.
-
-A restart (``restart``):
-1. the new config: the last one with the given flags merged over it (or a new server.toml); ``host``/``port``
-   cannot change (the listening socket is handed over, not re-bound);
-2. previous old workers finish draining first, so at most one old and one new worker hold a KV pool at once:
-   the weights are the daemon's arena, mapped by both, and a handoff costs one extra KV pool, never more;
-3. the zygote forks the new worker with the listening socket and a status socket (SCM_RIGHTS); the child
-   attaches, warms one step, starts accepting on the *same* listening socket and says Ready. A zygote that is
-   gone is replaced first: a cold start (the import floor), logged, answered and shown in /health and /metrics;
-4. the old worker's prefix cache is carried over (``_carry_prefixes``, keepwarm.worker.prefix_handover): it
-   exports its cached blocks into a memfd while it serves on, the new worker adopts what fits its pool (the same
-   weights, dtypes, block size and Python, else nothing, and the reason is logged and answered); never a failed
-   restart, and at most the old worker's cached blocks in memory for the copy's time;
-5. the old worker is told to Drain: it closes its copy of the listener at once (the kernel's accept queue is
-   shared, so nothing queued is lost: the reason for passing one socket rather than ``SO_REUSEPORT``, whose
-   per-socket queues drop what is queued on the socket that closes) and finishes its in-flight requests;
-6. a new worker that fails (Failed, exits, or is not ready within the timeout) is killed; the old one never
-   stopped serving, and the restart answers why.
-With ``--standby`` one more worker is kept forked (``Fork(standby=True)``): it attaches, builds its engine, warms
-one step, says Standing and waits, not accepting, for Go. A restart whose config and Python are the standby's (and
-a dead worker's replacement) sends it Go instead of forking in step 3: it starts accepting and says Ready (mode
-"standby"). Other flags or another Python drop it (Drain: it exits without serving) and fork as above. The next
-standby is forked ``STANDBY_DELAY_S`` after the handoff (the new worker's first requests have the machine to
-themselves) and once no old worker drains, so besides the current worker at most one more holds a KV pool (the
-draining one or the standby); a standby that dies is logged, and the next restart forks and brings one back.
-A worker that exits on its own (a crash, ``kill -9``, 70: the engine failed) is replaced (``_replace``): the
-zygote forks a new one with the running config while the listening socket stays open in the supervisor, so new
-connections wait in the kernel's queue (the dead worker's in-flight requests are lost with it). Bounded: a
-replacement that fails, or a worker that dies within ``REPLACE_STABLE_S`` of becoming ready, is a failure; after
-``REPLACE_MAX_FAILURES`` in a row the supervisor gives up and exits with the worker's status (70 if it was 0) so
-systemd restarts everything; between attempts it waits 0.5, 1, 2... s. Each replacement is logged and counted
-(/health ``restarts.replaced``, /metrics ``keepwarm:worker_replacements_total``). SIGTERM/SIGINT drain everything.
-How a worker ended is logged as it happened (``ended``): "killed by SIGKILL (signal 9)" for a signal (the OOM
-killer's kill -9: the worker could say nothing, its zygote reaps it and says Exit(-9) on its status socket, see
-``keepwarm.worker.api.zygote``), "status N" for an exit; a status that never came (its zygote died too) is said so.
-Giving up on a worker killed by signal N exits with 128 + N, as a shell reports it.
+A worker that exits on its own (a crash, ``kill -9``, 70: the engine failed) is replaced (``_replace``) with the
+running config while the listening socket stays open here, so new connections wait in the kernel's queue (the dead
+worker's in-flight requests are lost with it). Bounded: a replacement that fails, or a worker that dies within
+``REPLACE_STABLE_S`` of becoming ready, is a failure; after ``REPLACE_MAX_FAILURES`` in a row the supervisor exits
+with the worker's status (``children.exit_status``) so systemd restarts everything, waiting 0.5, 1, 2... s between
+attempts; replacements are logged and counted (/health, /metrics). SIGTERM/SIGINT drain everything.
 """
 
 from __future__ import annotations
@@ -52,136 +22,29 @@ import os
 import select
 import signal
 import socket
-import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from keepwarm.daemon.protocol import ProtocolError
 from keepwarm.formats import paths
-from keepwarm.worker.api import ipc
-from keepwarm.worker.api.config import ConfigError, ServerConfig, build_config, load_toml
-from keepwarm.worker.api.listen import bind_listener, systemd_socket
+from keepwarm.formats.wire import ProtocolError
+from keepwarm.worker.process import handoff, ipc
+from keepwarm.worker.process.children import RestartFailed, Worker, Zygote, Zygotes, ended, exit_status
+from keepwarm.worker.process.config import ConfigError, ServerConfig, build_config, load_toml
+from keepwarm.worker.process.listen import bind_listener, systemd_socket
+from keepwarm.worker.process.standby import Standby
 
 log = logging.getLogger("keepwarm.supervisor")
 
-ZYGOTE_START_TIMEOUT_S = 300.0
-FORK_TIMEOUT_S = 30.0
 # The flags a restart with ``replace_flags`` keeps: where the server listens (the socket is handed over, it cannot
 # move) and which daemon it uses.
 PLACE_FLAGS = frozenset({"host", "port", "runtime_dir"})
-DRAIN_NOTICE_TIMEOUT_S = 5.0
 REPLACE_MAX_FAILURES = 3  # failed replacements (or workers dead within REPLACE_STABLE_S) in a row before giving up
 REPLACE_STABLE_S = 30.0  # a worker that served this long before dying resets the count
 REPLACE_BACKOFF_S = (0.0, 0.5, 1.0, 2.0, 4.0)  # the wait before attempt 1, 2, ... (the last one repeats)
-# After a handoff, the next standby is forked this much later: even at SCHED_IDLE its warm-up (page population,
-# memory traffic) beside the new worker's first requests made them slower on 2 cores.
-STANDBY_DELAY_S = 3.0
-# An export or adoption waits for the worker's step in flight, then copies its cached blocks (the worker's own limit
-# is 30 s); past this the restart goes on without the cache.
-PREFIX_TIMEOUT_S = 35.0
-
-
-# EX_SOFTWARE (the worker's own status for a failed engine, keepwarm.worker.api.server; not imported: no torch
-# here): what the supervisor exits with when it gives up on a worker that had exited with 0.
-FATAL_STATUS = 70
-
-
-def ended(code: int) -> str:
-    """How a worker ended, from its status as subprocess's returncode (-N: killed by signal N)."""
-    if code >= 0:
-        return f"status {code}"
-    try:
-        name = signal.Signals(-code).name
-    except ValueError:
-        name = "an unknown signal"
-    return f"killed by {name} (signal {-code})"
-
-
-def exit_status(code: int) -> int:
-    """The status to exit with for a worker's ``code``: a shell's 128 + N for a signal, else the code (70 for 0)."""
-    return 128 - code if code < 0 else code or FATAL_STATUS
-
-
-class _NotCarried(Exception):
-    """Why a restart's prefix cache was not carried over (the restart goes on)."""
-
-
-class RestartFailed(Exception):
-    """A restart that did not happen; the old worker keeps serving. One line for the command to print."""
-
-
-@dataclass
-class Zygote:
-    proc: subprocess.Popen
-    sock: socket.socket
-    hello: ipc.Hello
-
-    @property
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def stop(self) -> None:
-        with contextlib.suppress(OSError):
-            self.sock.close()
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-
-@dataclass
-class Worker:
-    pid: int
-    sock: socket.socket
-    config: ServerConfig
-    code: int | None = None  # its exit status once known (Exit: -N killed by signal N; 1 when none came)
-    ready_at: float = field(default_factory=time.monotonic)
-    fork_s: float = 0.0  # the Fork request to the zygote's Forked (its prepare() and fork())
-    phases: dict[str, float] = field(default_factory=dict)  # its startup phases (Ready)
-    python: str = ""  # the zygote's Python it was forked from
-    standing: bool = False  # a standby that said Standing: warmed, waiting for Go
-
-    def kill(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self.pid, signal.SIGKILL)
-
-    def wait(self, deadline: float) -> int | None:
-        """Its exit status once it ends (it is draining), or None at ``deadline`` (monotonic)."""
-        while self.code is None and time.monotonic() < deadline:
-            try:
-                self.code = ipc.expect(self.sock, ipc.Exit, timeout=max(0.0, deadline - time.monotonic())).code
-            except (EOFError, OSError):
-                self.code = 1  # gone without an Exit (or its socket already closed on its end)
-            except (TimeoutError, ProtocolError):
-                continue
-        return self.code
-
-
-def start_zygote(python: str, log_level: str) -> Zygote:
-    """A zygote from ``python`` (this one, or another venv's for an upgrade); returns once its imports are done."""
-    ours, theirs = ipc.pair()
-    env = {**os.environ, "PYTORCH_NVML_BASED_CUDA_CHECK": "1"}  # torch.cuda.is_available() without cuInit
-    t0 = time.time()
-    proc = subprocess.Popen([python, "-m", "keepwarm.worker.api.zygote", str(theirs.fileno()), log_level, repr(t0)],
-                            pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL)
-    theirs.close()
-    try:
-        hello = ipc.expect(ours, ipc.Hello, timeout=ZYGOTE_START_TIMEOUT_S)
-    except (EOFError, TimeoutError, ProtocolError) as e:
-        proc.kill()
-        proc.wait()
-        ours.close()
-        raise RestartFailed(f"the zygote from {python} did not start ({e}; exit status {proc.returncode})") \
-            from None
-    log.info("zygote %d from %s (keepwarm %s): imports in %.2fs", hello.pid, hello.python, hello.version,
-             hello.import_s)
-    return Zygote(proc, ours, hello)
 
 
 @dataclass
@@ -197,14 +60,12 @@ class History:
     last_replacement: dict[str, Any] | None = None
     carried_blocks: int = 0  # prefix-cache blocks restarts carried over to their new worker
 
-    def to_dict(self, supervisor: Supervisor) -> dict[str, Any]:
-        z, standby = supervisor.zygote, supervisor.standby
-        return {"supervisor_pid": os.getpid(), "zygote_pid": z.hello.pid if z and z.alive else None,
-                "standby_pid": standby.pid if standby is not None and standby.standing else None,
-                "python": z.hello.python if z else None, "total": dict(self.total), "failed": self.failed,
-                "durations": list(self.durations[-1000:]), "last": self.last, "replaced": self.replaced,
-                "replace_failed": self.replace_failed, "last_replacement": self.last_replacement,
-                "prefix_blocks_carried": self.carried_blocks}
+    def to_dict(self, zygote: Zygote | None, standby_pid: int | None) -> dict[str, Any]:
+        return {"supervisor_pid": os.getpid(), "zygote_pid": zygote.hello.pid if zygote and zygote.alive else None,
+                "standby_pid": standby_pid, "python": zygote.hello.python if zygote else None,
+                "total": dict(self.total), "failed": self.failed, "durations": list(self.durations[-1000:]),
+                "last": self.last, "replaced": self.replaced, "replace_failed": self.replace_failed,
+                "last_replacement": self.last_replacement, "prefix_blocks_carried": self.carried_blocks}
 
 
 @dataclass
@@ -236,12 +97,10 @@ class Supervisor:
         self.flags = {k: v for k, v in flags.items() if v is not None}
         self.log_level = log_level
         self.config = self._build(config_file, self.flags)
-        self.zygote: Zygote | None = None
-        self.prepared: dict[str, Zygote] = {}  # zygotes started ahead of an upgrade, by python
+        self.zygotes = Zygotes(log_level)
         self.worker: Worker | None = None
         self.old: list[Worker] = []  # draining
-        self.standby: Worker | None = None  # ``--standby``: forked and warmed, not accepting (pending until Standing)
-        self.standby_due: float | None = 0.0  # when (monotonic) to fork a standby, once no old worker drains
+        self.standby = Standby(changed=self._send_history)  # ``--standby``: forked and warmed, not accepting
         self.history = History()
         self.replace_policy = ReplacePolicy()
         self.listener: socket.socket | None = None
@@ -258,9 +117,9 @@ class Supervisor:
         self.listener = systemd_socket() or bind_listener(self.config.host, self.config.port)
         port = self.listener.getsockname()[1]
         self.control = self._bind_control(port)
-        self.zygote = start_zygote(sys.executable, self.log_level)
+        zygote = self.zygotes.start(sys.executable)
         try:
-            self.worker = self._spawn(self.zygote, self.config, timeout=600.0)
+            self.worker = self._spawn(zygote, self.config, timeout=600.0)
         except RestartFailed as e:
             self._close()
             raise ConfigError(str(e)) from None
@@ -283,51 +142,23 @@ class Supervisor:
         return sock
 
     def _fork(self, zygote: Zygote, config: ServerConfig, standby: bool = False) -> Worker:
-        """Ask ``zygote`` for a worker (a standby: one that waits for Go); returns once it is forked."""
         assert self.listener is not None
-        ours, theirs = ipc.pair()
-        t0 = time.monotonic()
-        try:
-            ipc.send(zygote.sock, ipc.Fork(config=config.to_dict(), restarts=self.history.to_dict(self),
-                                           log_level=self.log_level, standby=standby),
-                     fds=(self.listener.fileno(), theirs.fileno()))
-            forked = ipc.expect(zygote.sock, ipc.Forked, timeout=FORK_TIMEOUT_S)
-        except (OSError, EOFError, TimeoutError, ProtocolError) as e:
-            ours.close()
-            raise RestartFailed(f"the zygote (pid {zygote.hello.pid}) did not fork: {e}") from None
-        finally:
-            theirs.close()
-        return Worker(forked.pid, ours, config, fork_s=time.monotonic() - t0, python=zygote.hello.python)
+        return zygote.fork(self.listener, config, self._restarts(), self.log_level, standby)
 
     def _spawn(self, zygote: Zygote, config: ServerConfig, timeout: float) -> Worker:
         """Fork a worker from ``zygote`` and wait until it says Ready; RestartFailed (it is killed) otherwise."""
         worker = self._fork(zygote, config)
-        self._await(worker, ipc.Ready, timeout, "failed its warm-up")
+        worker.await_(ipc.Ready, timeout, "failed its warm-up")
         return worker
 
-    def _await(self, worker: Worker, expected: type, timeout: float, failure: str) -> None:
-        """Wait for ``worker``'s Ready (or a standby's Standing): RestartFailed (it is killed) on anything else."""
-        deadline = time.monotonic() + timeout
-        try:
-            msg, fds = ipc.recv(worker.sock, timeout=timeout)
-            for fd in fds:
-                os.close(fd)
-            why = msg.error if isinstance(msg, ipc.Failed) else "" if isinstance(msg, expected) else \
-                f"it exited ({ended(msg.code)})" if isinstance(msg, ipc.Exit) else f"it sent {type(msg).__name__}"
-        except (EOFError, TimeoutError, ProtocolError, OSError) as e:
-            why = "it exited" if isinstance(e, EOFError | OSError) else \
-                f"not ready after {timeout:.0f}s" if time.monotonic() >= deadline else str(e)
-        if why:
-            worker.kill()
-            with contextlib.suppress(OSError):
-                worker.sock.close()
-            raise RestartFailed(f"the new worker (pid {worker.pid}) {failure}: {why}")
-        if isinstance(msg, ipc.Standing):
-            worker.standing, worker.phases = True, msg.phases
-            return
-        worker.ready_at, worker.phases = time.monotonic(), msg.phases
-        log.info("worker %d ready %.3fs after its fork (weights from %s); phases (s): %s", msg.pid, msg.ready_s,
-                 msg.weights_source, " ".join(f"{k} {v:.3f}" for k, v in msg.phases.items()))
+    def _new_worker(self, config: ServerConfig, python: str, timeout: float) -> tuple[Worker, str, str]:
+        """The standby told Go, or a worker forked (warm from a zygote, or cold): (worker, mode, cold reason)."""
+        self.standby.later()  # whatever happens, a standby (of the config that ends up serving) follows
+        new = self.standby.take(config, python, timeout)
+        if new is not None:
+            return new, "standby", ""
+        zygote, mode, reason = self.zygotes.for_python(python)
+        return self._spawn(zygote, config, timeout), mode, reason
 
     def _loop(self) -> int:
         rfd, wfd = os.pipe()
@@ -338,7 +169,7 @@ class Supervisor:
         assert self.control is not None
         try:
             while True:
-                watched = {w.sock: w for w in [self.worker, *self.old, self.standby]
+                watched = {w.sock: w for w in [self.worker, *self.old, self.standby.worker]
                            if w is not None and w.sock.fileno() >= 0}
                 waits: list[Any] = [rfd, self.control, *watched]
                 ready, _, _ = select.select(waits, [], [], 1.0)
@@ -369,6 +200,12 @@ class Supervisor:
             os.close(wfd)
             self._close()
 
+    def _tend_standby(self) -> None:
+        w = self.worker
+        wanted = self.config.standby and not self.old and w is not None and w.code is None
+        python = w.python if w is not None and w.python else sys.executable
+        self.standby.tend(wanted, lambda: self._fork(self.zygotes.for_python(python)[0], self.config, standby=True))
+
     def _replace(self, dead: Worker) -> int | None:
         """The current worker exited on its own: fork a replacement (None) or give up (the status to exit with)."""
         code = dead.code if dead.code is not None else 1
@@ -383,14 +220,10 @@ class Supervisor:
                 self.worker = None
                 return None
             time.sleep(policy.backoff_s)
-            self.standby_due = time.monotonic() + STANDBY_DELAY_S
-            python = dead.python or sys.executable
             try:
-                self.worker, mode, reason = self._take_standby(self.config, python, 600.0), "standby", ""
-                if self.worker is None:
-                    zygote, mode, reason = self._zygote_for(python)
-                    self.worker = self._spawn(zygote, self.config, timeout=600.0)
+                self.worker, mode, reason = self._new_worker(self.config, dead.python or sys.executable, 600.0)
             except RestartFailed as e:
+                self.worker = None
                 policy.attempt_failed()
                 self.history.replace_failed += 1
                 log.error("replacing worker %d failed (%d in a row): %s", dead.pid, policy.failures, e)
@@ -412,8 +245,7 @@ class Supervisor:
         """A dead worker's last traces: its socket closed, the process killed if it lingers after saying Exit."""
         if dead.sock.fileno() >= 0 and not select.select([dead.sock], [], [], 5.0)[0]:
             dead.kill()
-        with contextlib.suppress(OSError):
-            dead.sock.close()
+        dead.close()
 
     def _worker_message(self, worker: Worker) -> bool:
         """Handle one message from a worker; True once it has ended (EOF)."""
@@ -437,12 +269,9 @@ class Supervisor:
         elif isinstance(msg, ipc.Failed):
             worker.code = 1
             log.error("worker %d: %s", worker.pid, msg.error)
-        elif isinstance(msg, ipc.Standing) and worker is self.standby:
-            worker.standing, worker.phases = True, msg.phases
-            log.info("standby worker %d warmed %.3fs after its fork; phases (s): %s", msg.pid, msg.ready_s,
-                     " ".join(f"{k} {v:.3f}" for k, v in msg.phases.items()))
-            self._send_history()  # /health shows its pid
-        elif isinstance(msg, ipc.Ready) and worker is self.standby:  # a zygote whose keepwarm predates --standby
+        elif isinstance(msg, ipc.Standing) and worker is self.standby.worker:
+            self.standby.stood(msg)
+        elif isinstance(msg, ipc.Ready) and worker is self.standby.worker:  # its zygote's keepwarm predates --standby
             log.error("standby worker %d accepts without Go (its zygote's keepwarm knows no standby): killed",
                       worker.pid)
             worker.kill()
@@ -451,7 +280,7 @@ class Supervisor:
 
     def _stop(self) -> int:
         """SIGTERM the workers (they drain) and wait for them; stop the zygotes. The current worker's status."""
-        self._drop_standby("the server stops")
+        self.standby.drop("the server stops")
         workers = [w for w in [self.worker, *self.old] if w is not None]
         for w in workers:
             with contextlib.suppress(ProcessLookupError):
@@ -464,9 +293,7 @@ class Supervisor:
         return 128 - code if code < 0 else code  # a worker killed by signal N meanwhile: 128 + N
 
     def _close(self) -> None:
-        for z in [self.zygote, *self.prepared.values()]:
-            if z is not None:
-                z.stop()
+        self.zygotes.stop()
         if self.control is not None:
             self.control.close()
         if self.control_path is not None:
@@ -487,30 +314,24 @@ class Supervisor:
                 with contextlib.suppress(OSError):
                     ipc.send(conn, ipc.RestartReply(ok=False, message=f"bad request: {e}"))
                 return
-            reply = self._probe() if isinstance(req, ipc.Probe) else self._restart_request(req)
+            z = self.zygotes.current
+            reply = (z.probe() if z is not None else ipc.RestartReply(ok=False, message="no zygote runs")) \
+                if isinstance(req, ipc.Probe) else self._restart_request(req)
             with contextlib.suppress(OSError):
                 ipc.send(conn, reply)
 
-    def _probe(self) -> Any:
-        """The zygote's own account of what it holds (ProbeReply), or a RestartReply saying why not."""
-        z = self.zygote
-        if z is None or not z.alive:
-            return ipc.RestartReply(ok=False, message="no zygote runs")
-        try:
-            ipc.send(z.sock, ipc.Probe())
-            return ipc.expect(z.sock, ipc.ProbeReply, timeout=FORK_TIMEOUT_S)
-        except (OSError, EOFError, TimeoutError, ProtocolError) as e:
-            return ipc.RestartReply(ok=False, message=f"the zygote did not answer: {e}")
+    def _python(self) -> str:
+        """The Python the current zygote runs (a restart forks from the same one unless told otherwise)."""
+        return self.zygotes.current.hello.python if self.zygotes.current else sys.executable
 
     def _restart_request(self, req: ipc.RestartRequest) -> ipc.RestartReply:
-        python = req.python or (self.zygote.hello.python if self.zygote else sys.executable)
+        python = req.python or self._python()
         if req.prepare:
             try:
-                self._prepare(python)
+                z = self.zygotes.prepare(python)
             except RestartFailed as e:
                 return ipc.RestartReply(ok=False, message=str(e))
-            return ipc.RestartReply(ok=True, message=f"zygote from {python} ready (pid "
-                                                     f"{self.prepared[python].hello.pid})")
+            return ipc.RestartReply(ok=True, message=f"zygote from {python} ready (pid {z.hello.pid})")
         config_file = self.config_file if req.config_file is None else (req.config_file or None)
         kept = {k: v for k, v in self.flags.items() if k in PLACE_FLAGS} if req.replace_flags else self.flags
         flags = {**kept, **{k: v for k, v in req.flags.items() if v is not None}}
@@ -530,33 +351,23 @@ class Supervisor:
         except ConfigError as e:
             log.error("SIGHUP: not restarted: bad config: %s", e)
             return
-        reply = self.restart(config, self.zygote.hello.python if self.zygote else sys.executable, 300.0)
+        reply = self.restart(config, self._python(), 300.0)
         (log.info if reply.ok else log.error)("SIGHUP: %s", reply.message)
 
-    def _prepare(self, python: str) -> Zygote:
-        z = self.prepared.get(python)
-        if z is None or not z.alive:
-            z = self.prepared[python] = start_zygote(python, self.log_level)
-        return z
-
     def restart(self, config: ServerConfig, python: str, timeout: float,
-                on_success: Any = None) -> ipc.RestartReply:
+                on_success: Callable[[], None] | None = None) -> ipc.RestartReply:
+        """A handoff to a worker of ``config`` (keepwarm.worker.process.handoff's steps); the answer, one line."""
         assert self.worker is not None
         t0 = time.monotonic()
         if (config.host, config.port) != (self.config.host, self.config.port):
             return ipc.RestartReply(ok=False, message=f"host/port cannot change in a restart (the listening socket "
                                                       f"{self.config.host}:{self.config.port} is handed over); "
                                                       "stop the server and serve again")
-        self._wait_old_drained()
+        handoff.wait_drained(self.old)
         t_fork = time.monotonic()
         old = self.worker
-        # whatever happens, a standby (of the config that ends up serving) follows, after the first requests
-        self.standby_due = time.monotonic() + STANDBY_DELAY_S
         try:
-            new, mode, reason = self._take_standby(config, python, timeout), "standby", ""
-            if new is None:
-                zygote, mode, reason = self._zygote_for(python)
-                new = self._spawn(zygote, config, timeout)
+            new, mode, reason = self._new_worker(config, python, timeout)
         except RestartFailed as e:
             self.history.failed += 1
             log.error("restart failed: %s; the old worker (pid %d) keeps serving", e, old.pid)
@@ -565,15 +376,9 @@ class Supervisor:
                                     old_pid=old.pid)
         ready_s = time.monotonic() - t0
         t_carry = time.monotonic()
-        carried = self._carry_prefixes(old, new)
+        carried = handoff.carry_prefixes(old, new)
         t_drain = time.monotonic()
-        ipc.send(old.sock, ipc.Drain())
-        try:
-            ipc.expect(old.sock, ipc.Draining, timeout=DRAIN_NOTICE_TIMEOUT_S)
-        except (EOFError, TimeoutError, ProtocolError, OSError) as e:
-            log.warning("old worker %d did not confirm its drain (%s); SIGTERM", old.pid, e)
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(old.pid, signal.SIGTERM)
+        handoff.drain(old)
         self.worker, self.config = new, config
         self.old.append(old)
         if on_success is not None:
@@ -589,152 +394,17 @@ class Supervisor:
                              "prefix_cache": carried}
         self.history.carried_blocks += carried["blocks"]
         self._send_history()
-        note = f"; cold start: {reason}" if mode == "cold" else ""
-        note += (f"; prefix cache: {carried['blocks']} blocks carried over ({carried['nbytes'] / 1e6:.1f} MB in "
-                 f"{carried['seconds']:.3f}s)" if carried["blocks"] else
-                 f"; prefix cache not carried over: {carried['reason']}")
+        note = handoff.summary(mode, reason, carried)
         log.info("restarted: worker %d -> %d in %.3fs (%s; %s)%s", old.pid, new.pid, ready_s, mode,
                  " ".join(f"{k} {v:.3f}" for k, v in steps.items()), note)
         return ipc.RestartReply(ok=True, message=f"handoff in {ready_s:.3f}s: worker {old.pid} -> {new.pid} "
                                                  f"({mode}){note}", mode=mode, handoff_s=ready_s,
                                 old_pid=old.pid, new_pid=new.pid)
 
-    # -- the prefix cache carried over (keepwarm.worker.prefix_handover) ------------------------------------------
-    def _carry_prefixes(self, old: Worker, new: Worker) -> dict[str, Any]:
-        """The old worker's cached prefix blocks into the new one's pool, while the old one still serves: what was
-        carried (``blocks`` 0 and the ``reason`` when nothing was; never a failed restart)."""
-        t0 = time.monotonic()
-        fd = None
-        try:
-            if old.python != new.python:
-                raise _NotCarried("the new worker runs another Python (block keys are per interpreter)")
-            ipc.send(old.sock, ipc.ExportPrefixes())
-            export, fds = self._reply(old, ipc.PrefixExport, PREFIX_TIMEOUT_S)
-            fd = fds[0] if fds else None
-            if not export.blocks or fd is None:
-                raise _NotCarried(export.reason or "the export came without its file")
-            ipc.send(new.sock, ipc.AdoptPrefixes(export.blocks), (fd,))
-            adopted, _ = self._reply(new, ipc.PrefixAdopted, PREFIX_TIMEOUT_S)
-            result = {"blocks": adopted.blocks, "nbytes": adopted.nbytes, "seconds": time.monotonic() - t0,
-                      "exported": export.blocks, "reason": adopted.reason}
-        except (_NotCarried, EOFError, TimeoutError, ProtocolError, OSError) as e:
-            result = {"blocks": 0, "nbytes": 0, "seconds": time.monotonic() - t0, "exported": 0, "reason": str(e)}
-        finally:
-            if fd is not None:
-                os.close(fd)
-        log.log(logging.INFO if result["blocks"] else logging.WARNING, "prefix cache: %s",
-                f"{result['blocks']} of {result['exported']} blocks carried over from worker {old.pid} to {new.pid} "
-                f"({result['nbytes'] / 1e6:.1f} MB in {result['seconds']:.3f}s)" if result["blocks"] else
-                f"not carried over from worker {old.pid} to {new.pid}: {result['reason']}")
-        return result
-
-    @staticmethod
-    def _reply(worker: Worker, cls: type, timeout: float) -> tuple[Any, list[int]]:
-        """The worker's next ``cls`` message and its fds; other messages before it are taken as the loop would."""
-        deadline = time.monotonic() + timeout
-        while True:
-            msg, fds = ipc.recv(worker.sock, timeout=deadline - time.monotonic())
-            if isinstance(msg, cls):
-                return msg, fds
-            for fd in fds:
-                os.close(fd)
-            if isinstance(msg, ipc.Exit):
-                worker.code = msg.code
-                raise EOFError(f"worker {worker.pid} exited ({ended(msg.code)})")
-
-    # -- the standby (``serve --standby``) ------------------------------------------------------------------------
-    def _tend_standby(self) -> None:
-        """Forget a standby that died; fork one when due, ``--standby`` is on and no old worker drains (so at most
-        one worker besides the current one holds a KV pool: the draining one or the standby)."""
-        s = self.standby
-        if s is not None and s.code is not None:
-            log.warning("standby worker %d exited (%s); the next restart forks its worker", s.pid, ended(s.code))
-            self.standby = None
-            self._send_history()
-        if not (self.config.standby and self.standby_due is not None and time.monotonic() >= self.standby_due
-                and self.standby is None and not self.old
-                and self.worker is not None and self.worker.code is None):
-            return
-        self.standby_due = None
-        try:
-            zygote, _, _ = self._zygote_for(self.worker.python or sys.executable)
-            self.standby = self._fork(zygote, self.config, standby=True)
-        except RestartFailed as e:
-            log.error("no standby worker: %s", e)
-            return
-        log.info("standby worker %d forked", self.standby.pid)
-
-    def _take_standby(self, config: ServerConfig, python: str, timeout: float) -> Worker | None:
-        """The standby, told Go, as the new worker once it says Ready. None (the caller forks one) when there is
-        none, when it was forked for another config or Python (it is dropped), or when it fails (logged)."""
-        s = self.standby
-        if s is None:
-            return None
-        if s.code is not None or s.python != python or s.config.to_dict() != config.to_dict():
-            self._drop_standby("the restart's config or Python differ from its own")
-            return None
-        self.standby = None
-        try:
-            if not s.standing:  # still warming at SCHED_IDLE (under load it may get no CPU): at full priority now
-                from keepwarm.worker.api.zygote import normal_priority
-
-                with contextlib.suppress(OSError):
-                    normal_priority(s.pid)
-                self._await(s, ipc.Standing, timeout, "failed its warm-up")
-            ipc.send(s.sock, ipc.Go())
-            self._await(s, ipc.Ready, timeout, "did not start accepting")
-        except (RestartFailed, OSError) as e:
-            s.kill()
-            log.error("the standby worker (pid %d) failed (%s): forking a new worker instead", s.pid, e)
-            return None
-        s.fork_s = 0.0
-        return s
-
-    def _drop_standby(self, why: str) -> None:
-        """Tell the standby to go (Drain, then EOF: it exits without having served)."""
-        s, self.standby = self.standby, None
-        if s is None:
-            return
-        log.info("standby worker %d dropped: %s", s.pid, why)
-        self._send_history()
-        with contextlib.suppress(OSError):
-            ipc.send(s.sock, ipc.Drain())
-        with contextlib.suppress(OSError):
-            s.sock.close()
-
-    def _zygote_for(self, python: str) -> tuple[Zygote, str, str]:
-        """The zygote to fork from, and whether the restart is warm ("zygote") or had to start one ("cold")."""
-        z = self.zygote
-        if z is not None and z.alive and z.hello.python == python:
-            return z, "zygote", ""
-        prepared = self.prepared.pop(python, None)
-        if prepared is not None and prepared.alive:
-            self._replace_zygote(prepared)
-            return prepared, "zygote", ""
-        if z is not None and z.hello.python == python:
-            reason = f"the zygote (pid {z.hello.pid}) was gone (exit status {z.proc.poll()})"
-        else:
-            reason = f"no zygote from {python} was prepared (`keepwarm restart --prepare --python {python}`)"
-        log.warning("%s: starting one (cold start)", reason)
-        new = start_zygote(python, self.log_level)
-        self._replace_zygote(new)
-        return new, "cold", reason
-
-    def _replace_zygote(self, z: Zygote) -> None:
-        if self.zygote is not None and self.zygote is not z:
-            self.zygote.stop()
-        self.zygote = z
-
-    def _wait_old_drained(self) -> None:
-        for w in list(self.old):
-            if w.wait(time.monotonic() + w.config.shutdown_timeout + 15) is None:
-                log.warning("old worker %d still draining after its shutdown timeout: killed", w.pid)
-                w.kill()
-            self.old.remove(w)
-            with contextlib.suppress(OSError):
-                w.sock.close()
+    def _restarts(self) -> dict[str, Any]:
+        return self.history.to_dict(self.zygotes.current, self.standby.pid)
 
     def _send_history(self) -> None:
         if self.worker is not None:
             with contextlib.suppress(OSError):
-                ipc.send(self.worker.sock, ipc.Restarts(self.history.to_dict(self)))
+                ipc.send(self.worker.sock, ipc.Restarts(self._restarts()))

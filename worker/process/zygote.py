@@ -1,40 +1,24 @@
-"""The zygote: a process that has imported torch, the API stack and keepwarm's worker, and forks a worker on demand.
+"""The zygote's fork loop: a process that has imported torch, the API stack and keepwarm's worker (it does the
+imports, nothing more), and forks a worker on demand. This half has no torch in it: what needs torch comes in as
+``Hooks`` from the entry module, keepwarm.worker.zygote (``python -m keepwarm.worker.zygote FD LOG_LEVEL SPAWN_TIME``).
 
-Started by the server supervisor (``keepwarm.worker.api.supervisor``), which owns it: it is the one process that
-knows the server's listening socket, config and restarts, and its lifetime is the server's (the daemon outlives
-servers and serves several; a zygote with the API stack in it has no business there). The supervisor talks to it
-over a private socketpair with typed JSON messages (``keepwarm.worker.api.ipc``: ``Fork`` with the listening and
-status sockets as SCM_RIGHTS fds -> ``Forked``; ``Probe`` -> ``ProbeReply``).
-
-    python -m keepwarm.worker.api.zygote FD LOG_LEVEL SPAWN_TIME
-
-Fork-safety rules (what the zygote must never do before ``fork``):
-- touch a GPU: ``PYTORCH_NVML_BASED_CUDA_CHECK=1`` (set by the supervisor) keeps ``torch.cuda.is_available()`` off
-  the driver; the child initialises CUDA itself;
-- run a torch op (OpenMP's thread team would not survive the fork) or start any thread: the zygote stays one
-  thread; the child sets its torch threads;
-- create an asyncio event loop (the child's uvicorn makes its own), or build a model or an engine;
-- unpickle anything: configs arrive as ``ServerConfig.to_dict()`` maps and are checked like a server.toml.
-What it may do before a fork is per-server CPU work that needs none of that (``prepare``: the tokenizer, loaded
-once and inherited by every worker forked for the same tokenizer files).
-Copy-on-write (Python's documented recipe for fork without exec): the zygote runs with the garbage collector off and
-``gc.freeze()``s everything right before each fork, and the child turns the collector back on. A collection in the
-child then never walks (and so never writes, copying page after page) the hundreds of thousands of objects the
-imports made; measured before this: the child's engine setup took ~0.3 s against ~0.02 s in a fresh process.
-The child resets the signals the zygote changed, attaches to the daemon's weights, builds its engine and warms
-one step (``server.warm_up``, in the engine thread while the app is built) before it says ``Ready`` (a standby,
-``Fork.standby``: says ``Standing`` and accepts only once told ``Go``, ``WorkerLink.await_go``).
-How a worker ended (``Reaper``): the zygote is its parent, so the one process that learns its wait status. It keeps
-each worker's status socket until it reaps the worker, then says ``Exit(code)`` on it for the worker (``code`` as
-subprocess's returncode: -N for a worker killed by signal N, which could say nothing itself) and closes it: the
-supervisor reads how the worker ended before it sees the socket's EOF. SIGCHLD only wakes the zygote's loop (a
-wakeup fd; nothing runs in the handler), which reaps, so a child is never reaped before its socket is kept.
+Started and owned by the supervisor (keepwarm.worker.process.supervisor); it talks to it over a private socketpair
+(keepwarm.worker.process.ipc: ``Fork`` with the listening and status sockets as SCM_RIGHTS fds -> ``Forked``; ``Probe``
+-> ``ProbeReply``). Fork-safety rules, before ``fork``: never touch a GPU (``PYTORCH_NVML_BASED_CUDA_CHECK=1``, set by
+the supervisor), run a torch op or start a thread (OpenMP's team would not survive it), create an event loop, build an
+engine or unpickle anything (configs come as ``ServerConfig.to_dict()`` maps, checked like a server.toml). Per-server
+CPU work that needs none of that may run (``Hooks.prepare``: the tokenizer, inherited by every worker). Copy-on-write:
+the garbage collector is off and ``gc.freeze()`` runs right before each fork (the child turns it on): a collection in
+the child never writes to the pages of the imports' objects (~0.3 s of engine setup before, ~0.02). How a worker ended
+(``Reaper``): the zygote, its parent, keeps its status socket until it reaps it, then says ``Exit(code)`` there (-N:
+killed by signal N); SIGCHLD only wakes the loop, which reaps.
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
+import importlib
 import logging
 import os
 import select
@@ -44,51 +28,36 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
+
+from keepwarm.formats.version import __version__
+from keepwarm.formats.wire import ProtocolError
+from keepwarm.worker.process import ipc
+from keepwarm.worker.process.config import ServerConfig, from_mapping
+from keepwarm.worker.process.link import WorkerLink
+from keepwarm.worker.process.priority import idle_priority
 
 log = logging.getLogger("keepwarm.zygote")
 
-# What a worker imports on its way to its first token (measured: the child of a zygote that imports these loads no
-# further module of any size). Everything here is imported only: no module runs a torch op at import.
-PREIMPORT = (
-    "torch", "keepwarm.worker.api.server", "keepwarm.worker.api.app", "keepwarm.worker.engine",
-    "keepwarm.worker.model_loader", "keepwarm.worker.attach", "keepwarm.worker.models.registry",
-    "keepwarm.worker.tokenizer", "keepwarm.daemon.client", "keepwarm.worker.api.grpc_server", "uvicorn",
-    "uvicorn.lifespan.on", "uvicorn.protocols.http.h11_impl", "uvicorn.protocols.http.httptools_impl",
-    "uvicorn.protocols.websockets.auto", "uvicorn.loops.auto", "uvicorn.loops.uvloop", "prometheus_client",
-    "tokenizers", "pydantic.v1",  # imported lazily by the tokenizer load and by FastAPI's first route
-)
+
+@dataclass(frozen=True)
+class Hooks:
+    """The serving side's part in a zygote (keepwarm.worker.zygote)."""
+
+    preimport: tuple[str, ...]  # modules a worker imports on its way to its first token; none runs a torch op
+    prepare: Callable[[dict[str, Any]], None]  # per-server work before a fork (a ``ServerConfig.to_dict()``)
+    probe: Callable[[], ipc.ProbeReply]  # what this process holds
+    # the forked child's server: (config, fork time, the listening socket, its link) -> exit status
+    serve: Callable[[ServerConfig, float, socket.socket, WorkerLink], int]
 
 
-def preimport() -> None:
-    import importlib
-
-    for name in PREIMPORT:
+def preimport(names: tuple[str, ...]) -> None:
+    for name in names:
         try:
             importlib.import_module(name)
         except ImportError as e:  # an optional piece (uvloop, httptools): the worker does without it as well
             log.debug("zygote: %s not imported: %s", name, e)
-
-
-def prepare(config: dict[str, Any]) -> None:
-    """What a worker of ``config`` (``ServerConfig.to_dict()``) needs that is per server, not per device, done once
-    here before the forks: its tokenizer (CPU work, no torch op, no thread; keyed by the tokenizer's files, so a
-    restart that changes the model, the tokenizer or its files loads the new one). A failure here is left to the
-    worker, which loads the tokenizer itself and reports what goes wrong (Failed)."""
-    path = config.get("tokenizer") or config.get("model")
-    if config.get("skip_tokenizer_init") or not isinstance(path, str):
-        return
-    from keepwarm.worker.tokenizer import preload_tokenizer
-
-    t = time.perf_counter()
-    try:
-        kept = preload_tokenizer(path)
-    except Exception as e:  # noqa: BLE001  (the worker meets the same error and reports it)
-        log.info("zygote: the tokenizer of %s is not preloaded (%s); each worker loads it", path, e)
-        return
-    if kept:
-        log.debug("zygote: tokenizer of %s ready for the workers in %.3fs", path, time.perf_counter() - t)
 
 
 def thread_count() -> int:
@@ -99,186 +68,8 @@ def thread_count() -> int:
     return threading.active_count()
 
 
-def probe() -> Any:
-    """What this process holds: threads, CUDA, engines and modules, an event loop."""
-    import asyncio
-
-    import torch
-
-    from keepwarm.worker.api import ipc
-    from keepwarm.worker.engine import LLMEngine
-    from keepwarm.worker.tokenizer import preloaded_tokenizers
-
-    gc.unfreeze()  # the frozen objects are not in get_objects(); fork() freezes them again
-    objects = gc.get_objects()
-    loop = asyncio.get_event_loop_policy()._local._loop  # type: ignore[attr-defined]  # no get_event_loop(): it makes one
-    return ipc.ProbeReply(pid=os.getpid(), threads=thread_count(), cuda_initialized=torch.cuda.is_initialized(),
-                          engines=sum(isinstance(o, LLMEngine) for o in objects),
-                          modules=sum(isinstance(o, torch.nn.Module) for o in objects), event_loop=loop is not None,
-                          tokenizers=preloaded_tokenizers())
-
-
-class WorkerLink:
-    """The worker's end of its status socket: says Ready / Draining / Exit, hears Drain and Restarts, and answers
-    ExportPrefixes / AdoptPrefixes (the prefix cache a restart carries over).
-
-    The supervisor going away (EOF) drains the worker (SIGTERM to itself), so no worker outlives its server."""
-
-    def __init__(self, sock: socket.socket, restarts: dict[str, Any], fork_time: float,
-                 standby: bool = False) -> None:
-        self.sock = sock
-        self.restarts = restarts  # replaced whole by the reader thread; the event loop reads it
-        self.fork_time = fork_time
-        self.standby = standby
-        self.idle_priority = False  # a standby warming at SCHED_IDLE (``idle_priority``), restored on Go
-        self._lock = threading.Lock()
-
-    def say(self, message: Any, fds: tuple[int, ...] = ()) -> None:
-        from keepwarm.worker.api import ipc
-
-        with self._lock, contextlib.suppress(OSError):  # the supervisor is gone: the reader drains us
-            ipc.send(self.sock, message, fds)
-
-    def await_go(self, phases: dict[str, float]) -> bool:
-        """A standby's wait, warmed and not accepting: say Standing, then block until Go (True) or until the
-        supervisor drops it (Drain or EOF: False, the worker exits without serving). Runs before ``listen``."""
-        from keepwarm.worker.api import ipc
-
-        self.say(ipc.Standing(pid=os.getpid(), ready_s=time.time() - self.fork_time, phases=dict(phases)))
-        while (msg := self._next()) is not None:
-            if isinstance(msg, ipc.Go | ipc.Drain):
-                if isinstance(msg, ipc.Go) and self.idle_priority:
-                    normal_priority()
-                return isinstance(msg, ipc.Go)
-        return False
-
-    def listen(self, on_drain: Callable[[], None], call: Callable[[Any], Any] | None = None) -> None:
-        """Read the supervisor's messages in a thread: Drain calls ``on_drain``; ExportPrefixes and AdoptPrefixes run
-        in the engine thread through ``call`` (``AsyncEngine.call_blocking``'s partial) and are answered."""
-        threading.Thread(target=self._read, args=(on_drain, call), name="keepwarm-link", daemon=True).start()
-
-    def _read(self, on_drain: Callable[[], None], call: Callable[[Any], Any] | None) -> None:
-        from keepwarm.worker.api import ipc
-
-        while (got := self._next_with_fds()) is not None:
-            msg, fds = got
-            if isinstance(msg, ipc.Drain):
-                on_drain()
-            elif isinstance(msg, ipc.ExportPrefixes):
-                self._export(call)
-            elif isinstance(msg, ipc.AdoptPrefixes):
-                self._adopt(call, fds[0] if fds else None)
-            for fd in fds:
-                os.close(fd)
-        log.warning("the server's supervisor is gone: draining")
-        os.kill(os.getpid(), signal.SIGTERM)
-
-    def _export(self, call: Callable[[Any], Any] | None) -> None:
-        from keepwarm.worker.api import ipc
-        from keepwarm.worker.async_engine import ExportPrefixes
-
-        fd = None
-        try:
-            if call is None:
-                raise RuntimeError("this worker has no engine to export from")
-            fd, done = call(ExportPrefixes())
-            self.say(ipc.PrefixExport(done.blocks, done.nbytes, done.seconds, done.reason),
-                              (fd,) if fd is not None else ())
-        except Exception as e:  # the restart goes on without the cache; the supervisor logs why
-            log.warning("prefix cache export failed: %s: %s", type(e).__name__, e)
-            self.say(ipc.PrefixExport(0, 0, 0.0, f"the export failed: {type(e).__name__}: {e}"))
-        finally:
-            if fd is not None:
-                os.close(fd)
-
-    def _adopt(self, call: Callable[[Any], Any] | None, fd: int | None) -> None:
-        from keepwarm.worker.api import ipc
-        from keepwarm.worker.async_engine import AdoptPrefixes
-
-        try:
-            if call is None or fd is None:
-                raise RuntimeError("no engine to adopt into" if call is None else "no export file came with it")
-            done = call(AdoptPrefixes(fd))
-            reply = ipc.PrefixAdopted(done.blocks, done.nbytes, done.seconds, done.reason)
-        except Exception as e:  # this worker serves on without the cache
-            log.warning("prefix cache adoption failed: %s: %s", type(e).__name__, e)
-            reply = ipc.PrefixAdopted(0, 0, 0.0, f"the adoption failed: {type(e).__name__}: {e}")
-        if reply.blocks:
-            log.info("adopted %d prefix-cache blocks (%.1f MB) from the worker before in %.3fs", reply.blocks,
-                     reply.nbytes / 1e6, reply.seconds)
-        self.say(reply)
-
-    def _next(self) -> Any:
-        """The supervisor's next message (Restarts taken in passing), or None once it is gone (EOF)."""
-        got = self._next_with_fds()
-        if got is None:
-            return None
-        for fd in got[1]:
-            os.close(fd)
-        return got[0]
-
-    def _next_with_fds(self) -> tuple[Any, list[int]] | None:
-        from keepwarm.daemon.protocol import ProtocolError
-        from keepwarm.worker.api import ipc
-
-        while True:
-            try:
-                msg, fds = ipc.recv(self.sock)
-            except (EOFError, OSError):
-                return None
-            except ProtocolError as e:
-                log.warning("supervisor link: %s", e)
-                continue
-            if isinstance(msg, ipc.Restarts):
-                self.restarts = msg.history
-            return msg, fds
-
-
-def idle_priority() -> str:
-    """A standby warms up at SCHED_IDLE, so it takes only CPU time the serving worker leaves (on 2 cores its
-    warm-up beside the worker's first requests doubled their time). Set on this thread before any other starts (new
-    threads inherit it); only where this process may return to SCHED_OTHER on Go (root, or RLIMIT_NICE allowing
-    nice 0: tried first on a throwaway thread). Returns why not ("" when set)."""
-    why: list[str] = ["no SCHED_IDLE here"] if not hasattr(os, "SCHED_IDLE") else []
-
-    def probe() -> None:
-        try:
-            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-            os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
-        except OSError as e:
-            why.append(f"cannot return from SCHED_IDLE ({e.strerror})")
-
-    if not why:
-        t = threading.Thread(target=probe, name="keepwarm-sched-probe")
-        t.start()
-        t.join()
-    if not why:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-    return why[0] if why else ""
-
-
-def normal_priority(pid: int | None = None) -> None:
-    """Every thread of process ``pid`` (this one) and of its children (the lease keeper, which inherited
-    SCHED_IDLE at its start) back to SCHED_OTHER: a standby told Go, or one still warming when a restart needs it
-    (done by the supervisor, same user and limits)."""
-    pid = os.getpid() if pid is None else pid
-    pids = [pid]
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        with contextlib.suppress(OSError):  # a thread that just ended
-            pids += [int(c) for c in Path(f"/proc/{pid}/task/{tid}/children").read_text().split()]
-    for p in pids:
-        with contextlib.suppress(OSError):  # a child that just ended
-            for tid in os.listdir(f"/proc/{p}/task"):
-                with contextlib.suppress(ProcessLookupError):
-                    os.sched_setscheduler(int(tid), os.SCHED_OTHER, os.sched_param(0))
-
-
-def _child(request: Any, fds: list[int], fork_time: float) -> int:
+def _child(hooks: Hooks, request: ipc.Fork, fds: list[int], fork_time: float) -> int:
     """The forked worker: serve ``request.config`` on the listening socket; say Failed or Exit at the end."""
-    from keepwarm.worker.api import ipc
-    from keepwarm.worker.api.config import ServerConfig, from_mapping
-    from keepwarm.worker.api.server import serve
-
     listen_fd, status_fd = fds
     listener = socket.socket(fileno=listen_fd)
     listener.setblocking(False)
@@ -292,7 +83,7 @@ def _child(request: Any, fds: list[int], fork_time: float) -> int:
                         "serving worker", os.getpid(), why)
     try:
         config = ServerConfig(**from_mapping(request.config, "restart"))
-        code = serve(config, process_start=fork_time, listener=listener, link=link)
+        code = hooks.serve(config, fork_time, listener, link)
     except BaseException as e:  # noqa: BLE001  (anything: it is reported, then the child exits)
         message = f"{type(e).__name__}: {e}".splitlines()[0]
         log.error("worker %d failed: %s", os.getpid(), message)
@@ -322,8 +113,6 @@ class Reaper:
 
     def reap(self) -> None:
         """Reap every child that ended; tell the supervisor how each one did, on its status socket."""
-        from keepwarm.worker.api import ipc
-
         with contextlib.suppress(BlockingIOError):
             while os.read(self.wakeup, 512):
                 pass
@@ -354,7 +143,7 @@ class Reaper:
         os.close(self._wake_w)
 
 
-def _fork(sock: socket.socket, request: Any, fds: list[int], reaper: Reaper) -> int:
+def _fork(hooks: Hooks, sock: socket.socket, request: ipc.Fork, fds: list[int], reaper: Reaper) -> int:
     fork_time = time.time()
     gc.freeze()
     pid = os.fork()
@@ -370,24 +159,22 @@ def _fork(sock: socket.socket, request: Any, fds: list[int], reaper: Reaper) -> 
         for sig in (signal.SIGCHLD, signal.SIGHUP, signal.SIGTERM):
             signal.signal(sig, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        code = _child(request, fds, fork_time)
+        code = _child(hooks, request, fds, fork_time)
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], hooks: Hooks) -> int:
+    """The zygote process: ``argv`` is FD LOG_LEVEL SPAWN_TIME (the supervisor's socket, its log level, when it
+    started us); answers Fork and Probe until the supervisor goes away."""
     fd, log_level, spawn_time = int(argv[0]), argv[1], float(argv[2])
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
     sock = socket.socket(fileno=fd)
     gc.disable()  # no collections here: they would leave freed holes in pages the workers share (see above)
-    preimport()
-    from keepwarm.daemon.protocol import ProtocolError
-    from keepwarm.formats.version import __version__
-    from keepwarm.worker.api import ipc
-
+    preimport(hooks.preimport)
     reaper = Reaper()  # we reap our children and tell the supervisor how each one ended
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C: the supervisor decides, we follow its EOF
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
@@ -407,16 +194,12 @@ def main(argv: list[str]) -> int:
             log.warning("zygote: %s", e)
             continue
         if isinstance(msg, ipc.Fork) and len(fds) == 2:
-            prepare(msg.config)
-            ipc.send(sock, ipc.Forked(pid=_fork(sock, msg, fds, reaper)))
+            hooks.prepare(msg.config)
+            ipc.send(sock, ipc.Forked(pid=_fork(hooks, sock, msg, fds, reaper)))
             continue
         for fd_ in fds:
             os.close(fd_)
         if isinstance(msg, ipc.Probe):
-            ipc.send(sock, probe())
+            ipc.send(sock, hooks.probe())
         else:
             ipc.send(sock, ipc.Failed(f"zygote: unexpected {type(msg).__name__} with {len(fds)} fd(s)"))
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

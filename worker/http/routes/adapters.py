@@ -17,10 +17,10 @@ from fastapi import APIRouter
 from fastapi.responses import Response
 
 from keepwarm.formats.adapter import LoRAError
-from keepwarm.worker.api.protocol import APIError, LoadLoRARequest, UnloadLoRARequest, bad_request
-from keepwarm.worker.api.state import ServerState
 from keepwarm.worker.async_engine import AddLoRA, LoRARequestsInFlight, MarkUnloading, RemoveLoRA
+from keepwarm.worker.http.state import ServerState
 from keepwarm.worker.lora_loader import open_adapter
+from keepwarm.worker.openai.protocol import APIError, LoadLoRARequest, UnloadLoRARequest, bad_request
 
 log = logging.getLogger("keepwarm.server")
 

@@ -12,9 +12,9 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 
 from keepwarm.formats.version import __version__
-from keepwarm.worker.api.metrics import CONTENT_TYPE
-from keepwarm.worker.api.state import ServerState
 from keepwarm.worker.async_engine import EffectiveConfig
+from keepwarm.worker.http.metrics import CONTENT_TYPE
+from keepwarm.worker.http.state import ServerState
 
 
 def router(state: ServerState) -> APIRouter:
@@ -63,7 +63,7 @@ def router(state: ServerState) -> APIRouter:
                     for a in state.async_engine.adapters.values()]
         # "engine": what the engine runs with, read from its live parts (not this server's config).
         engine = await state.async_engine.call(EffectiveConfig())
-        budget = state.budget  # what one request may cost, the defaults resolved (keepwarm.worker.api.budget)
+        budget = state.budget  # what one request may cost, the defaults resolved (keepwarm.worker.http.budget)
         limits = {"max_request_sequences": budget.max_sequences, "max_request_prompt_tokens": budget.max_prompt_tokens,
                   "admission_seats": state.admission.capacity}
         return {"config": cfg, "engine": engine, "weights": state.weights_info(),

@@ -14,15 +14,23 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-from keepwarm.worker.api import pipeline
-from keepwarm.worker.api.chat_render import render_chat
-from keepwarm.worker.api.protocol import ChatCompletionRequest, bad_request, new_id, now
-from keepwarm.worker.api.state import ServerState
-from keepwarm.worker.api.structured_fields import structured_spec
-from keepwarm.worker.api.tool_calls import ToolMode, ToolStreamer, functions, parse_output, tool_grammar, tool_mode
-from keepwarm.worker.outputs import CompletionOutput
-from keepwarm.worker.sequence import TokenLogprob
+from keepwarm.worker.http import pipeline
+from keepwarm.worker.http.state import ServerState
+from keepwarm.worker.openai.chat_output import (
+    ChatChoice,
+    ChatChunk,
+    ChatCompletion,
+    ChatDelta,
+    ChunkChoice,
+    Usage,
+)
+from keepwarm.worker.openai.protocol import ChatCompletionRequest, bad_request, new_id, now
+from keepwarm.worker.openai.structured_fields import structured_spec
+from keepwarm.worker.openai.tool_calls import ToolMode, ToolStreamer, functions, parse_output, tool_grammar, tool_mode
+from keepwarm.worker.outputs import CompletionOutput, TokenLogprob
 from keepwarm.worker.structured import StructuredOutputs
+
+ChatStream = AsyncGenerator[ChatChunk, None]
 
 
 def chat_logprobs(tokenizer: Any, lps: list[TokenLogprob]) -> dict[str, Any]:
@@ -32,12 +40,6 @@ def chat_logprobs(tokenizer: Any, lps: list[TokenLogprob]) -> dict[str, Any]:
 
     return {"content": [{**entry(x.token_id, x.logprob), "top_logprobs": [entry(t, lp) for t, lp in x.top]}
                         for x in lps]}
-
-
-async def prompt_ids(state: ServerState, req: ChatCompletionRequest) -> list[int]:
-    """The messages rendered by the chat template (tools, tool calls and results included) and tokenized, off the
-    event loop and bounded (chat_render)."""
-    return await render_chat(state, req)
 
 
 def _constraint(state: ServerState, req: ChatCompletionRequest) -> tuple[ToolMode, StructuredOutputs | None]:
@@ -58,19 +60,30 @@ def router(state: ServerState) -> APIRouter:
 
     @api.post("/v1/chat/completions")
     async def chat(req: ChatCompletionRequest, request: Request) -> Any:
-        return await chat_completion(state, req, request)
+        result = await chat_completion(state, req, request)
+        if isinstance(result, ChatCompletion):
+            return result.to_dict()
+        return StreamingResponse(pipeline.sse_events(_dicts(result)), media_type="text/event-stream")
 
     return api
 
 
-async def chat_completion(state: ServerState, req: ChatCompletionRequest, request: Request) -> Any:
-    """The chat completion (a dict) or its stream (a StreamingResponse); /v1/responses runs through it too."""
+async def _dicts(chunks: ChatStream) -> AsyncGenerator[dict[str, Any], None]:
+    async with aclosing(chunks):
+        async for chunk in chunks:
+            yield chunk.to_dict()
+
+
+async def chat_completion(state: ServerState, req: ChatCompletionRequest, request: Request
+                          ) -> ChatCompletion | ChatStream:
+    """The chat completion, or its stream of chunks (nothing runs until it is iterated; closing it aborts the
+    request), as typed objects that the chat route and /v1/responses each serialize."""
     lora = pipeline.resolve_model(state, req.model)
     req.check_logit_bias(state.engine.model_config.vocab_size)
     pipeline.admit(state, request, 1, req.n)
     mode, spec = _constraint(state, req)
     known = set(functions(req.tools))
-    ids = await prompt_ids(state, req)
+    ids = await pipeline.render_chat(state, req)
     max_tokens = pipeline.check_length(state, len(ids), req.max_completion_tokens if req.max_completion_tokens
                                        is not None else req.max_tokens)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
@@ -93,35 +106,22 @@ async def chat_completion(state: ServerState, req: ChatCompletionRequest, reques
         choices = []
         for c in out.outputs:
             parsed = parse_output(mode, c.text, known)
-            message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
-            if parsed.calls:
-                message["tool_calls"] = [call.to_openai() for call in parsed.calls]
-            choices.append({"index": c.index, "message": message,
-                            "logprobs": chat_logprobs(tok, c.logprobs) if req.logprobs and c.logprobs
-                            else None,
-                            "finish_reason": finish_reason(c, bool(parsed.calls)),
-                            "stop_reason": c.stop_reason})
-        completion_tokens = sum(len(c.token_ids) for c in out.outputs)
-        return {"id": rid, "object": "chat.completion", "created": created, "model": name, "choices": choices,
-                "usage": {"prompt_tokens": len(ids), "completion_tokens": completion_tokens,
-                          "total_tokens": len(ids) + completion_tokens}}
+            choices.append(ChatChoice(c.index, parsed.content, parsed.calls,
+                                      chat_logprobs(tok, c.logprobs) if req.logprobs and c.logprobs else None,
+                                      finish_reason(c, bool(parsed.calls)), c.stop_reason))
+        return ChatCompletion(rid, created, name, choices,
+                              Usage(len(ids), sum(len(c.token_ids) for c in out.outputs)))
 
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     continuous = include_usage and bool(req.stream_options and req.stream_options.continuous_usage_stats)
     completion_tokens = 0
 
-    def usage() -> dict[str, int]:
-        return {"prompt_tokens": len(ids), "completion_tokens": completion_tokens,
-                "total_tokens": len(ids) + completion_tokens}
+    def chunk(choices: list[ChunkChoice], final: bool = False) -> ChatChunk:
+        # continuous_usage_stats: usage on every chunk
+        usage = Usage(len(ids), completion_tokens) if final or continuous else None
+        return ChatChunk(rid, created, name, choices, usage)
 
-    def chunk(choices: list[dict], final_usage: dict | None = None) -> dict[str, Any]:
-        body: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": name,
-                                "choices": choices}
-        if final_usage is not None or continuous:  # continuous_usage_stats: usage on every chunk
-            body["usage"] = final_usage if final_usage is not None else usage()
-        return body
-
-    async def chunks() -> AsyncGenerator[dict[str, Any], None]:
+    async def chunks() -> ChatStream:
         nonlocal completion_tokens
         tracker = pipeline.DeltaTracker(params.stop)
         streamers: dict[int, ToolStreamer] = {}
@@ -133,8 +133,7 @@ async def chat_completion(state: ServerState, req: ChatCompletionRequest, reques
                     d = tracker.advance(c.index, c)
                     if d.first:
                         streamers[c.index] = ToolStreamer(mode, known)
-                        yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""},
-                                      "logprobs": None, "finish_reason": None}])
+                        yield chunk([ChunkChoice(c.index, ChatDelta(role="assistant", content=""))])
                     # Content and tool-call deltas from the text streamable so far.
                     deltas = streamers[c.index].step(c.text[:d.text_start + len(d.text)], c.finished)
                     new_lps = (c.logprobs or [])[d.token_start:]
@@ -143,13 +142,11 @@ async def chat_completion(state: ServerState, req: ChatCompletionRequest, reques
                         deltas = [{}]
                     for j, delta in enumerate(deltas):
                         called[c.index] = called.get(c.index, False) or "tool_calls" in delta
-                        yield chunk([{"index": c.index, "delta": delta, "logprobs": lp if j == 0 else None,
-                                      "finish_reason": None}])
+                        yield chunk([ChunkChoice(c.index, ChatDelta(**delta), lp if j == 0 else None)])
                     if c.finished:
-                        yield chunk([{"index": c.index, "delta": {}, "logprobs": None,
-                                      "finish_reason": finish_reason(c, called.get(c.index, False)),
-                                      "stop_reason": c.stop_reason}])
+                        reason = finish_reason(c, called.get(c.index, False))
+                        yield chunk([ChunkChoice(c.index, ChatDelta(), None, reason, c.stop_reason, last=True)])
         if include_usage:
-            yield chunk([], usage())
+            yield chunk([], final=True)
 
-    return StreamingResponse(pipeline.sse_events(chunks()), media_type="text/event-stream")
+    return chunks()

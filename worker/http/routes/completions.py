@@ -16,15 +16,14 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-from keepwarm.worker.api import pipeline
-from keepwarm.worker.api.limits import check_prompt_chars, offload
-from keepwarm.worker.api.protocol import CompletionRequest, bad_request, new_id, now
-from keepwarm.worker.api.state import ServerState
-from keepwarm.worker.api.structured_fields import structured_spec
+from keepwarm.worker.http import pipeline
+from keepwarm.worker.http.limits import check_prompt_chars, offload
+from keepwarm.worker.http.state import ServerState
 from keepwarm.worker.lora import LoRAAdapter
-from keepwarm.worker.outputs import CompletionOutput, RequestOutput
+from keepwarm.worker.openai.protocol import CompletionRequest, bad_request, new_id, now
+from keepwarm.worker.openai.structured_fields import structured_spec
+from keepwarm.worker.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from keepwarm.worker.sampling_params import SamplingParams
-from keepwarm.worker.sequence import TokenLogprob
 
 
 def text_offsets(tokenizer: Any, token_ids: list[int], start: int, end: int, skip_special_tokens: bool,
@@ -80,7 +79,7 @@ def _check_fields(state: ServerState, req: CompletionRequest) -> None:
 async def _prompts(state: ServerState, req: CompletionRequest, request: Request
                    ) -> tuple[list[list[int]], list[str | None]]:
     """(token ids, text or None) per prompt; 400 for a shape OpenAI does not allow, a request past its budget
-    (sequences, prompt tokens: keepwarm.worker.api.budget; checked before tokenizing, and tokenizing stops at the
+    (sequences, prompt tokens: keepwarm.worker.http.budget; checked before tokenizing, and tokenizing stops at the
     limit), a text that cannot fit the context whatever it tokenizes to, or ids outside the vocab; 429 when the
     server has no seat for its sequences. Tokenizing runs off the event loop, in chunks."""
     p, budget = req.prompt, state.budget

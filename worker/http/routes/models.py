@@ -6,7 +6,7 @@ from typing import Any
 
 from fastapi import APIRouter
 
-from keepwarm.worker.api.state import ServerState
+from keepwarm.worker.http.state import ServerState
 
 
 def router(state: ServerState) -> APIRouter:

@@ -1,17 +1,23 @@
-"""POST /v1/responses: OpenAI's Responses API, run through the chat route (see api/responses.py); with the response
-store on (``--enable-responses-store`` or ``VLLM_ENABLE_RESPONSES_API_STORE=1``), ``previous_response_id`` and
-GET /v1/responses/{response_id}. Without it, that GET is a 404 naming the switch (no id can be found)."""
+"""POST /v1/responses: OpenAI's Responses API, run through the chat route's completion (its typed objects, translated
+by keepwarm.worker.openai.responses); with the response store on (``--enable-responses-store`` or
+``VLLM_ENABLE_RESPONSES_API_STORE=1``), ``previous_response_id`` and GET /v1/responses/{response_id}. Without it,
+that GET is a 404 naming the switch (no id can be found)."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncGenerator, Callable
+from contextlib import aclosing
 from typing import Any
 
-import pydantic
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-from keepwarm.worker.api.protocol import APIError, ChatCompletionRequest, validation_error
-from keepwarm.worker.api.responses import (
+from keepwarm.worker.http import pipeline
+from keepwarm.worker.http.routes.chat import ChatStream, chat_completion
+from keepwarm.worker.http.state import ServerState
+from keepwarm.worker.openai.chat_output import ChatCompletion
+from keepwarm.worker.openai.protocol import APIError
+from keepwarm.worker.openai.responses import (
     STORE_SWITCH,
     ResponsesRequest,
     ResponseStore,
@@ -21,8 +27,6 @@ from keepwarm.worker.api.responses import (
     stream_events,
     to_chat_request,
 )
-from keepwarm.worker.api.routes.chat import chat_completion
-from keepwarm.worker.api.state import ServerState
 
 
 def router(state: ServerState) -> APIRouter:
@@ -32,13 +36,9 @@ def router(state: ServerState) -> APIRouter:
     @api.post("/v1/responses")
     async def responses(req: ResponsesRequest, request: Request) -> Any:
         history = previous_conversation(store, req)
-        try:
-            chat = ChatCompletionRequest(**to_chat_request(req, history, store is not None))
-        except pydantic.ValidationError as e:  # what the input items became is checked as a chat request: a 400
-            raise validation_error(e.errors()) from None
-        result = await chat_completion(state, chat, request)
+        result = await chat_completion(state, to_chat_request(req, history, store is not None), request)
         kept = store if req.store is not False else None  # OpenAI's default is to store
-        if not req.stream:
+        if isinstance(result, ChatCompletion):
             response = from_chat_completion(req, result, kept is not None)
             if kept is not None:
                 response["store"] = kept.put(response, conversation_after(history, req, response["output"]))
@@ -49,7 +49,7 @@ def router(state: ServerState) -> APIRouter:
             assert kept is not None
             return kept.put(final, conversation_after(history, req, final["output"]))
 
-        return StreamingResponse(stream_events(req, result.body_iterator, keep if kept is not None else None),
+        return StreamingResponse(_events(req, result, keep if kept is not None else None),
                                  media_type="text/event-stream")
 
     @api.get("/v1/responses/{response_id}")
@@ -64,3 +64,11 @@ def router(state: ServerState) -> APIRouter:
         return stored.response
 
     return api
+
+
+async def _events(req: ResponsesRequest, chunks: ChatStream, keep: Callable[[dict[str, Any]], bool] | None
+                  ) -> AsyncGenerator[str, None]:
+    """The Responses events of the chat stream; a client that goes away closes this, which aborts the request."""
+    async with aclosing(pipeline.until_error(chunks)) as items:
+        async for event in stream_events(req, items, keep):
+            yield event

@@ -6,11 +6,10 @@ from typing import Any
 
 from fastapi import APIRouter
 
-from keepwarm.worker.api import pipeline
-from keepwarm.worker.api.chat_render import render_chat
-from keepwarm.worker.api.limits import check_prompt_chars, offload
-from keepwarm.worker.api.protocol import DetokenizeRequest, TokenizeRequest, bad_request
-from keepwarm.worker.api.state import ServerState
+from keepwarm.worker.http import pipeline
+from keepwarm.worker.http.limits import check_prompt_chars, offload
+from keepwarm.worker.http.state import ServerState
+from keepwarm.worker.openai.protocol import DetokenizeRequest, TokenizeRequest, bad_request
 
 
 def router(state: ServerState) -> APIRouter:
@@ -23,7 +22,7 @@ def router(state: ServerState) -> APIRouter:
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("give exactly one of prompt and messages", "prompt")
         if req.prompt is None:
-            ids = await render_chat(state, req)
+            ids = await pipeline.render_chat(state, req)
         else:
             prompt = req.prompt
             check_prompt_chars(len(prompt), state.engine.max_model_len, state.token_chars, "prompt")
