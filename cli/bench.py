@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -13,6 +15,11 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+
+from keepwarm.cli.heldout import HELDOUT_TEXT
+from keepwarm.formats.paths import keepwarm_home
+from keepwarm.worker.default_model import default_model
+from keepwarm.worker.sampling_params import SamplingParams
 
 bench_app = typer.Typer(help="Benchmarks: figures go to docs/benchmarks.md.", no_args_is_help=True)
 
@@ -46,7 +53,7 @@ SMOKE_NOTE = "# smoke run: tiny random model, a few tokens; the figures are mean
 def tiny_bench_model(name: str, **config: Any) -> Path:
     """A tiny random Llama (with tokenizer and chat template) under $KEEPWARM_HOME/bench-models/<name>, built once
     from ``config`` (make_random_model's arguments) and renamed into place whole."""
-    from keepwarm.formats.paths import keepwarm_home
+    # deferred: torch and transformers (~2 s), which `keepwarm --help` must not pay
     from keepwarm.worker.models.random_model import make_random_model
 
     out = keepwarm_home() / "bench-models" / name
@@ -85,7 +92,7 @@ def machine_line() -> str:
                 break
     except OSError:
         pass
-    import torch
+    import torch  # deferred: ~1.2 s, which `keepwarm --help` must not pay
 
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
     return f"{os.cpu_count()} cores ({cpu}), {gpu}, torch {torch.__version__}, threads {torch.get_num_threads()}"
@@ -130,7 +137,7 @@ def _keepwarm_throughput(model: str | None, dtype: str, scheme: str, ns: list[in
     """keepwarm's rows for one weight scheme (from disk: the arena a daemon would build); returns the model
     directory and the prompts for the other engines. ``tp_size`` > 1: tensor parallel, the rows also say how long
     rank 0 spent in all-reduces per step; ``pp_size`` > 1: pipeline stages."""
-    from keepwarm import LLM, SamplingParams
+    from keepwarm.worker.llm import LLM  # deferred: torch (~1.2 s), which `keepwarm --help` must not pay
 
     t0 = time.perf_counter()
     llm = LLM(model=model, dtype=dtype, max_model_len=2048, max_num_seqs=max(ns), quantization=scheme, daemon=False,
@@ -195,7 +202,7 @@ def throughput(
         "--pipeline-parallel-size", "-pp", help="keepwarm's layers in this many stages, one process each.")] = 1,
 ) -> None:
     """Offline throughput (output tokens/s, greedy, ignore_eos) for 1, 8 and 32 concurrent requests."""
-    import torch
+    import torch  # deferred: ~1.2 s, which `keepwarm --help` must not pay
 
     if smoke:
         smoke_start(vllm_python)
@@ -210,7 +217,7 @@ def throughput(
                                                   tensor_parallel_size, pipeline_parallel_size)
 
     if hf:
-        import transformers
+        import transformers  # deferred: ~0.7 s, for --hf alone
 
         hf_model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
         hf_model.generation_config.eos_token_id = None  # ignore_eos
@@ -264,7 +271,7 @@ def moe(
 ) -> None:
     """Offline throughput of a tiny random Mixtral (hidden 256, 4 layers, 8 experts, top-2; made once under
     $KEEPWARM_HOME/models) against transformers' generate, in the same run."""
-    from keepwarm.formats.paths import keepwarm_home
+    # deferred: torch and transformers (~2 s), which `keepwarm --help` must not pay
     from keepwarm.worker.models.random_model import make_random_model
 
     path = keepwarm_home() / "models" / "tiny-mixtral-8x2"
@@ -292,12 +299,10 @@ def quality(
 ) -> None:
     """Perplexity on a fixed held-out text for each weight quantization scheme (and an fp8 KV cache), plus how
     often greedy output agrees with the unquantized model."""
-    import math
-
+    # deferred, these two: torch (~1.2 s), which `keepwarm --help` must not pay
     import torch
 
-    from keepwarm import LLM, SamplingParams
-    from keepwarm.cli.heldout import HELDOUT_TEXT
+    from keepwarm.worker.llm import LLM  # deferred (above)
 
     max_tokens, text_tokens = 64, None
     if smoke:
@@ -400,16 +405,14 @@ def attach(
 ) -> None:
     """Per model: raw read of the files (cat > /dev/null), cold load into the engine, daemon preload (time, GB/s),
     and worker attach time. Page cache is dropped before each cold measurement (or evicted per file)."""
-    import statistics
-
     if smoke:
         smoke_start()
         models, repeats = str(smoke_model()), 1
 
-    from keepwarm.daemon.checkpoint import Checkpoint
+    # deferred, these three: torch, zmq and psutil, which `keepwarm --help` must not pay
     from keepwarm.daemon.client import start_daemon
-    from keepwarm.worker.default_model import default_model, keepwarm_home
-    from keepwarm.worker.models.random_model import LARGE_PRESETS, make_large_random_model
+    from keepwarm.weights.checkpoint import Checkpoint  # deferred (above)
+    from keepwarm.worker.models.random_model import LARGE_PRESETS, make_large_random_model  # deferred (above)
 
     typer.echo(f"# machine: {machine_line()}")
     rows = []

@@ -1,31 +1,24 @@
-"""`keepwarm bench restart`'s zygote rows: `serve --zygote` restarted under load, measured from outside.
+"""`keepwarm bench restart`'s zygote rows: `serve --zygote` restarted idle and under load, measured from outside.
 
-Restarts (`keepwarm restart`'s request on the control socket), first idle, as the warm restart row is measured:
-- handoff: the request to the new worker accepting (what the supervisor reports, and /metrics records);
-- restart to first token: the request to the first streamed token of a completion sent once the restart answered,
-  over a new connection (by then only the new worker accepts; a kept-alive one would still reach the old worker),
-  so it is the figure comparable to the cold and warm rows: for a prompt no worker computed before, and for the
-  prompt the old worker served just before the restart (its cached blocks carried over to the new worker); the
-  first request's own part of it, and the new worker's startup phases (its /health "startup", a median per phase);
-with ``--standby`` (the same rows, ``standby_`` first), each idle restart waits until the supervisor reports a new
-standby warmed (the time since the previous restart answered is the row's re-arm time: restarts closer together
-than that wait for the standby's warm-up); then as many under load: LOAD_CLIENTS clients stream greedy completions
-back to back; the handoff under load and the longest gap any client saw, i.e. the longest time between two tokens a
-client received (across request boundaries, so a refused, reset or queued request shows), beside the same measure
-over STEADY_S seconds of the same load without restarts. On a machine with few cores, old and new worker share them
-during a handoff.
-Nothing is asserted; failed or cut-short load requests are counted in the row. The server runs with
-``--shutdown-timeout 600``, so an old worker's drain is not cut short on a slow machine.
-"""
+Rules: a restart is `keepwarm restart`'s request on the control socket; "to first token" is timed on a request sent
+once the restart answered, over a new connection (a kept-alive one would still reach the old worker), for a prompt
+no worker computed and for the one the old worker served last (its blocks carried over); with ``--standby`` each idle
+restart first waits for the next standby to be warmed. Under load, failed or cut-short requests are counted and the
+longest gap between two tokens a client received is set beside STEADY_S seconds of the same load without restarts.
+Nothing is asserted. The server runs with ``--shutdown-timeout 600`` so an old worker's drain is never cut short.
+What each row means, and the figures: docs/benchmarks.md, "Restart to first token"."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import statistics
 import time
 from pathlib import Path
 from typing import Any
+
+from keepwarm.worker.process import ipc
 
 LOAD_CLIENTS = 2
 LOAD_TOKENS = 24
@@ -61,13 +54,13 @@ class _Load:
         self.requests = 0
 
     async def run(self) -> None:
-        import httpx
+        import httpx  # deferred: ~80 ms, which `keepwarm --help` must not pay
 
         async with httpx.AsyncClient(timeout=httpx.Timeout(120, connect=10)) as client:
             await asyncio.gather(*(self._client(client, i) for i in range(LOAD_CLIENTS)))
 
     async def _client(self, client: Any, i: int) -> None:
-        import httpx
+        import httpx  # deferred: ~80 ms, which `keepwarm --help` must not pay
 
         while not self.stop.is_set():
             try:
@@ -89,8 +82,6 @@ class _Load:
 
 
 async def _restart(port: int, rt: Path) -> Any:
-    from keepwarm.worker.api import ipc
-
     reply = await asyncio.to_thread(ipc.request_restart, port, ipc.RestartRequest(), rt)
     if not reply.ok:
         raise RuntimeError(f"restart failed: {reply.message}")
@@ -109,7 +100,7 @@ async def _standby_pid(client: Any, base: str, previous: int | None, timeout: fl
 
 
 async def _handoffs(base: str, port: int, rt: Path, prompt_ids: list[int], repeats: int, standby: bool) -> dict:
-    import httpx
+    import httpx  # deferred: ~80 ms, which `keepwarm --help` must not pay
 
     # 1. idle (as the warm restart row): the restart request to the first token of a request sent after it
     # A fresh client each time: a connection kept alive from the previous request would reach the old worker,
@@ -173,8 +164,6 @@ def zygote_rows(cmd: list[str], env: dict[str, str], port: int, rt: Path, prompt
                 start: Any, kill: Any) -> dict:
     """Start `serve --zygote` (``cmd``), restart it ``repeats`` times under load; the row's figures (a ``--standby``
     in ``cmd``: restarts that take over a warmed standby)."""
-    import logging
-
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per load request otherwise
     first_start_s, proc = start(cmd, env, port, "bench", prompt_ids)
     try:

@@ -12,14 +12,16 @@ from typing import Annotated
 import typer
 
 from keepwarm.cli.bench import SMOKE_HELP, bench_app, bench_prompts, machine_line, smoke_model, smoke_start
+from keepwarm.worker.sampling_params import SamplingParams
 
 
 def write_random_adapter(out: Path, model_config, rank: int, seed: int) -> str:
     """A PEFT-format LoRA adapter (all seven projections) with random weights, without needing peft."""
+    # deferred, these three: torch (~1.2 s), which `keepwarm --help` must not pay
     import torch
-    from safetensors.torch import save_file
+    from safetensors.torch import save_file  # deferred (above)
 
-    from keepwarm.worker.lora import LORA_MODULES, module_dims
+    from keepwarm.worker.lora import LORA_MODULES, module_dims  # deferred (above)
 
     out.mkdir(parents=True, exist_ok=True)
     g = torch.Generator().manual_seed(seed)
@@ -38,7 +40,7 @@ def write_random_adapter(out: Path, model_config, rank: int, seed: int) -> str:
 
 
 def _loop_shrink(x, a_stacked, token_slots, rank, num_slots):
-    import torch
+    import torch  # deferred: ~1.2 s, which `keepwarm --help` must not pay
 
     out = torch.zeros(x.shape[0], a_stacked.shape[0], dtype=x.dtype, device=x.device)
     groups = a_stacked.shape[0] // (num_slots * rank)
@@ -81,9 +83,12 @@ def lora(
     smoke: Annotated[bool, typer.Option("--smoke", help=SMOKE_HELP)] = False,
 ) -> None:
     """Output tokens/s of one batch of requests spread over k distinct adapters (k = 0: the base model)."""
+    # deferred, these four: torch (~1.2 s), which `keepwarm --help` must not pay
     import torch
 
-    from keepwarm import LLM, LoRARequest, SamplingParams, kernels
+    from keepwarm import kernels  # deferred (above)
+    from keepwarm.worker.llm import LLM  # deferred (above)
+    from keepwarm.worker.lora import LoRARequest  # deferred (above)
 
     if smoke:
         smoke_start()
@@ -113,7 +118,7 @@ def lora(
 
     rows = [{"variant": "base model, LoRA disabled", "adapters": 0, "tokens_per_s": run(base, None)}]
     typer.echo(f"base model (LoRA off)          {rows[0]['tokens_per_s']:7.1f} tok/s")
-    stacked = {name: kernels._IMPLS[name]["torch"] for name in ("lora_shrink", "lora_expand")}
+    stacked = {name: kernels.registry.impl(name, "torch") for name in ("lora_shrink", "lora_expand")}
     for impl in ("stacked", "loop"):
         if impl == "loop":
             kernels.register("lora_shrink", "torch", _loop_shrink)

@@ -1,35 +1,12 @@
-"""`keepwarm bench profile`: where the time of one steady decode step goes (issue 15).
+"""`keepwarm bench profile`: where the time of one steady decode step goes.
 
-For each batch size, the engine runs that many greedy requests past their prefill, then times decode steps three
-ways, in this order: K steps bare, K steps with every phase timed, K steps bare again. The bare steps give the step
-time (the mean of the two brackets, which sit at shorter and longer contexts than the timed ones); the timed steps
-give the split. Each phase is timed exclusively (a phase nested in another counts once, in the inner one), on the
-wall clock and on the process CPU clock (every thread: what the step costs the machine, and less distorted than
-wall time when other processes share the cores).
-
-Rules: the timers are wrappers installed on the engine's parts for the timed steps and removed afterwards, so a
-process that is not profiling runs no timing code at all. A wrapper that no longer finds its method (a rename) is
-an error, not a silently missing line. Phases:
-
-  scheduling            Scheduler.schedule
-  input preparation     ModelRunner.host_inputs + device_inputs, plus ModelRunner.execute / run's own work
-                        (LoRA slots, row selection)
-  forward: matmuls      kernels.linear outside the head (qkv, o, gate_up, down)
-  forward: attention    kernels.write_kv_cache + kernels.paged_attention
-  forward: norms+rotary kernels.rms_norm, fused_add_rms_norm, rotary_embedding
-  forward: LoRA         LoRALayer.apply
-  forward: other        the rest of the forward: embedding, activation, splits, reshapes, Python
-  logits                the head (compute_logits)
-  sampling              Sampler.sample
-  detokenization        IncrementalDetokenizer.step
-  stop checks           the rest of LLMEngine._process_token (EOS, stop ids and strings, lengths)
-  outputs               LLMEngine._make_output (RequestOutput objects)
-  engine other          the rest of LLMEngine.step (rows, advancing sequences, appending tokens)
-
-The API side per token is measured apart from the step: each step's outputs go through an event loop as the
-server hands them over (``call_soon_threadsafe`` into one ``asyncio.Queue`` per request), then through the
-pipeline's ``DeltaTracker`` and ``sse`` as a chat chunk. HTTP framing and the socket write are not included.
-"""
+Per batch size the engine runs that many greedy requests past their prefill, then K decode steps bare, K with every
+phase timed, K bare again: the step time is the mean of the bare brackets, the split comes from the timed steps.
+Rules: each phase is timed exclusively (a nested phase counts once, in the inner one), on the wall clock and on the
+process CPU clock; the timers are wrappers installed on the engine's parts for the timed steps only and removed
+afterwards, so a process that is not profiling runs no timing code; a wrapper that no longer finds its method (a
+rename) is an error, not a silently missing line. The API side per token is measured apart, after each timed step.
+The phases and the figures: docs/benchmarks.md, "Where a decode step goes"."""
 
 from __future__ import annotations
 
@@ -46,6 +23,8 @@ from typing import Annotated, Any
 import typer
 
 from keepwarm.cli.bench import SMOKE_HELP, bench_app, bench_prompts, machine_line, smoke_model, smoke_start
+from keepwarm.worker.detokenizer import IncrementalDetokenizer
+from keepwarm.worker.sampling_params import SamplingParams
 
 PHASES = ("scheduling", "input preparation", "forward: matmuls", "forward: attention", "forward: norms+rotary",
           "forward: LoRA", "forward: other", "logits", "sampling", "detokenization", "stop checks", "outputs",
@@ -96,10 +75,10 @@ class StepTimer:
 
 @contextmanager
 def instrumented(engine: Any, timer: StepTimer) -> Iterator[None]:
-    """Install ``timer``'s wrappers on ``engine``'s parts (see the module docstring); remove them on exit."""
+    """Install ``timer``'s wrappers on ``engine``'s parts (``targets``: method -> phase); remove them on exit."""
+    # deferred, these two: torch (~1.2 s), which `keepwarm --help` must not pay
     from keepwarm import kernels
-    from keepwarm.worker.detokenizer import IncrementalDetokenizer
-    from keepwarm.worker.lora import LoRALayer
+    from keepwarm.worker.lora import LoRALayer  # deferred (above)
 
     runner = engine.runner
     targets: list[tuple[Any, str, str, bool]] = [
@@ -119,8 +98,8 @@ def instrumented(engine: Any, timer: StepTimer) -> Iterator[None]:
         (LoRALayer, "apply", "forward: LoRA", True),
         (engine.sampler, "sample", "sampling", False),
         (IncrementalDetokenizer, "step", "detokenization", False),
-        (engine, "_process_token", "stop checks", False),
-        (engine, "_make_output", "outputs", False),
+        (engine.output_processor, "process_token", "stop checks", False),
+        (engine.output_processor, "make_output", "outputs", False),
     ]
     saved: list[tuple[Any, str, Any, bool]] = []
     try:
@@ -146,7 +125,7 @@ class ApiSide:
     which includes one ``run_until_complete`` per step that a server's ever-running loop does not pay."""
 
     def __init__(self) -> None:
-        from keepwarm.worker.api import pipeline
+        from keepwarm.worker.http import pipeline  # deferred: the API stack and torch, which `--help` must not pay
 
         self.pipeline = pipeline
         self.loop = asyncio.new_event_loop()
@@ -199,8 +178,6 @@ def _bare_steps(engine: Any, k: int) -> tuple[int, int]:
 
 def _start_decoding(engine: Any, prompts: list[list[int]], max_tokens: int) -> None:
     """Add one greedy request per prompt and step until every one has its first token (prefill done)."""
-    from keepwarm import SamplingParams
-
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     for i, p in enumerate(prompts):
         engine.add_request(f"profile-{len(prompts)}-{i}", p, params)
@@ -259,7 +236,7 @@ def _print_row(row: dict[str, Any]) -> None:
 
 def _trace(engine: Any, prompts: list[list[int]], steps: int, top: int) -> None:
     """torch.profiler over ``steps`` decode steps: the aten ops by self CPU time."""
-    import torch
+    import torch  # deferred: ~1.2 s, which `keepwarm --help` must not pay
 
     _start_decoding(engine, prompts, steps + 2)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
@@ -286,9 +263,10 @@ def profile(
 ) -> None:
     """The time of one steady decode step, split into scheduling, input preparation, forward (by op kind),
     logits, sampling, detokenization and stop checks; plus the API side per token."""
+    # deferred, these two: torch (~1.2 s), which `keepwarm --help` must not pay
     import torch
 
-    from keepwarm import LLM
+    from keepwarm.worker.llm import LLM  # deferred (above)
 
     if smoke:
         smoke_start()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import signal
 import socket
@@ -29,6 +30,8 @@ from keepwarm.cli.bench import (
     vllm_env,
 )
 from keepwarm.cli.bench_handoff import describe, describe_phases, median_phases, zygote_rows
+from keepwarm.formats.paths import keepwarm_home
+from keepwarm.worker.default_model import default_model
 
 
 def _free_port() -> int:
@@ -38,7 +41,7 @@ def _free_port() -> int:
 
 
 def _resolve_model(spec: str, dtype: str) -> Path:
-    from keepwarm.worker.default_model import default_model, keepwarm_home
+    # deferred: torch and transformers (~2 s), which `keepwarm --help` must not pay
     from keepwarm.worker.models.random_model import LARGE_PRESETS, make_large_random_model
 
     if spec == "smollm2":
@@ -51,7 +54,7 @@ def _resolve_model(spec: str, dtype: str) -> Path:
 async def _first_token(base: str, model: str, prompt_ids: list[int], deadline: float, proc: subprocess.Popen,
                        ) -> float:
     """Poll until the server takes a streaming completion; return when its first text chunk arrives."""
-    import httpx
+    import httpx  # deferred: ~80 ms, which `keepwarm --help` must not pay
 
     body = {"model": model, "prompt": prompt_ids, "max_tokens": 4, "temperature": 0, "stream": True,
             "ignore_eos": True}
@@ -91,7 +94,7 @@ def _start_to_first_token(cmd: list[str], env: dict[str, str], port: int, model:
 
 def _startup_phases(port: int) -> dict[str, float]:
     """The server's startup phases (/health "startup": seconds per phase, to_serve being its imports)."""
-    import httpx
+    import httpx  # deferred: ~80 ms, which `keepwarm --help` must not pay
 
     return httpx.get(f"http://127.0.0.1:{port}/health", timeout=30).json().get("startup", {})
 
@@ -123,7 +126,7 @@ def _import_floor(env: dict[str, str]) -> tuple[float, float]:
             proc.wait()
         return best
 
-    return timed("pass"), timed("import keepwarm.cli.main, keepwarm.worker.api.server, keepwarm.worker.engine")
+    return timed("pass"), timed("import keepwarm.cli.main, keepwarm.worker.serve, keepwarm.worker.engine")
 
 
 def _keepwarm_cmd(model: Path, port: int, dtype: str, threads: int, *extra: str) -> list[str]:
@@ -155,12 +158,11 @@ def restart(
     if smoke:
         smoke_start(vllm_python)
         models, repeats, vllm_python = str(smoke_model()), 1, None
-    from keepwarm.daemon.checkpoint import Checkpoint
+    # deferred, these two: torch, zmq and psutil, which `keepwarm --help` must not pay
     from keepwarm.daemon.client import start_daemon
+    from keepwarm.weights.checkpoint import Checkpoint  # deferred (above)
 
     typer.echo(f"# machine: {machine_line()}")
-    import logging
-
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per probe otherwise
     rows = []
     for spec in models.split(","):
@@ -168,7 +170,7 @@ def restart(
         files = Checkpoint(model).files
         rt = Path(tempfile.mkdtemp(prefix="kwr-", dir="/tmp"))
         env = {**os.environ, "KEEPWARM_RUNTIME_DIR": str(rt), "OMP_NUM_THREADS": str(threads)}
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer  # deferred: ~0.7 s, which `keepwarm --help` must not pay
 
         prompt_ids = bench_prompts(AutoTokenizer.from_pretrained(str(model)), 1)[0]
         py_floor, import_floor = _import_floor(env)
@@ -241,7 +243,7 @@ async def _load(base: str, warm_up: list[int], prompts: list[list[int]], max_tok
     server has not seen (serving() gives each concurrency its own): a prompt sent before would find its blocks in
     keepwarm's prefix cache (16-token blocks) and not in vLLM CPU's (128-token blocks), and the first tokens would
     measure the cache, not the prefill."""
-    import httpx
+    import httpx  # deferred: ~80 ms, which `keepwarm --help` must not pay
 
     concurrency = len(prompts)
 
@@ -295,7 +297,7 @@ def serving(
 ) -> None:
     """Throughput and latency through the HTTP API (streaming, greedy, ignore_eos): output tokens/s, TTFT p50/p99,
     TPOT at each concurrency, for `keepwarm serve` and vLLM's api_server one after the other."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # deferred: ~0.7 s, which `keepwarm --help` must not pay
 
     if smoke:
         smoke_start(vllm_python)

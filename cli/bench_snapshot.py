@@ -16,7 +16,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated, Any
 
 import typer
 
@@ -33,9 +33,8 @@ from keepwarm.cli.bench import (
 from keepwarm.cli.bench_serving import _first_token, _free_port, _kill, _resolve_model, _start_to_first_token
 from keepwarm.formats import paths
 from keepwarm.formats.paths import keepwarm_home
-
-if TYPE_CHECKING:
-    from keepwarm.snapshot.store import Store
+from keepwarm.snapshot.store import Store
+from keepwarm.worker.process.config import ServerConfig, to_toml
 
 # The CLI imports this module to register the command: what needs torch is imported when the benchmark runs.
 
@@ -63,7 +62,7 @@ def _timed_cp(src: Path, dst: Path, sync: bool) -> float:
 
 
 def _daemon(rt: Path):
-    from keepwarm.daemon.client import start_daemon
+    from keepwarm.daemon.client import start_daemon  # deferred: zmq and psutil, which `keepwarm --help` must not pay
 
     return start_daemon(rt)
 
@@ -133,8 +132,9 @@ class _Run:
 def _bench_model(path: Path, run: _Run, work: Path, rts: list[Path], registry: str | None = None) -> dict[str, Any]:
     """One model's row: create, restore, then restore-to-first-token against a cold start; each in its own daemon
     (runtime dirs ``rts[0..5]``), the store under ``work``; then push / pull through ``registry``."""
-    from keepwarm.daemon.checkpoint import Checkpoint
+    # deferred, these two: torch, zmq and psutil, which `keepwarm --help` must not pay
     from keepwarm.snapshot.restore import restore
+    from keepwarm.weights.checkpoint import Checkpoint  # deferred (above)
 
     files = Checkpoint(path).files
     home = work / "home"
@@ -178,7 +178,7 @@ def _bench_model(path: Path, run: _Run, work: Path, rts: list[Path], registry: s
                f"(verify {row['restore_verify_s']:.2f}s, image load {row['restore_load_s']:.2f}s)")
     typer.echo(f"  cp image -> /dev/shm         {row['cp_image_to_shm_s']:7.2f} s  "
                f"{file_bytes / row['cp_image_to_shm_s'] / 1e6:8.1f} MB/s")
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # deferred: ~0.7 s, which `keepwarm --help` must not pay
 
     prompt = bench_prompts(AutoTokenizer.from_pretrained(str(path)), 1)[0]
     _bench_first_token(path, run, home, base_env, rts[2:4], files, blobs, prompt, row)
@@ -190,8 +190,7 @@ def _bench_model(path: Path, run: _Run, work: Path, rts: list[Path], registry: s
 
 def _bench_registry(store: Store, registry: str, work: Path, blobs: list[Path], row: dict[str, Any]) -> None:
     """Push the snapshot to a fresh repository (every blob uploaded), then pull it into an empty store."""
-    from keepwarm.snapshot.oci import Reference, Registry, pull, push
-    from keepwarm.snapshot.store import Store
+    from keepwarm.snapshot.oci import Reference, Registry, pull, push  # deferred: httpx (~80 ms)
 
     ref = Reference.parse(f"{registry}/keepwarm-bench/run-{os.getpid()}-{int(time.time())}:v1")
     drop_page_cache(blobs)
@@ -212,9 +211,7 @@ def _bench_create(path: Path, run: _Run, work: Path, home: Path, rt: Path, files
     """Preload, then snapshot create (cold store, then config only) against cp of the arena file (+ fsync, before
     and after the create); fills ``row``.
     Returns (the store, the image blob, arena bytes, arena file bytes, the page-cache note)."""
-    from keepwarm.snapshot.create import create
-    from keepwarm.snapshot.store import Store
-    from keepwarm.worker.api.config import ServerConfig, to_toml
+    from keepwarm.snapshot.create import create  # deferred: torch (~1.2 s), which `keepwarm --help` must not pay
 
     client = _daemon(rt)
     try:
@@ -336,9 +333,7 @@ def _zygote_server(kw: list[str], env: dict[str, str], rt: Path, port: int, thre
                    ) -> subprocess.Popen:
     """`serve --zygote` on the placeholder model, started and answering (its config file names no flags the
     restarts would then keep)."""
-    from transformers import AutoTokenizer
-
-    from keepwarm.worker.api.config import ServerConfig, to_toml
+    from transformers import AutoTokenizer  # deferred: ~0.7 s, which `keepwarm --help` must not pay
 
     model = _placeholder_model()
     toml = rt / "placeholder.toml"

@@ -13,6 +13,7 @@ from typing import Annotated, Any
 import typer
 
 from keepwarm.cli.bench import bench_app, bench_prompts, machine_line
+from keepwarm.worker.sampling_params import SamplingParams
 
 SCHEMA = {"type": "object", "additionalProperties": False,
           "required": ["title", "year", "tags", "summary"],
@@ -23,9 +24,7 @@ SCHEMA = {"type": "object", "additionalProperties": False,
 
 def mask_cost(llm: Any, compiled: Any, prompts: list[list[int]], max_tokens: int) -> dict:
     """Mask fill + token accept per token, over the tokens the model really generates under the schema."""
-    import torch
-
-    from keepwarm import SamplingParams
+    import torch  # deferred: ~1.2 s, which `keepwarm --help` must not pay
 
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:4]],
                         SamplingParams(temperature=0, max_tokens=max_tokens, structured=compiled))
@@ -56,10 +55,11 @@ def structured(
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the results here as JSON.")] = None,
 ) -> None:
     """Mask cost per token and throughput with 0/50/100% of the streams constrained by a JSON schema."""
+    # deferred, these three: torch (~1.2 s), which `keepwarm --help` must not pay
     import torch
 
-    from keepwarm import LLM, SamplingParams
-    from keepwarm.worker.structured import StructuredOutputs
+    from keepwarm.worker.llm import LLM  # deferred (above)
+    from keepwarm.worker.structured import StructuredOutputs  # deferred (above)
 
     torch.set_num_threads(threads)
     llm = LLM(model=model, dtype=dtype, max_model_len=1024, max_num_seqs=streams)

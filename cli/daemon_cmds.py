@@ -15,17 +15,16 @@ from typing import Annotated, Any
 
 import typer
 
+from keepwarm.cli.errors import fail
+from keepwarm.formats import paths
+from keepwarm.formats.layout import describe_sizes
+from keepwarm.formats.paths import RuntimeDirError
+from keepwarm.worker.default_model import default_model, resolve_model
+
 daemon_app = typer.Typer(help="Run or stop the weight-keeping daemon.", no_args_is_help=True)
 
 
-def _fail(message: str, code: int = 1) -> None:
-    typer.echo(f"error: {message}", err=True)
-    raise typer.Exit(code)
-
-
 def _runtime_dir() -> Path:
-    from keepwarm.formats import paths
-
     return paths.runtime_dir()
 
 
@@ -39,14 +38,13 @@ def daemon_run(
     threads: Annotated[int, typer.Option(help="Loader threads.")] = 4,
 ) -> None:
     """Run the daemon in the foreground (systemd runs this; `keepwarm preload` starts one detached)."""
-    from keepwarm.daemon.server import Daemon
-    from keepwarm.formats.paths import RuntimeDirError
+    from keepwarm.daemon.server import Daemon  # deferred: torch (~1.2 s), for the daemon alone
 
     try:
         daemon = Daemon(memory_budget=memory_budget, device=device, lease_ttl=lease_ttl, threads=threads)
         daemon.run()
     except (RuntimeError, RuntimeDirError, ValueError) as e:
-        _fail(str(e))
+        fail(str(e))
 
 
 @daemon_app.command("stop")
@@ -54,8 +52,8 @@ def daemon_stop(
     wait: Annotated[float, typer.Option(help="Seconds to wait for the daemon to exit.")] = 30.0,
 ) -> None:
     """Stop the daemon cleanly: every arena is removed from shared memory."""
+    # deferred: the client's zmq and psutil, which `keepwarm --help` must not pay
     from keepwarm.daemon.client import DaemonClient, DaemonError
-    from keepwarm.formats import paths
 
     rt = _runtime_dir()
     client = DaemonClient(rt)
@@ -63,7 +61,7 @@ def daemon_stop(
         status = client.status()
         reply = client.shutdown()
     except DaemonError as e:
-        _fail(e.message)
+        fail(e.message)
         return
     finally:
         client.close()
@@ -71,7 +69,7 @@ def daemon_stop(
     while paths.socket_path(rt).exists() and time.monotonic() < deadline:
         time.sleep(0.05)
     if paths.socket_path(rt).exists():
-        _fail(f"the daemon (pid {status['pid']}) did not exit within {wait:.0f}s")
+        fail(f"the daemon (pid {status['pid']}) did not exit within {wait:.0f}s")
     leases = reply.get("leases", 0)
     typer.echo(f"daemon (pid {status['pid']}) stopped" +
                (f"; {leases} attached worker(s) keep their mapped weights until they exit" if leases else ""))
@@ -103,8 +101,9 @@ def _progress_printer() -> Any:
 def _check_before_daemon(model: str) -> None:
     """With no daemon running, what the daemon would refuse (a missing directory, an unsupported architecture) is
     refused here, before one is started (this imports torch: no cost beside starting a daemon)."""
+    # deferred, these two: zmq, psutil and torch, which `keepwarm --help` must not pay
     from keepwarm.daemon.client import DaemonClient
-    from keepwarm.formats.model_config import load_model_config
+    from keepwarm.formats.model_config import load_model_config  # deferred (above)
 
     with DaemonClient(_runtime_dir()) as probe:
         if probe.ping(timeout=1.0) is not None:
@@ -119,9 +118,8 @@ def preload_model(model: str | None, quantization: str = "auto", dtype: str = "a
     """Preload through the daemon (started if needed) with a progress bar on stderr; returns the model path.
     Parallel sizes > 1: one shard arena per (pipeline stage, tensor-parallel rank), built in one pass. A Hugging
     Face id is its snapshot in the local cache (worker/default_model.py)."""
+    # deferred: the client's zmq and psutil, which `keepwarm --help` must not pay
     from keepwarm.daemon.client import DaemonError, ensure_daemon
-    from keepwarm.formats.layout import describe_sizes
-    from keepwarm.worker.default_model import default_model, resolve_model
 
     model = str(default_model()) if model is None else resolve_model(model, revision, download_dir)
     model = str(Path(model).absolute()) if Path(model).exists() else model
@@ -184,20 +182,22 @@ def register(app: typer.Typer) -> None:
             help="Keep one arena per pipeline stage (times the tensor-parallel size).")] = 1,
     ) -> None:
         """Make MODEL resident in the daemon (starting a daemon if none answers); returns when it is."""
+        # deferred, these two: zmq, psutil and torch, which `keepwarm --help` must not pay
         from keepwarm.daemon.client import DaemonError
-        from keepwarm.formats.model_config import ModelConfigError
+        from keepwarm.formats.model_config import ModelConfigError  # deferred (above)
 
         try:
             preload_model(model, quantization, dtype, memory_budget, device, tensor_parallel_size,
                           pipeline_parallel_size, revision, download_dir)
         except DaemonError as e:
-            _fail(e.message)
+            fail(e.message)
         except (ModelConfigError, FileNotFoundError) as e:
-            _fail(str(e))
+            fail(str(e))
 
     @app.command()
     def status(json_out: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False) -> None:
         """The daemon's pid, socket, memory budget, resident models and leases. Exit 1 when no daemon answers."""
+        # deferred: the client's zmq and psutil, which `keepwarm --help` must not pay
         from keepwarm.daemon.client import DaemonClient
 
         with DaemonClient(_runtime_dir()) as client:
@@ -206,7 +206,7 @@ def register(app: typer.Typer) -> None:
             if json_out:
                 typer.echo(json.dumps({"running": False, "socket": str(client.socket_path)}))
                 raise typer.Exit(1)
-            _fail(f"no keepwarm daemon answers at {client.socket_path}")
+            fail(f"no keepwarm daemon answers at {client.socket_path}")
             return
         st = {k: v for k, v in st.items() if k not in ("v", "id", "ok")}
         if json_out:
@@ -239,12 +239,13 @@ def register(app: typer.Typer) -> None:
         force: Annotated[bool, typer.Option("--force", help="Evict even with live leases.")] = False,
     ) -> None:
         """Drop a resident model from the daemon."""
+        # deferred: the client's zmq and psutil, which `keepwarm --help` must not pay
         from keepwarm.daemon.client import DaemonClient, DaemonError
 
         with DaemonClient(_runtime_dir()) as client:
             try:
                 reply = client.evict(model, force=force)
             except DaemonError as e:
-                _fail(e.message)
+                fail(e.message)
                 return
         typer.echo(f"evicted {', '.join(fp[:16] for fp in reply['evicted'])}")

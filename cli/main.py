@@ -8,25 +8,26 @@ from typing import Annotated
 
 import typer
 
+from keepwarm.cli import (
+    bench_lora,  # noqa: F401  (registers `bench lora`)
+    bench_profile,  # noqa: F401  (registers `bench profile`)
+    bench_serving,  # noqa: F401  (registers `bench restart` and `bench serving`)
+    bench_snapshot,  # noqa: F401  (registers `bench snapshot`)
+    bench_structured,  # noqa: F401  (registers `bench structured`)
+    daemon_cmds,
+    serve_cmd,
+    snapshot_cmds,
+)
+from keepwarm.cli.bench import bench_app
+from keepwarm.cli.errors import fail
 from keepwarm.formats.version import __version__
+from keepwarm.worker.sampling_params import SamplingParams
 
 app = typer.Typer(help="Keep LLM weights warm in a daemon; serve them from restartable workers.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
 
 
 def _add_subcommands() -> None:
-    from keepwarm.cli import (
-        bench_lora,  # noqa: F401  (registers `bench lora`)
-        bench_profile,  # noqa: F401  (registers `bench profile`)
-        bench_serving,  # noqa: F401  (registers `bench restart` and `bench serving`)
-        bench_snapshot,  # noqa: F401  (registers `bench snapshot`)
-        bench_structured,  # noqa: F401  (registers `bench structured`)
-        daemon_cmds,
-        serve_cmd,
-        snapshot_cmds,
-    )
-    from keepwarm.cli.bench import bench_app
-
     app.add_typer(bench_app, name="bench")
     daemon_cmds.register(app)
     serve_cmd.register(app)
@@ -49,11 +50,6 @@ def main(
                         stream=sys.stderr)
 
 
-def fail(message: str, code: int = 1) -> None:
-    """A one-line error on stderr and a non-zero exit: the CLI's error shape."""
-    typer.echo(f"error: {message}", err=True)
-    raise typer.Exit(code)
-
 
 @app.command()
 def generate(
@@ -66,13 +62,13 @@ def generate(
     seed: Annotated[int, typer.Option()] = 0,
 ) -> None:
     """Generate without a server and print the text (attaches to a running daemon, else loads from disk)."""
+    # deferred, these three: torch (~1.2 s), which `keepwarm --help` and the daemon commands must not pay
     from keepwarm.formats.model_config import ModelConfigError
-    from keepwarm.worker.engine import RequestError
+    from keepwarm.worker.engine import RequestError  # deferred (above)
+    from keepwarm.worker.llm import LLM  # deferred (above)
 
     prompts = prompt or ["What is the capital of France? Answer in one sentence."]
     try:
-        from keepwarm import LLM, SamplingParams
-
         llm = LLM(model=model, dtype=dtype, seed=seed)
         params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed)
         if raw:
@@ -84,6 +80,15 @@ def generate(
         return
     for p, out in zip(prompts, outs, strict=True):
         typer.echo(f">>> {p}\n{out.outputs[0].text.strip()}\n")
+
+
+@app.command()
+def kernels() -> None:
+    """Print this machine's CPU dispatch table: which kernel each op takes, by rows and instruction set, and why."""
+    from keepwarm.kernels import describe  # deferred: torch, which the other commands may not need
+
+    for line in describe().lines():
+        typer.echo(line)
 
 
 _add_subcommands()

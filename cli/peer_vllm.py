@@ -12,7 +12,7 @@ import time
 def main() -> None:
     with open(sys.argv[1]) as f:
         spec = json.load(f)
-    from vllm import LLM, SamplingParams
+    from vllm import LLM, SamplingParams  # deferred: vLLM is in its own venv only, where this runs as a script
 
     t0 = time.perf_counter()
     llm = LLM(spec["model"], dtype=spec["dtype"], max_model_len=spec["max_model_len"], seed=0,

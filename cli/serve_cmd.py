@@ -2,9 +2,10 @@
 the same keys, flags winning over the file.
 
 Rules:
-- every `vllm serve` flag has a status (worker/api/vllm_flags.py): implemented with vLLM's meaning, accepted with one
-  log line saying it has no effect here and why, or refused with one line naming it and what to use instead (exit
-  status 2). vLLM's spellings are taken as its parser takes them (``--max_model_len``, ``--model X``, ``-tp 2``).
+- every `vllm serve` flag has a status (worker/process/vllm_flags.py): implemented with vLLM's meaning, accepted
+  with one log line saying it has no effect here and why, or refused with one line naming it and what to use
+  instead (exit status 2).
+  vLLM's spellings are taken as its parser takes them (``--max_model_len``, ``--model X``, ``-tp 2``).
 - checks before work: conflicting flags, the model path (a Hugging Face id: the local cache), the runtime dir and the
   port(s) each fail in well under a second with one line and exit status 2, before torch is imported, before attach
   or warm-up.
@@ -16,18 +17,29 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import json
+import logging
 import os
 import socket
+import threading
 import time
 import types
 import typing
+import urllib.request
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 from typer.core import TyperCommand
 
-from keepwarm.worker.api.config import ConfigError, ServerConfig, build_config, flag_of, load_toml
+from keepwarm.cli.daemon_cmds import preload_model
+from keepwarm.cli.errors import fail
+from keepwarm.formats import paths
+from keepwarm.worker.default_model import resolve_model
+from keepwarm.worker.process import ipc
+from keepwarm.worker.process.config import ConfigError, ServerConfig, build_config, flag_of, load_toml
+from keepwarm.worker.process.supervisor import Supervisor
+from keepwarm.worker.process.vllm_flags import FlagRefused, chat_template_text, normalize
 
 # A prompt whose first greedy token wins by a clear margin (1.5 logits in float32): the bare question's first
 # token wins by 0.1, and bfloat16 rounding on a CPU without AVX512-BF16 turned it into a tie (and a French
@@ -43,10 +55,6 @@ class PreflightError(ValueError):
 
 def _print_example_when_ready(host: str, port: int, model: str, api_key: str | None) -> None:
     """Once the server answers, ask it one question and print the answer: `make run` shows real text."""
-    import json
-    import threading
-    import urllib.request
-
     def run() -> None:
         base = f"http://{host}:{port}"
         headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
@@ -73,10 +81,6 @@ class VllmCommand(TyperCommand):
     refused ones one line and exit 2), and click's plain help."""
 
     def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
-        import logging
-
-        from keepwarm.worker.api.vllm_flags import FlagRefused, normalize
-
         own, takes_value, lists = set(), set(), set()
         for p in self.params:
             if p.param_type_name == "option":
@@ -104,11 +108,11 @@ class VllmCommand(TyperCommand):
         super(TyperCommand, self).format_help(ctx, formatter)  # click's own (typer vendors click), not rich's
 
 
-def _option(f: dataclasses.Field) -> inspect.Parameter:
-    """The `serve` option of one ServerConfig field: its type made optional (None = not given, the file or the
-    default decides), with the spellings and help its Flag declares."""
+def _option(f: dataclasses.Field, hints: dict[str, Any]) -> inspect.Parameter:
+    """The `serve` option of one ServerConfig field (``hints``: ServerConfig's type hints): its type made optional
+    (None = not given, the file or the default decides), with the spellings and help its Flag declares."""
     flag = flag_of(f)
-    hint = typing.get_type_hints(ServerConfig)[f.name]
+    hint = hints[f.name]
     base = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
     (kind,) = [t for t in base if t is not type(None)]
     dashed = "--" + f.name.replace("_", "-")
@@ -121,7 +125,7 @@ def _option(f: dataclasses.Field) -> inspect.Parameter:
 @functools.cache
 def serve_signature() -> inspect.Signature:
     """`keepwarm serve MODEL --config FILE` plus one option per ServerConfig key (except file-only ones). Built once
-    (~20 ms): `serve`, `restart` and `up` share it, and every command line pays for it before it runs."""
+    (~2 ms): `serve`, `restart` and `up` share it, and every command line pays for it before it runs."""
     params = [
         inspect.Parameter("model", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None, annotation=Annotated[
             str | None, typer.Argument(help="Model directory, .gguf file or Hugging Face id in the local cache "
@@ -130,7 +134,8 @@ def serve_signature() -> inspect.Signature:
             str | None, typer.Option("--config", help="server.toml, or vLLM's YAML (.yaml/.yml): keys are these "
                                                       "flags' names (underscores or dashes); flags win.")]),
     ]
-    params += [_option(f) for f in dataclasses.fields(ServerConfig) if flag_of(f).cli]
+    hints = typing.get_type_hints(ServerConfig)  # once: each call evaluates every annotation (~0.4 ms)
+    params += [_option(f, hints) for f in dataclasses.fields(ServerConfig) if flag_of(f).cli]
     return inspect.Signature(params, return_annotation=None)
 
 
@@ -143,10 +148,9 @@ def register(app: typer.Typer) -> None:
         """Start the daemon (if none runs), preload MODEL with a progress bar, and serve it with these serve flags
         (what `make run` does)."""
         start = time.time()
-        from keepwarm.cli.daemon_cmds import preload_model
-        from keepwarm.cli.main import fail
+        # deferred, these two: zmq, psutil and torch, which `keepwarm --help` must not pay
         from keepwarm.daemon.client import DaemonError
-        from keepwarm.formats.model_config import ModelConfigError
+        from keepwarm.formats.model_config import ModelConfigError  # deferred (above)
 
         flags = _given_flags(model, options)
         cfg = _checked_config(config, flags)
@@ -181,8 +185,6 @@ def register(app: typer.Typer) -> None:
 
 def _checked_config(config: str | None, flags: dict[str, Any]) -> ServerConfig:
     """The config from the file and the flags, checked before any work (one line and exit 2 otherwise)."""
-    from keepwarm.cli.main import fail
-
     try:
         cfg = build_config(load_toml(config) if config else {}, flags)
         if cfg.api_key is None and os.environ.get("VLLM_API_KEY"):  # vLLM's variable, as `vllm serve` reads it
@@ -196,17 +198,16 @@ def _checked_config(config: str | None, flags: dict[str, Any]) -> ServerConfig:
 
 
 def _run(cfg: ServerConfig, config: str | None, flags: dict[str, Any], start: float) -> None:
-    from keepwarm.cli.main import fail
-
     if cfg.zygote:
         _supervise(config, flags)
         return
     if cfg.node_rank != 0:
         raise typer.Exit(_serve_node(cfg))
+    # deferred, these four: torch and the API stack (~2 s), after the checks that fail in well under a second
     from keepwarm.daemon.client import DaemonError
-    from keepwarm.formats.model_config import ModelConfigError
-    from keepwarm.worker.api.server import serve as run_server
-    from keepwarm.worker.engine import RequestError
+    from keepwarm.formats.model_config import ModelConfigError  # deferred (above)
+    from keepwarm.worker.engine import RequestError  # deferred (above)
+    from keepwarm.worker.serve import serve as run_server  # deferred (above)
 
     try:
         code = run_server(cfg, process_start=start)
@@ -223,8 +224,6 @@ def preflight(cfg: ServerConfig) -> None:
     _check_conflicts(cfg)
     _check_paths(cfg)
     if cfg.daemon:
-        from keepwarm.formats import paths
-
         rt = Path(cfg.runtime_dir) if cfg.runtime_dir else paths.runtime_dir()
         try:
             paths.ensure_private_dir(rt)
@@ -256,8 +255,6 @@ def _check_conflicts(cfg: ServerConfig) -> None:
 
 
 def _check_paths(cfg: ServerConfig) -> None:
-    from keepwarm.worker.default_model import resolve_model
-
     try:
         model = resolve_model(cfg.model, cfg.revision, cfg.download_dir) if cfg.model else None
         if cfg.tokenizer:
@@ -276,8 +273,6 @@ def _check_paths(cfg: ServerConfig) -> None:
             if not (p / "config.json").is_file():
                 raise PreflightError(f"{model!r} is not a model directory: config.json is missing")
     if cfg.chat_template is not None:
-        from keepwarm.worker.api.vllm_flags import chat_template_text
-
         try:
             chat_template_text(cfg.chat_template)
         except ValueError as e:
@@ -299,16 +294,14 @@ def check_port(host: str, port: int, flag: str) -> None:
 def _serve_node(cfg: Any) -> int:
     """`keepwarm serve --node-rank K` (K > 0): this machine's tensor-parallel ranks only; rank 0 (node 0) sends
     them the model and every step. Exits with the worst of their exit codes."""
-    import logging
-
-    from keepwarm.cli.main import fail
-    from keepwarm.daemon.sharding import TensorParallelError
-    from keepwarm.worker.engine import EngineConfig, _resolve_device
-    from keepwarm.worker.parallel.group import serve_node
+    # deferred, these three: torch (~1.2 s), which `keepwarm --help` must not pay
+    from keepwarm.weights.sharding import TensorParallelError
+    from keepwarm.worker.engine.config import EngineConfig, resolve_device  # deferred (above)
+    from keepwarm.worker.parallel.launch import serve_node  # deferred (above)
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     engine = EngineConfig(**cfg.engine_kwargs())
-    device = _resolve_device(engine.device).type
+    device = resolve_device(engine.device).type
     threads = cfg.threads or 1
     try:
         ranks = engine.tensor_parallel_size * engine.pipeline_parallel_size
@@ -323,9 +316,6 @@ def _register_restart(app: typer.Typer) -> None:
                 prepare: bool = False, timeout: float = 300.0, **options: Any) -> None:
         """Restart a `serve --zygote` server with no downtime: a new worker (these flags merged over the running
         ones) starts beside the old one, takes the listening socket once warm, and the old one drains."""
-        from keepwarm.cli.main import fail
-        from keepwarm.worker.api import ipc
-
         flags = {k: v for k, v in _given_flags(model, options).items() if v is not None}
         port = flags.get("port", ServerConfig.port)
         if config:
@@ -376,12 +366,7 @@ def _given_flags(model: str | None, options: dict[str, Any]) -> dict[str, Any]:
 
 
 def _supervise(config_file: str | None, flags: dict[str, Any]) -> None:
-    """`serve --zygote`: the supervisor (keepwarm.worker.api.supervisor) until SIGTERM; its worker's status."""
-    import logging
-
-    from keepwarm.cli.main import fail
-    from keepwarm.worker.api.supervisor import Supervisor
-
+    """`serve --zygote`: the supervisor (keepwarm.worker.process.supervisor) until SIGTERM; its worker's status."""
     try:
         sup = Supervisor(config_file, flags, logging.getLevelName(logging.getLogger().getEffectiveLevel()))
         code = sup.run()

@@ -5,19 +5,24 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import sys
 import time
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
+from keepwarm.cli.errors import fail
+from keepwarm.snapshot import manifest as mf
+from keepwarm.snapshot.archive import export as do_export
+from keepwarm.snapshot.archive import import_archive
+from keepwarm.snapshot.inspect import diff as do_diff
+from keepwarm.snapshot.inspect import diff_text, list_rows, list_text, mb, show_text
+from keepwarm.snapshot.manifest import SnapshotError
+from keepwarm.snapshot.store import Store
+
 snapshot_app = typer.Typer(help="Capture, restore and move known-good states (model image, adapters, config).",
                            no_args_is_help=True)
-
-
-def _fail(message: str, code: int = 1) -> None:
-    typer.echo(f"error: {message}", err=True)
-    raise typer.Exit(code)
 
 
 def _say(message: str) -> None:
@@ -26,16 +31,12 @@ def _say(message: str) -> None:
 
 
 def _store():
-    from keepwarm.snapshot.store import Store
-
     return Store()
 
 
 def _quiet_http_logs() -> None:
     """httpx logs every request at INFO: push / pull / create would print one line per blob. Below --log-level
     debug they are kept to warnings."""
-    import logging
-
     if logging.getLogger().getEffectiveLevel() > logging.DEBUG:
         for name in ("httpx", "httpcore"):
             logging.getLogger(name).setLevel(logging.WARNING)
@@ -43,30 +44,29 @@ def _quiet_http_logs() -> None:
 
 def _guard(fn):
     """Run ``fn``; a SnapshotError (or a daemon / OS error) becomes one line on stderr and exit status 1."""
+    # deferred, these two: httpx (~80 ms) and the daemon client's zmq and psutil, which `keepwarm --help` must not pay
     import httpx
 
+    from keepwarm.daemon.client import DaemonError  # deferred (above)
+
     _quiet_http_logs()
-
-    from keepwarm.daemon.client import DaemonError
-    from keepwarm.snapshot.manifest import SnapshotError
-
     try:
         return fn()
     except SnapshotError as e:
-        _fail(str(e))
+        fail(str(e))
     except httpx.HTTPError as e:  # a registry connection that broke where push/pull do not retry
-        _fail(f"registry connection failed: {type(e).__name__}: {e}")
+        fail(f"registry connection failed: {type(e).__name__}: {e}")
     except DaemonError as e:
-        _fail(e.message)
+        fail(e.message)
     except OSError as e:
-        _fail(f"{e.strerror or e}: {e.filename}" if getattr(e, "filename", None) else str(e))
+        fail(f"{e.strerror or e}: {e.filename}" if getattr(e, "filename", None) else str(e))
     except ValueError as e:  # a config or arena manifest that does not parse
-        _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
+        fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
 
 
 def _write_textfile(write) -> None:
     """Run ``write(textfile module)``; a metrics file that cannot be written is a warning, never a failed command."""
-    from keepwarm.snapshot import textfile
+    from keepwarm.snapshot import textfile  # deferred: prometheus_client (~45 ms), which `keepwarm --help` must not pay
 
     try:
         write(textfile)
@@ -110,11 +110,10 @@ def create(
     json_out: Annotated[bool, typer.Option("--json", help="Print the manifest as JSON.")] = False,
 ) -> None:
     """Capture the live state: the daemon's packed arena image, model files, adapters, the effective config."""
-    from keepwarm.snapshot.create import create as do_create
-    from keepwarm.snapshot.inspect import mb
+    from keepwarm.snapshot.create import create as do_create  # deferred: torch (~1.2 s), for this command alone
 
     if server and from_config:
-        _fail("--server and --from-config exclude each other")
+        fail("--server and --from-config exclude each other")
     with _recorded("create") as record:
         r = _guard(lambda: do_create(name, server=server, config_path=from_config, api_key=api_key,
                                      preload=preload, force=force, say=(lambda _: None) if json_out else _say))
@@ -146,6 +145,7 @@ def restore(
                                                    "KEEPWARM_API_KEY in its environment: write none.")] = False,
 ) -> None:
     """Verify every blob, load the image into the daemon (no re-quantization), write the config, restart."""
+    # deferred: the daemon client's zmq and psutil, which `keepwarm --help` must not pay
     from keepwarm.snapshot.restore import restore as do_restore
 
     r = _guard(lambda: do_restore(name, server_config=server_config, restart_server=restart_server,
@@ -160,8 +160,6 @@ def restore(
 @snapshot_app.command("list")
 def list_(json_out: Annotated[bool, typer.Option("--json")] = False) -> None:
     """Snapshots: name, created, the size unique to each (what delete + gc frees), models."""
-    from keepwarm.snapshot.inspect import list_rows, list_text
-
     rows = _guard(lambda: list_rows(_store()))
     typer.echo(json.dumps(rows, indent=1) if json_out else list_text(rows))
 
@@ -169,8 +167,6 @@ def list_(json_out: Annotated[bool, typer.Option("--json")] = False) -> None:
 @snapshot_app.command()
 def show(name: Annotated[str, typer.Argument()], json_out: Annotated[bool, typer.Option("--json")] = False) -> None:
     """One snapshot's manifest."""
-    from keepwarm.snapshot.inspect import show_text
-
     m = _guard(lambda: _store().load(name))
     typer.echo(json.dumps(m, indent=1, sort_keys=True) if json_out else show_text(m))
 
@@ -179,9 +175,6 @@ def show(name: Annotated[str, typer.Argument()], json_out: Annotated[bool, typer
 def diff(a: Annotated[str, typer.Argument()], b: Annotated[str, typer.Argument()],
          json_out: Annotated[bool, typer.Option("--json")] = False) -> None:
     """What differs between two snapshots: config keys, model fingerprints, quantization, adapters."""
-    from keepwarm.snapshot.inspect import diff as do_diff
-    from keepwarm.snapshot.inspect import diff_text
-
     store = _store()
     changes = _guard(lambda: do_diff(store.load(a), store.load(b)))
     typer.echo(json.dumps(changes, indent=1) if json_out else diff_text(a, b, changes))
@@ -190,12 +183,8 @@ def diff(a: Annotated[str, typer.Argument()], b: Annotated[str, typer.Argument()
 @snapshot_app.command()
 def verify(name: Annotated[str, typer.Argument()]) -> None:
     """Re-hash every blob of the snapshot and check the arena image against its manifest."""
-    from keepwarm.snapshot.inspect import mb
-
     def run():
-        from keepwarm.formats.arena import ArenaHasher, ArenaManifest
-        from keepwarm.snapshot import manifest as mf
-        from keepwarm.snapshot.manifest import SnapshotError
+        from keepwarm.formats.arena import ArenaHasher, ArenaManifest  # deferred: torch (~1.2 s), for verify alone
 
         store = _store()
         t0 = time.perf_counter()
@@ -225,8 +214,6 @@ def verify(name: Annotated[str, typer.Argument()]) -> None:
 @snapshot_app.command()
 def delete(name: Annotated[str, typer.Argument()]) -> None:
     """Remove a snapshot's manifest (its blobs go at the next gc unless another snapshot names them)."""
-    from keepwarm.snapshot.inspect import mb
-
     store = _store()
 
     def run():
@@ -242,8 +229,6 @@ def delete(name: Annotated[str, typer.Argument()]) -> None:
 @snapshot_app.command()
 def gc() -> None:
     """Remove blobs no snapshot names."""
-    from keepwarm.snapshot.inspect import mb
-
     removed, freed = _guard(lambda: _store().gc())
     typer.echo(f"removed {removed} blob(s), {mb(freed)} freed")
 
@@ -255,9 +240,6 @@ def export_(
     zstd: Annotated[bool, typer.Option("--zstd", help="Compress with zstd.")] = False,
 ) -> None:
     """Write the snapshot (manifest + blobs) to one tar file."""
-    from keepwarm.snapshot.archive import export as do_export
-    from keepwarm.snapshot.inspect import mb
-
     with _recorded("export") as record:
         t0 = time.perf_counter()
         size = _guard(lambda: do_export(_store(), name, output, zstd=zstd))
@@ -273,9 +255,6 @@ def import_(
     force: Annotated[bool, typer.Option("--force", help="Replace a different snapshot of the same name.")] = False,
 ) -> None:
     """Check every digest of an exported snapshot, then add it to the store (nothing lands outside the store)."""
-    from keepwarm.snapshot.archive import import_archive
-    from keepwarm.snapshot.inspect import mb
-
     with _recorded("import") as record:
         t0 = time.perf_counter()
         r = _guard(lambda: import_archive(_store(), archive, rename=name, force=force))
@@ -289,10 +268,7 @@ def import_(
 
 def _registry(reference: str, insecure: bool, username: str | None, password_stdin: bool, chunk_size: int):
     """The registry client for a REF, with credentials from --username/--password-stdin or the docker config."""
-    import sys
-
-    from keepwarm.snapshot.manifest import SnapshotError
-    from keepwarm.snapshot.oci import Credentials, Reference, Registry
+    from keepwarm.snapshot.oci import Credentials, Reference, Registry  # deferred: httpx (~80 ms), for push and pull
 
     def make():
         if password_stdin and not username:
@@ -325,8 +301,7 @@ def push(
                                             "chunk resumes.")] = 64 << 20,
 ) -> None:
     """Push a snapshot to an OCI registry (an OCI artifact; blobs the registry has are not uploaded again)."""
-    from keepwarm.snapshot.inspect import mb
-    from keepwarm.snapshot.oci import push as do_push
+    from keepwarm.snapshot.oci import push as do_push  # deferred: httpx (~80 ms), for push alone
 
     with _recorded("push") as record:
         reg = _registry(reference, insecure, username, password_stdin, chunk_size)
@@ -350,8 +325,7 @@ def pull(
 ) -> None:
     """Pull a snapshot from an OCI registry: blobs the store has are skipped, every other one is verified before
     anything lands."""
-    from keepwarm.snapshot.inspect import mb
-    from keepwarm.snapshot.oci import pull as do_pull
+    from keepwarm.snapshot.oci import pull as do_pull  # deferred: httpx (~80 ms), for pull alone
 
     with _recorded("pull") as record:
         reg = _registry(reference, insecure, username, password_stdin, 64 << 20)

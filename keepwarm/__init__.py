@@ -7,6 +7,7 @@ The offline API's names are vLLM's (``from vllm import LLM, SamplingParams`` bec
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING
 
 from keepwarm.formats.version import __version__
@@ -28,6 +29,4 @@ _LAZY = {"LLM": "keepwarm.worker.llm", "LoRARequest": "keepwarm.worker.lora",
 def __getattr__(name: str):
     if name not in _LAZY:
         raise AttributeError(f"module 'keepwarm' has no attribute {name!r}")
-    import importlib
-
     return getattr(importlib.import_module(_LAZY[name]), name)

@@ -1,32 +1,17 @@
-"""``export`` / ``import``: a snapshot as one tar file (optionally zstd-compressed).
+"""``export`` / ``import``: a snapshot as one tar file (optionally zstd-compressed), read back without ``tarfile``.
 
-The archive mirrors the store: ``snapshots/<name>.json`` first, then ``blobs/sha256/<digest>`` for every blob the
-manifest names, as plain files (mode 0644, uid/gid 0, mtime = the snapshot's creation time: the same snapshot
-exports to the same bytes).
-
-Import reads the archive as a stream with its own tar reader (never tarfile, which reads a whole PAX or GNU
-long-name payload into memory, and never extracts anything). The rules:
-
-- Every member must be a regular file named exactly ``snapshots/<valid name>.json`` (the first member) or
-  ``blobs/sha256/<64 hex>`` naming a blob of that manifest with the manifest's size; directory entries for those
-  two directories are skipped. Anything else (an absolute path, ``..``, another name, a symlink, a hard link, a
-  device, a FIFO, a sparse file, a duplicate) refuses the whole archive.
-- Memory is bounded before anything is read: a PAX header (``x``) above PAX_LIMIT, global ones (``g``) above it in
-  all, a GNU long name or long link (``L`` / ``K``) above NAME_LIMIT, a manifest above MANIFEST_LIMIT (its parsed
-  JSON costs up to ~30x its bytes) or a zstd frame that needs a window above ZSTD_WINDOW_LIMIT is refused from its
-  header alone. Blobs are streamed in CHUNK pieces. Peak memory stays under 64 MiB above the process's.
-- Time is bounded by what the manifest declares: at most four PAX / GNU headers before a member, each directory
-  entry once, every other member the manifest or one of its blobs (once, at its size).
-- Every header's checksum is checked and the archive must end with tar's end-of-archive block, so a truncated
-  archive (or zstd stream) is refused even when it breaks off between two members.
-- Whatever is wrong with the archive (bad header, corrupt or truncated zstd, a read error) is an ArchiveError: one
-  line naming the file and the problem. An OSError out of the import is therefore the store's (a full disk): it
-  is reported as such, "No space left on device" included.
-- Blobs are hashed as they are read into a staging directory inside the store; only when every digest checked out
-  and every blob is there do they move into ``blobs/sha256/`` and the manifest into ``snapshots/``. Any refusal
-  removes the staging directory: the store gains nothing (a failure while landing, e.g. the disk filling at the
-  manifest, can leave only blobs no snapshot names, which gc removes).
-"""
+Export mirrors the store (``snapshots/<name>.json`` first, then ``blobs/sha256/<digest>`` for each blob), plain
+files with fixed mode, owner and mtime: the same snapshot exports to the same bytes. Import rules (docs/snapshots.md,
+"Export / import"; the bounds in docs/reliability.md):
+- a member is a regular file named exactly the manifest (the first member) or a blob it names, at its size; anything
+  else (an absolute path, ``..``, another name, a link, a device, a FIFO, a sparse file, a duplicate) refuses it all;
+- memory is bounded from headers alone (PAX_LIMIT, NAME_LIMIT, MANIFEST_LIMIT, ZSTD_WINDOW_LIMIT; blobs stream in
+  CHUNK pieces) and time by what the manifest declares; every header's checksum and tar's end-of-archive block are
+  checked, so a truncated archive or zstd stream is refused even between two members;
+- whatever is wrong with the archive is one ArchiveError line naming the file; an OSError is the store's (a full
+  disk, "No space left on device" included);
+- blobs are hashed into a staging directory inside the store and land (blobs, then the manifest) only when every one
+  checked out; a refusal removes the staging directory, so the store gains nothing."""
 
 from __future__ import annotations
 
@@ -40,6 +25,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
+
+import zstandard
 
 from keepwarm.snapshot import manifest as mf
 from keepwarm.snapshot.manifest import SnapshotError
@@ -97,8 +84,6 @@ def export(store: Store, name: str, out: Path, zstd: bool = False, level: int = 
                 sink: BinaryIO = raw
                 zw = None
                 if zstd:
-                    import zstandard
-
                     zw = zstandard.ZstdCompressor(level=level, threads=-1).stream_writer(raw, closefd=False)
                     sink = zw
                 with tarfile.open(fileobj=sink, mode="w|", format=tarfile.PAX_FORMAT) as tar:
@@ -139,8 +124,6 @@ class _Source:
         if not head:
             raise ArchiveError(f"{path} is empty; nothing imported")
         if head == ZSTD_MAGIC:
-            import zstandard
-
             # the window bound is checked from the frame header, before the decoder allocates the window
             dctx = zstandard.ZstdDecompressor(max_window_size=ZSTD_WINDOW_LIMIT)
             self.stream = dctx.stream_reader(raw, read_size=CHUNK, read_across_frames=True)

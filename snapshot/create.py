@@ -20,14 +20,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from keepwarm.daemon.client import DaemonClient, DaemonError, ensure_daemon
 from keepwarm.formats import paths
 from keepwarm.formats.adapter import LoRAError, adapter_digest, read_adapter_dir
+from keepwarm.formats.arena import ArenaHasher, ArenaManifest, CudaArena
 from keepwarm.formats.layout import Layout
 from keepwarm.snapshot import manifest as mf
+from keepwarm.snapshot.identity import machine_identity
 from keepwarm.snapshot.manifest import SnapshotError
-from keepwarm.snapshot.store import CHUNK, BlobRef, Store
-from keepwarm.worker.api.config import ConfigError, build_config, load_toml
+from keepwarm.snapshot.store import CHUNK, COPY_DEPTH, BlobRef, Store, file_chunks
+from keepwarm.worker.attach import Attachment, LeaseKeeper
 from keepwarm.worker.default_model import default_model
+from keepwarm.worker.lora import parse_lora_modules
+from keepwarm.worker.process.config import ConfigError, build_config, load_toml
 
 DEFAULT_SERVER = "http://127.0.0.1:8000"
 # The model directory's files a server reads besides the weights: config, tokenizer, generation config, chat
@@ -75,7 +80,7 @@ def model_files(model_dir: Path) -> list[Path]:
 
 # -- sources -----------------------------------------------------------------------------------------------------------
 def from_server(url: str, api_key: str | None) -> Source:
-    import httpx
+    import httpx  # deferred: only a --server source needs it (~80 ms)
 
     url = url.rstrip("/")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -96,8 +101,6 @@ def from_server(url: str, api_key: str | None) -> Source:
 
 
 def from_config(path: str) -> Source:
-    from keepwarm.worker.lora import LoRAError, parse_lora_modules
-
     try:
         config = build_config(load_toml(path), {})
     except ConfigError as e:
@@ -123,8 +126,6 @@ def capture_arena(store: Store, manifest_json: str, arena: dict[str, Any]) -> tu
     """Store the arena's bytes as a blob (or find it stored already), in one pass: each chunk is hashed for the
     blob, written, and fed to the arena digest while it is in cache; a copy that does not match the manifest's
     arena_digest never lands."""
-    from keepwarm.formats.arena import ArenaHasher, ArenaManifest, CudaArena
-
     m = ArenaManifest.from_json(manifest_json)
     layouts = sorted({q.get("layout", "?") for q in m.quant.values()} | ({"dense"} if any(
         t.weight not in m.quant for t in m.tensors) else set()))
@@ -148,12 +149,8 @@ def capture_arena(store: Store, manifest_json: str, arena: dict[str, Any]) -> tu
         found = store.arena_lookup(key, size)
         if found is not None:
             return found, layouts
-        if f is not None:
-            from keepwarm.snapshot.store import COPY_DEPTH, file_chunks
-
-            chunks = file_chunks(f, depth=COPY_DEPTH)
-        else:
-            chunks = _cuda_chunks(CudaArena.import_handle(arena))  # a new host array per chunk: any depth
+        # from CUDA (f is None): a new host array per chunk, so any depth
+        chunks = file_chunks(f, depth=COPY_DEPTH) if f is not None else _cuda_chunks(CudaArena.import_handle(arena))
         ref = store.put_chunks(chunks, also=hasher.feed, check=check, depth=COPY_DEPTH)
     finally:
         if f is not None:
@@ -165,9 +162,6 @@ def capture_arena(store: Store, manifest_json: str, arena: dict[str, Any]) -> tu
 def _attach(source: Source, rt: Path | None, preload: bool, say: Say, layout: Layout | None = None):
     """Lease the model (a split ``layout``: that shard) in the daemon: (Attachment without tensors, attach reply,
     daemon status)."""
-    from keepwarm.daemon.client import DaemonClient, DaemonError, ensure_daemon
-    from keepwarm.worker.attach import Attachment, LeaseKeeper
-
     cfg = source.config
     quant, dtype = cfg.get("quantization", "auto"), cfg.get("dtype", "auto")
     client = DaemonClient(rt)
@@ -191,8 +185,6 @@ def _attach(source: Source, rt: Path | None, preload: bool, say: Say, layout: La
             raise SnapshotError(f"the daemon refused {source.model_dir} ({quant}{fp}): {e.message}") from None
     finally:
         client.close()
-    from keepwarm.formats.arena import ArenaManifest
-
     manifest = ArenaManifest.from_json(reply.manifest)
     att = Attachment(manifest, {}, reply.lease_id, reply.origin, 0.0, True, storage=None,
                      runtime_dir=rt)
@@ -203,8 +195,6 @@ def _attach(source: Source, rt: Path | None, preload: bool, say: Say, layout: La
 
 def _daemon_device(rt: Path | None) -> str:
     """"cpu" or "cuda" for the daemon at ``rt`` ("cpu" when none answers: the daemon ``--preload`` starts)."""
-    from keepwarm.daemon.client import DaemonClient
-
     with DaemonClient(rt) as client:
         st = client.ping(timeout=2.0)
     return "cpu" if st is None else str(st.get("device", "cpu")).split(":", 1)[0]
@@ -213,8 +203,6 @@ def _daemon_device(rt: Path | None) -> str:
 def _capture(store: Store, source: Source, rt: Path | None, preload: bool, say: Say, layout: Layout):
     """Store one arena (the shard of a split ``layout``) as an image: (its manifest, its model-entry fields, its
     layouts, the daemon's status)."""
-    from keepwarm.formats.arena import ArenaManifest
-
     att, reply, status = _attach(source, rt, preload, say, layout)
     try:
         m = ArenaManifest.from_json(reply.manifest)
@@ -264,8 +252,6 @@ def capture_adapter(store: Store, a: dict[str, Any], arena_dir: Path | None) -> 
 def create(name: str, *, server: str | None = None, config_path: str | None = None, api_key: str | None = None,
            preload: bool = False, force: bool = False, store: Store | None = None,
            say: Say = lambda s: None) -> CreateResult:
-    from keepwarm.snapshot.identity import machine_identity
-
     t0 = time.perf_counter()
     mf.check_name(name)
     store = (store or Store()).ensure()

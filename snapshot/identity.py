@@ -10,6 +10,9 @@ import socket
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from keepwarm.formats.arena import cuda_device_by_uuid
 from keepwarm.formats.version import __version__
 
 # The flags oneDNN's and torch's CPU kernels dispatch on: they decide the blocked layout of packed bfloat16
@@ -37,15 +40,11 @@ def _cpuinfo() -> tuple[str, list[str]]:
 
 
 def onednn_version() -> str | None:
-    import torch
-
     m = re.search(r"(?:oneDNN|MKL-DNN) (v[\d.]+)", torch.__config__.show())
     return m.group(1) if m else None
 
 
 def machine_identity(daemon_device: str) -> dict[str, Any]:
-    import torch
-
     cpu, isa = _cpuinfo()
     ident: dict[str, Any] = {
         "keepwarm": __version__, "torch": torch.__version__, "python": platform.python_version(),
@@ -53,8 +52,6 @@ def machine_identity(daemon_device: str) -> dict[str, Any]:
         "cpu_count": os.cpu_count(), "onednn": onednn_version(), "daemon_device": daemon_device, "gpu": None,
     }
     if daemon_device.startswith("cuda") and torch.cuda.is_available():
-        from keepwarm.formats.arena import cuda_device_by_uuid
-
         uuid = daemon_device.split(":", 1)[1] if ":" in daemon_device else None
         dev = cuda_device_by_uuid(uuid)
         props = torch.cuda.get_device_properties(dev)

@@ -1,40 +1,14 @@
 """The snapshot manifest (``store/snapshots/<name>.json``): schema version 1, and its validation.
 
-A manifest is plain JSON; every blob it names is ``{"digest": <sha256 hex>, "size": <bytes>}``. Manifests also
-arrive from other machines (``import``), so :func:`validate` checks every field that is later used to build a
-path or a config: names, digests and file names are checked against strict patterns before anything is written.
-
-```
-{
-  "schema": "keepwarm-snapshot", "schema_version": 1,
-  "name": "prod", "created_at": 1767000000.0,
-  "source": {"kind": "server", "url": "http://127.0.0.1:8000", "api_key_required": false}
-            | {"kind": "config", "path": "/etc/keepwarm/server.toml", "api_key_required": false},
-  "server_config": {...},          # the effective config (server.toml keys), never the api key
-  "models": [{
-      "role": "base", "name": "SmolLM2-135M-Instruct", "source": "/path/of/the/model",
-      "fingerprint": "...", "quantization": "none", "dtype": "bfloat16", "device": "cpu",
-      "layout_version": 1, "layouts": ["dense", "mkldnn_packed"],
-      "arena_digest": "...", "arena_bytes": 270000000,
-      "image": BLOB,               # the packed arena, byte for byte (<fingerprint>.arena)
-      "image_manifest": BLOB,      # the daemon's arena manifest (<fingerprint>.json)
-      "files": {"config.json": BLOB, "tokenizer.json": BLOB, ...},
-      "tokenizer_files": {...},    # only when the config's `tokenizer` was another directory
-      # a parallel deployment (server_config tensor_parallel_size N or pipeline_parallel_size P > 1, CPU daemon):
-      # each (stage, rank)'s shard arena, stage-major; "fingerprint" above is then the whole model's, and "image" /
-      # "image_manifest" / "arena_digest" the first shard's
-      "tensor_parallel_size": N, "pipeline_parallel_size": P,
-      "shards": [{"pp_stage": 0, "tp_rank": 0, "fingerprint": "<the shard's>", "arena_digest": "...",
-                  "arena_bytes": ..., "image": BLOB, "image_manifest": BLOB}, ...]
-  }],
-  "adapters": [{"name": "a", "digest": "<adapter digest>", "rank": 8, "source": "/path",
-                "files": {"adapter_config.json": BLOB, "adapter_model.safetensors": BLOB}}],
-  "identity": {"keepwarm": "0.1.0", "torch": "2.13.0+cpu", "python": "3.11.9", "platform": "...",
-               "hostname": "...", "cpu": "...", "cpu_isa": ["avx2", "avx512_bf16", ...], "onednn": "v3.7.1",
-               "daemon_device": "cpu", "gpu": null | {"name", "uuid", "capability"}}
-}
-```
-"""
+A manifest is plain JSON; every blob it names is ``{"digest": <sha256 hex>, "size": <bytes>}``. Its keys (the
+models with their arena image and files, a parallel deployment's shards, the adapters, the server config, the
+machine's identity) are documented in docs/snapshots.md, "Manifest (schema version 1)". Rules:
+- manifests also arrive from other machines (``import``, ``pull``), so :func:`validate` checks every field that is
+  later used to build a path or a config (names, digests and file names against strict patterns, the server config
+  as a server.toml) before anything is written; its size is bounded before it is parsed (MAX_MANIFEST_BYTES);
+- the server config is the effective one, never with the API key;
+- a parallel deployment's model lists one shard per (stage, rank), stage-major; its own fingerprint is then the
+  whole model's, and its image, image manifest and arena digest the first shard's."""
 
 from __future__ import annotations
 
@@ -42,7 +16,7 @@ import json
 import re
 from typing import Any
 
-from keepwarm.worker.api.config import ConfigError, from_mapping
+from keepwarm.worker.process.config import ConfigError, from_mapping
 
 SCHEMA = "keepwarm-snapshot"
 SCHEMA_VERSION = 1

@@ -1,30 +1,17 @@
 """Snapshots as OCI artifacts: ``keepwarm snapshot push NAME REF`` / ``pull REF`` against a container registry.
 
-A snapshot travels as one OCI image manifest (``application/vnd.oci.image.manifest.v1+json``, ``artifactType``
-:data:`ARTIFACT_TYPE`) whose config is the snapshot manifest (:data:`MEDIA_CONFIG`, the bytes of
-``snapshots/<name>.json``) and whose layers are the snapshot's blobs (:data:`MEDIA_BLOB`, sorted by digest, each
-annotated with what it is). Registry digests are the store's digests (``sha256:<hex>``), so a push skips blobs the
-registry has (HEAD) and a pull skips blobs the store has.
-
-Rules:
-
-- Spoken with the distribution HTTP API (``/v2/``) over httpx, no other client (see docs/snapshots.md, "OCI").
-- HTTPS unless ``insecure``; a registry that does not answer HTTPS is refused in one line naming ``--insecure``.
-  Credentials: ``--username/--password-stdin``, else ``auths`` of ``$DOCKER_CONFIG/config.json`` (default
-  ``~/.docker/config.json``; ``auth`` = base64 ``user:password``). A 401 is answered once: Basic with those
-  credentials, or Bearer (a token fetched from the ``WWW-Authenticate`` realm, with the credentials when there are
-  some). Credential helpers (``credsStore``/``credHelpers``) are not run; that is said in the error when a registry
-  wants credentials and there are none.
-- Upload: a session (POST), chunks in order (PATCH with ``Content-Range``), then PUT ``?digest=``; the registry
-  checks the digest. A chunk whose connection breaks is resumed: the session's ``Range`` (GET) says where to go on;
-  a registry that invalidated the session (distribution 2.8 does when it received part of a chunk) gets a new
-  session for that blob, from byte 0 (said on progress). A rerun of an interrupted push skips every blob that
-  finished (HEAD).
-- Pull: the OCI manifest and the config are size-limited and parsed strictly; every digest must be
-  ``sha256:<64 hex>``; the layers must be exactly the blobs the snapshot manifest names, with its sizes. Blobs are
-  hashed as they are written into a staging directory of the store; nothing lands in ``blobs/`` or ``snapshots/``
-  until every blob checked out (a corrupt one is refused naming its digest).
-"""
+A snapshot is one OCI image manifest (artifactType :data:`ARTIFACT_TYPE`) whose config is the snapshot manifest
+(:data:`MEDIA_CONFIG`) and whose layers are its blobs (:data:`MEDIA_BLOB`, sorted by digest); registry digests are
+the store's, so a push skips blobs the registry has (HEAD) and a pull blobs the store has. Rules (docs/snapshots.md,
+"OCI registries"):
+- the distribution HTTP API (``/v2/``) over httpx, no other client; HTTPS unless ``insecure``; credentials from
+  ``--username/--password-stdin`` or the docker config's ``auths``, a 401 answered once (Basic or Bearer); credential
+  helpers are not run, and the error says so;
+- upload: a session, chunks in order, PUT ``?digest=``; a broken chunk resumes from the session's ``Range``, or
+  restarts the blob in a new session when the registry invalidated it (at most RETRIES breaks per blob);
+- pull: the OCI manifest and config are size-limited and parsed strictly, every digest ``sha256:<64 hex>``, the
+  layers exactly the snapshot manifest's blobs and sizes; blobs are hashed into the store's staging directory and
+  nothing lands until every one checked out (a corrupt one is refused naming its digest)."""
 
 from __future__ import annotations
 

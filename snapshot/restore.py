@@ -1,28 +1,18 @@
 """``keepwarm snapshot restore``: bring the daemon and the server config back to a snapshot's state.
 
-Order, so that a failure at any step leaves the previous state in place:
-
-1. re-hash every blob the snapshot names but the arena image (nothing is touched before they all check out); the
-   image is checked at step 4 by the daemon as it loads it, in the same pass as the copy: every tensor byte against
-   the arena digest (a tree of sha256s) and every byte between tensors for zero, which leaves the blob's own
-   sha256 nothing to add (or here, by its sha256, if the daemon holds that model already and does not read it);
-2. check what can be checked up front: the daemon's device kind against the image's, the server config (and the
-   API key it needs), the systemd unit's config path;
-3. stage the model files under ``$KEEPWARM_HOME/restored/.staging-*`` and write the adapters' directories
-   (``restored/adapters/<digest>/``, content-addressed: complete or absent);
-4. ``load_image`` each model into the daemon (copied, checked against ``arena_digest``, no re-quantization; a
-   model resident with the same fingerprint is kept as is), then ``load_adapter`` each adapter;
-5. commit: move the model files to ``restored/<fingerprint>/`` and write the server config atomically (the
-   previous one is kept as ``<config>.prev``);
-6. with ``--restart-server``, restart the server: a ``serve --zygote`` server on the config's port in place, onto
-   the restored config alone (no downtime; the request to its control socket), else ``systemctl restart
-   keepwarm-server.service``; or print the command that starts it.
-
-If 3-5 fail, what this restore added is removed again (images it loaded are evicted, adapters it loaded unloaded,
-staged files deleted) and the config is not written; nothing that was resident before is evicted. A load the daemon
-refuses (a corrupt or missing image, a layout this machine cannot use, an adapter it rejects) leaves nothing in it
-either (``daemon/jobs.py``, ``daemon/adapters.py``): the daemon's ``status`` is as before the restore.
-"""
+Rules, in order, so that a failure at any step leaves the previous state in place (docs/snapshots.md, "restore"):
+1. re-hash every blob but the arena image before touching anything; the daemon checks the image as it copies it
+   (every tensor byte against the arena digest, every byte between tensors for zero), or this module by its sha256
+   when the daemon already holds that model and does not read it;
+2. check up front what can be: the daemon's device kind against the image's, the server config and its API key,
+   the systemd unit's config path;
+3. stage the model files and write the adapters' content-addressed directories;
+4. ``load_image`` each model (no re-quantization; one resident with the same fingerprint is kept), then the adapters;
+5. commit: the model files to ``restored/<fingerprint>/``, the config atomically (the previous as ``<config>.prev``);
+6. with ``--restart-server``, restart the server in place (a ``serve --zygote`` on the config's port, else systemd),
+   or print the command that starts it.
+If 3-5 fail, what this restore added is removed again and the config is not written; nothing resident before is
+evicted, and a load the daemon refuses leaves nothing in it."""
 
 from __future__ import annotations
 
@@ -35,19 +25,21 @@ import shlex
 import shutil
 import subprocess
 import time
+import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from keepwarm.daemon.client import DaemonClient, DaemonError, ensure_daemon
 from keepwarm.formats import paths
 from keepwarm.formats.paths import keepwarm_home
 from keepwarm.snapshot import manifest as mf
 from keepwarm.snapshot.manifest import SnapshotError
 from keepwarm.snapshot.store import Store, fsync_dir, hash_file
-from keepwarm.worker.api import ipc
-from keepwarm.worker.api.config import ConfigError, ServerConfig, build_config, to_toml
 from keepwarm.worker.default_model import DEFAULT_MODEL_NAME
+from keepwarm.worker.process import ipc
+from keepwarm.worker.process.config import ConfigError, ServerConfig, build_config, to_toml
 
 UNIT = "keepwarm-server.service"
 # Keys restore rewrites in the server config: they name this machine's paths (or the daemon restored into).
@@ -159,8 +151,6 @@ def _swap_in(staged: Path, final: Path) -> None:
 
 
 def _existing_api_key(path: Path) -> str | None:
-    import tomllib
-
     try:
         value = tomllib.loads(path.read_text()).get("api_key")
     except (OSError, tomllib.TOMLDecodeError):
@@ -317,7 +307,6 @@ def _config_target(server_config: str | None, restart_server: bool) -> tuple[dic
 
 def _daemon_for(rt: Path, model: dict[str, Any], say: Say) -> Any:
     """A client to the daemon at ``rt`` (started if none answers) that keeps arenas on the model's device kind."""
-    from keepwarm.daemon.client import DaemonClient, DaemonError, ensure_daemon
     kind = "cpu" if model["device"] == "cpu" else "cuda"
     client = DaemonClient(rt, timeout=30.0)
     if client.ping(timeout=2.0) is None:
@@ -372,8 +361,6 @@ def _load_into_daemon(client: Any, store: Store, m: dict[str, Any], arena_jsons:
     """Load the model's arena images (one, or a shard per tensor-parallel rank) and the adapters into the daemon;
     what it newly loaded is appended to ``loaded_images`` / ``loaded_adapters`` (undone if the restore fails).
     Returns the images' load time."""
-    from keepwarm.daemon.client import DaemonError
-
     model = m["models"][0]
     tl = time.perf_counter()
     cached = True
@@ -419,8 +406,6 @@ def _write_config(store: Store, target: Path, text: str, private: bool) -> None:
 
 
 def _undo(client, images: list[str], adapters: list[str], created: list[Path]) -> None:
-    from keepwarm.daemon.client import DaemonError
-
     for fp in images:
         with contextlib.suppress(DaemonError):
             client.evict(fp)

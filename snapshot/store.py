@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import ctypes
+import ctypes.util
 import fcntl
 import functools
 import hashlib
@@ -78,9 +80,6 @@ def _write_all(fd: int, data: memoryview) -> None:
 @functools.cache
 def _start_writeback() -> Callable[[int, int, int], int] | None:
     """libc's sync_file_range (Linux), or None where there is none: then the final fsync does all the waiting."""
-    import ctypes
-    import ctypes.util
-
     try:
         fn = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True).sync_file_range
     except (OSError, AttributeError):

@@ -1,21 +1,12 @@
-"""Snapshot commands' figures for Prometheus through node_exporter's textfile collector (the standard way to export
-a batch job's results: a short-lived command cannot be scraped).
+"""Snapshot commands' figures for Prometheus, through node_exporter's textfile collector (a short-lived command
+cannot be scraped).
 
-After each run, ``keepwarm snapshot create|export|import|push|pull`` rewrite ``$KEEPWARM_HOME/metrics/
-keepwarm_snapshot.prom`` (``textfile_path()``): point node_exporter's ``--collector.textfile.directory`` at that
-directory. Every series is a gauge (docs/vllm-compat.md, "Metrics"):
-
-- ``keepwarm:snapshot_last_seconds{op, snapshot}``, ``keepwarm:snapshot_last_bytes{op, snapshot}``: the last
-  successful run of ``op`` on that snapshot: its seconds and the bytes it moved (create: new bytes written to the
-  store; export: the archive's size; import: new bytes added to the store; push: bytes uploaded; pull: bytes
-  downloaded).
-- ``keepwarm:snapshot_last_success_timestamp_seconds{op}``: when ``op`` last succeeded (Unix time).
-- ``keepwarm:snapshot_runs{op, result}``: runs of ``op`` recorded in this file, ``result`` success or failure.
-
-The file is its own state: each run reads it back (prometheus_client's parser), updates its series and writes it
-whole to a temporary file renamed over it (node_exporter never reads a half-written file), under a lock, so that
-two commands at once both count.
-"""
+After each run, ``keepwarm snapshot create|export|import|push|pull`` rewrite ``textfile_path()``
+(``$KEEPWARM_HOME/metrics/keepwarm_snapshot.prom``): the last successful run's seconds and bytes per op and snapshot,
+when each op last succeeded, and runs per op and result, all gauges (the series: docs/vllm-compat.md, "Metrics").
+Rules: the file is its own state; each run reads it back (prometheus_client's parser), updates its series and writes
+it whole to a temporary file renamed over it (node_exporter never reads half a file), under a lock, so that two
+commands at once both count; a failed run leaves the last success's figures."""
 
 from __future__ import annotations
 
