@@ -8,7 +8,7 @@ DEV := $(VENV)/.dev-installed
 # Tests and benchmarks set threads deliberately: oversubscribing 2 cores costs ~10x.
 export OMP_NUM_THREADS ?= 2
 
-.PHONY: run test test-bare-run test-fast test-registry lint lint-tree proto gpu-check mutation clean
+.PHONY: run test test-bare-run test-fast test-registry test-sanitizers lint lint-tree proto gpu-check mutation clean
 
 $(RUNTIME): pyproject.toml requirements.txt constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -29,13 +29,15 @@ run: $(RUNTIME)
 
 # CI (`.ci/run`) runs this: lint (ruff, the import contract, the type checker) and the bare-machine `make run` check
 # first, then every test with branch coverage (pytest-cov; daemons and servers the tests start included), summed
-# per package at the end; the 40 slowest tests are listed, to keep the suite inside its 20 minutes.
-test: lint test-registry test-bare-run
+# per package at the end; the 40 slowest tests are listed, to keep the suite inside its 12 minutes. Two xdist
+# workers, a test file each at a time (its shared servers stay in one process): most tests wait on the processes
+# they start, so two of them share the two cores (tests/conftest.py gives each worker one torch thread).
+test: lint test-registry test-sanitizers test-bare-run
 	rm -f .coverage .coverage.*
-	COVERAGE_FILE=$(CURDIR)/.coverage $(BIN)/python -m pytest --cov --cov-report= --durations=40
+	COVERAGE_FILE=$(CURDIR)/.coverage $(BIN)/python -m pytest -n 2 --dist loadfile --cov --cov-report= --durations=40
 	COVERAGE_FILE=$(CURDIR)/.coverage $(BIN)/python tests/_coverage_summary.py
 
-# The OCI tests (tests/test_oci.py, test_snapshot.py's push/pull) start a real registry, Debian's docker-registry
+# The OCI tests (tests/e2e/test_oci.py, test_snapshot.py's push/pull) start a real registry, Debian's docker-registry
 # (the CNCF distribution server): installed here when missing and make runs as root with apt (CI); elsewhere those
 # tests skip and say why.
 test-registry:
@@ -44,12 +46,26 @@ test-registry:
 		(apt-get update -q >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y -q docker-registry \
 			>/dev/null 2>&1) || echo "docker-registry could not be installed: the OCI registry tests will skip"
 
+# keepwarm's C kernels (kernels/csrc/) built plain with -Werror, with ASan+UBSan and with TSan, each running
+# tests/native/kw_test.c (the thread pool, each GEMM family, attention, glue against scalar references); about 40 s
+# on 2 cores. The sanitizer runtimes come with gcc's libgcc-N-dev: installed here when missing and make runs as root
+# with apt (CI); elsewhere the sanitizer the runtime lacks is skipped, and tests/native/sanitize.py says why.
+test-sanitizers: $(DEV)
+	@cc=$${CC:-cc}; ver=$$($$cc -dumpversion 2>/dev/null | cut -d. -f1); \
+		echo 'int main(void){return 0;}' | $$cc -x c -fsanitize=address,undefined -o /dev/null - >/dev/null 2>&1 && \
+		echo 'int main(void){return 0;}' | $$cc -x c -fsanitize=thread -o /dev/null - >/dev/null 2>&1 || \
+		[ -z "$$ver" ] || [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1 || \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -q libgcc-$$ver-dev >/dev/null 2>&1 || \
+		(apt-get update -q >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y -q libgcc-$$ver-dev \
+			>/dev/null 2>&1) || echo "libgcc-$$ver-dev could not be installed: sanitizers without a runtime will skip"
+	$(BIN)/python tests/native/sanitize.py
+
 # `make run` on a bare machine: a venv of its own (build/bare-venv) installed by the $(RUNTIME) recipe above with
 # requirements.txt only (never requirements-dev.txt: the tests' venv hides a runtime package only a dev tool brings),
 # then preload of the bundled model, serve, one completion over HTTP, stop, in a fresh KEEPWARM_HOME. About 3 min
 # from scratch on 2 cores; the venv is reused while its stamp matches requirements/constraints/pyproject/the recipe.
 test-bare-run:
-	bash tests/bare_run_check.sh
+	bash tests/e2e/bare_run_check.sh
 
 # Skips the slow end-to-end tests (CI runs everything through `make test`).
 test-fast: $(DEV)
@@ -64,7 +80,7 @@ lint: lint-tree
 # import-linter and mypy find modules by walking folders, and package-dir maps the folders onto keepwarm.<folder>
 # only at install time: they read a copy of the sources laid out as the installed package.
 LINT_TREE := build/lint-tree
-PACKAGE_DIRS := cli daemon formats kernels snapshot worker
+PACKAGE_DIRS := cli daemon formats kernels snapshot weights worker
 lint-tree: $(DEV)
 	rm -rf $(LINT_TREE) && mkdir -p $(LINT_TREE)/keepwarm
 	cp keepwarm/*.py $(LINT_TREE)/keepwarm/
@@ -90,19 +106,19 @@ $(MUTATION_VENV)/.installed: requirements-mutation.txt
 mutation: $(DEV) $(MUTATION_VENV)/.installed
 	$(BIN)/python tests/mutation/run_mutation.py $(MUTATION_ARGS)
 
-# Regenerate the committed gRPC code (worker/api/grpc_gen/) from worker/api/keepwarm.proto. Only this needs
-# grpcio-tools; serving needs grpcio + protobuf. tests/test_grpc.py checks the committed files match. protoc writes
+# Regenerate the committed gRPC code (worker/grpc/grpc_gen/) from worker/grpc/keepwarm.proto. Only this needs
+# grpcio-tools; serving needs grpcio + protobuf. tests/e2e/test_grpc.py checks the committed files match. protoc writes
 # `import keepwarm_pb2`, which works only with the folder on sys.path: the python step makes it package-relative.
-PROTO_OUT ?= worker/api/grpc_gen
+PROTO_OUT ?= worker/grpc/grpc_gen
 proto: $(DEV)
 	mkdir -p $(PROTO_OUT)
-	$(BIN)/python -m grpc_tools.protoc -Iworker/api --python_out=$(PROTO_OUT) --grpc_python_out=$(PROTO_OUT) \
-		--pyi_out=$(PROTO_OUT) worker/api/keepwarm.proto
+	$(BIN)/python -m grpc_tools.protoc -Iworker/grpc --python_out=$(PROTO_OUT) --grpc_python_out=$(PROTO_OUT) \
+		--pyi_out=$(PROTO_OUT) worker/grpc/keepwarm.proto
 	$(BIN)/python -c "import pathlib; p = pathlib.Path('$(PROTO_OUT)/keepwarm_pb2_grpc.py'); s = p.read_text(); \
 		assert '\nimport keepwarm_pb2 as' in s, 'protoc output changed'; \
 		p.write_text(s.replace('\nimport keepwarm_pb2 as', '\nfrom . import keepwarm_pb2 as'))"
 	test -f $(PROTO_OUT)/__init__.py || \
-		echo '"""Generated by `make proto` from worker/api/keepwarm.proto; do not edit."""' > $(PROTO_OUT)/__init__.py
+		echo '"""Generated by `make proto` from worker/grpc/keepwarm.proto; do not edit."""' > $(PROTO_OUT)/__init__.py
 
 clean:
 	rm -rf $(VENV) $(MUTATION_VENV) build *.egg-info .pytest_cache .ruff_cache .mutation .coverage .coverage.*

@@ -2,26 +2,12 @@
 
     python benchmarks/gpu_check.py --out FILE [--budget SECONDS] [--pytest-log LOG --pytest-rc RC] [--smoke]
 
-Phases, in order; each records its own seconds, and a phase that would start past the time budget is recorded as
-skipped instead of run:
-  bandwidth  device-to-device copy of 2 GiB: bytes read + written per second. The ceiling for memory-bound work.
-  model      an ~8B Llama (Llama-3-8B shapes, random bfloat16 weights, 16 GB) generated on the GPU and written
-             as safetensors shards (`make_large_random_model(..., device="cuda")`).
-  load       a `keepwarm daemon run --device cuda` preloads it into one CUDA arena; then fresh worker processes
-             (a) attach from the daemon (CUDA IPC, no copy) and (b) load it from disk: page cache warm, and cold
-             when the kernel lets root drop its caches. Each reports load_model's seconds and process start -> ready.
-  decode     decode throughput at batch 1, 16 and 64 on the attached weights (CUDA graphs on; batch 1 eager too),
-             against the floor = bytes a step must read (weights + the batch's KV) / copy bandwidth.
-  attention  paged attention in isolation, Llama-8B heads, decode: batch 64 x 4096 context (bfloat16 and fp8
-             KV) and batch 1 x 32768 (split-KV on and off): K/V bytes read per second.
-  matmul     weight-only quantized matmuls at M=1 (4096 -> 14336): weight bytes read per second.
-  moe        the routed experts of one Mixtral-8x7B layer (8 experts, 4096 -> 14336, top-2, bfloat16; dense and
-             int8 / fp8 / int4) at 1, 16, 64 and 256 tokens: the Triton fused-MoE kernel (graph-timed) against the
-             torch reference (one cuBLAS matmul pair per expert, eager: it syncs with the host), and the bytes of
-             the experts a call touches per second.
-Results and a human summary go to one JSON file (`summary` holds the text). `--smoke` runs every phase small and
-on whatever device there is (the CPU here): it checks the script, its numbers mean nothing.
-"""
+Phases, in order: bandwidth, model (an ~8B random Llama written as safetensors on the GPU), load (the daemon's
+preload, then worker attach and disk loads), decode, attention, matmul, moe, decode_int4 / decode_fp8, serve; what
+each measures is in docs/gpu.md, "What it runs and measures". Rules: each phase records its own seconds; a phase
+that would start past the time budget is recorded as skipped, not run; results and a human summary (`summary`) go
+to one JSON file, always written. `--smoke` runs every phase small on whatever device there is (the CPU here): it
+checks the script, its numbers mean nothing."""
 
 from __future__ import annotations
 

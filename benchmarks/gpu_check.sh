@@ -45,7 +45,10 @@ fi
 # check always runs this tree (not an installed keepwarm, not a stray folder).
 mkdir -p "$SCRATCH/pkg/keepwarm"
 ln -s "$ROOT/keepwarm/__init__.py" "$SCRATCH/pkg/keepwarm/__init__.py"
-for d in formats daemon worker kernels snapshot cli; do ln -s "$ROOT/$d" "$SCRATCH/pkg/keepwarm/$d"; done
+# The top-level folders, as pyproject.toml's package-dir maps them ("keepwarm.<folder>" = "<folder>").
+for d in $(sed -n 's/^"keepwarm\.\([a-z_]*\)" = "\1"$/\1/p' "$ROOT/pyproject.toml"); do
+    ln -s "$ROOT/$d" "$SCRATCH/pkg/keepwarm/$d"
+done
 export PYTHONPATH="$SCRATCH/pkg${PYTHONPATH:+:$PYTHONPATH}"
 "$PY" - "$SCRATCH/pkg" "$ROOT" <<'PYEOF' || { echo "[gpu-check] the package does not import from $SCRATCH/pkg" >&2; exit 2; }
 import importlib.util, sys
@@ -77,7 +80,7 @@ if [ -n "${GPU_CHECK_TUNE:-}" ] && [ "${GPU_CHECK_TUNE}" != 0 ]; then
 fi
 
 # Only the files that hold gpu tests: others import packages this machine may lack (openai, fastapi, ...).
-GPU_TESTS=$(grep -l "mark.gpu" "$ROOT"/tests/test_*.py | tr '\n' ' ')
+GPU_TESTS=$(grep -rl --include="test_*.py" "mark.gpu" "$ROOT"/tests | tr '\n' ' ')
 echo "[gpu-check] pytest -m gpu $GPU_TESTS(at most ${PYTEST_BUDGET}s)"
 # shellcheck disable=SC2086
 timeout --signal=INT --kill-after=20 "$PYTEST_BUDGET" "$PY" -m pytest -c "$ROOT/pyproject.toml" --rootdir "$ROOT" \

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from _serve import ServeProcess  # noqa: E402
+from support.serve import ServeProcess  # noqa: E402
 
 
 def hwm(pid: int) -> int:

@@ -3,18 +3,14 @@
     python benchmarks/tune_quant.py [--out kernels/quant_tiles.json] [--budget 90] [--smoke]
 
 On one GPU, for each kind (int8, int4, fp8), each M of the tile table (1, 16, 64, 256) and each weight shape of an
-8B Llama decode (qkv 6144x4096, o 4096x4096, gate_up 28672x4096, down 4096x14336, and 14336x4096, the gpu-check
-row): every candidate tile (tile shape, split-K, stages) is timed with CUDA events over several weight copies
-that together exceed the L2 (so the weight is read from HBM, as in a model), median of 3 rounds. The fastest per
-shape is written, plus a "*" row per kind and M (the tile with the best geometric-mean slowdown over the shapes)
-for shapes the table does not list. For fp8 it also times W8A8 `torch._scaled_mm` at each M and writes the
-smallest M from which it beats the best weight-only tile on every shape (`fp8_scaled_mm_min_rows`). Dense bf16
-(cuBLAS) times are recorded beside, for the ratios.
-
-Compiling dominates: the candidates are compiled first in parallel worker processes (into Triton's cache), then
-timed in this one. A sweep past its budget stops, and writes what it measured (the rows say how many candidates
-each saw). `--smoke` runs it small on the CPU under the interpreter, to check the script; its numbers mean nothing.
-"""
+8B Llama decode (qkv, o, gate_up, down, and the gpu-check row 14336x4096): every candidate tile (shape, split-K,
+stages) is timed with CUDA events over weight copies that together exceed the L2 (read from HBM, as in a model),
+median of 3 rounds. The fastest per shape is written, plus a "*" row per kind and M (the best geometric-mean
+slowdown over the shapes) for shapes the table does not list; for fp8 also the smallest M from which W8A8
+`torch._scaled_mm` beats the best weight-only tile on every shape (`fp8_scaled_mm_min_rows`); dense bf16 (cuBLAS)
+times beside, for the ratios. Candidates compile first in parallel worker processes, then are timed here; a sweep
+past its budget writes what it measured. `--smoke` runs it small on the CPU under the interpreter: its numbers
+mean nothing."""
 
 from __future__ import annotations
 

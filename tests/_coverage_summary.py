@@ -2,7 +2,7 @@
 
     python tests/_coverage_summary.py [--fail-under PERCENT]
 
-One line per package (keepwarm.worker, keepwarm.worker.api, keepwarm.daemon, ...): statements and branches
+One line per package (keepwarm.worker, keepwarm.worker.http, keepwarm.daemon, ...): statements and branches
 covered, and the combined figure coverage.py reports (covered lines + branches over lines + branches).
 """
 

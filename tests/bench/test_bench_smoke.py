@@ -1,4 +1,5 @@
-"""`keepwarm bench ... --smoke`: every benchmark's code path runs in CI (`make gpu-check`'s: tests/test_gpu_check.py).
+"""`keepwarm bench ... --smoke`: every benchmark's code path runs in CI (`make gpu-check`'s:
+tests/bench/test_gpu_check.py).
 
 The figures of a smoke run mean nothing (a tiny random model, a few tokens); what is checked is that each tool
 runs end to end and writes the rows docs/benchmarks.md's figures come from, with the vLLM peer skipped with a
@@ -123,11 +124,11 @@ def test_bench_lora_smoke(bench_env, tmp_path) -> None:
 
 
 def test_bench_snapshot_smoke(bench_env, tmp_path) -> None:
-    """With a local docker-registry (when installed: tests/_registry.py), push and pull are timed too. The model is
+    """With a local docker-registry (tests/support/registry.py, when installed), push and pull are timed. The model is
     preloaded as int8 (a restore skips the quantization: no row may come from a bf16 arena)."""
     import shutil
 
-    from _registry import REGISTRY_BIN, registry_env
+    from support.registry import REGISTRY_BIN, registry_env
 
     env_gen = registry_env(tmp_path / "registry") if shutil.which(REGISTRY_BIN) else None
     reg = next(env_gen) if env_gen is not None else None

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# A vLLM launch script as deployments write it (tests/test_vllm_flags.py runs it with VLLM naming keepwarm and MODEL
-# a tiny model directory; nothing else changes). Its flags are taken from:
+# A vLLM launch script as deployments write it (tests/unit/cli/test_vllm_flags.py runs it with VLLM naming keepwarm and
+# MODEL a tiny model directory; nothing else changes). Its flags are taken from:
 # - the vLLM production-stack Helm chart: helm/templates/deployment-vllm-multi.yaml renders a modelSpec's values
 #   (enableLoRA, enableTool, toolCallParser, vllmConfig: enableChunkedPrefill, enablePrefixCaching, maxModelLen, dtype,
 #   tensorParallelSize, maxNumSeqs, gpuMemoryUtilization -> --gpu_memory_utilization, maxLoras -> --max_loras,

@@ -1,7 +1,7 @@
 """Offline inference written for vLLM's documented API (``vllm.LLM``, ``vllm.SamplingParams``, the fields of
 ``vllm.outputs.RequestOutput`` / ``CompletionOutput`` and ``vllm.logprobs.Logprob``), the way vLLM's
-examples/offline_inference use it. Nothing here knows about keepwarm: tests/test_offline_api.py runs this file with
-its one import line changed to ``from keepwarm import LLM, SamplingParams`` and checks what it prints.
+examples/offline_inference use it. Nothing here knows about keepwarm: tests/unit/worker/test_offline_api.py runs this
+file with its one import line changed to ``from keepwarm import LLM, SamplingParams`` and checks what it prints.
 
 Usage: python vllm_offline_snippet.py MODEL_DIR  (prints the example's lines, then one JSON line)
 """

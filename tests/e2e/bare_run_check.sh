@@ -14,7 +14,7 @@
 # forces a new one. Exit status 0 only when every step passed; any failure prints one "bare-run check FAILED: ..."
 # line and the failing step's log.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 
 VENV=${BARE_VENV:-build/bare-venv}
 PY=$VENV/bin/python

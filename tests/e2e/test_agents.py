@@ -13,8 +13,8 @@ import json
 import httpx
 import openai
 import pytest
-from _serve import ServeProcess
 from pydantic import BaseModel, Field
+from support.serve import ServeProcess
 
 pytestmark = pytest.mark.slow
 

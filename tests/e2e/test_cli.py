@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from _serve import ServeProcess
+from support.serve import ServeProcess
 
 from keepwarm.formats import paths
 

@@ -12,7 +12,8 @@ import time
 import httpx
 import psutil
 import pytest
-from _serve import ServeProcess
+from support.serve import ServeProcess
+from support.wait import wait_until
 
 from keepwarm import LLM, LoRARequest, SamplingParams
 
@@ -70,14 +71,12 @@ async def _stream(client: httpx.AsyncClient, base: str, model: str, prompt: str,
 
 
 def _wait_idle(base: str, timeout: float = 60) -> dict[str, float]:
-    deadline = time.monotonic() + timeout
-    while True:
+    def idle() -> dict[str, float]:
         m = _metrics(base)
-        if m["keepwarm:kv_cache_free_blocks"] == m["keepwarm:kv_cache_total_blocks"] and \
-                m["vllm:num_requests_running"] == 0 and m["vllm:num_requests_waiting"] == 0:
-            return m
-        assert time.monotonic() < deadline, m
-        time.sleep(0.2)
+        return m if m["keepwarm:kv_cache_free_blocks"] == m["keepwarm:kv_cache_total_blocks"] and \
+            m["vllm:num_requests_running"] == 0 and m["vllm:num_requests_waiting"] == 0 else {}
+
+    return wait_until(idle, timeout, interval=0.2, message=lambda: str(_metrics(base)))
 
 
 def test_hundreds_of_streams_with_disconnects_and_adapters(tiny_llama, lora_adapters, references) -> None:

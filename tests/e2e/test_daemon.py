@@ -9,74 +9,24 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import msgpack
 import pytest
 import zmq
+from support.daemon import DaemonProc, Worker, new_runtime_dir, remove_runtime_dir
+from support.wait import wait_until
 
-from keepwarm.daemon.client import DaemonClient, DaemonError
+from keepwarm.daemon.client import DaemonError
 from keepwarm.formats import paths
 from keepwarm.formats.arena import ArenaManifest, CpuArenaFile, arena_digest_of
-
-WORKER = str(Path(__file__).with_name("_worker.py"))
-
-
-class DaemonProc:
-    """A real `keepwarm daemon run` process on its own runtime dir (not detached, so tests can kill -9 it)."""
-
-    def __init__(self, runtime_dir: Path) -> None:
-        self.runtime_dir = runtime_dir
-        self.proc: subprocess.Popen | None = None
-
-    @property
-    def env(self) -> dict[str, str]:
-        return {**os.environ, "KEEPWARM_RUNTIME_DIR": str(self.runtime_dir), "OMP_NUM_THREADS": "1"}
-
-    def start(self, *args: str) -> DaemonProc:
-        with open(self.runtime_dir / "test-daemon.log", "ab") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "keepwarm.cli.main", "daemon", "run", "--threads",
-                                          "2", *args], env=self.env, stdout=log, stderr=log)
-        client = self.client()
-        deadline = time.monotonic() + 60
-        while client.ping(timeout=0.5) is None:
-            assert self.proc.poll() is None, self.log()
-            assert time.monotonic() < deadline, "daemon did not start"
-            time.sleep(0.05)
-        client.close()
-        return self
-
-    def client(self, timeout: float = 30.0) -> DaemonClient:
-        return DaemonClient(self.runtime_dir, timeout=timeout)
-
-    def status(self) -> dict:
-        with self.client() as c:
-            return c.status()
-
-    def log(self) -> str:
-        p = self.runtime_dir / "test-daemon.log"
-        return p.read_text() if p.exists() else ""
-
-    def kill9(self) -> None:
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(timeout=10)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
 
 
 @pytest.fixture
 def runtime_dir():
-    d = Path(tempfile.mkdtemp(prefix="kwrt-", dir="/tmp"))  # short: unix socket paths are limited to 107 bytes
+    d = new_runtime_dir()
     yield d
-    shutil.rmtree(paths.shm_dir(d), ignore_errors=True)
-    shutil.rmtree(d, ignore_errors=True)
+    remove_runtime_dir(d)
 
 
 @pytest.fixture
@@ -93,6 +43,18 @@ def daemon(runtime_dir):
         p.stop()
 
 
+@pytest.fixture(scope="module")
+def shared_daemon(tiny_llama):
+    """One daemon with the tiny llama resident, for the tests that only send it requests that must change nothing
+    (refused preloads and messages, a second daemon refused): each checks it still holds exactly that model."""
+    d = DaemonProc(new_runtime_dir()).start()
+    with d.client() as c:
+        c.preload(tiny_llama)
+    yield d
+    d.stop()
+    remove_runtime_dir(d.runtime_dir)
+
+
 @pytest.fixture(scope="session")
 def medium_model(tmp_path_factory) -> str:
     """~70 MB of float32 weights: big enough that memory accounting cannot hide them."""
@@ -101,41 +63,6 @@ def medium_model(tmp_path_factory) -> str:
     return str(make_random_model(tmp_path_factory.mktemp("medium"), "llama", vocab_size=8192, hidden_size=512,
                                  intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
                                  num_key_value_heads=2, head_dim=64, initializer_range=0.1))
-
-
-class Worker:
-    def __init__(self, model: str, runtime_dir: Path, daemon: str = "on", hold: bool = True,
-                 quantization: str = "none") -> None:
-        env = {**os.environ, "KEEPWARM_RUNTIME_DIR": str(runtime_dir), "OMP_NUM_THREADS": "1"}
-        cmd = [sys.executable, WORKER, model, "--daemon", daemon, "--quantization", quantization]
-        self.proc = subprocess.Popen(cmd + (["--hold"] if hold else []), env=env, stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        self.report = self.read()
-
-    def read(self) -> dict:
-        line = self.proc.stdout.readline()
-        if not line:
-            raise AssertionError(f"worker died ({self.proc.wait()}): {self.proc.stderr.read()[-3000:]}")
-        return json.loads(line)
-
-    def send(self, cmd: str) -> None:
-        self.proc.stdin.write(cmd + "\n")
-        self.proc.stdin.flush()
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.send("exit")
-            self.proc.wait(timeout=30)
-
-
-def wait_for(predicate, timeout: float = 20.0, interval: float = 0.1):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError("condition not met in time")
 
 
 @pytest.mark.slow
@@ -174,7 +101,7 @@ def test_two_workers_attach_share_and_cannot_write(daemon, runtime_dir, medium_m
                                                 m.total_bytes)
         assert arena_digest_of(arena_file.flat, m.tensors) == m.arena_digest
         # The dead writer's lease is dropped (its pid is gone).
-        wait_for(lambda: [x["pid"] for x in d.status()["models"][0]["leases"]] == [w2.report["pid"]])
+        wait_until(lambda: [x["pid"] for x in d.status()["models"][0]["leases"]] == [w2.report["pid"]], 20)
     finally:
         w2.close()
         if w1.proc.poll() is None:
@@ -189,7 +116,7 @@ def test_kill9_worker_then_daemon_readopts(daemon, runtime_dir, tiny_llama) -> N
         assert d.status()["counters"]["preloads"] == 1
         w.proc.send_signal(signal.SIGKILL)
         w.proc.wait(timeout=10)
-        wait_for(lambda: d.status()["leases"] == 0, timeout=10)  # pid gone -> lease dropped
+        wait_until(lambda: d.status()["leases"] == 0, 10)  # pid gone -> lease dropped
         assert d.status()["counters"]["leases_dropped"] == 1
 
         survivor = Worker(tiny_llama, runtime_dir)
@@ -207,7 +134,7 @@ def test_kill9_worker_then_daemon_readopts(daemon, runtime_dir, tiny_llama) -> N
         assert st["models"][0]["origin"] == "adopted"
         assert not (arena_dir / ".building-deadbeef.arena").exists()
         # The survivor's lease died with the old daemon: its keeper re-attaches by fingerprint.
-        wait_for(lambda: [x["pid"] for x in d2.status()["models"][0]["leases"]] == [survivor.report["pid"]])
+        wait_until(lambda: [x["pid"] for x in d2.status()["models"][0]["leases"]] == [survivor.report["pid"]], 20)
         survivor.send("tokens")
         assert survivor.read()["tokens"] == expected
         fresh = Worker(tiny_llama, runtime_dir, hold=False)
@@ -252,7 +179,7 @@ def test_missed_renewals_drop_lease_and_eviction_rules(daemon, runtime_dir, tiny
         with pytest.raises(DaemonError) as e:
             c.evict(tiny_llama)
         assert e.value.code == "in_use"
-        wait_for(lambda: d.status()["leases"] == 0, timeout=10)
+        wait_until(lambda: d.status()["leases"] == 0, 10)
         with pytest.raises(DaemonError) as e:
             c.heartbeat(lease)
         assert e.value.code == "unknown_lease"
@@ -285,7 +212,7 @@ def test_memory_budget_evicts_lru_or_refuses(daemon, runtime_dir, tiny_model_fac
 
 
 def test_fingerprint_covers_weight_bytes(daemon, runtime_dir, tiny_llama, tmp_path) -> None:
-    from keepwarm.daemon.checkpoint import read_safetensors_header
+    from keepwarm.weights.checkpoint import read_safetensors_header
 
     model = tmp_path / "m"
     shutil.copytree(tiny_llama, model)
@@ -315,8 +242,8 @@ def test_fingerprint_covers_weight_bytes(daemon, runtime_dir, tiny_llama, tmp_pa
     ("arch", "bad_model", "unsupported architecture 'BertModel'"),
     ("quant", "bad_quantization", "unknown quantization 'int3'"),
 ])
-def test_bad_preloads_get_one_line_errors(daemon, runtime_dir, tiny_llama, tmp_path, case, code, pattern) -> None:
-    d = daemon()
+def test_bad_preloads_get_one_line_errors(shared_daemon, tiny_llama, tmp_path, case, code, pattern) -> None:
+    d = shared_daemon
     with d.client() as c:
         c.preload(tiny_llama)
         model = {"missing": str(tmp_path / "nope"), "not_model": str(tmp_path), "arch": str(tmp_path / "bert"),
@@ -356,13 +283,13 @@ def test_memory_budget_too_small_is_a_clear_error(daemon, tiny_llama) -> None:
     (msgpack.packb({"v": 1, "id": "x", "verb": "attach", "args": {"model": "m"}}), "bad_request"),
     (msgpack.packb({"v": 1, "id": "x", "verb": "heartbeat", "args": "lease"}), "bad_request"),
 ])
-def test_malformed_messages_are_refused(daemon, runtime_dir, tiny_llama, payload, code) -> None:
-    d = daemon()
+def test_malformed_messages_are_refused(shared_daemon, tiny_llama, payload, code) -> None:
+    d = shared_daemon
     with d.client() as c:
         c.preload(tiny_llama)
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(paths.endpoint(runtime_dir))
+    sock.connect(paths.endpoint(d.runtime_dir))
     try:
         sock.send(payload)
         assert sock.poll(10_000)
@@ -419,8 +346,8 @@ def test_other_user_cannot_attach(daemon, runtime_dir, tiny_llama) -> None:
     assert d.status()["pid"] == d.proc.pid
 
 
-def test_second_daemon_on_same_runtime_dir_refuses(daemon, runtime_dir) -> None:
-    d = daemon()
+def test_second_daemon_on_same_runtime_dir_refuses(shared_daemon) -> None:
+    d = shared_daemon
     out = subprocess.run([sys.executable, "-m", "keepwarm.cli.main", "daemon", "run"], env=d.env,
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 1 and "already runs" in out.stderr
@@ -431,16 +358,18 @@ def test_a_cpu_daemon_warms_up_beside_its_socket_loop(daemon, tiny_llama) -> Non
     """The packing probe and the native library are paid for at start, in a thread, and logged; status answers
     meanwhile, and a preload after it gives the same arena as always."""
     d = daemon()
-    deadline = time.monotonic() + 60
-    while "warm-up: the packing probe, native kernels and hashes ready in" not in d.log():
-        assert time.monotonic() < deadline and "warm-up failed" not in d.log(), d.log()[-2000:]
-        time.sleep(0.05)
+
+    def warmed_up() -> bool:
+        assert "warm-up failed" not in d.log(), d.log()[-2000:]
+        return "warm-up: the packing probe, native kernels and hashes ready in" in d.log()
+
+    wait_until(warmed_up, 60, message=lambda: d.log()[-2000:])
     with d.client() as c:
         assert c.preload(tiny_llama, "none", "auto").fingerprint
 
 
 def test_warm_up_fills_the_caches_a_first_preload_would() -> None:
-    code = ("from keepwarm.daemon.loader import warm_up\n"
+    code = ("from keepwarm.weights.loader import warm_up\n"
             "from keepwarm.kernels import cpu_native, cpu_packed\n"
             "before = (cpu_packed._probe.cache_info().currsize, cpu_native._load.cache_info().currsize)\n"
             "seconds = warm_up()\n"

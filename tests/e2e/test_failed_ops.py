@@ -6,7 +6,7 @@ One daemon serves the whole table (a row lists the directory and ``status`` befo
 ``keepwarm serve`` attached to it takes the adapter rows through ``/v1/load_lora_adapter``, and the restart check
 runs once, last. Faults the files cannot cause (ENOSPC in the middle of a preload, an exception inside the
 quantizer) are injected into the daemon process by a ``sitecustomize`` (through PYTHONPATH) that wraps one function
-of ``keepwarm.daemon.loader`` while a control file names the fault: no hook in keepwarm's code.
+of ``keepwarm.weights.loader`` while a control file names the fault: no hook in keepwarm's code.
 """
 
 from __future__ import annotations
@@ -16,16 +16,13 @@ import json
 import os
 import shutil
 import signal
-import subprocess
-import sys
-import tempfile
-import time
 from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 import pytest
-from _serve import ServeProcess
+from support.daemon import DaemonProc, new_runtime_dir
+from support.serve import ServeProcess
 
 from keepwarm.daemon.client import DaemonClient, DaemonError
 from keepwarm.formats import paths
@@ -39,7 +36,7 @@ import errno, os
 _control = os.environ.get("KEEPWARM_TEST_FAULT_FILE")
 if _control:
     import keepwarm.daemon.adapters
-    import keepwarm.daemon.loader
+    import keepwarm.weights.loader
     import keepwarm.daemon.residency
 
     def _armed(fault):
@@ -62,8 +59,8 @@ if _control:
     def _enospc():
         return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    _wrap(keepwarm.daemon.loader, "pwrite_all", "enospc", _enospc)
-    _wrap(keepwarm.daemon.loader, "quantize", "quantize",
+    _wrap(keepwarm.weights.loader, "pwrite_all", "enospc", _enospc)
+    _wrap(keepwarm.weights.loader, "quantize", "quantize",
           lambda: RuntimeError("injected failure inside the quantizer"))
     for _module in (keepwarm.daemon.adapters, keepwarm.daemon.residency):  # the manifest, after the data landed
         _wrap(_module, "write_file_atomic", "enospc-manifest", _enospc,
@@ -74,41 +71,21 @@ LORA_RANK = 4
 MAX_LORA_RANK = 8
 
 
-class Daemon:
-    """A real `keepwarm daemon run` on its own runtime dir, with the fault injector loaded."""
+class Daemon(DaemonProc):
+    """A real `keepwarm daemon run --threads 1` on its own runtime dir, with the fault injector loaded."""
 
     def __init__(self, root: Path) -> None:
-        self.rt = Path(tempfile.mkdtemp(prefix="kwfo-", dir="/tmp"))  # short: unix socket paths are limited
         (root / "inject").mkdir()
         (root / "inject" / "sitecustomize.py").write_text(SITECUSTOMIZE)
         self.fault_file = root / "fault"
-        self.env = {**os.environ, "KEEPWARM_RUNTIME_DIR": str(self.rt), "OMP_NUM_THREADS": "1",
-                    "KEEPWARM_TEST_FAULT_FILE": str(self.fault_file),
-                    "PYTHONPATH": os.pathsep.join([str(root / "inject"), os.environ.get("PYTHONPATH", "")])}
+        super().__init__(new_runtime_dir("kwfo-"), threads=1, env={
+            "KEEPWARM_TEST_FAULT_FILE": str(self.fault_file),
+            "PYTHONPATH": os.pathsep.join([str(root / "inject"), os.environ.get("PYTHONPATH", "")])})
+        self.rt = self.runtime_dir
         self.shm = paths.shm_dir(self.rt)
-        self.proc: subprocess.Popen | None = None
 
-    def start(self) -> Daemon:
-        with open(self.rt / "test-daemon.log", "ab") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "keepwarm.cli.main", "daemon", "run", "--threads",
-                                          "1"], env=self.env, stdout=log, stderr=log)
-        deadline = time.monotonic() + 60
-        with self.client() as c:
-            while c.ping(timeout=0.5) is None:
-                assert self.proc.poll() is None and time.monotonic() < deadline, self.log()[-3000:]
-                time.sleep(0.05)
-        return self
-
-    def client(self) -> DaemonClient:
-        return DaemonClient(self.rt, timeout=60.0)
-
-    def status(self) -> dict:
-        with self.client() as c:
-            return c.status()
-
-    def log(self) -> str:
-        p = self.rt / "test-daemon.log"
-        return p.read_text() if p.exists() else ""
+    def client(self, timeout: float = 60.0) -> DaemonClient:
+        return super().client(timeout)
 
     def files(self) -> set[str]:
         return {p.name for p in self.shm.iterdir()} if self.shm.is_dir() else set()
@@ -119,15 +96,6 @@ class Daemon:
         return {"models": sorted(m["fingerprint"] for m in st["models"]),
                 "adapters": sorted(a["digest"] for a in st["adapters"]), "loading": st["loading"],
                 "files": sorted(self.files())}
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
 
 
 @contextmanager

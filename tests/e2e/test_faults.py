@@ -20,8 +20,9 @@ import time
 from pathlib import Path
 
 import pytest
-from test_daemon import Worker
-from test_snapshot import Side, kw, one_line_error
+from support.cli import kw, one_line_error
+from support.daemon import WORKER_SCRIPT, Side, Worker
+from support.wait import wait_until
 
 from keepwarm.daemon.client import DaemonClient
 from keepwarm.formats import paths
@@ -67,18 +68,6 @@ def killing(env: dict[str, str], killer_dir: Path, point: str) -> dict[str, str]
             "KEEPWARM_TEST_KILL_AT": point}
 
 
-def start_daemon(side: Side, env: dict[str, str] | None = None) -> subprocess.Popen:
-    with open(side.rt / "test-daemon.log", "ab") as log:
-        side.proc = subprocess.Popen([sys.executable, "-m", "keepwarm.cli.main", "daemon", "run", "--threads", "2"],
-                                     env=env or side.env, stdout=log, stderr=log)
-    deadline = time.monotonic() + 60
-    with DaemonClient(side.rt) as c:
-        while c.ping(timeout=0.5) is None:
-            assert side.proc.poll() is None and time.monotonic() < deadline, "daemon did not start"
-            time.sleep(0.05)
-    return side.proc
-
-
 def store_consistent(store: Store) -> list[str]:
     """Every file under a digest's name holds that content; returns the names of temp files left over."""
     leftovers = []
@@ -113,12 +102,12 @@ def _config(tmp_path: Path, model: str, quantization: str = "none") -> Path:
 
 
 def test_kill9_inside_preload_leaves_nothing_half_loaded(side, tiny_llama, killer_dir) -> None:
-    start_daemon(side, killing(side.env, killer_dir, "keepwarm.daemon.loader:_read_hashed:3"))
+    side.start_daemon(env=killing(side.env, killer_dir, "keepwarm.weights.loader:_read_hashed:3"))
     r = kw(side.env, "preload", tiny_llama, "--dtype", "float32", check=False)
     assert r.returncode != 0 and side.proc.wait(timeout=30) == -9
     # at once, not after the 60 s a silent daemon gets: ZeroMQ itself never says that the peer went away
     assert "closed the connection before answering 'preload'" in one_line_error(r)
-    start_daemon(side)  # the supervisor's restart: a half-filled arena must not be re-adopted
+    side.start_daemon()  # the supervisor's restart: a half-filled arena must not be re-adopted
     assert not any(name.endswith(".arena") for name in arena_files(side)), arena_files(side)
     kw(side.env, "preload", tiny_llama, "--dtype", "float32")
     worker = Worker(tiny_llama, side.rt, hold=False)
@@ -129,22 +118,22 @@ def test_kill9_inside_preload_leaves_nothing_half_loaded(side, tiny_llama, kille
 def test_a_client_outlives_a_daemon_restart(side) -> None:
     """The end of the old daemon's connection (which fails a request in flight at once) is not held against the
     next request: ZeroMQ reconnects the same client to the new daemon."""
-    start_daemon(side)
+    side.start_daemon()
     with DaemonClient(side.rt) as c:
         first = c.status()["pid"]
         side.proc.kill()
         side.proc.wait(timeout=30)
         time.sleep(0.2)  # the monitor has seen the disconnect
-        start_daemon(side)
+        side.start_daemon()
         assert c.status()["pid"] == side.proc.pid != first
 
 
 def test_kill9_inside_attach_drops_the_lease(side, tiny_llama, killer_dir) -> None:
-    start_daemon(side)
+    side.start_daemon()
     kw(side.env, "preload", tiny_llama, "--dtype", "float32")
     attaches = side.status()["counters"].get("attaches", 0)
     env = killing({**side.env}, killer_dir, "keepwarm.worker.attach:model_tensors:1")
-    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("_worker.py")), tiny_llama, "--daemon",
+    proc = subprocess.run([sys.executable, WORKER_SCRIPT, tiny_llama, "--daemon",
                            "on"], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == -9
     assert side.status()["counters"]["attaches"] == attaches + 1  # the lease was granted, then the worker died
@@ -152,9 +141,7 @@ def test_kill9_inside_attach_drops_the_lease(side, tiny_llama, killer_dir) -> No
     def leases() -> list:
         return [x for m in side.status()["models"] for x in m["leases"]]
 
-    deadline = time.monotonic() + 30
-    while leases() and time.monotonic() < deadline:  # its pid is gone: the daemon drops it
-        time.sleep(0.2)
+    wait_until(lambda: not leases(), 30, interval=0.2, message=lambda: f"leases kept: {leases()}")  # its pid is gone
     assert leases() == []
     assert Worker(tiny_llama, side.rt, hold=False).report["source"] == "daemon"  # still resident, attachable
 
@@ -162,7 +149,7 @@ def test_kill9_inside_attach_drops_the_lease(side, tiny_llama, killer_dir) -> No
 @pytest.mark.parametrize("point", ["keepwarm.snapshot.store:_write_all:1:half",
                                    "keepwarm.snapshot.store:Store._land:2"], ids=["mid-blob", "between-blobs"])
 def test_kill9_inside_snapshot_create(side, tiny_llama, killer_dir, tmp_path, point: str) -> None:
-    start_daemon(side)
+    side.start_daemon()
     config = _config(tmp_path, tiny_llama)
     r = kw(killing(side.env, killer_dir, point), "snapshot", "create", "s", "--from-config", config, "--preload",
            check=False)
@@ -177,7 +164,7 @@ def test_kill9_inside_snapshot_create(side, tiny_llama, killer_dir, tmp_path, po
 
 
 def test_kill9_inside_snapshot_restore(side, tiny_llama, killer_dir, tmp_path) -> None:
-    start_daemon(side)
+    side.start_daemon()
     config = _config(tmp_path, tiny_llama)
     kw(side.env, "snapshot", "create", "s", "--from-config", config, "--preload")
     fingerprint = side.store.load("s")["models"][0]["fingerprint"]
@@ -193,12 +180,12 @@ def test_kill9_inside_snapshot_restore(side, tiny_llama, killer_dir, tmp_path) -
     # 2. the daemon dies while it copies the image in
     side.proc.terminate()
     side.proc.wait(timeout=30)
-    start_daemon(side, killing(side.env, killer_dir, "keepwarm.daemon.image:fill_cpu:1"))
+    side.start_daemon(env=killing(side.env, killer_dir, "keepwarm.daemon.image:fill_cpu:1"))
     r = kw(side.env, "snapshot", "restore", "s", "--server-config", target, check=False)
     assert r.returncode != 0 and side.proc.wait(timeout=30) == -9
     assert "closed the connection before answering 'load_image'" in one_line_error(r)
     assert target.read_text() == "# the config before the restore\n"
-    start_daemon(side)
+    side.start_daemon()
     assert not any(name.startswith(".image-") for name in arena_files(side)), arena_files(side)
     kw(side.env, "snapshot", "restore", "s", "--server-config", target)
     assert f'fingerprint = "{fingerprint}"' in target.read_text()
@@ -211,9 +198,9 @@ def test_a_preload_into_a_full_tmpfs_fails_with_enospc(tiny_llama, small_tmpfs, 
     """The arena file is not allocated up front: float32 tensors are read straight into the mapping (their pages
     reserved first), int8 ones written with pwrite. Either way a full tmpfs is ENOSPC, "No space left on device",
     never EFAULT or SIGBUS."""
-    from keepwarm.daemon.checkpoint import Checkpoint
-    from keepwarm.daemon.loader import build_arena, plan_arena, resolve_dtype
     from keepwarm.formats.arena import CpuArenaFile
+    from keepwarm.weights.checkpoint import Checkpoint
+    from keepwarm.weights.loader import build_arena, plan_arena, resolve_dtype
 
     ckpt = Checkpoint(Path(tiny_llama))
     planned, total = plan_arena(ckpt, quantization, resolve_dtype(ckpt, dtype), "cpu")
@@ -232,7 +219,7 @@ def _store_size(store: Store) -> int:
 
 
 def test_full_filesystem_during_create_and_import(side, tiny_llama, tmp_path, small_tmpfs) -> None:
-    start_daemon(side)
+    side.start_daemon()
     kw(side.env, "snapshot", "create", "fp32", "--from-config", _config(tmp_path, tiny_llama), "--preload")
     needed = _store_size(side.store)
     # A store on a tmpfs with room for the fp32 snapshot and 64 KiB more: an int8 image does not fit.
@@ -268,14 +255,7 @@ def test_a_worker_holding_the_gil_keeps_its_lease(side, tiny_llama) -> None:
 
     from keepwarm import LLM
 
-    with open(side.rt / "test-daemon.log", "ab") as log:
-        side.proc = subprocess.Popen([sys.executable, "-m", "keepwarm.cli.main", "daemon", "run", "--threads", "2",
-                                      "--lease-ttl", "1.0"], env=side.env, stdout=log, stderr=log)
-    deadline = time.monotonic() + 60
-    with DaemonClient(side.rt) as c:
-        while c.ping(timeout=0.5) is None:
-            assert side.proc.poll() is None and time.monotonic() < deadline
-            time.sleep(0.05)
+    side.start_daemon("--lease-ttl", "1.0")
     llm = LLM(model=tiny_llama, dtype="float32", daemon=True, runtime_dir=str(side.rt), max_model_len=64)
     try:
         att = llm.llm_engine.loaded.attachment
@@ -300,7 +280,7 @@ def test_an_attachment_dropped_without_close_stops_its_keeper(side, tiny_llama) 
 
     from keepwarm import LLM
 
-    start_daemon(side)
+    side.start_daemon()
     llm = LLM(model=tiny_llama, dtype="float32", daemon=True, runtime_dir=str(side.rt), max_model_len=64)
     keeper = llm.llm_engine.loaded.attachment.keeper
     proc = keeper._proc
@@ -308,7 +288,8 @@ def test_an_attachment_dropped_without_close_stops_its_keeper(side, tiny_llama) 
     del llm
     gc.collect()
     assert proc.wait(timeout=30) == 0
-    deadline = time.monotonic() + 30
-    while [x for m in side.status()["models"] for x in m["leases"]] and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert [x for m in side.status()["models"] for x in m["leases"]] == []  # detached
+    def leases() -> list:
+        return [x for m in side.status()["models"] for x in m["leases"]]
+
+    wait_until(lambda: not leases(), 30, interval=0.1, message=lambda: f"leases kept: {leases()}")
+    assert leases() == []  # detached

@@ -14,16 +14,17 @@ import math
 import os
 import signal
 import tempfile
-import time
 from pathlib import Path
 
 import grpc
 import httpx
 import pytest
-from _serve import ServeProcess, free_port
+from support.ports import free_port
+from support.serve import ServeProcess
+from support.wait import wait_until
 
-from keepwarm.worker.api.grpc_gen import keepwarm_pb2 as pb
-from keepwarm.worker.api.grpc_gen import keepwarm_pb2_grpc as pb_grpc
+from keepwarm.worker.grpc.grpc_gen import keepwarm_pb2 as pb
+from keepwarm.worker.grpc.grpc_gen import keepwarm_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.slow
 
@@ -186,22 +187,22 @@ def test_a_worker_killed_by_a_signal_is_said_so_and_replaced(server) -> None:
     dead = httpx.get(server.base + "/health", timeout=10).json()["restarts"]["worker_pid"]
     os.kill(dead, signal.SIGKILL)
     said = f"the worker (pid {dead}) exited on its own: killed by SIGKILL (signal 9)"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
+
+    def replaced() -> dict:
         try:
             restarts = httpx.get(server.base + "/health", timeout=10).json()["restarts"]
         except httpx.HTTPError:
-            restarts = {}
-        if restarts.get("worker_pid") not in (None, dead) and said in server.output():
-            break
-        time.sleep(0.1)
+            return {}
+        return restarts if restarts.get("worker_pid") not in (None, dead) and said in server.output() else {}
+
+    restarts = wait_until(replaced, 120, interval=0.1, message=lambda: server.output()[-3000:])
     assert said in server.output(), server.output()[-3000:]
     assert restarts["last_replacement"]["old_pid"] == dead and restarts["last_replacement"]["status"] == -9
     _serves(server)
 
 
 def test_how_a_worker_ended_reads() -> None:
-    from keepwarm.worker.api.supervisor import ended, exit_status
+    from keepwarm.worker.process.children import ended, exit_status
 
     assert ended(-9) == "killed by SIGKILL (signal 9)" and ended(-15) == "killed by SIGTERM (signal 15)"
     assert ended(3) == "status 3" and ended(-200) == "killed by an unknown signal (signal 200)"

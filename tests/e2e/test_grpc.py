@@ -9,22 +9,23 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import grpc
 import httpx
 import pytest
-from _serve import ServeProcess, free_port
+from support.ports import free_port
+from support.serve import ServeProcess
+from support.wait import wait_until
 
-from keepwarm.worker.api.grpc_gen import keepwarm_pb2 as pb
-from keepwarm.worker.api.grpc_gen import keepwarm_pb2_grpc as pb_grpc
+from keepwarm.worker.grpc.grpc_gen import keepwarm_pb2 as pb
+from keepwarm.worker.grpc.grpc_gen import keepwarm_pb2_grpc as pb_grpc
 
 # End-to-end: real server processes. CI runs them (make test); skip locally with -m "not slow".
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[1]
-GEN = ROOT / "worker" / "api" / "grpc_gen"
+ROOT = Path(__file__).resolve().parents[2]
+GEN = ROOT / "worker" / "grpc" / "grpc_gen"
 SHUTDOWN_TIMEOUT = 10.0
 PROMPT = "The quick brown"
 
@@ -91,7 +92,7 @@ def collect(stream) -> dict[int, dict]:
 
 
 def test_generated_code_matches_make_proto(tmp_path) -> None:
-    """The committed worker/api/grpc_gen/ is exactly what `make proto` writes from keepwarm.proto."""
+    """The committed worker/grpc/grpc_gen/ is exactly what `make proto` writes from keepwarm.proto."""
     pytest.importorskip("grpc_tools")
     if shutil.which("make") is None:
         pytest.skip("make is not installed")
@@ -196,12 +197,9 @@ def test_cancelled_stream_aborts_and_frees_kv(server) -> None:
     with pytest.raises(grpc.RpcError) as e:
         list(call)
     assert e.value.code() == grpc.StatusCode.CANCELLED
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        if server.metric("keepwarm:kv_cache_free_blocks") == total and \
-                server.metric("vllm:request_success_total", finished_reason="abort") > aborted:
-            break
-        time.sleep(0.1)
+    wait_until(lambda: server.metric("keepwarm:kv_cache_free_blocks") == total and
+               server.metric("vllm:request_success_total", finished_reason="abort") > aborted, 10, interval=0.1,
+               strict=False)
     assert server.metric("keepwarm:kv_cache_free_blocks") == total
     assert server.metric("vllm:request_success_total", finished_reason="abort") == aborted + 16
     assert server.stub.Health(pb.HealthRequest(), timeout=10).status == pb.HealthResponse.SERVING

@@ -11,10 +11,12 @@ import time
 import grpc
 import httpx
 import pytest
-from _serve import ServeProcess, free_port
+from support.ports import free_port
+from support.serve import ServeProcess
+from support.wait import wait_until
 
-from keepwarm.worker.api.grpc_gen import keepwarm_pb2 as pb
-from keepwarm.worker.api.grpc_gen import keepwarm_pb2_grpc as pb_grpc
+from keepwarm.worker.grpc.grpc_gen import keepwarm_pb2 as pb
+from keepwarm.worker.grpc.grpc_gen import keepwarm_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.slow
 
@@ -85,10 +87,8 @@ def _aborts_and_lengths(server: HostileServer) -> tuple[float, float]:
 
 
 def _wait_idle(server: HostileServer) -> None:
-    deadline = time.monotonic() + 60
-    while server.metric("vllm:num_requests_running") or server.metric("vllm:num_requests_waiting"):
-        assert time.monotonic() < deadline
-        time.sleep(0.1)
+    wait_until(lambda: not (server.metric("vllm:num_requests_running") or
+                            server.metric("vllm:num_requests_waiting")), 60, interval=0.1)
 
 
 def test_item2_a_non_streaming_request_is_aborted_when_its_client_leaves(server) -> None:

@@ -17,16 +17,16 @@ from pathlib import Path
 
 import httpx
 import pytest
-from _registry import registry_env
-from _serve import ServeProcess, metric
 from prometheus_client.parser import text_string_to_metric_families
-from test_snapshot import _synthetic
+from support.registry import registry_env
+from support.serve import ServeProcess, metric
+from support.snapshots import synthetic
 
-from keepwarm.daemon.checkpoint import Checkpoint
 from keepwarm.snapshot import manifest as mf
 from keepwarm.snapshot import textfile
 from keepwarm.snapshot.inspect import mb
 from keepwarm.snapshot.store import Store
+from keepwarm.weights.checkpoint import Checkpoint
 
 SERVE_ARGS = ("--dtype", "float32", "--max-model-len", "256", "--threads", "1", "--served-model-name", "tiny")
 
@@ -100,7 +100,7 @@ def read_textfile(home: Path) -> dict[tuple[str, frozenset], float]:
 def home_with(tmp_path: Path, name: str) -> tuple[Path, Store, dict]:
     home = tmp_path / name
     store = Store(home / "store").ensure()
-    return home, store, _synthetic(store)
+    return home, store, synthetic(store)
 
 
 def _seconds(stdout: str) -> float:

@@ -16,11 +16,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from _serve import ServeProcess
+from support.serve import ServeProcess
 
 pytestmark = pytest.mark.slow
 
-DATA = Path(__file__).parent / "data" / "capitals_mc.json"
+DATA = Path(__file__).resolve().parents[1] / "data" / "capitals_mc.json"
 TASK = """task: keepwarm_capitals
 dataset_path: json
 dataset_kwargs:
@@ -48,31 +48,46 @@ print("RESULT " + json.dumps({"acc": r["acc,none"], "acc_norm": r["acc_norm,none
 """
 
 
-def run_lm_eval(tmp: Path, model: str, model_args: str, batch: int) -> dict:
+def start_lm_eval(cwd: Path, model: str, model_args: str, batch: int) -> subprocess.Popen:
+    """lm-eval on the task, from ``cwd`` (its output to files there: a full pipe would stall it)."""
+    cwd.mkdir(exist_ok=True)
+    (cwd / "keepwarm_capitals.yaml").write_text(TASK.format(data=DATA))
     # One thread: on a busy 2-core machine two spinning OpenMP threads made each request 5-8x slower.
     env = {"OMP_NUM_THREADS": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    with open(cwd / "stdout", "w") as out, open(cwd / "stderr", "w") as err:
+        return subprocess.Popen([sys.executable, "-c", RUN, model, model_args, str(batch)], cwd=cwd, text=True,
+                                stdout=out, stderr=err, env={**os.environ, **env})
 
-    proc = subprocess.run([sys.executable, "-c", RUN, model, model_args, str(batch)], cwd=tmp, capture_output=True,
-                          text=True, env={**os.environ, **env}, timeout=900)
-    line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
-    assert line is not None, proc.stdout[-2000:] + proc.stderr[-4000:]
+
+def lm_eval_result(proc: subprocess.Popen, cwd: Path) -> dict:
+    proc.wait(timeout=900)
+    stdout, stderr = (cwd / "stdout").read_text(), (cwd / "stderr").read_text()
+    line = next((x for x in stdout.splitlines() if x.startswith("RESULT ")), None)
+    assert line is not None, stdout[-2000:] + stderr[-4000:]
     return json.loads(line[len("RESULT "):])
 
 
 def test_lm_eval_local_completions_equals_hf_backend(tmp_path: Path) -> None:
+    """The hf backend's run goes at the same time as the served one (one thread each: two cores)."""
     from keepwarm.worker.default_model import default_model
 
     model_dir = str(default_model())
-    (tmp_path / "keepwarm_capitals.yaml").write_text(TASK.format(data=DATA))
-    server = ServeProcess(model_dir, "--no-daemon", "--dtype", "float32", "--max-model-len", "512",
-                          "--served-model-name", "smollm2", "--threads", "1")
+    hf_run = start_lm_eval(tmp_path / "hf", "hf", f"pretrained={model_dir},dtype=float32,device=cpu", batch=8)
     try:
-        served = run_lm_eval(tmp_path, "local-completions",
-                             f"model=smollm2,base_url={server.base}/v1/completions,tokenizer={model_dir},"
-                             "tokenized_requests=True,num_concurrent=1,max_retries=1", batch=16)
+        server = ServeProcess(model_dir, "--no-daemon", "--dtype", "float32", "--max-model-len", "512",
+                              "--served-model-name", "smollm2", "--threads", "1")
+        try:
+            served_run = start_lm_eval(
+                tmp_path / "served", "local-completions", f"model=smollm2,base_url={server.base}/v1/completions,"
+                f"tokenizer={model_dir},tokenized_requests=True,num_concurrent=1,max_retries=1", batch=16)
+            served = lm_eval_result(served_run, tmp_path / "served")
+        finally:
+            assert server.stop() == 0
+        hf = lm_eval_result(hf_run, tmp_path / "hf")
     finally:
-        assert server.stop() == 0
-    hf = run_lm_eval(tmp_path, "hf", f"pretrained={model_dir},dtype=float32,device=cpu", batch=8)
+        if hf_run.poll() is None:
+            hf_run.kill()
+            hf_run.wait()
     print(f"lm-eval keepwarm_capitals (40 items): keepwarm acc {served['acc']:.4f} acc_norm "
           f"{served['acc_norm']:.4f}; hf acc {hf['acc']:.4f} acc_norm {hf['acc_norm']:.4f}")
     assert served["acc"] == hf["acc"] and served["acc_norm"] == hf["acc_norm"]

@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from _serve import ServeProcess
+from support.serve import ServeProcess
 
 from keepwarm import LLM, LoRARequest, SamplingParams
 
@@ -31,7 +31,7 @@ class Server(ServeProcess):
 
 @pytest.fixture(scope="module")
 def expected(tiny_llama, lora_adapters) -> dict[str | None, list[str]]:
-    """Greedy texts offline (the offline engine equals PEFT under transformers: tests/test_lora.py)."""
+    """Greedy texts offline (the offline engine equals PEFT under transformers: tests/unit/worker/test_lora.py)."""
     llm = LLM(model=tiny_llama, dtype="float32", max_model_len=256, enable_lora=True, max_loras=3,
               max_lora_rank=16, daemon=False)
     params = SamplingParams(temperature=0, max_tokens=10)

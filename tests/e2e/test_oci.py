@@ -1,5 +1,5 @@
 """Snapshots through an OCI registry (keepwarm.snapshot.oci) against a real one: Debian's docker-registry (the CNCF
-distribution server) behind a counting, fault-injecting proxy (tests/_registry.py). Push and pull of a small
+distribution server) behind a counting, fault-injecting proxy (tests/support/registry.py). Push and pull of a small
 snapshot, no blob uploaded twice, a corrupted blob refused with nothing written, interrupted uploads resumed, Bearer
 token auth with docker-config credentials, plain HTTP refused without --insecure, hostile manifests refused. The
 end-to-end push -> pull -> restore -> same greedy text is in test_snapshot.py (it shares that module's daemon)."""
@@ -15,8 +15,8 @@ import sys
 
 import httpx
 import pytest
-from _registry import registry_env
-from test_snapshot import _synthetic
+from support.registry import registry_env
+from support.snapshots import synthetic
 
 from keepwarm.snapshot import manifest as mf
 from keepwarm.snapshot.manifest import SnapshotError
@@ -50,7 +50,7 @@ def proxy(reg):
 @pytest.fixture
 def src(tmp_path):
     store = Store(tmp_path / "src").ensure()
-    return store, _synthetic(store)
+    return store, synthetic(store)
 
 
 def client(proxy, repo: str, **kw) -> Registry:

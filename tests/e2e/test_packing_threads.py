@@ -1,38 +1,24 @@
 """Issue 17 item 11: a daemon run under 1, 2, 8 or 16 OpenMP threads preloads bf16 weights packed for oneDNN, and
 a worker with another thread count computes the same tokens as plain F.linear (real daemon processes; SmolLM2's
 layer shapes, which oneDNN blocks differently at 16 threads). That the layout itself no longer depends on the
-thread count is tested in-process (tests/test_isolation.py), where the thread count of the planning and the
-packing thread can be made to differ."""
+thread count is tested in-process (tests/unit/worker/test_request_isolation.py), where the thread count of the planning
+and the packing thread can be made to differ."""
 
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
-from pathlib import Path
 
 import pytest
 import torch
-from test_daemon import DaemonProc
+from support.daemon import DaemonProc, new_runtime_dir, remove_runtime_dir
 
 from keepwarm import LLM, SamplingParams
-from keepwarm.formats import paths
 from keepwarm.kernels import cpu_packed
 
 pytestmark = pytest.mark.slow
 
 PROMPTS = [[5, 6, 7, 8, 9], list(range(20, 60))]
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-
-
-class ThreadedDaemon(DaemonProc):
-    def __init__(self, runtime_dir: Path, threads: int) -> None:
-        super().__init__(runtime_dir)
-        self.threads = threads
-
-    @property
-    def env(self) -> dict[str, str]:
-        return {**super().env, "OMP_NUM_THREADS": str(self.threads)}
 
 
 @pytest.fixture(scope="module")
@@ -67,8 +53,8 @@ def reference(smollm_shaped) -> list[list[int]]:
 def test_daemon_thread_count_does_not_change_the_tokens(smollm_shaped, reference, daemon_threads: int) -> None:
     if not cpu_packed.packing_available(torch.bfloat16):
         pytest.skip("bfloat16 weight packing unavailable here (mkldnn bf16 support or libtorch's C shim)")
-    runtime_dir = Path(tempfile.mkdtemp(prefix="kwrt-", dir="/tmp"))
-    daemon = ThreadedDaemon(runtime_dir, daemon_threads).start()
+    runtime_dir = new_runtime_dir()
+    daemon = DaemonProc(runtime_dir, env={"OMP_NUM_THREADS": str(daemon_threads)}).start()
     before = torch.get_num_threads()
     try:
         llm = LLM(model=smollm_shaped, dtype="bfloat16", daemon=True, runtime_dir=str(runtime_dir),
@@ -85,5 +71,4 @@ def test_daemon_thread_count_does_not_change_the_tokens(smollm_shaped, reference
     finally:
         torch.set_num_threads(before)
         daemon.stop()
-        shutil.rmtree(paths.shm_dir(runtime_dir), ignore_errors=True)
-        shutil.rmtree(runtime_dir, ignore_errors=True)
+        remove_runtime_dir(runtime_dir)

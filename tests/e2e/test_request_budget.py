@@ -1,5 +1,5 @@
-"""Issue 43 rows 1-4: what one request may cost is bounded before any work (keepwarm.worker.api.budget), and
-admission counts sequences, not HTTP requests (keepwarm.worker.api.limits.Admission).
+"""Issue 43 rows 1-4: what one request may cost is bounded before any work (keepwarm.worker.http.budget), and
+admission counts sequences, not HTTP requests (keepwarm.worker.http.limits.Admission).
 
 Each row runs against a real `keepwarm serve` and asserts the status, the message, the time to answer, that an
 ordinary client (the official `openai` client) is served meanwhile, and the server's peak memory (VmHWM from
@@ -18,7 +18,8 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from _serve import ServeProcess
+from support.serve import ServeProcess
+from support.wait import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -134,8 +135,8 @@ def test_prompt_tokens_are_bounded(server) -> None:
 
 def test_tokenizing_stops_at_the_budget() -> None:
     """The prompts after the one that passes the budget are never tokenized (a list is not materialised)."""
-    from keepwarm.worker.api.budget import RequestBudget
-    from keepwarm.worker.api.protocol import APIError
+    from keepwarm.worker.http.budget import RequestBudget
+    from keepwarm.worker.openai.protocol import APIError
 
     seen: list[str] = []
 
@@ -162,10 +163,9 @@ def test_admission_counts_sequences_the_same_budget_for_everyone(server) -> None
     rejected = server.metric("vllm:admission_rejections_total", reason="max_num_queued_reqs")
     with ThreadPoolExecutor(2) as pool:
         held = [pool.submit(server.post, slow) for _ in range(2)]
-        deadline = time.monotonic() + 30
-        while server.metric("vllm:num_requests_running") + server.metric("vllm:num_requests_waiting") < 8:
-            assert time.monotonic() < deadline, "the two requests never got their 8 sequences in"
-            time.sleep(0.05)
+        wait_until(lambda: server.metric("vllm:num_requests_running") +
+                   server.metric("vllm:num_requests_waiting") >= 8, 30,
+                   message="the two requests never got their 8 sequences in")
         with pytest.raises(openai.RateLimitError, match="sequences"):
             server.ordinary()
         r = server.post({"model": "tiny", "prompt": ["a", "b"], "max_tokens": 1})

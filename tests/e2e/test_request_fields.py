@@ -19,13 +19,14 @@ import httpx
 import openai
 import pytest
 import torch
-from _serve import ServeProcess
+from support.serve import ServeProcess
+from support.wait import wait_until
 
-from keepwarm.worker.api.openapi import decimal_below
-from keepwarm.worker.api.responses import ResponseStore
+from keepwarm.worker.engine.sequence import Sequence
+from keepwarm.worker.http.openapi import decimal_below
+from keepwarm.worker.openai.responses import ResponseStore
 from keepwarm.worker.sampler import Sampler
 from keepwarm.worker.sampling_params import MAX_LOGIT_BIAS_ENTRIES, SamplingParams, SamplingParamsError
-from keepwarm.worker.sequence import Sequence
 
 VOCAB = 512  # the tiny llama's
 SWITCH = {"VLLM_ENABLE_RESPONSES_API_STORE": "1"}
@@ -167,9 +168,7 @@ class Served(ServeProcess):
     def steps_since(self, before: float) -> float:
         """Engine steps run since ``before`` once the engine is idle again (the figure is published after the step
         delivers its outputs, so it may lag the answer a moment)."""
-        deadline = time.monotonic() + 10
-        while self.steps() == before and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until(lambda: self.steps() != before, 10, strict=False)
         time.sleep(0.6)  # past the idle loop's next publication: a later step would show by now
         return self.steps() - before
 

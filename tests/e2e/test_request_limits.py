@@ -21,7 +21,7 @@ from typing import Any
 import openai
 import pytest
 import torch
-from _serve import ServeProcess
+from support.serve import ServeProcess
 
 from keepwarm.worker.sampler import seeded_generator
 from keepwarm.worker.sampling_params import (

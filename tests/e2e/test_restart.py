@@ -11,15 +11,16 @@ from __future__ import annotations
 import os
 import signal
 import tempfile
-import time
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
 import torch
-from _serve import ServeProcess, free_port, metric, parse_metrics
-from _supervised import PROMPTS, Load, ask, engine_config, health, restart
+from support.ports import free_port
+from support.serve import ServeProcess, metric, parse_metrics
+from support.supervised import PROMPTS, Load, ask, engine_config, health, restart
+from support.wait import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -82,9 +83,8 @@ def test_restarts_under_load(supervised) -> None:
             load.wait_for(6)
         supervised.toml.write_text("max_num_batched_tokens = 384\n")
         supervised.proc.send_signal(signal.SIGHUP)  # systemd's ExecReload
-        deadline = time.monotonic() + 120
-        while engine_config(supervised)["max_num_batched_tokens"] != 384 and time.monotonic() < deadline:
-            time.sleep(0.1)
+        wait_until(lambda: engine_config(supervised)["max_num_batched_tokens"] == 384, 120, interval=0.1,
+                   strict=False)
         assert engine_config(supervised)["max_num_batched_tokens"] == 384
         assert engine_config(supervised)["max_num_seqs"] == 5  # the flags given by restarts stay
         pids.append(health(supervised)["restarts"]["worker_pid"])
@@ -98,8 +98,8 @@ def test_restarts_under_load(supervised) -> None:
     # gRPC (--grpc) moved to the new worker too: the port is shared across the handoff, the old one stopped
     import grpc
 
-    from keepwarm.worker.api.grpc_gen import keepwarm_pb2 as pb
-    from keepwarm.worker.api.grpc_gen import keepwarm_pb2_grpc as pb_grpc
+    from keepwarm.worker.grpc.grpc_gen import keepwarm_pb2 as pb
+    from keepwarm.worker.grpc.grpc_gen import keepwarm_pb2_grpc as pb_grpc
 
     with grpc.insecure_channel(f"127.0.0.1:{supervised.grpc_port}") as channel:
         grpc_health = pb_grpc.KeepwarmStub(channel).Health(pb.HealthRequest(), timeout=30)
@@ -157,9 +157,7 @@ def test_a_restart_that_fails_its_warm_up_leaves_the_old_worker_serving(supervis
 def test_a_restart_after_the_zygote_was_killed_is_a_cold_start_and_says_so(supervised) -> None:
     zygote = health(supervised)["restarts"]["zygote_pid"]
     os.kill(zygote, signal.SIGKILL)
-    deadline = time.monotonic() + 10
-    while Path(f"/proc/{zygote}").exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until(lambda: not Path(f"/proc/{zygote}").exists(), 10, strict=False)
     r = restart(supervised, "--max-num-seqs", "4")
     assert r.returncode == 0, r.stderr
     assert "(cold)" in r.stdout and f"the zygote (pid {zygote}) was gone" in r.stdout, r.stdout
@@ -197,9 +195,7 @@ def test_a_worker_that_dies_is_replaced_warm_from_the_zygote(supervised) -> None
     before, engine = health(supervised)["restarts"], engine_config(supervised)
     dead = before["worker_pid"]
     os.kill(dead, signal.SIGKILL)
-    deadline = time.monotonic() + 10
-    while Path(f"/proc/{dead}").exists() and time.monotonic() < deadline:  # the zygote reaps it
-        time.sleep(0.01)
+    wait_until(lambda: not Path(f"/proc/{dead}").exists(), 10, interval=0.01, strict=False)  # the zygote reaps it
     assert ask(client, PROMPTS[1], "plain") == reference
     after = health(supervised)["restarts"]
     assert after["worker_pid"] != dead and after["replaced"] == before["replaced"] + 1
@@ -212,7 +208,7 @@ def test_a_worker_that_dies_is_replaced_warm_from_the_zygote(supervised) -> None
 def test_the_replacement_policy_gives_up_after_failures_in_a_row() -> None:
     """Backoff grows with the failures in a row; a worker that served long enough resets them; REPLACE_MAX_FAILURES
     in a row give up (the supervisor then exits non-zero and systemd restarts the server)."""
-    from keepwarm.worker.api.supervisor import REPLACE_MAX_FAILURES, REPLACE_STABLE_S, ReplacePolicy
+    from keepwarm.worker.process.supervisor import REPLACE_MAX_FAILURES, REPLACE_STABLE_S, ReplacePolicy
 
     policy = ReplacePolicy()
     policy.worker_died(REPLACE_STABLE_S + 1)
@@ -230,7 +226,7 @@ def test_the_replacement_policy_gives_up_after_failures_in_a_row() -> None:
 
 
 def _probe(server) -> object:
-    from keepwarm.worker.api import ipc
+    from keepwarm.worker.process import ipc
 
     reply = ipc.request_restart(server.port, ipc.Probe(), Path(server.env["KEEPWARM_RUNTIME_DIR"]))
     assert isinstance(reply, ipc.ProbeReply), reply

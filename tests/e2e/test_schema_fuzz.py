@@ -7,7 +7,8 @@ accepts (issue 43): no request valid by the published schema is refused (schemat
 ``positive_data_acceptance``, read from its NDJSON report so every case counts, not the first per operation),
 but for the rules no JSON Schema can state, each listed in NO_SCHEMA_STATES with why. schemathesis runs as its
 CLI from a temporary directory (never the repository root: its folders shadow installed packages), with a fixed
-seed and a bounded number of examples per operation, against a small --max-model-len so each case is quick.
+seed and a bounded number of examples per operation, against a small --max-model-len so each case is quick. The
+two runs (without and with an API key) go at once, each against a server of its own.
 """
 
 from __future__ import annotations
@@ -19,10 +20,13 @@ import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import pytest
-from _serve import ServeProcess
+from support.serve import ServeProcess
 
 pytestmark = pytest.mark.slow
 
@@ -77,87 +81,119 @@ def _st() -> str:
     return str(st)
 
 
-@pytest.mark.parametrize("with_key", [False, True], ids=["open", "api-key"])
-def test_schemathesis_finds_no_failures(tiny_llama, tmp_path, with_key: bool) -> None:
-    extra = ["--api-key", API_KEY] if with_key else []
-    server = ServeProcess(tiny_llama, "--no-daemon", "--dtype", "float32", "--max-model-len", "64",
-                          "--threads", "1", "--served-model-name", "tiny", *extra)
-    try:
-        import httpx
+SERVE_ARGS = ("--no-daemon", "--dtype", "float32", "--max-model-len", "64", "--threads", "1",
+              "--served-model-name", "tiny")
 
-        headers = {"Authorization": f"Bearer {API_KEY}"} if with_key else {}
+
+@pytest.fixture(scope="module")
+def servers(tiny_llama) -> Iterator[dict[str, ServeProcess]]:
+    """The two servers of the module: "open" (no key; test_schema_tells_the_truth reads it too) and "api-key".
+    Each must still exit 0 at the end, after everything the fuzzing sent it."""
+    started: dict[str, ServeProcess] = {}
+    try:
+        started["open"] = ServeProcess(tiny_llama, *SERVE_ARGS)
+        started["api-key"] = ServeProcess(tiny_llama, *SERVE_ARGS, "--api-key", API_KEY)
+        yield started
+    finally:
+        codes = {variant: server.stop() for variant, server in started.items()}
+    assert codes == {variant: 0 for variant in started}, codes
+
+
+@dataclass
+class FuzzRun:
+    proc: subprocess.Popen
+    cwd: Path
+
+    def output(self) -> str:
+        return (self.cwd / "st.out").read_text() + (self.cwd / "st.err").read_text()
+
+
+@pytest.fixture(scope="module")
+def fuzz_runs(servers, tmp_path_factory) -> Iterator[dict[str, FuzzRun]]:
+    """Both schemathesis runs, started at once against their own server: a run spends most of its time waiting
+    for its server's answers, so on two cores the pair takes about as long as one alone."""
+    runs: dict[str, FuzzRun] = {}
+    for variant, server in servers.items():
+        cwd = tmp_path_factory.mktemp(f"fuzz-{variant}")
+        headers = {"Authorization": f"Bearer {API_KEY}"} if variant == "api-key" else {}
         # With a key the schema itself is behind it: fetch it here, point schemathesis at the file and the server.
         schema = httpx.get(server.base + "/openapi.json", headers=headers)
         assert schema.status_code == 200, schema.text
-        (tmp_path / "openapi.json").write_bytes(schema.content)
+        (cwd / "openapi.json").write_bytes(schema.content)
         cmd = [_st(), "run", "openapi.json", "--url", server.base, "--checks", CHECKS, "--max-examples",
                str(MAX_EXAMPLES), "--seed", "17", "--workers", "1", "--no-shrink", "--request-timeout", "60",
                "--phases", "examples,coverage,fuzzing", "--report", "ndjson", "--report-dir", "report"]
-        if with_key:
+        if headers:
             cmd += ["-H", f"Authorization: Bearer {API_KEY}"]
-        run = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=400,
-                             env={**os.environ, "NO_COLOR": "1", "SCHEMATHESIS_TELEMETRY": "false"})
-        out = run.stdout + run.stderr
-        assert run.returncode == 0, out[-12000:]
-        assert " passed" in out and "failed" not in out.split("SUMMARY")[-1], out[-3000:]
-        refused = valid_but_refused(tmp_path / "report")
-        assert not refused, "schema-valid requests refused:\n" + "\n".join(refused[:20])
-        # The server survived all of it and still answers.
-        assert httpx.get(server.base + "/health").status_code == 200
-        ok = httpx.post(server.base + "/v1/completions", headers=headers,
-                        json={"model": "tiny", "prompt": "ok", "max_tokens": 2})
-        assert ok.status_code == 200, ok.text
+        with open(cwd / "st.out", "w") as out, open(cwd / "st.err", "w") as err:
+            proc = subprocess.Popen(cmd, cwd=cwd, stdout=out, stderr=err, text=True,
+                                    env={**os.environ, "NO_COLOR": "1", "SCHEMATHESIS_TELEMETRY": "false"})
+        runs[variant] = FuzzRun(proc, cwd)
+    try:
+        yield runs
     finally:
-        assert server.stop() == 0
+        for run in runs.values():
+            if run.proc.poll() is None:
+                run.proc.kill()
+                run.proc.wait()
 
 
-def test_schema_tells_the_truth(tiny_llama) -> None:
+@pytest.mark.parametrize("variant", ["open", "api-key"])
+def test_schemathesis_finds_no_failures(servers, fuzz_runs, variant: str) -> None:
+    server, run = servers[variant], fuzz_runs[variant]
+    run.proc.wait(timeout=400)
+    out = run.output()
+    assert run.proc.returncode == 0, out[-12000:]
+    assert " passed" in out and "failed" not in out.split("SUMMARY")[-1], out[-3000:]
+    refused = valid_but_refused(run.cwd / "report")
+    assert not refused, "schema-valid requests refused:\n" + "\n".join(refused[:20])
+    # The server survived all of it and still answers.
+    headers = {"Authorization": f"Bearer {API_KEY}"} if variant == "api-key" else {}
+    assert httpx.get(server.base + "/health").status_code == 200
+    ok = httpx.post(server.base + "/v1/completions", headers=headers,
+                    json={"model": "tiny", "prompt": "ok", "max_tokens": 2})
+    assert ok.status_code == 200, ok.text
+
+
+def test_schema_tells_the_truth(servers) -> None:
     """What the fuzzing relies on, stated directly: no 422, errors documented, non-JSON routes not JSON, strict
     token ids (``prompt: [[false]]`` is not token 0)."""
-    import httpx
-
-    server = ServeProcess(tiny_llama, "--no-daemon", "--dtype", "float32", "--max-model-len", "64",
-                          "--threads", "1", "--served-model-name", "tiny")
-    try:
-        schema = httpx.get(server.base + "/openapi.json").json()
-        ops = [op for methods in schema["paths"].values() for op in methods.values()]
-        assert all("422" not in op["responses"] for op in ops)
-        post = schema["paths"]["/v1/completions"]["post"]["responses"]
-        assert {"400", "404", "503"} <= set(post) and set(post["200"]["content"]) == {"application/json",
-                                                                                      "text/event-stream"}
-        assert set(schema["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == {"text/plain"}
-        r = httpx.post(server.base + "/v1/completions", json={"model": "tiny", "prompt": [[False]]})
-        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
-        # Issue 18's routes are documented as they answer: /v1/responses streams or returns JSON, /ping has no
-        # body (200 or 503), /tokenize and /detokenize return JSON.
-        responses = schema["paths"]["/v1/responses"]["post"]["responses"]
-        assert set(responses["200"]["content"]) == {"application/json", "text/event-stream"}
-        for method in ("get", "post"):
-            ping = schema["paths"]["/ping"][method]["responses"]
-            assert set(ping) == {"200", "503"} and all("content" not in v for v in ping.values()), ping
-        for path in ("/tokenize", "/detokenize"):
-            assert set(schema["paths"][path]["post"]["responses"]["200"]["content"]) == {"application/json"}
-        # Unknown top-level fields are accepted (issue 18, as vLLM), so the schema must not forbid them; a known
-        # field of the wrong type is still a 400 naming it (issue 17).
-        body = schema["components"]["schemas"]["CompletionRequest"]
-        assert body.get("additionalProperties", True) is not False
-        r = httpx.post(server.base + "/v1/completions", json={"model": "tiny", "prompt": "a", "max_tokens": 1,
-                                                               "service_tier": "auto"})
-        assert r.status_code == 200, r.text
-        r = httpx.post(server.base + "/v1/completions", json={"model": "tiny", "prompt": "a", "max_tokens": True,
-                                                               "service_tier": "auto"})
-        assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
-        _schema_states_what_is_accepted(server, schema)
-    finally:
-        assert server.stop() == 0
+    server = servers["open"]
+    schema = httpx.get(server.base + "/openapi.json").json()
+    ops = [op for methods in schema["paths"].values() for op in methods.values()]
+    assert all("422" not in op["responses"] for op in ops)
+    post = schema["paths"]["/v1/completions"]["post"]["responses"]
+    assert {"400", "404", "503"} <= set(post) and set(post["200"]["content"]) == {"application/json",
+                                                                                  "text/event-stream"}
+    assert set(schema["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == {"text/plain"}
+    r = httpx.post(server.base + "/v1/completions", json={"model": "tiny", "prompt": [[False]]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+    # Issue 18's routes are documented as they answer: /v1/responses streams or returns JSON, /ping has no
+    # body (200 or 503), /tokenize and /detokenize return JSON.
+    responses = schema["paths"]["/v1/responses"]["post"]["responses"]
+    assert set(responses["200"]["content"]) == {"application/json", "text/event-stream"}
+    for method in ("get", "post"):
+        ping = schema["paths"]["/ping"][method]["responses"]
+        assert set(ping) == {"200", "503"} and all("content" not in v for v in ping.values()), ping
+    for path in ("/tokenize", "/detokenize"):
+        assert set(schema["paths"][path]["post"]["responses"]["200"]["content"]) == {"application/json"}
+    # Unknown top-level fields are accepted (issue 18, as vLLM), so the schema must not forbid them; a known
+    # field of the wrong type is still a 400 naming it (issue 17).
+    body = schema["components"]["schemas"]["CompletionRequest"]
+    assert body.get("additionalProperties", True) is not False
+    r = httpx.post(server.base + "/v1/completions", json={"model": "tiny", "prompt": "a", "max_tokens": 1,
+                                                           "service_tier": "auto"})
+    assert r.status_code == 200, r.text
+    r = httpx.post(server.base + "/v1/completions", json={"model": "tiny", "prompt": "a", "max_tokens": True,
+                                                           "service_tier": "auto"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+    _schema_states_what_is_accepted(server, schema)
 
 
 def _schema_states_what_is_accepted(server, schema: dict) -> None:
     """Issue 43, row 16: a 405 lists the path's methods; integer bounds are exact integers (FastAPI had made
     int64's maximum the float 2^63); this server's facts are stated (vocabulary, context, no request
     chat_template, no LoRA admin routes without their flags); 5.0 is the integer 5, as JSON Schema says."""
-    import httpx
-
     for method, path, allow in (("TRACE", "/v1/completions", "POST"), ("DELETE", "/ping", "GET, POST")):
         r = httpx.request(method, server.base + path)
         assert r.status_code == 405 and r.headers.get("allow") == allow, (path, r.status_code, r.headers)

@@ -10,7 +10,7 @@ test keeps that table complete.
 
 from __future__ import annotations
 
-import importlib
+import ast
 import os
 import shutil
 import subprocess
@@ -21,9 +21,10 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from _serve import ServeProcess, free_port
+from support.ports import free_port
+from support.serve import ServeProcess
 
-from keepwarm.worker.api.config import FIELDS, ServerConfig, build_config, load_toml
+from keepwarm.worker.process.config import FIELDS, ServerConfig, build_config, load_toml
 
 # flag -> (value given, what the engine must report for it)
 ENGINE_FLAGS = {
@@ -67,12 +68,12 @@ EFFECT_TESTS = {
     "grpc_port": "test_grpc::test_greedy_stream_matches_http",
     "lora_modules": "test_lora_server::test_models_and_adapter_selection",
     "enable_lora_runtime_updates": "test_lora_server::test_load_use_unload_at_runtime",
-    "max_request_body_mb": "test_hostile::test_item3_a_huge_body_is_413_at_once_and_memory_stays",
-    "max_queued_requests": "test_hostile::test_past_the_queue_bound_is_429",
+    "max_request_body_mb": "test_hostile_requests::test_item3_a_huge_body_is_413_at_once_and_memory_stays",
+    "max_queued_requests": "test_hostile_requests::test_past_the_queue_bound_is_429",
     "max_request_sequences": "test_request_budget::test_a_request_past_its_sequence_budget_is_refused_at_once",
     "max_request_prompt_tokens": "test_request_budget::test_prompt_tokens_are_bounded",
-    "client_timeout": "test_hostile::test_a_stalled_client_gets_408",
-    "trust_request_chat_template": "test_hostile::test_item5_a_request_chat_template_needs_the_trust_flag",
+    "client_timeout": "test_hostile_requests::test_a_stalled_client_gets_408",
+    "trust_request_chat_template": "test_hostile_requests::test_item5_a_request_chat_template_needs_the_trust_flag",
     "enable_auto_tool_choice": "test_tool_calls::test_tool_choice_rules",
     "tool_call_parser": "test_tool_calls::test_tool_choice_rules",
     "enable_responses_store": "test_request_fields::test_the_store_off_refuses_in_one_line_naming_the_switch",
@@ -93,10 +94,12 @@ EFFECT_TESTS = {
 
 def test_every_config_key_names_a_test_that_shows_its_effect() -> None:
     assert set(EFFECT_TESTS) == FIELDS, sorted(set(EFFECT_TESTS) ^ FIELDS)
+    tests = Path(__file__).resolve().parents[1]
+    defined = {p.stem: {f.name for f in ast.parse(p.read_text()).body if isinstance(f, ast.FunctionDef)}
+               for p in tests.rglob("test_*.py")}  # read, not imported: a test module imports no other
     for key, where in EFFECT_TESTS.items():
         module, name = where.split("::")
-        mod = importlib.import_module(module)
-        assert callable(getattr(mod, name, None)), f"{key}: {where} does not exist"
+        assert name in defined.get(module, ()), f"{key}: {where} does not exist"
 
 
 def _flag(key: str, value) -> list[str]:
@@ -109,7 +112,7 @@ def _flag(key: str, value) -> list[str]:
 @pytest.fixture(scope="module")
 def default_engine(tiny_llama):
     """What the engine runs with when no flag is given (in-process, through the server's own create_engine)."""
-    from keepwarm.worker.api.server import create_engine
+    from keepwarm.worker.serve import create_engine
 
     engine = create_engine(ServerConfig(model=tiny_llama, daemon=False))
     try:
@@ -186,8 +189,8 @@ def test_runtime_dir_and_fingerprint_flags(tiny_llama, tmp_path) -> None:
 def test_config_file_keys_reach_the_engine(tiny_llama, tmp_path, default_engine) -> None:
     """The same keys through server.toml (no flags), into the engine the server builds (create_engine)."""
     from keepwarm.formats.model_config import load_model_config
-    from keepwarm.worker.api.server import create_engine
     from keepwarm.worker.model_runner import kv_bytes_per_block
+    from keepwarm.worker.serve import create_engine
 
     toml = [f"model = \"{tiny_llama}\""]
     for key, (value, _) in ENGINE_FLAGS.items():

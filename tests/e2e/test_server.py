@@ -8,13 +8,14 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
-from _serve import ServeProcess, free_port, metric
+from support.ports import free_port
+from support.serve import ServeProcess, metric, wait_healthy
+from support.wait import wait_until
 
 from keepwarm import LLM, SamplingParams
 
@@ -204,14 +205,12 @@ def _aborted(server: ServerProc) -> float:
 
 
 def _wait_all_blocks_free(server: ServerProc) -> None:
-    deadline = time.monotonic() + 60
-    while True:
+    def free() -> dict:
         m = server.metrics()
-        if metric(m, "keepwarm:kv_cache_free_blocks") == metric(m, "keepwarm:kv_cache_total_blocks") and \
-                metric(m, "vllm:num_requests_running") == 0:
-            break
-        assert time.monotonic() < deadline, m
-        time.sleep(0.2)
+        return m if metric(m, "keepwarm:kv_cache_free_blocks") == metric(m, "keepwarm:kv_cache_total_blocks") and \
+            metric(m, "vllm:num_requests_running") == 0 else {}
+
+    m = wait_until(free, 60, interval=0.2, message=lambda: str(server.metrics()))
     assert metric(m, "vllm:kv_cache_usage_perc") == 0.0
 
 
@@ -270,15 +269,7 @@ def test_config_file_and_flags(tiny_llama, tmp_path) -> None:
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 90
-        while True:
-            try:
-                if httpx.get(base + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline
-            time.sleep(0.1)
+        wait_healthy(proc, base, lambda: "", 90)
         got = httpx.get(base + "/keepwarm/config").json()["config"]
         assert got["max_num_seqs"] == 9  # the flag wins
         assert got["block_size"] == 32 and got["served_model_name"] == ["from-file"]  # from the file
@@ -350,7 +341,7 @@ def test_restart_attaches_warm_weights(tiny_llama) -> None:
 
 def test_serve_falls_back_to_disk_and_says_so(tiny_llama, tmp_path) -> None:
     # A daemon that cannot start (a directory where its socket goes) -> the server loads from disk and says why.
-    # (A runtime dir that is not private is refused before any work: tests/test_vllm_flags.py.)
+    # (A runtime dir that is not private is refused before any work: tests/unit/cli/test_vllm_flags.py.)
     rt = tmp_path / "rt"
     rt.mkdir(mode=0o700)
     (rt / "daemon.sock").mkdir()

@@ -7,6 +7,8 @@ import sys
 
 import pytest
 import torch
+from support.ports import free_port
+from support.wait import wait_until
 
 from keepwarm import LLM, SamplingParams
 
@@ -76,16 +78,12 @@ def test_keepwarm_up_serves_the_bundled_model(smollm2_dir: str, tmp_path) -> Non
     """What `make run` runs: daemon + preload + serve, a ready line with the attach time and a real answer."""
     import os
     import signal
-    import socket
     import tempfile
-    import time
     from pathlib import Path
 
     from keepwarm.daemon.client import DaemonClient
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     rt = Path(tempfile.mkdtemp(prefix="kwrt-", dir="/tmp"))
     log = tmp_path / "up.log"
     with open(log, "wb") as out:
@@ -93,11 +91,11 @@ def test_keepwarm_up_serves_the_bundled_model(smollm2_dir: str, tmp_path) -> Non
                                 stdout=out, stderr=subprocess.STDOUT,
                                 env={**os.environ, "KEEPWARM_RUNTIME_DIR": str(rt)})
     try:
-        deadline = time.monotonic() + 300
-        while "example:" not in log.read_text():
+        def printed_example() -> bool:
             assert proc.poll() is None, log.read_text()
-            assert time.monotonic() < deadline, log.read_text()
-            time.sleep(0.2)
+            return "example:" in log.read_text()
+
+        wait_until(printed_example, 300, interval=0.2, message=log.read_text)
         text = log.read_text()
         assert f"on http://127.0.0.1:{port}" in text and "attached in" in text and "try: curl" in text
         assert "Paris" in text.split("example:")[1]

@@ -11,19 +11,18 @@ import shutil
 import signal
 import stat
 import subprocess
-import sys
 import tarfile
-import tempfile
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
 import pytest
-from _serve import ServeProcess
+from support.cli import kw, one_line_error
+from support.daemon import Side
+from support.serve import ServeProcess
+from support.snapshots import synthetic
 
 from keepwarm.daemon.client import DaemonClient, DaemonError
-from keepwarm.formats import paths
 from keepwarm.snapshot import manifest as mf
 from keepwarm.snapshot.archive import export, import_archive
 from keepwarm.snapshot.manifest import SnapshotError
@@ -34,75 +33,9 @@ PROMPTS = [[5, 6, 7, 8, 9], list(range(20, 41))]
 
 
 # -- helpers -----------------------------------------------------------------------------------------------------------
-def kw(env: dict[str, str], *args: str, check: bool = True, timeout: float = 300) -> subprocess.CompletedProcess:
-    r = subprocess.run([sys.executable, "-m", "keepwarm.cli.main", "--log-level", "warning", *map(str, args)],
-                       env=env, capture_output=True, text=True, timeout=timeout)
-    if check:
-        assert r.returncode == 0, f"keepwarm {' '.join(map(str, args))}: {r.stderr[-3000:]}"
-    return r
-
-
-def one_line_error(r: subprocess.CompletedProcess) -> str:
-    assert r.returncode != 0
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
-    return lines[0]
-
-
-class Side:
-    """One "machine": its own KEEPWARM_HOME and daemon runtime dir."""
-
-    def __init__(self, root: Path, runtime_dir: Path | None = None) -> None:
-        self.home = root / "home"
-        self.home.mkdir(parents=True, exist_ok=True)
-        self.own_rt = runtime_dir is None
-        # short: unix socket paths are limited to 107 bytes
-        self.rt = runtime_dir or Path(tempfile.mkdtemp(prefix="kwsn-", dir="/tmp"))
-        self.proc: subprocess.Popen | None = None
-
-    @property
-    def env(self) -> dict[str, str]:
-        return {**os.environ, "KEEPWARM_HOME": str(self.home), "KEEPWARM_RUNTIME_DIR": str(self.rt),
-                "OMP_NUM_THREADS": "1"}
-
-    @property
-    def store(self) -> Store:
-        return Store(self.home / "store")
-
-    def start_daemon(self, *args: str) -> Side:
-        with open(self.rt / "test-daemon.log", "ab") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "keepwarm.cli.main", "daemon", "run", "--threads", "2",
-                                          *args], env=self.env, stdout=log, stderr=log)
-        deadline = time.monotonic() + 60
-        with DaemonClient(self.rt) as c:
-            while c.ping(timeout=0.5) is None:
-                assert self.proc.poll() is None and time.monotonic() < deadline, "daemon did not start"
-                time.sleep(0.05)
-        return self
-
-    def status(self) -> dict:
-        with DaemonClient(self.rt) as c:
-            return c.status()
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(timeout=30)
-        else:  # a daemon that restore started (detached)
-            with DaemonClient(self.rt) as c:
-                if c.ping(timeout=0.5) is not None:
-                    c.shutdown()
-                    deadline = time.monotonic() + 30
-                    while paths.socket_path(self.rt).exists() and time.monotonic() < deadline:
-                        time.sleep(0.05)
-        if self.own_rt:
-            shutil.rmtree(paths.shm_dir(self.rt), ignore_errors=True)
-            shutil.rmtree(self.rt, ignore_errors=True)
-
-
 class Server(ServeProcess):
-    def __init__(self, env: dict[str, str], *args: str) -> None:
-        super().__init__(*args, "--threads", "1", env=env, timeout=120)
+    def __init__(self, env: dict[str, str], *args: str, port: int | None = None) -> None:
+        super().__init__(*args, "--threads", "1", env=env, timeout=120, port=port)
 
     def config(self) -> dict:
         return httpx.get(self.base + "/keepwarm/config").json()
@@ -259,17 +192,14 @@ def restore_and_serve_the_same(other: Side, prod) -> None:
 
 
 @pytest.mark.slow
-def test_restore_restarts_a_running_zygote_server_in_place(prod, tmp_path, monkeypatch) -> None:
+def test_restore_restarts_a_running_zygote_server_in_place(prod, tmp_path) -> None:
     """`snapshot restore --restart-server` with a `serve --zygote` server on the snapshot config's port: the same
     supervisor (no downtime) then serves the snapshot's config, adapters and greedy outputs. The flags it was
     started with (another served name, another max_num_seqs) would override the restored config: they are
     dropped, but for where it listens."""
-    import _serve
-
-    port = prod.ref.config["config"]["port"]
-    monkeypatch.setattr(_serve, "free_port", lambda: port)  # the server listens where the restored config says
+    port = prod.ref.config["config"]["port"]  # the server listens where the restored config says
     server = Server(prod.side.env, prod.model, "--zygote", "--dtype", "float32", "--max-model-len", "128",
-                    "--max-num-seqs", "3", "--served-model-name", "placeholder")
+                    "--max-num-seqs", "3", "--served-model-name", "placeholder", port=port)
     try:
         assert server.names() == ["placeholder"] and server.config()["config"]["max_num_seqs"] == 3
         target = tmp_path / "server.toml"
@@ -310,7 +240,7 @@ def test_export_import_restore_on_another_machine(prod, tmp_path) -> None:
 def test_push_pull_through_a_registry_restores_on_another_machine(prod, tmp_path) -> None:
     """prod pushed to a real OCI registry (docker-registry), pulled into another KEEPWARM_HOME, restored there by a
     fresh daemon: the same greedy text, with no checkpoint read."""
-    from _registry import registry_env
+    from support.registry import registry_env
 
     env_gen = registry_env(tmp_path / "registry")
     reg = next(env_gen)
@@ -329,7 +259,7 @@ def test_push_pull_through_a_registry_restores_on_another_machine(prod, tmp_path
 # -- 3. dedup ----------------------------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_config_only_snapshot_adds_under_100kb(prod, tmp_path) -> None:
-    from keepwarm.worker.api.config import ServerConfig, to_toml
+    from keepwarm.worker.process.config import ServerConfig, to_toml
 
     side = prod.side
     if prod.fingerprint not in {m["fingerprint"] for m in side.status()["models"]}:
@@ -486,24 +416,6 @@ def test_load_image_verb(prod, tmp_path) -> None:
 
 
 # -- fast: the store, manifests, hostile archives ----------------------------------------------------------------------
-def _synthetic(store: Store, name: str = "syn") -> dict:
-    """A manifest over small fake blobs (enough for the store and archive code; not restorable)."""
-    def blob(data: bytes) -> dict:
-        return store.put_bytes(data).ref()
-
-    m = {"schema": mf.SCHEMA, "schema_version": mf.SCHEMA_VERSION, "name": name, "created_at": 1.7e9,
-         "source": {"kind": "config", "path": "/x/server.toml", "api_key_required": False},
-         "server_config": {"max_num_seqs": 3},
-         "models": [{"role": "base", "name": "m", "source": "/x/m", "fingerprint": "a" * 64, "quantization": "none",
-                     "dtype": "float32", "device": "cpu", "arena_digest": "b" * 64, "arena_bytes": 4096,
-                     "image": blob(os.urandom(4096)), "image_manifest": blob(b"{}"),
-                     "files": {"config.json": blob(b'{"x": 1}')}}],
-         "adapters": [{"name": "a", "digest": "c" * 64, "files": {"adapter_config.json": blob(b"{}"),
-                                                                 "adapter_model.safetensors": blob(b"w" * 100)}}]}
-    store.save(m)
-    return m
-
-
 def test_blobs_are_written_once_atomically_and_shared(tmp_path) -> None:
     store = Store(tmp_path / "store").ensure()
     a = store.put_bytes(b"hello")
@@ -526,7 +438,7 @@ def test_blobs_are_written_once_atomically_and_shared(tmp_path) -> None:
 
 def test_manifest_validation_refuses_unsafe_fields(tmp_path) -> None:
     store = Store(tmp_path / "store").ensure()
-    m = _synthetic(store)
+    m = synthetic(store)
     assert store.load("syn") == m
     for bad_name in ("../x", ".hidden", "a/b", "", "x" * 200):
         with pytest.raises(SnapshotError):
@@ -564,7 +476,7 @@ def _reg(name: str, data: bytes) -> tuple[tarfile.TarInfo, bytes]:
 
 def test_export_import_round_trip_and_hostile_archives(tmp_path) -> None:
     src = Store(tmp_path / "src").ensure()
-    m = _synthetic(src)
+    m = synthetic(src)
     for zstd in (False, True):
         dst = Store(tmp_path / f"dst{zstd}")
         export(src, "syn", tmp_path / f"syn{zstd}.tar", zstd=zstd)
@@ -613,7 +525,7 @@ def test_export_import_round_trip_and_hostile_archives(tmp_path) -> None:
         import_archive(Store(tmp_path / "junk"), junk)
     # a name clash: refused unless renamed or forced
     clash = Store(tmp_path / "clash").ensure()
-    clash.save(_synthetic(clash) | {"server_config": {"max_num_seqs": 9}})
+    clash.save(synthetic(clash) | {"server_config": {"max_num_seqs": 9}})
     with pytest.raises(SnapshotError, match="different snapshot"):
         import_archive(clash, tmp_path / "synFalse.tar")
     assert import_archive(clash, tmp_path / "synFalse.tar", rename="syn2").name == "syn2"
@@ -623,7 +535,7 @@ def test_export_import_round_trip_and_hostile_archives(tmp_path) -> None:
 
 def test_gc_keeps_named_blobs_and_unique_sizes(tmp_path) -> None:
     store = Store(tmp_path / "store").ensure()
-    m = _synthetic(store, "one")
+    m = synthetic(store, "one")
     two = json.loads(json.dumps(m)) | {"name": "two"}
     two["models"][0]["image"] = store.put_bytes(b"other image").ref()
     store.save(two)
@@ -650,11 +562,11 @@ def test_packed_image_refused_on_another_cpu_layout(tiny_llama) -> None:
     """An mkldnn_packed descriptor that oneDNN would not pick here (another ISA) makes the image incompatible."""
     import torch
 
-    from keepwarm.daemon.checkpoint import Checkpoint
     from keepwarm.daemon.image import ImageError, check_compatible
-    from keepwarm.daemon.loader import build_arena, plan_arena
     from keepwarm.formats.arena import ArenaManifest
     from keepwarm.kernels.cpu_packed import packing_available
+    from keepwarm.weights.checkpoint import Checkpoint
+    from keepwarm.weights.loader import build_arena, plan_arena
 
     if not packing_available(torch.bfloat16):
         pytest.skip("this CPU does not pack bfloat16 weights")
@@ -687,7 +599,7 @@ def test_packed_bfloat16_image_restores_and_generates_the_same(tiny_llama, tmp_p
 
     from keepwarm import LLM, SamplingParams
     from keepwarm.kernels.cpu_packed import packing_available
-    from keepwarm.worker.api.config import ServerConfig, to_toml
+    from keepwarm.worker.process.config import ServerConfig, to_toml
 
     if not packing_available(torch.bfloat16):
         pytest.skip("this CPU does not pack bfloat16 weights")
@@ -721,7 +633,7 @@ def test_tensor_parallel_snapshot_keeps_each_ranks_image_and_refuses_another_siz
     images (no preload) and a TP=2 engine on the restored directory gives one process's tokens; serving the
     restored config at TP=1 is refused in one line naming the sizes."""
     from keepwarm import LLM, SamplingParams
-    from keepwarm.worker.api.config import ServerConfig, to_toml
+    from keepwarm.worker.process.config import ServerConfig, to_toml
 
     g = Side(tmp_path / "T").start_daemon()
     try:

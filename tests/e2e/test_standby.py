@@ -11,14 +11,14 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
-from _serve import ServeProcess, metric
-from _supervised import PROMPTS, Load, ask, engine_config, health, restart
+from support.serve import ServeProcess, metric
+from support.supervised import PROMPTS, Load, ask, engine_config, health, restart
+from support.wait import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -48,13 +48,11 @@ def server(tiny_llama):
 
 def standby_pid(server, other_than: int | None = None, timeout: float = 120.0) -> int:
     """The warmed standby's pid (one other than ``other_than``) once /health reports it."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    def standby() -> int | None:
         pid = health(server)["restarts"]["standby_pid"]
-        if pid is not None and pid != other_than:
-            return pid
-        time.sleep(0.05)
-    raise AssertionError(f"no standby after {timeout:.0f}s: {server.output()[-2000:]}")
+        return pid if pid is not None and pid != other_than else None
+
+    return wait_until(standby, timeout, message=lambda: f"no standby after {timeout:.0f}s: {server.output()[-2000:]}")
 
 
 def _children(pid: int) -> list[int]:
@@ -70,10 +68,8 @@ def policies(pid: int) -> set[int]:
 
 
 def gone(pid: int, timeout: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:  # the zygote reaps its children
-        time.sleep(0.05)
-    return not Path(f"/proc/{pid}").exists()
+    # the zygote reaps its children
+    return wait_until(lambda: not Path(f"/proc/{pid}").exists(), timeout, strict=False)
 
 
 def test_restarts_take_over_the_warmed_standby_under_load(server) -> None:
@@ -135,9 +131,7 @@ def test_a_dead_standby_is_said_and_the_next_restart_forks(server) -> None:
     spare = standby_pid(server)
     os.kill(spare, signal.SIGKILL)
     assert gone(spare)
-    deadline = time.monotonic() + 30
-    while f"standby worker {spare} exited" not in server.output() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until(lambda: f"standby worker {spare} exited" in server.output(), 30, strict=False)
     assert f"standby worker {spare} exited" in server.output()
     assert health(server)["restarts"]["standby_pid"] is None
     r = restart(server)
@@ -156,7 +150,7 @@ def test_standby_without_zygote_is_refused_in_one_line(tiny_llama) -> None:
 def test_normal_priority_lifts_a_process_its_threads_and_children_out_of_sched_idle() -> None:
     """What the supervisor does to a standby still warming when a restart needs it (its warm-up may get no CPU
     under load at SCHED_IDLE): every thread of the process and of its children back to SCHED_OTHER."""
-    from keepwarm.worker.api.zygote import normal_priority
+    from keepwarm.worker.process.priority import normal_priority
 
     code = ("import subprocess, sys, threading, time; threading.Thread(target=time.sleep, args=(60,)).start(); "
             "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); print(c.pid, flush=True); "

@@ -22,7 +22,7 @@ from keepwarm.formats import paths
 # End-to-end: real server processes. CI runs them (make test); skip locally with -m "not slow".
 pytestmark = pytest.mark.slow
 
-UNIT_DIR = Path(__file__).resolve().parents[1] / "systemd"
+UNIT_DIR = Path(__file__).resolve().parents[2] / "systemd"
 UNITS = ("keepwarm-daemon.service", "keepwarm-server.service", "keepwarm.socket")
 VENV_KEEPWARM = Path(sys.executable).parent / "keepwarm"
 
@@ -87,7 +87,7 @@ def test_unit_settings() -> None:
     for line in ("ListenStream=127.0.0.1:8000", "Service=keepwarm-server.service"):
         assert re.search(rf"^{re.escape(line)}$", sock, re.M), line
     assert int(re.search(r"^Backlog=(\d+)$", sock, re.M).group(1)) >= 1024
-    from keepwarm.worker.api.config import ServerConfig
+    from keepwarm.worker.process.config import ServerConfig
 
     stop = int(re.search(r"^TimeoutStopSec=(\d+)$", server, re.M).group(1))
     assert stop > ServerConfig().shutdown_timeout + 10
@@ -95,7 +95,7 @@ def test_unit_settings() -> None:
 
 def test_server_toml_example_has_every_key() -> None:
     """Uncommenting every `# key = value` line of the example gives a valid server.toml naming each ServerConfig key."""
-    from keepwarm.worker.api.config import FIELDS, build_config, load_toml
+    from keepwarm.worker.process.config import FIELDS, build_config, load_toml
 
     lines = [m.group(1) for line in (UNIT_DIR / "server.toml.example").read_text().splitlines()
              if (m := re.match(r"^# ?([a-z_]+ = .*)$", line))]

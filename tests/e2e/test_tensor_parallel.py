@@ -26,10 +26,8 @@ import contextlib
 import dataclasses
 import os
 import random
-import shutil
 import signal
 import subprocess
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -38,21 +36,24 @@ import httpx
 import psutil
 import pytest
 import torch
-from _serve import ServeProcess
+from support.daemon import DaemonProc, new_runtime_dir, remove_runtime_dir
+from support.ports import free_port
+from support.serve import ServeProcess
+from support.wait import wait_until
 
 from keepwarm import LLM, SamplingParams
-from keepwarm.daemon.sharding import (
+from keepwarm.formats.model_config import load_model_config
+from keepwarm.formats.quant import quantize
+from keepwarm.formats.wire import ProtocolError
+from keepwarm.kernels.cpu_packed import PackedWeight, pack, packing_available
+from keepwarm.kernels.quant import QuantizedWeight
+from keepwarm.weights.sharding import (
     Shard,
     TensorParallelError,
     plan_cut,
     shard_weight,
     vocab_block,
 )
-from keepwarm.formats import paths
-from keepwarm.formats.model_config import load_model_config
-from keepwarm.formats.quant import quantize
-from keepwarm.kernels.cpu_packed import PackedWeight, pack, packing_available
-from keepwarm.kernels.quant import QuantizedWeight
 from keepwarm.worker.parallel import messages
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -87,7 +88,7 @@ def test_quantized_shards_are_exact_slices(scheme: str, device_type: str, kind: 
     full = QuantizedWeight.from_parts(meta, parts)
     segs = [(0, 16), (32, 32)] if kind == "rows" else [(64, 64)]
     name = "model.layers.0.self_attn.qkv_proj.weight" if kind == "rows" else "model.layers.0.mlp.down_proj.weight"
-    from keepwarm.daemon import sharding
+    from keepwarm.weights import sharding
 
     part = sharding._cut_quantized(name, full, kind, segs)
     axis = 0 if kind == "rows" else 1
@@ -99,7 +100,7 @@ def test_a_group_that_would_straddle_a_shard_is_refused_naming_the_shape() -> No
     w = torch.randn(64, 128, generator=torch.Generator().manual_seed(0))
     meta, parts = quantize(w, "int4", torch.float32, "cpu")  # groups of 128: all of K
     full = QuantizedWeight.from_parts(meta, parts)
-    from keepwarm.daemon import sharding
+    from keepwarm.weights import sharding
 
     with pytest.raises(TensorParallelError, match=r"down_proj.weight \[64, 128\].*groups of 128.*64 columns"):
         sharding._cut_quantized("model.layers.0.mlp.down_proj.weight", full, "cols", [(64, 64)])
@@ -112,7 +113,7 @@ def test_packed_weights_are_repacked_exactly() -> None:
     from keepwarm.formats.quant import LAYOUT_MKLDNN_PACKED, QuantMeta
 
     full = PackedWeight(QuantMeta("none", LAYOUT_MKLDNN_PACKED, None, (96, 64), desc.hex()), raw, torch.bfloat16)
-    from keepwarm.daemon import sharding
+    from keepwarm.weights import sharding
 
     part = sharding._cut_packed("model.layers.0.mlp.down_proj.weight", full, "cols", [(32, 32)])
     assert isinstance(part, PackedWeight) and torch.equal(part.dequantize(torch.bfloat16), w[:, 32:64])
@@ -145,7 +146,7 @@ def test_step_message_round_trips_and_bad_fields_are_named() -> None:
     assert torch.equal(back.lora_slots, step.lora_slots)
     import msgpack
 
-    with pytest.raises(messages.MessageError, match="'block_size'"):
+    with pytest.raises(ProtocolError, match="'block_size'"):
         messages.decode(msgpack.packb({"v": messages.VERSION, "kind": "cache", "num_blocks": 4, "block_size": "16",
                                        "kv_dtype": "float32"}))
     # A LoRA slot's weights round-trip bit for bit (bf16 too); bytes that do not make the shape are named.
@@ -156,7 +157,7 @@ def test_step_message_round_trips_and_bad_fields_are_named() -> None:
     (a, b), = messages.lora_tensors(got.weights).values()
     assert a.dtype == torch.bfloat16 and torch.equal(a, pair[0]) and torch.equal(b, pair[1])
     bad = [[1, "q_proj", "float32", [4, 9], bytes(128), "float32", [6, 4], bytes(96)]]
-    with pytest.raises(messages.MessageError, match=r"q_proj of layer 1\): bytes do not make shape \[4, 9\]"):
+    with pytest.raises(ProtocolError, match=r"q_proj of layer 1\): bytes do not make shape \[4, 9\]"):
         messages.lora_tensors(bad)
 
 
@@ -164,7 +165,7 @@ def test_step_message_round_trips_and_bad_fields_are_named() -> None:
 def test_lora_shards_give_the_full_delta(tiny_model_factory, model: str) -> None:
     """Column-parallel: each rank's LoRA output is its rows of the full one (replicated KV heads: all of them);
     row-parallel: the ranks' partial outputs sum to the full one."""
-    from keepwarm.daemon.sharding import shard_lora
+    from keepwarm.weights.sharding import shard_lora
     from keepwarm.worker.lora import module_dims
 
     mc = load_model_config(tiny_model_factory(model))
@@ -225,16 +226,13 @@ def _daemon_if(wanted: bool, common: dict):
     if not wanted:
         yield None
         return
-    from test_daemon import DaemonProc
-
-    daemon = DaemonProc(Path(tempfile.mkdtemp(prefix="kwtp-", dir="/tmp"))).start()
+    daemon = DaemonProc(new_runtime_dir("kwtp-")).start()
     common.update(daemon=True, runtime_dir=str(daemon.runtime_dir))
     try:
         yield daemon
     finally:
         daemon.stop()
-        shutil.rmtree(paths.shm_dir(daemon.runtime_dir), ignore_errors=True)
-        shutil.rmtree(daemon.runtime_dir, ignore_errors=True)
+        remove_runtime_dir(daemon.runtime_dir)
 
 
 def _reference(factory, name: str, kwargs: dict) -> tuple[str, list[list[int]], dict, list[list[int]]]:
@@ -381,14 +379,6 @@ def test_two_lora_adapters_in_one_batch_equal_one_process(tiny_llama, lora_adapt
         llm.close()
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_two_nodes_on_localhost_give_one_process_tokens(tiny_llama) -> None:
     """Node 1 started on its own (`keepwarm serve --nnodes 2 --node-rank 1`, MASTER_ADDR from the environment as
     torchrun sets it, the port as --master-port) joins node 0's engine: the same greedy tokens as one process;
@@ -400,7 +390,7 @@ def test_two_nodes_on_localhost_give_one_process_tokens(tiny_llama) -> None:
     single = LLM(model=tiny_llama, **common)
     expected = _tokens(single, prompts)
     single.close()
-    port = _free_port()
+    port = free_port()
     node1 = subprocess.Popen([sys.executable, "-m", "keepwarm.cli.main", "serve", tiny_llama, "-tp", "2",
                               "--nnodes", "2", "--node-rank", "1", "--master-port", str(port), "--no-daemon"],
                              env={**os.environ, "MASTER_ADDR": "127.0.0.1"},
@@ -436,8 +426,7 @@ def _kill_a_rank_mid_request(llm: LLM) -> None:
     pid = engine.effective_config()["tensor_parallel_pids"][1]
 
     def kill_when_running() -> None:
-        while engine.stats.steps < steps + 3:
-            time.sleep(0.01)
+        wait_until(lambda: engine.stats.steps >= steps + 3, 120, interval=0.01)
         os.kill(pid, signal.SIGKILL)
 
     killer = threading.Thread(target=kill_when_running, daemon=True)

@@ -30,14 +30,15 @@ VENV_CR = ROOT / ".venv-mutation" / "bin"
 PYTHON = ROOT / ".venv" / "bin" / "python"
 # module -> (file, the fast tests that must kill its mutants)
 MODULES = {
-    "block_manager": ("worker/block_manager.py", ["tests/test_block_manager.py"]),
-    "scheduler": ("worker/scheduler.py", ["tests/test_scheduler.py"]),
-    "sampler": ("worker/sampler.py", ["tests/test_sampler.py"]),
-    "daemon_protocol": ("daemon/protocol.py", ["tests/test_daemon_protocol.py"]),
+    "block_manager": ("worker/engine/block_manager.py", ["tests/unit/worker/engine/test_block_manager.py"]),
+    "scheduler": ("worker/engine/scheduler.py", ["tests/unit/worker/engine/test_scheduler.py"]),
+    "sampler": ("worker/sampler.py", ["tests/unit/worker/test_sampler.py"]),
+    "daemon_protocol": ("daemon/protocol.py", ["tests/unit/daemon/test_daemon_protocol.py"]),
+    "wire": ("formats/wire.py", ["tests/unit/formats/test_wire.py", "tests/unit/daemon/test_daemon_protocol.py"]),
     "snapshot_store": ("snapshot/store.py",
-                       ["tests/test_snapshot_store.py", "tests/test_snapshot.py", "-m", "not slow"]),
+                       ["tests/unit/snapshot/test_snapshot_store.py", "tests/e2e/test_snapshot.py", "-m", "not slow"]),
 }
-PACKAGES = ("daemon", "formats", "worker", "kernels", "snapshot", "cli")
+PACKAGES = ("daemon", "formats", "worker", "kernels", "snapshot", "cli", "weights")
 
 
 def make_sandbox(base: Path) -> tuple[Path, Path]:

@@ -1,8 +1,8 @@
 """The inverse of ``keepwarm.formats.quant.unpack_int4``, written from torch's weight_to_int4pack_kernel
 description, not from the project's code: tests pack int4 codes with it and check the project's unpacking and
-kernels against it. Also the quantized-kernel tests' shared cases (tests/test_cpu_quant_avx2.py,
-tests/test_cpu_amx.py): int4 weights with their float64 dequantization, the one-rounding bound, and the check that
-torch's own pack gives a kernel the hand pack's results."""
+kernels against it. Also the quantized-kernel tests' shared cases (tests/unit/kernels/test_cpu_quant_avx2.py,
+tests/unit/kernels/test_cpu_amx.py): int4 weights with their float64 dequantization, the one-rounding bound, and the
+check that torch's own pack gives a kernel the hand pack's results."""
 
 from __future__ import annotations
 

@@ -10,7 +10,6 @@ import shutil
 import socket
 import subprocess
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -19,15 +18,12 @@ from pathlib import Path
 import httpx
 import pytest
 
+from support.ports import free_port
+from support.wait import wait_until
+
 REGISTRY_BIN = "docker-registry"
 SKIP_WHY = ("the OCI registry tests need Debian's docker-registry package (/usr/bin/docker-registry); `make test` "
             "installs it when run as root")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -62,17 +58,22 @@ def start_registry(root: Path) -> Registry:
         f"http:\n  addr: 127.0.0.1:{port}\n")
     log = open(root / "registry.log", "wb")  # noqa: SIM115 (kept open by the process)
     proc = subprocess.Popen([exe, "serve", str(root / "config.yml")], stdout=log, stderr=log)
-    deadline = time.monotonic() + 30
-    while True:
+
+    def up() -> bool:
+        if proc.poll() is not None:
+            raise AssertionError(f"docker-registry exited: {(root / 'registry.log').read_text()[-2000:]}")
         try:
-            if httpx.get(f"http://127.0.0.1:{port}/v2/", timeout=1).status_code == 200:
-                return Registry(proc, root, port)
+            return httpx.get(f"http://127.0.0.1:{port}/v2/", timeout=1).status_code == 200
         except httpx.HTTPError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"docker-registry did not start: {(root / 'registry.log').read_text()[-2000:]}")
-        time.sleep(0.1)
+            return False
+
+    try:
+        wait_until(up, 30, interval=0.1,
+                   message=lambda: f"docker-registry did not start: {(root / 'registry.log').read_text()[-2000:]}")
+    except AssertionError:
+        proc.kill()
+        raise
+    return Registry(proc, root, port)
 
 
 @dataclass

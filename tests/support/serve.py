@@ -1,18 +1,20 @@
-"""A real `keepwarm serve` process on a free loopback port, for the end-to-end tests (imported by test modules;
-tests/conftest.py puts this folder on sys.path)."""
+"""A real `keepwarm serve` process on a free loopback port for the end-to-end tests, and /metrics read through
+prometheus_client's parser."""
 
 from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
+
+from support.ports import free_port
+from support.wait import wait_until
 
 
 def parse_metrics(text: str) -> dict[tuple[str, frozenset], float]:
@@ -30,17 +32,27 @@ def metric(samples: dict[tuple[str, frozenset], float], name: str, **labels: str
     return hits[0]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def wait_healthy(proc: subprocess.Popen, base: str, output: Callable[[], str], timeout: float = 90.0,
+                 interval: float = 0.1) -> None:
+    """Until ``base``/health answers 200; an AssertionError with the tail of ``output()`` (the server's log) once
+    ``proc`` has exited, or after ``timeout`` seconds."""
+    def healthy() -> bool:
+        if proc.poll() is not None:
+            raise AssertionError(f"server exited {proc.returncode}: {output()[-3000:]}")
+        try:
+            return httpx.get(base + "/health", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    wait_until(healthy, timeout, interval, message=lambda: f"server not ready: {output()[-3000:]}")
 
 
 class ServeProcess:
     """`keepwarm serve ARGS --port P`; waits until /health answers 200 (or fails with the server's output)."""
 
-    def __init__(self, *args: str, env: dict[str, str] | None = None, timeout: float = 90.0) -> None:
-        self.port = free_port()
+    def __init__(self, *args: str, env: dict[str, str] | None = None, timeout: float = 90.0,
+                 port: int | None = None) -> None:
+        self.port = port or free_port()
         host = args[args.index("--host") + 1] if "--host" in args else "127.0.0.1"
         self.base = f"http://{host}:{self.port}"
         fd, self.log_path = tempfile.mkstemp(prefix="kw-serve-", suffix=".log")
@@ -51,17 +63,7 @@ class ServeProcess:
         self.wait_ready(timeout)
 
     def wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"server exited {self.proc.returncode}: {self.output()[-3000:]}")
-            try:
-                if httpx.get(self.base + "/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        raise AssertionError(f"server not ready: {self.output()[-3000:]}")
+        wait_healthy(self.proc, self.base, self.output, timeout)
 
     def metrics(self) -> dict[tuple[str, frozenset], float]:
         """/metrics parsed: read one value with ``metric(samples, name, label=value)``."""

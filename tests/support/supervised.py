@@ -7,10 +7,11 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
-import time
 
 import httpx
 import openai
+
+from support.wait import wait_until
 
 PROMPTS = ["The quick brown fox", "Once upon a time", "In the beginning", "A restart that nobody notices"]
 MAX_TOKENS = 12
@@ -72,10 +73,8 @@ class Load:
 
     def wait_for(self, n: int, timeout: float = 120) -> None:
         target = self.done + n
-        deadline = time.monotonic() + timeout
-        while self.done < target and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert self.done >= target, f"the load stalled at {self.done} requests; errors: {self.errors[:5]}"
+        wait_until(lambda: self.done >= target, timeout,
+                   message=lambda: f"the load stalled at {self.done} requests; errors: {self.errors[:5]}")
 
 
 def ask(client: openai.OpenAI, prompt: str, kind: str) -> tuple[str, str | None]:

@@ -1,6 +1,6 @@
 """Compile the Triton kernels for an NVIDIA target on a machine without a GPU, and report their resources.
 
-    python tests/_triton_compile_check.py [--arch 90] [--quick] [--json OUT]
+    python tests/support/triton_compile_check.py [--arch 90] [--quick] [--json OUT]
 
 Catches what Triton's interpreter cannot: code-generation errors (a loop-carried constexpr, a tl.dot under 16),
 shared memory over the SM's limit, register spills. It calls the real wrappers of kernels/triton_*.py on CPU

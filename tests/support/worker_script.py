@@ -1,6 +1,6 @@
 """A worker process for the daemon tests: attach (or load from disk), generate greedily, report as JSON.
 
-    python _worker.py MODEL --daemon on|off [--quantization Q] [--hold]
+    python tests/support/worker_script.py MODEL --daemon on|off [--quantization Q] [--hold]
 
 With --hold it then reads commands from stdin: "write" (try to modify a weight in place), "tokens" (generate
 again), "exit".

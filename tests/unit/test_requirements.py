@@ -4,7 +4,7 @@ without keepwarm importing it, pinned as constraints.txt pins it, and no test or
 
 `make run` installs requirements.txt alone, and the test suite runs in the dev venv, which has requirements-dev.txt
 as well: a runtime package that only a dev tool pulls in (accelerate, through peft) passes every test and fails
-`keepwarm preload` on a bare machine. This file checks the lists; `make test-bare-run` (tests/bare_run_check.sh)
+`keepwarm preload` on a bare machine. This file checks the lists; `make test-bare-run` (tests/e2e/bare_run_check.sh)
 installs requirements.txt alone into a fresh venv and serves a completion from it.
 """
 
@@ -18,7 +18,7 @@ import sys
 import tomllib
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 # Needed at run time though no keepwarm module imports them: name -> why.
 RUNTIME_ONLY_INDIRECT = {

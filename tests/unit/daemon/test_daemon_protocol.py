@@ -1,5 +1,5 @@
-"""The daemon's wire protocol (keepwarm.daemon.protocol) as units: every verb's typed arguments, every refusal
-with its code and one-line message, and the reply/event shapes; fast, no daemon process."""
+"""The daemon's wire protocol (keepwarm.daemon.protocol, on keepwarm.formats.wire) as units: every verb's typed
+arguments, every refusal with its code and one-line message, and the reply/event shapes; fast, no daemon process."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import msgpack
 import pytest
 
 from keepwarm.daemon import protocol as p
+from keepwarm.formats import wire
 
 
 def raw(**msg) -> bytes:
@@ -109,10 +110,10 @@ def test_never_pickle_and_non_string_map_keys_refused() -> None:
 
 
 def test_float_fields_take_ints_but_not_bools() -> None:
-    assert p._type_ok(1, float) and p._type_ok(1.5, float) and not p._type_ok(True, float)
-    assert not p._type_ok("1", float)
-    assert p._type_ok(None, str | None) and p._type_ok("s", str | None) and not p._type_ok(1, str | None)
-    assert p._type_ok(None, type(None)) and not p._type_ok(0, type(None))
+    assert wire.type_ok(1, float) and wire.type_ok(1.5, float) and not wire.type_ok(True, float)
+    assert not wire.type_ok("1", float)
+    assert wire.type_ok(None, str | None) and wire.type_ok("s", str | None) and not wire.type_ok(1, str | None)
+    assert wire.type_ok(None, type(None)) and not wire.type_ok(0, type(None))
 
 
 def test_reply_and_event_shapes_round_trip() -> None:
@@ -124,9 +125,12 @@ def test_reply_and_event_shapes_round_trip() -> None:
     assert msgpack.unpackb(p.encode(msg), raw=False) == msg  # bytes stay bytes (use_bin_type)
     req = {"v": p.PROTOCOL_VERSION, "id": "z", "verb": "evict", "args": {"model": "m", "force": True}}
     assert p.decode_request(p.encode(req)) == ("z", "evict", p.EvictArgs("m", True))
+    assert msgpack.unpackb(p.encode_request("z", "evict", {"model": "m", "force": True})) == req  # the same frame
+    assert p.decode_answer(p.encode(msg)) == msg
 
 
 def test_protocol_error_carries_code_and_message() -> None:
+    assert p.ProtocolError is wire.ProtocolError  # one error type for every boundary
     e = p.ProtocolError("memory_budget", "too big")
     assert (e.code, e.message, str(e), e.args) == ("memory_budget", "too big", "too big", ("too big",))
 
@@ -140,7 +144,7 @@ def test_parsed_arguments_are_frozen(verb: str) -> None:
     assert dataclasses.fields(cls) == () or cls.__dataclass_params__.frozen
     args = {f.name: (1 if f.type in ("int", int) else "x") for f in dataclasses.fields(cls)
             if f.default is dataclasses.MISSING}
-    parsed = p.parse_args(verb, args)
+    parsed = p.REQUESTS.message({"verb": verb, "args": args})[1]
     with pytest.raises(dataclasses.FrozenInstanceError):
         parsed.extra = 1
 

@@ -13,12 +13,13 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from support.daemon import DaemonProc, new_runtime_dir, remove_runtime_dir
 
-from keepwarm.daemon.checkpoint import Checkpoint
-from keepwarm.daemon.loader import build_arena, plan_arena
+from keepwarm.formats.errors import QuantizationError
 from keepwarm.formats.gguf import QUANT_TYPES, dequantize_dense
-from keepwarm.formats.quant import QuantizationError
 from keepwarm.kernels.quant import QuantizedWeight
+from keepwarm.weights.checkpoint import Checkpoint
+from keepwarm.weights.loader import build_arena, plan_arena
 from keepwarm.worker.attach import model_tensors
 
 # Where each type keeps its float16 scale fields in a block (the rest of a block is any bytes).
@@ -232,7 +233,7 @@ def test_smollm2_served_from_its_own_q4_1_weights(tmp_path) -> None:
     assert got[a + "qkv_proj.weight"].meta.layout.startswith("int4_cpu")  # Q4_1: int4 groups of 32
     assert torch.equal(got[a + "qkv_proj.weight"].dequantize().to(torch.bfloat16), qkv)
     llm = LLM(model=str(path), max_model_len=512, daemon=False)
-    # tests/test_smollm2.py's question: the bare one's first token wins by 0.1 logits and rambles on some CPUs.
+    # tests/e2e/test_smollm2.py's question: the bare one's first token wins by 0.1 logits and rambles on some CPUs.
     question = "What is the capital of France? Answer in one sentence."
     out = llm.chat([{"role": "user", "content": question}], SamplingParams(temperature=0, max_tokens=24))[0].outputs[0]
     assert "Paris" in out.text
@@ -242,14 +243,11 @@ def test_smollm2_served_from_its_own_q4_1_weights(tmp_path) -> None:
 def test_daemon_preloads_gguf_and_refuses_bad_ones(tiny_gguf, tmp_path) -> None:
     import subprocess
     import sys
-    import tempfile
-
-    from test_daemon import DaemonProc
 
     from keepwarm.daemon.client import DaemonError
     from keepwarm.formats import paths
 
-    runtime = Path(tempfile.mkdtemp(prefix="kwrt-", dir="/tmp"))
+    runtime = new_runtime_dir()
     d = DaemonProc(runtime).start()
     try:
         out = subprocess.run([sys.executable, "-m", "keepwarm.cli.main", "preload", str(tiny_gguf[0])], env=d.env,
@@ -268,5 +266,4 @@ def test_daemon_preloads_gguf_and_refuses_bad_ones(tiny_gguf, tmp_path) -> None:
             assert c.preload(str(tiny_gguf[0]))["cached"] is True
     finally:
         d.stop()
-        shutil.rmtree(paths.shm_dir(runtime), ignore_errors=True)
-        shutil.rmtree(runtime, ignore_errors=True)
+        remove_runtime_dir(runtime)

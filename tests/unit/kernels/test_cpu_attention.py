@@ -1,5 +1,5 @@
-"""The C decode attention over the paged KV cache (kernels/cpu_native.c, ``kw_decode_attention``): against the torch
-path it replaces (kernels/reference.py ``_decode_attention`` after the gather) and against float64, over GQA
+"""The C decode attention over the paged KV cache (kernels/csrc/attention.c, ``kw_decode_attention``): against the
+torch path it replaces (kernels/reference.py ``_decode_attention`` after the gather) and against float64, over GQA
 shapes, lengths around block boundaries, sliding windows, soft-capping, garbage in unwritten slots, shuffled
 block tables, 1 and 2 threads, and its switch; then greedy tokens of a bf16 engine with the kernel on and off.
 Needs AVX2 + FMA and a C compiler; elsewhere the tests say which is missing."""
@@ -16,12 +16,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from support.inputs import make_prompts, plan_inputs
 
 from keepwarm import LLM, SamplingParams
-from keepwarm.kernels import cpu_native, reference
+from keepwarm.kernels import cpu, cpu_native, dispatch, native_ops, reference
 
-pytestmark = pytest.mark.skipif(not cpu_native.attention_available(),
-                                reason=f"native attention: {cpu_native.attention_unavailable_reason()}")
+pytestmark = pytest.mark.skipif(not cpu_native.glue_on(),
+                                reason=f"native attention: {cpu_native.reasons()[1]}")
 
 GARBAGE = 3.0e4  # what unwritten slots hold: finite, and large enough to show in any output that reads one
 
@@ -55,8 +56,8 @@ def _attention(q, kc, vc, table, lens, qsl, window=None, softcap=None, native=Tr
                monkeypatch: pytest.MonkeyPatch | None = None) -> torch.Tensor:
     assert monkeypatch is not None
     monkeypatch.setenv(cpu_native.ENV_VAR, "1" if native else "0")
-    return reference.paged_attention(q, kc, vc, table, lens, qsl, q.shape[-1] ** -0.5, sliding_window=window,
-                                     logit_softcap=softcap)
+    return cpu.paged_attention(q, kc, vc, table, lens, qsl, q.shape[-1] ** -0.5, sliding_window=window,
+                               logit_softcap=softcap)
 
 
 def _float64(q, kc, vc, table, lens, window, softcap) -> torch.Tensor:
@@ -132,13 +133,13 @@ def test_two_threads_split_the_work(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_used_where_it_fits_and_only_there(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[int] = []
-    real = cpu_native.decode_attention
+    real = native_ops.decode_attention
 
     def spy(*args, **kwargs):
         calls.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(cpu_native, "decode_attention", spy)
+    monkeypatch.setattr(native_ops, "decode_attention", spy)
     q, kc, vc, table, lens, qsl = _batch([5, 40], 4, 2, 32, 16, seed=1)
     _attention(q, kc, vc, table, lens, qsl, monkeypatch=monkeypatch)
     assert len(calls) == 1
@@ -146,7 +147,7 @@ def test_used_where_it_fits_and_only_there(monkeypatch: pytest.MonkeyPatch) -> N
     _attention(q, kc, vc, table, lens, qsl, native=False, monkeypatch=monkeypatch)
     _attention(q.float(), kc.float(), vc.float(), table, lens, qsl, monkeypatch=monkeypatch)
     _attention(q.float(), kc, vc, table, lens, qsl, monkeypatch=monkeypatch)
-    reference.paged_attention(q, kc, vc, table, lens, qsl, 0.1, k_scale=0.5)
+    cpu.paged_attention(q, kc, vc, table, lens, qsl, 0.1, k_scale=0.5)
     q8, kc8, vc8, *rest = _batch([5, 40], 4, 2, 40, 16, seed=1)
     _attention(q8, kc8, vc8, *rest, monkeypatch=monkeypatch)
     assert len(calls) == 1
@@ -160,7 +161,7 @@ def test_switch_off_is_the_torch_path_exactly(monkeypatch: pytest.MonkeyPatch) -
     want = reference._decode_attention(q, reference._gather_blocks(kc, g.table), reference._gather_blocks(vc, g.table),
                                        g.masked, 64 ** -0.5, 1.0, 1.0)
     assert torch.equal(off, want)
-    assert cpu_native.attention_unavailable_reason() == f"{cpu_native.ENV_VAR}=0"
+    assert cpu_native.reasons()[1] == f"{cpu_native.ENV_VAR}=0"
 
 
 def test_mixed_batch_and_strided_query(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -216,8 +217,8 @@ def test_prefill_rows_match_float64_as_well_as_sdpa(lens, prefill, hq, hk, d, wi
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     q, kc, vc, table, seq_lens, qsl = _batch(lens, hq, hk, d, 16, seed=len(lens) + d, prefill=prefill)
     calls: list[int] = []
-    real = cpu_native.decode_attention
-    monkeypatch.setattr(cpu_native, "decode_attention", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+    real = native_ops.decode_attention
+    monkeypatch.setattr(native_ops, "decode_attention", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
     got = _attention(q, kc, vc, table, seq_lens, qsl, window, softcap, monkeypatch=monkeypatch)
     rows = sum(prefill.values())
     assert sorted(calls) == sorted([rows] + ([len(lens) - len(prefill)] if len(lens) > len(prefill) else []))
@@ -248,9 +249,9 @@ def test_rejects_a_plan_that_reads_outside_the_cache() -> None:
     kc = torch.zeros(1, 4, 16, 32, dtype=torch.bfloat16)
     q = torch.zeros(1, 2, 32, dtype=torch.bfloat16)
     for table, ctx, lo in (([[4]], 5, 0), ([[-1]], 5, 0), ([[0]], 17, 0), ([[0]], 5, 5)):
-        plan = cpu_native.attention_plan(torch.tensor(table), torch.tensor([ctx]), torch.tensor([lo]), None)
+        plan = native_ops.attention_plan(torch.tensor(table), torch.tensor([ctx]), torch.tensor([lo]), None)
         with pytest.raises(ValueError, match="refused"):
-            cpu_native.decode_attention(q, kc, kc, plan, 0.1, None)
+            native_ops.decode_attention(q, kc, kc, plan, 0.1, None)
 
 
 def test_softmax_exp_and_rounding_edges(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -266,26 +267,19 @@ def test_softmax_exp_and_rounding_edges(monkeypatch: pytest.MonkeyPatch) -> None
     assert math.isclose(float((got[2].double() - exact[2]).abs().max()), 0.0, abs_tol=0.02)
 
 
-def _plan_inputs(seed: int, s: int = 32) -> tuple[torch.Tensor, ...]:
-    g = torch.Generator().manual_seed(seed)
-    plan = cpu_native.attention_plan(torch.randperm(400, generator=g)[:s * 12].reshape(s, 12),
-                                     torch.randint(60, 190, (s,), generator=g), None, None)
-    kc, vc = (torch.randn(3, 400, 16, 64, generator=g).bfloat16() for _ in range(2))
-    return torch.randn(s, 9, 64, generator=g).bfloat16(), kc, vc, plan
-
-
+TESTS = str(Path(__file__).resolve().parents[2])  # the child imports support/ from here
 _CHILD = textwrap.dedent("""
     import os, sys, torch
     sys.path.insert(0, sys.argv[1])
-    from test_cpu_attention import _plan_inputs
-    from keepwarm.kernels import cpu_native
+    from support.inputs import plan_inputs
+    from keepwarm.kernels import cpu_native, native_ops
     torch.set_num_threads(2)
-    q, kc, vc, plan = _plan_inputs(0)
-    first = cpu_native.decode_attention(q, kc, vc, plan, 0.125, None)  # enough work for 2 threads: starts the pool
+    q, kc, vc, plan = plan_inputs(0)
+    first = native_ops.decode_attention(q, kc, vc, plan, 0.125, None)  # enough work for 2 threads: starts the pool
     print(cpu_native._load()[0]._name)
     pid = os.fork()
     if pid == 0:  # the child has no pool threads: it must start its own, not wait for the parent's forever
-        os._exit(0 if torch.equal(cpu_native.decode_attention(q, kc, vc, plan, 0.125, None), first) else 3)
+        os._exit(0 if torch.equal(native_ops.decode_attention(q, kc, vc, plan, 0.125, None), first) else 3)
     _, status = os.waitpid(pid, 0)
     sys.exit(os.waitstatus_to_exitcode(status))
 """)
@@ -294,7 +288,7 @@ _CHILD = textwrap.dedent("""
 def test_build_cached_and_fork_safe(tmp_path: Path) -> None:
     env = {**os.environ, "KEEPWARM_HOME": str(tmp_path)}
     env.pop(cpu_native.ENV_VAR, None)
-    runs = [subprocess.run([sys.executable, "-c", _CHILD, str(Path(__file__).parent)], env=env, capture_output=True,
+    runs = [subprocess.run([sys.executable, "-c", _CHILD, TESTS], env=env, capture_output=True,
                            text=True, timeout=120) for _ in range(2)]
     for run in runs:
         assert run.returncode == 0, run.stderr[-2000:]
@@ -305,14 +299,14 @@ def test_build_cached_and_fork_safe(tmp_path: Path) -> None:
 
 def test_calls_from_two_threads_take_turns() -> None:
     # ctypes drops the GIL: two engine-like threads may call at once and must not share the pool's one job.
-    cases = [_plan_inputs(seed, s) for seed, s in ((1, 32), (2, 8))]
+    cases = [plan_inputs(seed, s) for seed, s in ((1, 32), (2, 8))]
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        want = [cpu_native.decode_attention(q, kc, vc, plan, 0.125, None) for q, kc, vc, plan in cases]
+        want = [native_ops.decode_attention(q, kc, vc, plan, 0.125, None) for q, kc, vc, plan in cases]
         with ThreadPoolExecutor(2) as pool:
             for _ in range(20):
-                got = list(pool.map(lambda c: cpu_native.decode_attention(*c, 0.125, None), cases))
+                got = list(pool.map(lambda c: native_ops.decode_attention(*c, 0.125, None), cases))
                 assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
     finally:
         torch.set_num_threads(before)
@@ -329,15 +323,14 @@ NEAR_TIE = 0.07  # nats between the two candidates in the run without the kernel
 @pytest.mark.parametrize("model_name", ["llama", "gemma2", "mistral_sw"])
 def test_bf16_engine_greedy_same_with_and_without(tiny_model_factory, model_name: str,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    from test_engine import make_prompts
-
     llm = LLM(model=tiny_model_factory(model_name), dtype="bfloat16", max_model_len=256,
               enable_prefix_caching=False)
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=5)
     prompts = make_prompts(seed=11)
     # the attention's switch alone: the AVX2 bf16 matmul (on where oneDNN has no bf16) shares the switch and sums
-    # in another order than torch's matmul, which can flip a near-tie; tests/test_cpu_bf16_matmul.py covers it
-    monkeypatch.setattr(cpu_native, "_onednn_bf16", lambda: True)
+    # in another order than torch's matmul, which can flip a near-tie;
+    # tests/unit/kernels/test_cpu_bf16_matmul.py covers it
+    monkeypatch.setattr(dispatch, "_onednn_bf16", lambda: True)
     runs = {}
     for native in ("1", "0"):
         monkeypatch.setenv(cpu_native.ENV_VAR, native)

@@ -1,4 +1,4 @@
-"""The C glue of a decode step (kernels/cpu_native.c: ``kw_rms_norm``, ``kw_rotary_neox``, ``kw_store_kv``) against
+"""The C glue of a decode step (kernels/csrc/glue.c: ``kw_rms_norm``, ``kw_rotary_neox``, ``kw_store_kv``) against
 the torch ops it replaces in kernels/reference.py, with the switch (``KEEPWARM_CPU_NATIVE``) off and on:
 - rotary and the KV store are bit-identical (the same roundings, nothing summed);
 - so is RMSNorm: its float32 sum of squares is added up in ATen's order (checked here over widths that take
@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support.inputs import make_prompts, plan_inputs
 
 from keepwarm import LLM, SamplingParams
-from keepwarm.kernels import cpu_native, reference
+from keepwarm.kernels import cpu, cpu_native, dispatch, native_ops, reference
 
-pytestmark = pytest.mark.skipif(not cpu_native.attention_available(),
-                                reason=f"native glue: {cpu_native.attention_unavailable_reason()}")
+pytestmark = pytest.mark.skipif(not cpu_native.glue_on(),
+                                reason=f"native glue: {cpu_native.reasons()[1]}")
 
 
 def _both(monkeypatch: pytest.MonkeyPatch, fn):
@@ -38,10 +39,10 @@ def test_rms_norm_is_torch_but_for_the_order_of_one_sum(monkeypatch, rows, hidde
     res = torch.randn(rows, hidden, generator=g).bfloat16()
     w = torch.randn(hidden, generator=g).bfloat16()
     if residual:
-        (off, off_res), (on, on_res) = _both(monkeypatch, lambda: reference.fused_add_rms_norm(x, res, w, 1e-5))
+        (off, off_res), (on, on_res) = _both(monkeypatch, lambda: cpu.fused_add_rms_norm(x, res, w, 1e-5))
         assert torch.equal(off_res, on_res)  # one add, one rounding: exact
     else:
-        off, on = _both(monkeypatch, lambda: reference.rms_norm(x, w, 1e-5))
+        off, on = _both(monkeypatch, lambda: cpu.rms_norm(x, w, 1e-5))
     assert on.shape == off.shape and on.dtype == torch.bfloat16
     assert torch.equal(on, off), f"{int((on != off).sum())} of {on.numel()} outputs differ"
     # the input is not touched
@@ -51,7 +52,7 @@ def test_rms_norm_is_torch_but_for_the_order_of_one_sum(monkeypatch, rows, hidde
 def test_rms_norm_leaves_float32_and_odd_widths_to_torch(monkeypatch) -> None:
     """What the glue cannot compute takes the torch path unchanged: float32 rows, widths not a multiple of 8."""
     for x, w in ((torch.randn(3, 64), torch.randn(64)), (torch.randn(3, 12).bfloat16(), torch.randn(12).bfloat16())):
-        off, on = _both(monkeypatch, lambda x=x, w=w: reference.rms_norm(x, w, 1e-6))
+        off, on = _both(monkeypatch, lambda x=x, w=w: cpu.rms_norm(x, w, 1e-6))
         assert torch.equal(off, on)
 
 
@@ -65,7 +66,7 @@ def test_rotary_is_bit_identical_on_qkv_views(monkeypatch, T, hq, hk, d) -> None
     positions = torch.randint(0, 4096, (T,), generator=g)
     plan = reference.plan_rotary(positions, table)
     (qo0, ko0), (qo1, ko1) = _both(monkeypatch,
-                                   lambda: reference.rotary_embedding(positions, q, k, d, table, True, plan))
+                                   lambda: cpu.rotary_embedding(positions, q, k, d, table, True, plan))
     assert torch.equal(qo0, qo1) and torch.equal(ko0, ko1)
     assert qo1.shape == q.shape and ko1.shape == k.shape
 
@@ -77,7 +78,7 @@ def test_rotary_leaves_partial_and_gptj_rotation_to_torch(monkeypatch) -> None:
     for rot, neox in ((32, True), (64, False)):
         table = reference.build_cos_sin_cache(rot, 64, 1.0 / (10000 ** (torch.arange(0, rot, 2).float() / rot)))
         (a0, b0), (a1, b1) = _both(monkeypatch,
-                                   lambda t=table, n=neox: reference.rotary_embedding(positions, q, k, d, t, n))
+                                   lambda t=table, n=neox: cpu.rotary_embedding(positions, q, k, d, t, n))
         assert torch.equal(a0, a1) and torch.equal(b0, b1)
 
 
@@ -96,7 +97,7 @@ def test_store_kv_equals_torch_and_skips_padding(monkeypatch) -> None:
     for native in ("0", "1"):
         monkeypatch.setenv(cpu_native.ENV_VAR, native)
         kc, vc = _pools(hk, nb, bs, d)
-        reference.write_kv_cache(k, v, kc, vc, slots)
+        cpu.write_kv_cache(k, v, kc, vc, slots)
         results.append((kc, vc))
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
     kc = results[1][0].view(hk, nb * bs, d)
@@ -110,23 +111,21 @@ def test_store_kv_refuses_a_slot_outside_the_pools_and_writes_nothing(bad) -> No
     k = torch.randn(3, hk, d).bfloat16()
     kc, vc = _pools(hk, nb, bs, d)
     with pytest.raises(ValueError, match="outside the pools"):
-        cpu_native.store_kv(k, k, kc, vc, torch.tensor([1, bad, 2], dtype=torch.int64))
+        native_ops.store_kv(k, k, kc, vc, torch.tensor([1, bad, 2], dtype=torch.int64))
     assert bool((kc == 7.0).all()) and bool((vc == -7.0).all())
 
 
 @pytest.mark.parametrize("model_name", ["llama", "llama3_tied", "qwen2", "qwen3", "phi3"])
 def test_bf16_greedy_tokens_equal_with_the_glue_on_and_off(tiny_model_factory, model_name: str,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    from test_engine import make_prompts
-
     llm = LLM(model=tiny_model_factory(model_name), dtype="bfloat16", max_model_len=256,
               enable_prefix_caching=False)
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     prompts = make_prompts(seed=11)
-    monkeypatch.setattr(cpu_native, "_onednn_bf16", lambda: True)  # torch's matmul both times (see test_cpu_attention)
+    monkeypatch.setattr(dispatch, "_onednn_bf16", lambda: True)  # torch's matmul both times (see test_cpu_attention)
     # and the torch attention both times: the C attention (same switch) sums in another order, which can flip a
     # near-tie (test_cpu_attention's engine test bounds those); the glue is bit for bit, so the tokens are equal
-    monkeypatch.setattr(cpu_native, "attention_fits", lambda *args: False)
+    monkeypatch.setitem(dispatch._BY_OP, "paged_attention", ())  # no C attention row
     runs = {}
     for native in ("1", "0"):
         monkeypatch.setenv(cpu_native.ENV_VAR, native)
@@ -137,21 +136,17 @@ def test_bf16_greedy_tokens_equal_with_the_glue_on_and_off(tiny_model_factory, m
 def test_openmp_team_and_own_pool_give_the_same_bits() -> None:
     """The kernels' threads come from torch's OpenMP team here (one runtime in the process) or from the library's
     own pool (KEEPWARM_CPU_NATIVE_OPENMP=0): the split of the work is the same, so are the results."""
-    import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).parent))
-    from test_cpu_attention import _plan_inputs
-
     lib = cpu_native._load()[0]
-    q, kc, vc, plan = _plan_inputs(4)
+    q, kc, vc, plan = plan_inputs(4)
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
         runs = []
         for on in (1, 0, 1):
             lib.kw_use_openmp(on)
-            runs.append(cpu_native.decode_attention(q, kc, vc, plan, 0.125, None))
+            runs.append(native_ops.decode_attention(q, kc, vc, plan, 0.125, None))
     finally:
         lib.kw_use_openmp(1)
         torch.set_num_threads(before)

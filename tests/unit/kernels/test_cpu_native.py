@@ -1,6 +1,6 @@
-"""keepwarm's C kernel (kernels/cpu_native.c): the int8 x bfloat16 matmul against float64, its build cache,
-its thread pool across fork(), and its switch. Needs an AVX512-BF16 CPU and a C compiler (this machine and CI
-have both); elsewhere the tests say which is missing."""
+"""keepwarm's AVX512-BF16 C kernels (kernels/csrc/gemm_int8_avx512.c, gemm_int4_vbmi.c): the int8 x bfloat16 matmul
+against float64, its build cache, its thread pool across fork(), and its switch. Needs an AVX512-BF16 CPU and a C
+compiler (this machine and CI have both); elsewhere the tests say which is missing."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from _int4_pack import halves, q4_case, torch_pack_matches_hand_pack, within_one_rounding
+from support.int4_pack import halves, q4_case, torch_pack_matches_hand_pack, within_one_rounding
 
-from keepwarm.kernels import cpu_native
+from keepwarm.kernels import cpu_native, native_ops
 
-pytestmark = pytest.mark.skipif(not cpu_native.available(), reason=f"native kernels: {cpu_native.unavailable_reason()}")
+pytestmark = pytest.mark.skipif(not cpu_native.available(), reason=f"native kernels: {cpu_native.reasons()[0]}")
 
 
 def _expected(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
@@ -41,7 +41,7 @@ def test_int8_linear_matches_float64(m: int, n: int, k: int, threads: int) -> No
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        got = cpu_native.int8_linear(x, q, s)
+        got = native_ops.int8_linear(x, q, s)
     finally:
         torch.set_num_threads(before)
     want = _expected(x, q, s)
@@ -63,11 +63,11 @@ def test_tiled_rows_do_not_depend_on_the_batch_or_threads(fp8: bool) -> None:
     if fp8:
         w = (torch.randn(100, 1152, generator=g) * 50).to(torch.float8_e4m3fn)
         s = torch.rand(100, generator=g) + 0.5
-        run = cpu_native.fp8_linear
+        run = native_ops.fp8_linear
     else:
         w = torch.randint(-128, 128, (100, 1152), dtype=torch.int8, generator=g)
         s = (torch.rand(100, generator=g) + 0.5).bfloat16()
-        run = cpu_native.int8_linear
+        run = native_ops.int8_linear
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
@@ -87,32 +87,32 @@ def test_tiled_rows_do_not_depend_on_the_batch_or_threads(fp8: bool) -> None:
 def test_int8_linear_rejects_what_it_cannot_run() -> None:
     q = torch.zeros(8, 32, dtype=torch.int8)
     with pytest.raises(ValueError, match="bfloat16|int8_linear"):
-        cpu_native.int8_linear(torch.zeros(1, 32), q, torch.ones(8))
+        native_ops.int8_linear(torch.zeros(1, 32), q, torch.ones(8))
     with pytest.raises(ValueError, match="int8_linear"):
-        cpu_native.int8_linear(torch.zeros(1, 16, dtype=torch.bfloat16), q, torch.ones(8))
+        native_ops.int8_linear(torch.zeros(1, 16, dtype=torch.bfloat16), q, torch.ones(8))
     with pytest.raises(ValueError, match="contiguous"):
-        cpu_native.int8_linear(torch.zeros(1, 32, dtype=torch.bfloat16), torch.zeros(32, 8, dtype=torch.int8).t(),
+        native_ops.int8_linear(torch.zeros(1, 32, dtype=torch.bfloat16), torch.zeros(32, 8, dtype=torch.int8).t(),
                                torch.ones(8))
 
 
 def test_switch_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(cpu_native.ENV_VAR, "0")
-    assert not cpu_native.available() and cpu_native.unavailable_reason() == f"{cpu_native.ENV_VAR}=0"
+    assert not cpu_native.available() and cpu_native.reasons()[0] == f"{cpu_native.ENV_VAR}=0"
     monkeypatch.delenv(cpu_native.ENV_VAR)
     assert cpu_native.available()
 
 
 _CHILD = textwrap.dedent("""
     import os, sys, torch
-    from keepwarm.kernels import cpu_native
+    from keepwarm.kernels import cpu_native, native_ops
     torch.set_num_threads(2)
     x = torch.randn(5, 256).bfloat16(); q = torch.randint(-128, 128, (128, 256), dtype=torch.int8)
     s = torch.full((128,), 0.01).bfloat16()
-    first = cpu_native.int8_linear(x, q, s)  # starts the pool thread
+    first = native_ops.int8_linear(x, q, s)  # starts the pool thread
     print(cpu_native._load()[0]._name)
     pid = os.fork()
     if pid == 0:  # the child has no pool threads: it must start its own, not wait for the parent's forever
-        os._exit(0 if torch.equal(cpu_native.int8_linear(x, q, s), first) else 3)
+        os._exit(0 if torch.equal(native_ops.int8_linear(x, q, s), first) else 3)
     _, status = os.waitpid(pid, 0)
     sys.exit(os.waitstatus_to_exitcode(status))
 """)
@@ -137,10 +137,10 @@ def test_calls_from_two_threads_take_turns() -> None:
     cases = [(torch.randn(m, 256, generator=g).bfloat16(), torch.randint(-128, 128, (160, 256), dtype=torch.int8,
                                                                           generator=g)) for m in (1, 9)]
     s = torch.full((160,), 0.01).bfloat16()
-    want = [cpu_native.int8_linear(x, q, s) for x, q in cases]
+    want = [native_ops.int8_linear(x, q, s) for x, q in cases]
     with ThreadPoolExecutor(2) as pool:
         for _ in range(20):
-            got = list(pool.map(lambda c: cpu_native.int8_linear(c[0], c[1], s), cases))
+            got = list(pool.map(lambda c: native_ops.int8_linear(c[0], c[1], s), cases))
             assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
 
@@ -151,10 +151,10 @@ def test_fp8_linear_every_code() -> None:
     q[:, : codes.numel()] = codes
     q = q.view(torch.float8_e4m3fn)
     x = torch.eye(256, dtype=torch.bfloat16)[: codes.numel()]
-    got = cpu_native.fp8_linear(x, q, torch.tensor(1.0))  # [codes, 64]: row i is code i in every column
+    got = native_ops.fp8_linear(x, q, torch.tensor(1.0))  # [codes, 64]: row i is code i in every column
     assert torch.equal(got[:, 0].float(), codes.view(torch.float8_e4m3fn).float())
     scales = torch.linspace(0.5, 2.0, 64)  # one per row (output channel): powers of two keep it exact only at 1
-    per_row = cpu_native.fp8_linear(x[:5], q, scales)
+    per_row = native_ops.fp8_linear(x[:5], q, scales)
     assert torch.equal(per_row, (codes[:5].view(torch.float8_e4m3fn).float()[:, None] * scales).bfloat16())
 
 
@@ -164,7 +164,7 @@ def test_fp8_linear_matches_float64(m: int, n: int, k: int) -> None:
     x = torch.randn(m, k, generator=g).bfloat16()
     q = (torch.randn(n, k, generator=g) * 40).to(torch.float8_e4m3fn)
     s = torch.rand(n, generator=g) * 0.01 + 1e-3
-    got = cpu_native.fp8_linear(x, q, s)
+    got = native_ops.fp8_linear(x, q, s)
     want = (x.double() @ q.double().t()) * s.double()
     bound = (x.double().abs() @ q.double().abs().t()) * s.double()
     assert bool(((got.double() - want).abs() <= bound * 2.0**-8 + 1e-30).all())
@@ -173,16 +173,16 @@ def test_fp8_linear_matches_float64(m: int, n: int, k: int) -> None:
 def test_codes_to_bf16_every_code() -> None:
     # every int8 code as itself and every finite e4m3 code as value / 256, with a row tail past 32 columns
     i8 = torch.arange(-128, 128, dtype=torch.int16).to(torch.int8).view(8, 32).repeat(1, 2)[:, :45].contiguous()
-    assert torch.equal(cpu_native.codes_to_bf16(i8), i8.bfloat16())
+    assert torch.equal(native_ops.codes_to_bf16(i8), i8.bfloat16())
     f8 = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)[:250].view(10, 25)
     f8 = f8.view(torch.float8_e4m3fn).contiguous()
-    assert torch.equal(cpu_native.codes_to_bf16(f8).float() * 256, f8.float())
+    assert torch.equal(native_ops.codes_to_bf16(f8).float() * 256, f8.float())
     with pytest.raises(ValueError, match="codes_to_bf16"):
-        cpu_native.codes_to_bf16(torch.zeros(4, 4))
+        native_ops.codes_to_bf16(torch.zeros(4, 4))
 
 
 # ---------------------------------------------------------------------------------- int4 above a few rows (kw_q4vec)
-needs_vbmi = pytest.mark.skipif(not cpu_native._has_vbmi(), reason="the int4 vector kernel: the CPU lacks avx512vbmi")
+needs_vbmi = pytest.mark.skipif(not cpu_native.has_vbmi(), reason="the int4 vector kernel: the CPU lacks avx512vbmi")
 
 
 @needs_vbmi
@@ -190,19 +190,19 @@ needs_vbmi = pytest.mark.skipif(not cpu_native._has_vbmi(), reason="the int4 vec
                          [(1, 32, 32, 32, 32), (2, 96, 576, 64, 32), (13, 64, 256, 128, 32), (33, 96, 576, 32, 32),
                           (1, 64, 256, 32, 64), (5, 128, 512, 128, 64), (40, 192, 1024, 64, 64)])
 def test_int4_vector_kernel_matches_float64(m: int, n: int, k: int, gs: int, block: int) -> None:
-    """Against float64 sums of the test's own dequantization (tests/_int4_pack.py) at the blocking edges: rows across
+    """Against float64 sums of the test's own dequantization (support/int4_pack.py) at the blocking edges: rows across
     the 12-row micro-kernel, channels past the 32-channel half of a 64-row block, K one 32-step or 256-chunks plus a
     tail, groups of 32 / 64 / 128, blocks of 32 and 64 rows."""
     codes, sz, w = q4_case(n, k, gs, m + n + k + block)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(gs)).bfloat16()
-    got = cpu_native.q4_vec_linear(x, halves(codes, block), sz, gs, block)
+    got = native_ops.q4_vec_linear(x, halves(codes, block), sz, gs, block)
     assert got.shape == (m, n) and got.dtype == torch.bfloat16
     within_one_rounding(got, x.double() @ w.T, x.double().abs() @ w.abs().T)
 
 
 @needs_vbmi
 def test_int4_vector_kernel_reads_torchs_pack() -> None:
-    torch_pack_matches_hand_pack(cpu_native.q4_vec_linear)
+    torch_pack_matches_hand_pack(native_ops.q4_vec_linear)
 
 
 @needs_vbmi
@@ -215,12 +215,12 @@ def test_int4_vector_rows_do_not_depend_on_the_batch_or_threads() -> None:
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        full = cpu_native.q4_vec_linear(x, packed, sz, 128, 64)
+        full = native_ops.q4_vec_linear(x, packed, sz, 128, 64)
         for rows in (2, 3, 12, 13, 25):
-            assert torch.equal(cpu_native.q4_vec_linear(x[:rows].contiguous(), packed, sz, 128, 64), full[:rows])
-        assert torch.equal(cpu_native.q4_vec_linear(x[5:7].contiguous(), packed, sz, 128, 64), full[5:7])
+            assert torch.equal(native_ops.q4_vec_linear(x[:rows].contiguous(), packed, sz, 128, 64), full[:rows])
+        assert torch.equal(native_ops.q4_vec_linear(x[5:7].contiguous(), packed, sz, 128, 64), full[5:7])
         torch.set_num_threads(1)
-        assert torch.equal(cpu_native.q4_vec_linear(x, packed, sz, 128, 64), full)
+        assert torch.equal(native_ops.q4_vec_linear(x, packed, sz, 128, 64), full)
     finally:
         torch.set_num_threads(before)
 
@@ -229,7 +229,7 @@ def test_int4_vector_rows_do_not_depend_on_the_batch_or_threads() -> None:
 def test_int4_vector_kernel_refuses_what_it_cannot_take() -> None:
     codes, sz, _ = q4_case(48, 64, 32, 0)
     with pytest.raises(ValueError, match="do not fit"):
-        cpu_native.q4_vec_linear(torch.zeros(2, 64, dtype=torch.bfloat16), halves(codes, 16), sz, 32, 16)  # blocks 16
+        native_ops.q4_vec_linear(torch.zeros(2, 64, dtype=torch.bfloat16), halves(codes, 16), sz, 32, 16)  # blocks 16
     codes, sz, _ = q4_case(64, 48, 16, 0)
     with pytest.raises(ValueError, match="do not fit"):
-        cpu_native.q4_vec_linear(torch.zeros(2, 48, dtype=torch.bfloat16), halves(codes, 32), sz, 16, 32)  # K 48
+        native_ops.q4_vec_linear(torch.zeros(2, 48, dtype=torch.bfloat16), halves(codes, 32), sz, 16, 32)  # K 48

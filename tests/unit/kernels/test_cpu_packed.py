@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from keepwarm import kernels
-from keepwarm.formats.quant import LAYOUT_MKLDNN_PACKED, QuantizationError, QuantMeta
+from keepwarm.formats.errors import QuantizationError
+from keepwarm.formats.quant import LAYOUT_MKLDNN_PACKED, QuantMeta
 from keepwarm.kernels import cpu_packed
 from keepwarm.kernels.cpu_packed import PackedWeight, pack, packed_layout, packed_nbytes, packing_available
 
@@ -125,8 +126,8 @@ def test_only_bfloat16_packs() -> None:
 
 
 def _planned(model_dir: str, quantization: str = "none", dtype: torch.dtype = BF16) -> dict[str, list[str]]:
-    from keepwarm.daemon.checkpoint import Checkpoint
-    from keepwarm.daemon.loader import plan_arena
+    from keepwarm.weights.checkpoint import Checkpoint
+    from keepwarm.weights.loader import plan_arena
 
     planned, _ = plan_arena(Checkpoint(model_dir), quantization, dtype, "cpu")
     out: dict[str, list[str]] = {}
@@ -150,8 +151,8 @@ def test_plan_packs_linears_and_head_and_env_turns_it_off(tiny_model_factory, mo
 
 
 def _build(model_dir: str) -> tuple[object, dict]:
-    from keepwarm.daemon.checkpoint import Checkpoint
-    from keepwarm.daemon.loader import build_arena, plan_arena
+    from keepwarm.weights.checkpoint import Checkpoint
+    from keepwarm.weights.loader import build_arena, plan_arena
     from keepwarm.worker.attach import model_tensors
 
     ckpt = Checkpoint(model_dir)
@@ -236,8 +237,8 @@ def test_a_stale_layout_fails_the_preload_naming_the_weight(tiny_model_factory, 
     """A layouts file that is wrong for this CPU cannot make a wrong arena: the real pack is checked against it."""
     import json
 
-    from keepwarm.daemon.checkpoint import Checkpoint
-    from keepwarm.daemon.loader import build_arena, plan_arena
+    from keepwarm.weights.checkpoint import Checkpoint
+    from keepwarm.weights.loader import build_arena, plan_arena
 
     path, open_ = layout_cache
     tied = tiny_model_factory("llama3_tied")
@@ -257,8 +258,8 @@ def test_a_stale_layout_fails_the_preload_naming_the_weight(tiny_model_factory, 
 
 
 def test_tensors_are_read_in_file_order_and_a_derived_head_right_after_its_source(tiny_model_factory) -> None:
-    from keepwarm.daemon.checkpoint import Checkpoint
-    from keepwarm.daemon.loader import file_order, plan_arena
+    from keepwarm.weights.checkpoint import Checkpoint
+    from keepwarm.weights.loader import file_order, plan_arena
 
     planned, _ = plan_arena(Checkpoint(tiny_model_factory("llama3_tied")), "none", BF16, "cpu")
     order = file_order(planned)
@@ -274,9 +275,9 @@ def test_tensors_are_read_in_file_order_and_a_derived_head_right_after_its_sourc
 def test_an_arena_written_with_pwrite_is_the_mapped_one(tiny_model_factory, tmp_path, quantization: str) -> None:
     """The daemon writes packed and converted tensors into its tmpfs arena file with pwrite (no page faults);
     the bytes, digests and manifest are those of the writes through the mapping."""
-    from keepwarm.daemon.checkpoint import Checkpoint
-    from keepwarm.daemon.loader import build_arena, plan_arena
     from keepwarm.formats.arena import CpuArenaFile
+    from keepwarm.weights.checkpoint import Checkpoint
+    from keepwarm.weights.loader import build_arena, plan_arena
 
     ckpt = Checkpoint(tiny_model_factory("llama3_tied"))
     _, total = plan_arena(ckpt, quantization, BF16, "cpu")

@@ -14,8 +14,8 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from keepwarm import kernels
-
-reference = kernels.reference
+from keepwarm.kernels import cpu, reference
+from keepwarm.kernels import registry as kernel_registry
 
 FP8 = torch.float8_e4m3fn
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -235,7 +235,7 @@ def test_step_plan_changes_no_bit(specs: list[tuple[int, int]], pad: int) -> Non
     slot_mapping = torch.tensor(slots + [-1] * pad)
     windows = (None, 7, 33)
     plan = kernels.plan_attention(b.block_tables, b.seq_lens, b.query_start_loc, slot_mapping, 8, windows)
-    assert plan is not None and plan.decode_only == (len(specs) == 4)
+    assert plan is not None and plan.ref.decode_only == (len(specs) == 4)
     planned = (b.key_cache.clone(), b.value_cache.clone())
     kernels.write_kv_cache(new_kv[0], new_kv[1], b.key_cache, b.value_cache, slot_mapping)
     kernels.write_kv_cache(new_kv[0], new_kv[1], *planned, slot_mapping, plan=plan)
@@ -481,16 +481,17 @@ def test_rotary_plan_changes_no_bit(rot_dim: int, is_neox: bool) -> None:
 @pytest.fixture
 def registry(monkeypatch: pytest.MonkeyPatch) -> dict[str, dict[str, object]]:
     """A private copy of the registry (and of the logged set and the resolved choices), restored after the test."""
-    monkeypatch.setattr(kernels, "_IMPLS", {name: dict(impls) for name, impls in kernels._IMPLS.items()})
-    monkeypatch.setattr(kernels, "_LOGGED", set())
-    monkeypatch.setattr(kernels, "_RESOLVED", {})
-    return kernels._IMPLS
+    impls = {name: dict(by_backend) for name, by_backend in kernel_registry._IMPLS.items()}
+    monkeypatch.setattr(kernel_registry, "_IMPLS", impls)
+    monkeypatch.setattr(kernel_registry, "_LOGGED", set())
+    monkeypatch.setattr(kernel_registry, "_RESOLVED", {})
+    return kernel_registry._IMPLS
 
 
-def test_torch_backend_selects_reference(registry: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_torch_backend_selects_the_cpu_path(registry: dict, monkeypatch: pytest.MonkeyPatch) -> None:
     kernels.set_backend("torch")
     for name in ("rms_norm", "fused_add_rms_norm", "rotary_embedding", "write_kv_cache", "paged_attention"):
-        assert kernels.get_impl(name, torch.device("cpu")) is getattr(reference, name)
+        assert kernels.get_impl(name, torch.device("cpu")) is getattr(cpu, name)
         # Forced torch wins even for CUDA inputs with a triton impl present.
         kernels.register(name, "triton", lambda *a: None)
         assert kernels.select_backend(name, torch.device("cuda")) == "torch"
@@ -515,9 +516,9 @@ def test_registered_backend_is_picked_up(registry: dict, monkeypatch: pytest.Mon
     # auto: CPU tensors stay on torch; a CUDA device would get triton (if triton is importable).
     assert torch.equal(kernels.rms_norm(x, torch.ones(4), 1e-6), reference.rms_norm(x, torch.ones(4), 1e-6))
     assert calls == []
-    monkeypatch.setattr(kernels, "_TRITON_IMPORTABLE", True)
+    monkeypatch.setattr(kernel_registry, "_TRITON_IMPORTABLE", True)
     assert kernels.select_backend("rms_norm", torch.device("cuda")) == "triton"
-    monkeypatch.setattr(kernels, "_TRITON_IMPORTABLE", False)
+    monkeypatch.setattr(kernel_registry, "_TRITON_IMPORTABLE", False)
     assert kernels.select_backend("rms_norm", torch.device("cuda")) == "torch"
     kernels.set_backend("triton")
     assert torch.equal(kernels.rms_norm(x, torch.ones(4), 1e-3), torch.zeros_like(x))

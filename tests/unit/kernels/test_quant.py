@@ -18,12 +18,12 @@ from collections.abc import Iterator
 import pytest
 import torch
 import torch.nn.functional as F
-from _int4_pack import pack_int4
+from support.int4_pack import pack_int4
 
 from keepwarm import kernels
+from keepwarm.formats.errors import QuantizationError
 from keepwarm.formats.quant import (
     SCHEMES,
-    QuantizationError,
     QuantMeta,
     cpu_int4_layout,
     is_quantized_target,
@@ -32,7 +32,7 @@ from keepwarm.formats.quant import (
     unpack_int4,
     validate_scheme,
 )
-from keepwarm.kernels import cpu_native, quant
+from keepwarm.kernels import cpu_native, dispatch, native_ops, quant
 from keepwarm.kernels.quant import PATHS, QuantizedWeight, fp8_as_float16, linear_reference
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -201,11 +201,11 @@ def test_int8_codes_are_the_whole_weight_formula_in_row_blocks(src: torch.dtype,
 
 
 def test_native_int8_quantization_is_the_torch_path_bit_for_bit(monkeypatch, tmp_path) -> None:
-    """The daemon quantizes bfloat16 weights to int8 in C (kernels/cpu_native.c kw_quant_int8) where the library
+    """The daemon quantizes bfloat16 weights to int8 in C (kernels/csrc/quantize.c kw_quant_int8) where the library
     runs: the same codes and scales as formats.quant's row blocks, so the arena is the same with it off."""
-    from keepwarm.daemon import loader
-    from keepwarm.daemon.checkpoint import Checkpoint
     from keepwarm.formats import quant as fq
+    from keepwarm.weights import loader
+    from keepwarm.weights.checkpoint import Checkpoint
     from keepwarm.worker.models.random_model import make_random_model
 
     if cpu_native._reason(2):
@@ -215,23 +215,23 @@ def test_native_int8_quantization_is_the_torch_path_bit_for_bit(monkeypatch, tmp
         w = (torch.randn(n, k, generator=gen) * torch.rand(n, 1, generator=gen) * 40).to(torch.bfloat16)
         w[0, : k // 3] = 0
         w[-1] = torch.tensor([2.0, -2.0, 1.0]).repeat(k // 3 + 1)[:k].to(torch.bfloat16)  # exact halves of a step
-        got = cpu_native.quantize_int8(w)
+        got = native_ops.quantize_int8(w)
         assert got is not None
         want = fq._int8_channel(w, torch.bfloat16)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (n, k)
-    assert torch.equal(cpu_native.quantize_int8(torch.zeros(2, 8, dtype=torch.bfloat16))[1],
+    assert torch.equal(native_ops.quantize_int8(torch.zeros(2, 8, dtype=torch.bfloat16))[1],
                        torch.ones(2, dtype=torch.bfloat16))  # an all-zero row: scale 1
     for bad in (float("nan"), float("inf"), float("-inf")):
         w = torch.ones(4, 32, dtype=torch.bfloat16)
         w[2, 5] = bad
         with pytest.raises(QuantizationError, match="non-finite"):
-            cpu_native.quantize_int8(w)
-    assert cpu_native.quantize_int8(torch.ones(4, 32)) is None  # float32: torch's path
+            native_ops.quantize_int8(w)
+    assert native_ops.quantize_int8(torch.ones(4, 32)) is None  # float32: torch's path
     model = make_random_model(tmp_path / "bf16", "llama", dtype="bfloat16", tokenizer=False)
     native_calls: list[bool] = []
 
     def counted(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        made = cpu_native.quantize_int8(w)
+        made = native_ops.quantize_int8(w)
         native_calls.append(made is not None)
         return made
 
@@ -286,9 +286,9 @@ def test_fp8_as_float16_every_code() -> None:
 
 
 # ---------------------------------------------------------------------------------------------- paths vs reference
-NATIVE = (quant._INT8_NATIVE, quant._FP8_NATIVE, quant._INT8_AMX, quant._FP8_AMX,  # the AMX names: same function
-          quant._CODES_WIDE)
-AVX2 = (quant._INT8_AVX2, quant._INT4_AVX2, quant._FP8_AVX2)  # bfloat16 only; callable wherever a build loaded
+NATIVE = (dispatch.INT8_NATIVE, dispatch.FP8_NATIVE, dispatch.INT8_AMX,  # the AMX names: same function
+          dispatch.FP8_AMX, dispatch.CODES_WIDE)
+AVX2 = (dispatch.INT8_AVX2, dispatch.INT4_AVX2, dispatch.FP8_AVX2)  # bfloat16 only; callable wherever a build loaded
 
 
 def _cases() -> list[tuple[str, str]]:
@@ -319,11 +319,11 @@ def test_path_matches_reference(scheme: str, path: str, dtype: torch.dtype) -> N
         with pytest.raises((ValueError, AssertionError)):  # never taken for other dtypes (test_select_path)
             PATHS[scheme][path](torch.zeros(1, 64, dtype=dtype), _quantized(scheme, 16, 64, dtype, 0), None)
         return
-    if path == quant._INT4_AMX and (dtype != torch.bfloat16 or not cpu_native.amx_takes(2, 64)):
+    if path == dispatch.INT4_AMX and (dtype != torch.bfloat16 or not dispatch.amx_takes(2, 64)):
         with pytest.raises((ValueError, AssertionError)):
             PATHS[scheme][path](torch.zeros(2, 64, dtype=dtype), _quantized(scheme, 64, 64, dtype, 0), None)
         return
-    if path == quant._INT4_VEC and (dtype != torch.bfloat16 or not cpu_native._has_vbmi() or
+    if path == dispatch.INT4_VEC and (dtype != torch.bfloat16 or not cpu_native.has_vbmi() or
                                     not cpu_native.available()):
         with pytest.raises((ValueError, AssertionError)):
             PATHS[scheme][path](torch.zeros(2, 64, dtype=dtype), _quantized(scheme, 64, 64, dtype, 0), None)
@@ -336,12 +336,12 @@ def test_path_matches_reference(scheme: str, path: str, dtype: torch.dtype) -> N
     for i, (n, k) in enumerate(SHAPES):
         qw = _quantized(scheme, n, k, dtype, i)
         w = qw.dequantize(dtype)
-        if path in (*NATIVE, quant._FP8_AVX2) and scheme == "fp8_block" and i % 2:  # blocks of 32: C refuses them
+        if path in (*NATIVE, dispatch.FP8_AVX2) and scheme == "fp8_block" and i % 2:  # blocks of 32: C refuses them
             with pytest.raises(ValueError, match="blocks of 32"):
                 PATHS[scheme][path](torch.zeros(1, k, dtype=dtype), qw, None)
             continue
-        if path in (quant._INT4_AVX2, quant._INT4_AMX, quant._INT4_VEC) and (
-                n % quant._int4_block(qw.meta.layout) or (path != quant._INT4_AVX2 and k % 32)):  # short: refused
+        if path in (dispatch.INT4_AVX2, dispatch.INT4_AMX, dispatch.INT4_VEC) and (
+                n % dispatch.int4_block(qw.meta.layout) or (path != dispatch.INT4_AVX2 and k % 32)):  # short: refused
             with pytest.raises(ValueError, match="do not fit"):
                 PATHS[scheme][path](torch.zeros(1, k, dtype=dtype), qw, None)
             continue
@@ -373,30 +373,30 @@ def test_select_path(monkeypatch: pytest.MonkeyPatch) -> None:
         pytest.skip("this torch has no recognised CPU int4 pack")
     qws = {s: QuantizedWeight.from_parts(*quantize(_weight(64, 256), s, torch.bfloat16)) for s in ("int8", "int4")}
     bf1, bf33, f1, f33 = (torch.zeros(m, 256, dtype=d) for d in (torch.bfloat16, torch.float32) for m in (1, 33))
-    monkeypatch.setattr(quant, "_simd", lambda: True)
-    avx2 = cpu_native.avx2_quant_on()  # no AVX512-BF16 here: keepwarm's AVX2 int8 / int4 kernels for bfloat16
-    tiles = cpu_native.amx_takes(33, 256)  # AMX: the int8 / fp8 / int4 tile kernels above 4 rows (int8, int4)
-    assert quant.select_path("int8", bf1, qws["int8"]) == (quant._INT8_AVX2 if avx2 else "torch._weight_int8pack_mm")
-    wide1 = quant._INT8_NATIVE if cpu_native.available() else "int8->dtype cast + matmul, per-channel scale"
-    wide = quant._INT8_AMX if tiles else wide1
-    assert quant.select_path("int8", bf33, qws["int8"]) == (quant._INT8_AVX2 if avx2 else wide)
+    monkeypatch.setattr(dispatch, "_simd", lambda: True)
+    avx2 = dispatch.avx2_quant_on()  # no AVX512-BF16 here: keepwarm's AVX2 int8 / int4 kernels for bfloat16
+    tiles = dispatch.amx_takes(33, 256)  # AMX: the int8 / fp8 / int4 tile kernels above 4 rows (int8, int4)
+    assert quant.select_path("int8", bf1, qws["int8"]) == (dispatch.INT8_AVX2 if avx2 else "torch._weight_int8pack_mm")
+    wide1 = dispatch.INT8_NATIVE if cpu_native.available() else "int8->dtype cast + matmul, per-channel scale"
+    wide = dispatch.INT8_AMX if tiles else wide1
+    assert quant.select_path("int8", bf33, qws["int8"]) == (dispatch.INT8_AVX2 if avx2 else wide)
     if cpu_native.available():  # the op up to 4 rows, the C kernel (on the tiles or not) from 5
         assert quant.select_path("int8", torch.zeros(4, 256, dtype=torch.bfloat16), qws["int8"]) == (
             "torch._weight_int8pack_mm")
         assert quant.select_path("int8", torch.zeros(5, 256, dtype=torch.bfloat16), qws["int8"]) == wide
     if tiles:
         wide_x = torch.zeros(513, 256, dtype=torch.bfloat16)  # above 512 rows: the codes to bf16, oneDNN
-        assert quant.select_path("int8", torch.zeros(512, 256, dtype=torch.bfloat16), qws["int8"]) == quant._INT8_AMX
-        assert quant.select_path("int8", wide_x, qws["int8"]) == quant._CODES_WIDE
+        assert quant.select_path("int8", torch.zeros(512, 256, dtype=torch.bfloat16), qws["int8"]) == dispatch.INT8_AMX
+        assert quant.select_path("int8", wide_x, qws["int8"]) == dispatch.CODES_WIDE
     assert quant.select_path("int8", f1, qws["int8"]).startswith("int8->dtype cast")
     assert quant.select_path("int8", f33, qws["int8"]).startswith("int8->dtype cast")
     fp8 = QuantizedWeight.from_parts(*quantize(_weight(64, 256), "fp8", torch.bfloat16))
     blocks, channels = fp8_block_weight(_weight(64, 256), 32), fp8_block_weight(_weight(64, 256), 256)
     native = cpu_native.available()
-    fused = quant._FP8_NATIVE if native else quant._FP8_AVX2 if avx2 else None
+    fused = dispatch.FP8_NATIVE if native else dispatch.FP8_AVX2 if avx2 else None
     assert quant.select_path("fp8", bf1, fp8) == (fused or "fp8 bits->float16 + matmul, scalar scale")
     assert quant.select_path("fp8", f1, fp8).startswith("fp8 bits")
-    fused33 = quant._FP8_AMX if tiles else fused
+    fused33 = dispatch.FP8_AMX if tiles else fused
     assert quant.select_path("fp8_block", bf33, channels) == (fused33 or "fp8 bits->float16 + matmul, channel/block "
                                                                          "scales")
     assert quant.select_path("fp8_block", bf33, blocks).startswith("fp8 bits")
@@ -407,18 +407,18 @@ def test_select_path(monkeypatch: pytest.MonkeyPatch) -> None:
     assert quant.select_path("int4", bf1, qws["int4"]) == "torch._weight_int4pack_mm_for_cpu"
     assert quant.select_path("int4", bf33, qws["int4"]) == "torch._weight_int4pack_mm_for_cpu"
     monkeypatch.delenv(cpu_native.ENV_VAR)
-    int4 = quant._INT4_AVX2 if avx2 else "torch._weight_int4pack_mm_for_cpu"
-    vec4 = cpu_native.available() and cpu_native._has_vbmi()  # AVX512-BF16 + VBMI: the vector int4 kernel from 5 rows
-    int4_33 = quant._INT4_AMX if tiles else quant._INT4_VEC if vec4 else int4
+    int4 = dispatch.INT4_AVX2 if avx2 else "torch._weight_int4pack_mm_for_cpu"
+    vec4 = cpu_native.available() and cpu_native.has_vbmi()  # AVX512-BF16 + VBMI: the vector int4 kernel from 5 rows
+    int4_33 = dispatch.INT4_AMX if tiles else dispatch.INT4_VEC if vec4 else int4
     if vec4 and not tiles:
         assert quant.select_path("int4", torch.zeros(4, 256, dtype=torch.bfloat16), qws["int4"]) == int4
-        assert quant.select_path("int4", torch.zeros(5, 256, dtype=torch.bfloat16), qws["int4"]) == quant._INT4_VEC
+        assert quant.select_path("int4", torch.zeros(5, 256, dtype=torch.bfloat16), qws["int4"]) == dispatch.INT4_VEC
     assert quant.select_path("int4", bf33, qws["int4"]) == int4_33
     assert quant.select_path("int4", bf1, qws["int4"]) == int4
     assert quant.select_path("int4", f1, qws["int4"]) == "reference dequantize+matmul"
     assert quant.select_path("int4", f33, qws["int4"]) == "reference dequantize+matmul"
-    monkeypatch.setattr(quant, "_simd", lambda: False)
-    assert quant.select_path("int8", bf1, qws["int8"]) == (quant._INT8_AVX2 if avx2 else wide1)
+    monkeypatch.setattr(dispatch, "_simd", lambda: False)
+    assert quant.select_path("int8", bf1, qws["int8"]) == (dispatch.INT8_AVX2 if avx2 else wide1)
     assert quant.select_path("int4", bf33, qws["int4"]) == (
         int4 if avx2 else int4_33 if tiles or vec4 else "reference dequantize+matmul")
 
@@ -464,10 +464,10 @@ def test_read_only_parts() -> None:
             for xx in (x, x[:1], x.float()):
                 if name in NATIVE and not (xx.dtype == torch.bfloat16 and cpu_native.available()):
                     continue  # the native path takes only bfloat16 (test_select_path)
-                if name == quant._INT4_AMX and not (xx.dtype == torch.bfloat16 and cpu_native.amx_takes(2, 64)):
+                if name == dispatch.INT4_AMX and not (xx.dtype == torch.bfloat16 and dispatch.amx_takes(2, 64)):
                     continue
-                if name == quant._INT4_VEC and not (xx.dtype == torch.bfloat16 and cpu_native.available() and
-                                                     cpu_native._has_vbmi()):
+                if name == dispatch.INT4_VEC and not (xx.dtype == torch.bfloat16 and cpu_native.available() and
+                                                     cpu_native.has_vbmi()):
                     continue
                 if name in AVX2 and not (xx.dtype == torch.bfloat16 and cpu_native.glue_on()):
                     continue  # so do the AVX2 ones

@@ -2,7 +2,7 @@
 
 The interpreter tests (test_triton_kernels.py) check the numbers but not code generation: the compiler rejects
 things the interpreter accepts (a loop-carried variable that starts as a constexpr, tl.dot under 16 rows), and
-only the compiled kernel shows its registers and shared memory. tests/_triton_compile_check.py compiles the real
+only the compiled kernel shows its registers and shared memory. tests/support/triton_compile_check.py compiles the real
 wrappers' launches with Triton's bundled ptxas (no GPU needed) in a subprocess, since TRITON_INTERPRET must be
 unset for it; one configuration per kernel and path here (~6 s on 2 cores, once Triton's cache is warm: less).
 Run the script without --quick (and with --arch 80 for A100s) for every dtype and tile configuration.
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-CHECK = Path(__file__).with_name("_triton_compile_check.py")
+CHECK = Path(__file__).resolve().parents[2] / "support" / "triton_compile_check.py"
 
 
 def _nvidia_backend() -> bool:
@@ -34,7 +34,7 @@ def test_kernels_compile_for_sm90_without_spills(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = tmp_path / "compile.json"
     r = subprocess.run([sys.executable, str(CHECK), "--quick", "--arch", "90", "--json", str(out)], env=env,
-                       capture_output=True, text=True, timeout=600, cwd=Path(__file__).resolve().parents[1])
+                       capture_output=True, text=True, timeout=600, cwd=Path(__file__).resolve().parents[3])
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     report = json.loads(out.read_text())
     names = {k["kernel"] for k in report["kernels"]}

@@ -14,9 +14,9 @@ Tolerances (vs the reference on the same inputs):
   float32               1e-5 (summation order; attention vs a float64 oracle).
   bf16 / fp16 outputs   one unit in the last place of the output (2^-8 / 2^-11 relative) where the math is
                         the reference's up to summation order; attention vs the float32 oracle on the same
-                        rounded inputs: 1.6e-2 / 2e-3 (test_kernels' bounds: the probabilities are rounded to the
-                        model dtype before P @ V, as in the reference).
-  matmuls               relative to mag = max_mn sum_k |x_mk| |w_nk|, as tests/test_quant.py: float32 1e-6,
+                        rounded inputs: 1.6e-2 / 2e-3 (test_ops_against_oracles' bounds: the probabilities are rounded
+                        to the model dtype before P @ V, as in the reference).
+  matmuls               relative to mag = max_mn sum_k |x_mk| |w_nk|, as tests/unit/kernels/test_quant.py: float32 1e-6,
                         float16 2^-9, bfloat16 2^-7.
 Shapes are small: the interpreter runs every program of a grid in Python.
 """
@@ -51,7 +51,7 @@ import triton.language as tl  # noqa: E402
 
 from keepwarm import kernels  # noqa: E402
 from keepwarm.formats.quant import quantize  # noqa: E402
-from keepwarm.kernels import quant, reference  # noqa: E402
+from keepwarm.kernels import quant, reference, registry  # noqa: E402
 from keepwarm.kernels import triton_attention as ta  # noqa: E402
 from keepwarm.kernels import triton_common as tc  # noqa: E402
 from keepwarm.kernels import triton_lora as tlora  # noqa: E402
@@ -86,7 +86,7 @@ def test_interpreter_suite_in_subprocess() -> None:
     """Collected only where triton was imported compiled before this module (see the module docstring)."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     env.pop(kernels.ENV_VAR, None)
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[3]
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__))],
                        cwd=root, env=env, capture_output=True, text=True, timeout=600)
     summary = r.stdout.strip().splitlines()[-1] if r.stdout.strip() else ""
@@ -103,7 +103,7 @@ def test_kernels_are_interpreted_and_registered() -> None:
                           "lora_expand", "fused_moe"}
     kernels._register_triton()  # what keepwarm.kernels does at import under TRITON_INTERPRET=1 or with CUDA
     for name, fn in impls.items():
-        assert kernels._IMPLS[name]["triton"] is fn
+        assert registry.impl(name, "triton") is fn
     # auto keeps CPU tensors on torch; forcing triton picks these kernels.
     assert kernels.select_backend("paged_attention", torch.device("cpu")) == "torch"
     kernels.set_backend("triton")

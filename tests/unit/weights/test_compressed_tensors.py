@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from keepwarm.daemon.checkpoint import Checkpoint
-from keepwarm.daemon.loader import build_arena, plan_arena
 from keepwarm.kernels.quant import QuantizedWeight
+from keepwarm.weights.checkpoint import Checkpoint
+from keepwarm.weights.loader import build_arena, plan_arena
 from keepwarm.worker.attach import model_tensors
 
-DATA = Path(__file__).parent / "data" / "quantized"
+DATA = Path(__file__).resolve().parents[2] / "data" / "quantized"
 # case -> the arena layout of (qkv_proj, down_proj); "int4_cpu" stands for whatever this CPU's int4 pack is.
 CASES = {
     "w4a16_g128": ("int4_cpu", "int4_cpu"),

@@ -11,8 +11,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from keepwarm.daemon.checkpoint import Checkpoint
-from keepwarm.daemon.loader import build_arena, plan_arena
+from keepwarm.weights.checkpoint import Checkpoint
+from keepwarm.weights.loader import build_arena, plan_arena
 from keepwarm.worker.attach import model_tensors
 
 PROMPTS = [[5, 17, 99, 240, 7], [300, 12, 45]]

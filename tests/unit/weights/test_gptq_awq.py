@@ -12,11 +12,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from keepwarm.daemon.checkpoint import Checkpoint
-from keepwarm.daemon.convert import convert_weight, plan_weight
-from keepwarm.daemon.loader import build_arena, plan_arena
-from keepwarm.daemon.prequant import detect
 from keepwarm.kernels.quant import QuantizedWeight
+from keepwarm.weights.checkpoint import Checkpoint
+from keepwarm.weights.convert import convert_weight, plan_weight
+from keepwarm.weights.loader import build_arena, plan_arena
+from keepwarm.weights.prequant import detect
 from keepwarm.worker.attach import model_tensors
 
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from keepwarm.daemon.checkpoint import Checkpoint
-from keepwarm.daemon.loader import build_arena, plan_arena
 from keepwarm.formats.model_config import ModelConfigError, load_model_config
+from keepwarm.weights.checkpoint import Checkpoint
+from keepwarm.weights.loader import build_arena, plan_arena
 from keepwarm.worker.attach import model_tensors
 
 

@@ -12,10 +12,11 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from support.daemon import DaemonProc, new_runtime_dir, remove_runtime_dir
 
-from keepwarm.daemon.checkpoint import Checkpoint
-from keepwarm.daemon.prequant import detect, resolve_quantization
-from keepwarm.formats.quant import QuantizationError
+from keepwarm.formats.errors import QuantizationError
+from keepwarm.weights.checkpoint import Checkpoint
+from keepwarm.weights.prequant import detect, resolve_quantization
 
 # llm-compressor's W4A16 (data-free) config as it writes it, and its FP8_DYNAMIC one.
 W4A16 = {
@@ -162,7 +163,7 @@ def test_unsupported_checkpoint_refused_on_disk_load_and_by_cli(tiny_llama, tmp_
 
 
 # ---------------------------------------------------------------------------------------------- bad input, daemon
-DATA = Path(__file__).parent / "data" / "quantized"
+DATA = Path(__file__).resolve().parents[2] / "data" / "quantized"
 
 
 def _edit_tensors(model: Path, edit) -> None:
@@ -207,12 +208,10 @@ BAD_INPUTS = [
 
 @pytest.mark.slow
 def test_bad_quantized_checkpoints_one_line_nothing_resident_daemon_serves(tmp_path) -> None:
-    from test_daemon import DaemonProc
-
     from keepwarm.daemon.client import DaemonError
     from keepwarm.formats import paths
 
-    runtime = Path(tempfile.mkdtemp(prefix="kwrt-", dir="/tmp"))
+    runtime = new_runtime_dir()
     d = DaemonProc(runtime).start()
     try:
         with d.client() as c:
@@ -237,5 +236,5 @@ def test_bad_quantized_checkpoints_one_line_nothing_resident_daemon_serves(tmp_p
         assert len(lines) == 1 and lines[0].startswith("error: ") and "weight_scale has shape" in lines[0], out.stderr
     finally:
         d.stop()
-        shutil.rmtree(paths.shm_dir(runtime), ignore_errors=True)
+        remove_runtime_dir(runtime)
         shutil.rmtree(runtime, ignore_errors=True)

@@ -1,4 +1,4 @@
-"""Shard arenas (daemon/shards.py): one arena per (pipeline stage, tensor-parallel rank), built in one pass.
+"""Shard arenas (weights/shards.py): one arena per (pipeline stage, tensor-parallel rank), built in one pass.
 
 - Exactness, no processes: every weight of a (stage, rank)'s shard arena is, part for part and byte for byte, what
   that rank binds when it cuts its part from the whole arena (``stage_tensors`` then ``shard_weights``, the path
@@ -15,25 +15,22 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
 import torch
-from test_daemon import DaemonProc
+from support.daemon import DaemonProc, new_runtime_dir, remove_runtime_dir
 
-from keepwarm.daemon.checkpoint import Checkpoint
 from keepwarm.daemon.client import DaemonError
-from keepwarm.daemon.loader import build_arena, plan_arena, read_tensor, resolve_dtype
-from keepwarm.daemon.sharding import Shard, shard_weights, stage_of, stage_tensors
-from keepwarm.daemon.shards import as_parts, build_shards
-from keepwarm.formats import paths
 from keepwarm.formats.arena import shard_fingerprint
 from keepwarm.formats.layout import Layout
 from keepwarm.kernels.cpu_packed import packing_available
+from keepwarm.weights.checkpoint import Checkpoint
+from keepwarm.weights.loader import build_arena, plan_arena, read_tensor, resolve_dtype
+from keepwarm.weights.sharding import Shard, shard_weights, stage_of, stage_tensors
+from keepwarm.weights.shards import as_parts, build_shards
 from keepwarm.worker.attach import model_tensors
 
 CASES = {  # (tiny model, quantization, dtype, tensor-parallel size, pipeline-parallel size)
@@ -52,7 +49,7 @@ def _bytes(t: torch.Tensor) -> bytes:
 @pytest.mark.parametrize("case", list(CASES))
 def test_each_shard_arena_is_exactly_what_its_rank_cuts_from_the_whole_arena(tiny_model_factory, tmp_path,
                                                                              monkeypatch, case: str) -> None:
-    import keepwarm.daemon.shards as shards_module
+    import keepwarm.weights.shards as shards_module
 
     name, quantization, dtype, tp, pp = CASES[case]
     ckpt = Checkpoint(tiny_model_factory(name))
@@ -91,13 +88,13 @@ def test_each_shard_arena_is_exactly_what_its_rank_cuts_from_the_whole_arena(tin
 # -- a real daemon -------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", ["llama3_tied", "qwen2"])
 def test_slices_read_straight_from_the_file_are_the_cuts_of_the_whole_tensor(tiny_model_factory, name) -> None:
-    """Every (stage, rank) destination of every plain tensor, read straight from the file (daemon/slices.py: rows,
+    """Every (stage, rank) destination of every plain tensor, read straight from the file (weights/slices.py: rows,
     cols and vocab cuts, KV heads replicated over ranks, the tied head a second holder of the embedding's rows),
     equals the plain cut of the whole tensor, zero padding included, and the parts' digests are the whole read's;
     cuts that leave bytes unread are refused (None), not hashed short."""
-    from keepwarm.daemon.loader import scratch
-    from keepwarm.daemon.sharding import plan_cut, shard_weight
-    from keepwarm.daemon.slices import read_slices
+    from keepwarm.weights.loader import scratch
+    from keepwarm.weights.sharding import plan_cut, shard_weight
+    from keepwarm.weights.slices import read_slices
 
     ckpt = Checkpoint(tiny_model_factory(name))
     planned, _ = plan_arena(ckpt, "none", torch.float32, "cpu")
@@ -121,11 +118,10 @@ def test_slices_read_straight_from_the_file_are_the_cuts_of_the_whole_tensor(tin
 
 @pytest.fixture
 def daemon():
-    d = DaemonProc(Path(tempfile.mkdtemp(prefix="kwsh-", dir="/tmp"))).start()
+    d = DaemonProc(new_runtime_dir("kwsh-")).start()
     yield d
     d.stop()
-    shutil.rmtree(paths.shm_dir(d.runtime_dir), ignore_errors=True)
-    shutil.rmtree(d.runtime_dir, ignore_errors=True)
+    remove_runtime_dir(d.runtime_dir)
 
 
 def _cli(d: DaemonProc, *args: str) -> subprocess.CompletedProcess:

@@ -3,9 +3,9 @@
 Everything marked `gpu` is skipped without CUDA (conftest.py); `make gpu-check` runs these on a GPU machine. The
 few unmarked tests check the CUDA-graph bookkeeping that needs no GPU.
 
-Tolerances: kernels vs the torch reference on the same GPU inputs, as in tests/test_triton_kernels.py (matmuls
-relative to mag = max_mn sum_k |x_mk| |w_nk|: float32 1e-6, float16 2^-9, bfloat16 2^-7; bfloat16 attention vs a
-float32 evaluation of the reference: 1.6e-2 relative plus 2^-8 of the largest output); greedy tokens exactly.
+Tolerances: kernels vs the torch reference on the same GPU inputs, as in tests/unit/kernels/test_triton_kernels.py
+(matmuls relative to mag = max_mn sum_k |x_mk| |w_nk|: float32 1e-6, float16 2^-9, bfloat16 2^-7; bfloat16 attention vs
+a float32 evaluation of the reference: 1.6e-2 relative plus 2^-8 of the largest output); greedy tokens exactly.
 """
 
 from __future__ import annotations
@@ -18,13 +18,14 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+from support.daemon import WORKER_SCRIPT
+from support.wait import wait_until
 
 from keepwarm import kernels
 from keepwarm.kernels import quant, reference
@@ -342,19 +343,6 @@ def test_cuda_graph_replay_equals_eager(tiny_llama: str) -> None:
 
 
 # --------------------------------------------------------------------------- CUDA IPC attach
-WORKER = str(Path(__file__).with_name("_worker.py"))
-
-
-def _wait(predicate, timeout: float = 30.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError("condition not met in time")
-
-
 @pytest.mark.gpu
 @pytest.mark.slow
 def test_cuda_ipc_attach_matches_disk_and_kill9_drops_lease(tiny_llama: str) -> None:
@@ -369,7 +357,7 @@ def test_cuda_ipc_attach_matches_disk_and_kill9_drops_lease(tiny_llama: str) -> 
     workers: list[subprocess.Popen] = []
 
     def worker(mode: str) -> tuple[subprocess.Popen, dict]:
-        p = subprocess.Popen([sys.executable, WORKER, tiny_llama, "--daemon", mode, "--hold"], env=env,
+        p = subprocess.Popen([sys.executable, WORKER_SCRIPT, tiny_llama, "--daemon", mode, "--hold"], env=env,
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         workers.append(p)
         line = p.stdout.readline()
@@ -388,7 +376,7 @@ def test_cuda_ipc_attach_matches_disk_and_kill9_drops_lease(tiny_llama: str) -> 
             c.close()
 
     try:
-        _wait(answers, timeout=120)
+        wait_until(answers, 120, interval=0.1)
         assert status()["device"].startswith("cuda:GPU-")
         disk_proc, disk = worker("off")
         attached_proc, attached = worker("on")
@@ -400,10 +388,10 @@ def test_cuda_ipc_attach_matches_disk_and_kill9_drops_lease(tiny_llama: str) -> 
         # A second attach of the same arena from another process sees the same weights.
         _, second = worker("on")
         assert second["tokens"] == disk["tokens"]
-        _wait(lambda: status()["leases"] == 2)
+        wait_until(lambda: status()["leases"] == 2, 30, interval=0.1)
         attached_proc.send_signal(signal.SIGKILL)
         attached_proc.wait(timeout=30)
-        _wait(lambda: status()["leases"] == 1)  # its pid is gone: the lease is dropped
+        wait_until(lambda: status()["leases"] == 1, 30, interval=0.1)  # its pid is gone: the lease is dropped
         assert status()["counters"]["leases_dropped"] == 1
     finally:
         for p in workers:

@@ -1,15 +1,15 @@
 """On a GPU, the model level against transformers on the same GPU (not keepwarm against keepwarm), and the serve
 settings that only act on a CUDA device. Marked `gpu` (skipped without CUDA; `make gpu-check` runs them); the CPU
-twins are tests/test_engine.py, tests/test_quant_reference.py, tests/test_architectures.py (quantized experts) and
-tests/test_serve_flags.py. The MoE models run their experts through the Triton fused-MoE kernel here.
+twins are tests/unit/worker/engine/test_engine.py, tests/unit/worker/test_quant_reference.py,
+tests/unit/worker/models/test_architectures.py (quantized experts) and tests/e2e/test_serve_flags.py. The MoE models run
+their experts through the Triton fused-MoE kernel here.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from test_architectures import dequantized_moe_hf
-from test_quant_reference import PROMPTS, dequantized_hf_model, fp8_round, hf_greedy
+from support.references import PROMPTS, dequantized_hf_model, dequantized_moe_hf, fp8_round, hf_greedy, load_hf
 
 from keepwarm import LLM, SamplingParams
 
@@ -19,11 +19,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 
 
 def _hf(model_dir: str):
-    import transformers
-
-    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(CUDA)
-    hf.generation_config.eos_token_id = None
-    return hf
+    return load_hf(model_dir).to(CUDA)
 
 
 @pytest.mark.parametrize("model_name", ["llama", "llama3_tied", "mistral", "qwen2", "mixtral", "qwen3_moe"])
@@ -73,8 +69,8 @@ def test_gpu_fp8_kv_matches_transformers_with_the_same_rounding(tiny_llama) -> N
 
 def test_gpu_flags_reach_the_engine(tiny_llama) -> None:
     """--enforce-eager, --gpu-memory-utilization and --device, read back from the engine's live parts."""
-    from keepwarm.worker.api.config import ServerConfig
-    from keepwarm.worker.api.server import create_engine
+    from keepwarm.worker.process.config import ServerConfig
+    from keepwarm.worker.serve import create_engine
 
     def effective(**kw) -> dict:
         engine = create_engine(ServerConfig(model=tiny_llama, daemon=False, max_model_len=256, **kw))

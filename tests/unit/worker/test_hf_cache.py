@@ -20,7 +20,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from _serve import free_port
+from support.ports import free_port
+from support.serve import wait_healthy
 
 from keepwarm.worker.default_model import hf_cache_dir, resolve_model
 
@@ -143,14 +144,7 @@ def test_serve_an_id_from_the_cache(hf_cache, tmp_path) -> None:
                                                                "OMP_NUM_THREADS": "1"})
     try:
         base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-            try:
-                if httpx.get(base + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.1)
+        wait_healthy(proc, base, log.read_text, 120)
         assert httpx.get(base + "/v1/models").json()["data"][0]["id"] == REPO
         got = httpx.get(base + "/keepwarm/config").json()
         assert got["config"]["model"] == str(home / "hub" / tagged.relative_to(cache))

@@ -27,13 +27,13 @@ from keepwarm.worker.outputs import (
     Logprob,
     RequestMetrics,
     RequestOutput,
+    TokenLogprob,
     context_of,
     to_vllm_output,
     vllm_position,
 )
-from keepwarm.worker.sequence import TokenLogprob
 
-SNIPPET = Path(__file__).parent / "data" / "vllm_offline_snippet.py"
+SNIPPET = Path(__file__).resolve().parents[2] / "data" / "vllm_offline_snippet.py"
 VLLM_IMPORT = "from vllm import LLM, SamplingParams"
 
 

@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from keepwarm.worker.block_manager import BlockPool, hash_block_tokens
+from keepwarm.worker.engine.block_manager import BlockPool, hash_block_tokens
 from keepwarm.worker.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -71,7 +71,7 @@ def engines(tiny_llama):
 
 
 def _generate(engine, prompt=PROMPT) -> list[int]:
-    rid = f"r{engine.stats.steps}-{len(engine._requests)}"
+    rid = f"r{engine.stats.steps}-{len(engine.output_processor.requests)}"
     engine.add_request(rid, list(prompt), GREEDY)
     tokens: list[int] = []
     while engine.has_unfinished_requests():

@@ -1,5 +1,5 @@
 """One bad request must never take the server down: boundary validation, engine isolation, bounded templates,
-thread-count-independent packing (in-process; the end-to-end table is tests/test_hostile.py)."""
+thread-count-independent packing (in-process; the end-to-end table is tests/e2e/test_hostile_requests.py)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,11 @@ import pydantic
 import pytest
 import torch
 import torch.nn.functional as F
+from support.wait import wait_until
 
 from keepwarm import LLM, SamplingParams
-from keepwarm.worker.api.protocol import ChatCompletionRequest, CompletionRequest, unencodable_path
 from keepwarm.worker.engine import EngineDeadError
+from keepwarm.worker.openai.protocol import ChatCompletionRequest, CompletionRequest, unencodable_path
 from keepwarm.worker.sampling_params import SamplingParamsError
 from keepwarm.worker.tokenizer import TEMPLATE_CACHE_SIZE, FastTokenizer, TemplateLimitError
 
@@ -126,7 +127,7 @@ def test_a_request_that_breaks_the_sampler_fails_alone(llm, caplog) -> None:
     engine.add_request("good-0", prompts[0], GREEDY)
     engine.add_request("bad", prompts[1], sampled)
     engine.add_request("good-2", prompts[2], GREEDY)
-    engine._requests["bad"].seqs[0].sampling_params.seed = 1 << 64  # as a request could before issue 17
+    engine.output_processor.requests["bad"].seqs[0].sampling_params.seed = 1 << 64  # as a request could before issue 17
     with caplog.at_level(logging.ERROR, logger="keepwarm.worker"):
         final = _run_until_done(engine)
     assert final["bad"].error and "Overflow" in final["bad"].error
@@ -135,7 +136,7 @@ def test_a_request_that_breaks_the_sampler_fails_alone(llm, caplog) -> None:
     assert final["good-0"].error is None
     assert any("request bad failed inside the engine" in r.getMessage() for r in caplog.records)
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
-    assert not engine.has_unfinished_requests() and not engine._seq_to_request
+    assert not engine.has_unfinished_requests() and not engine.output_processor.seq_to_request
 
 
 def test_a_request_whose_detokenizer_breaks_fails_alone(llm) -> None:
@@ -147,7 +148,7 @@ def test_a_request_whose_detokenizer_breaks_fails_alone(llm) -> None:
         def step(self, ids):
             raise UnicodeError("injected")
 
-    engine._requests["broken"].detoks[0] = Broken()
+    engine.output_processor.requests["broken"].detoks[0] = Broken()
     final = _run_until_done(engine)
     assert "UnicodeError: injected" in final["broken"].error
     assert len(final["ok"].outputs[0].token_ids) == 8 and final["ok"].error is None
@@ -180,9 +181,7 @@ def test_a_failed_forward_is_fatal_and_says_so(tiny_llama, monkeypatch) -> None:
 
     err = asyncio.run(one())
     assert "injected forward failure" in str(err)
-    deadline = time.monotonic() + 10
-    while not fatal and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_until(lambda: fatal, 10, interval=0.01, strict=False)
     assert len(fatal) == 1 and isinstance(fatal[0], EngineDeadError)
     assert not async_engine.running
     async_engine.shutdown()
@@ -315,7 +314,7 @@ def test_a_weight_packed_elsewhere_computes_exactly(restore_threads, run_threads
 
 # -- logprob offsets (issue 17 item 8) ---------------------------------------------------------------------------
 def test_text_offsets_index_the_returned_text_with_special_tokens_hidden(tiny_llama) -> None:
-    from keepwarm.worker.api.routes.completions import text_offsets
+    from keepwarm.worker.http.routes.completions import text_offsets
 
     tok = FastTokenizer(tiny_llama)
     assert tok.eos_token_id is not None
@@ -334,7 +333,7 @@ def test_text_offsets_index_the_returned_text_with_special_tokens_hidden(tiny_ll
     assert max(text_offsets(tok, ids, 0, len(ids), True, 3)) == 3
 
 
-# -- connection limits, admission, prompt characters (worker/api/limits.py) -------------------------------------
+# -- connection limits, admission, prompt characters (worker/http/limits.py) -------------------------------------
 def _asgi_run(middleware, messages: list, headers: dict[str, str] | None = None,
               send_blocks: bool = False) -> list[dict]:
     """Drive an ASGI middleware with scripted client messages ("stall": nothing more comes); returns what it sent."""
@@ -380,7 +379,7 @@ def _echo_app(seen: list[str]):
 
 
 def test_body_limit_from_content_length_reads_nothing() -> None:
-    from keepwarm.worker.api.limits import ConnectionLimits
+    from keepwarm.worker.http.limits import ConnectionLimits
 
     seen: list[str] = []
     mw = ConnectionLimits(_echo_app(seen), max_body_bytes=1000, timeout=5)
@@ -390,7 +389,7 @@ def test_body_limit_from_content_length_reads_nothing() -> None:
 
 
 def test_body_limit_while_streaming_answers_once() -> None:
-    from keepwarm.worker.api.limits import ConnectionLimits
+    from keepwarm.worker.http.limits import ConnectionLimits
 
     seen: list[str] = []
     mw = ConnectionLimits(_echo_app(seen), max_body_bytes=1000, timeout=5)
@@ -401,7 +400,7 @@ def test_body_limit_while_streaming_answers_once() -> None:
 
 
 def test_a_stalled_client_gets_408_and_a_stalled_reader_is_dropped() -> None:
-    from keepwarm.worker.api.limits import ConnectionLimits
+    from keepwarm.worker.http.limits import ConnectionLimits
 
     seen: list[str] = []
     mw = ConnectionLimits(_echo_app(seen), max_body_bytes=1000, timeout=0.2)
@@ -412,8 +411,8 @@ def test_a_stalled_client_gets_408_and_a_stalled_reader_is_dropped() -> None:
 
 
 def test_admission_refuses_past_the_queue_bound() -> None:
-    from keepwarm.worker.api.limits import Admission
-    from keepwarm.worker.api.protocol import APIError
+    from keepwarm.worker.http.limits import Admission
+    from keepwarm.worker.openai.protocol import APIError
 
     adm = Admission(max_running=2, max_queued=1)
     held = [adm.enter() for _ in range(3)]
@@ -428,8 +427,8 @@ def test_admission_refuses_past_the_queue_bound() -> None:
 def test_admission_counts_a_requests_sequences() -> None:
     """A request holds one seat per sequence once its size is known; a resize past the capacity is a 429 that
     leaves its hold as it was, and its release gives every seat back."""
-    from keepwarm.worker.api.limits import Admission
-    from keepwarm.worker.api.protocol import APIError
+    from keepwarm.worker.http.limits import Admission
+    from keepwarm.worker.openai.protocol import APIError
 
     adm = Admission(max_running=2, max_queued=2)
     big, small = adm.enter(), adm.enter()
@@ -448,8 +447,8 @@ def test_admission_counts_a_requests_sequences() -> None:
 
 
 def test_prompt_characters_that_cannot_fit_are_refused_before_tokenizing(tiny_llama) -> None:
-    from keepwarm.worker.api.limits import check_prompt_chars, longest_token_chars
-    from keepwarm.worker.api.protocol import APIError
+    from keepwarm.worker.http.limits import check_prompt_chars, longest_token_chars
+    from keepwarm.worker.openai.protocol import APIError
 
     tok = FastTokenizer(tiny_llama)
     chars = longest_token_chars(tok)

@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
+from keepwarm.worker.engine.sequence import Sequence
 from keepwarm.worker.sampler import Sampler, apply_penalties
 from keepwarm.worker.sampling_params import SamplingParams
-from keepwarm.worker.sequence import Sequence
 
 _ids = itertools.count()
 

@@ -10,9 +10,9 @@ import pytest
 import regex
 import torch
 
+from keepwarm.worker.engine.sequence import Sequence
 from keepwarm.worker.sampler import Sampler
 from keepwarm.worker.sampling_params import SamplingParams
-from keepwarm.worker.sequence import Sequence
 from keepwarm.worker.structured import (
     GrammarCompiler,
     GrammarError,

@@ -46,7 +46,7 @@ def test_template_errors_are_clear(tiny_llama) -> None:
 
 
 def test_a_preloaded_tokenizer_is_reused_until_its_files_change(tiny_llama, tmp_path) -> None:
-    """What a zygote preloads (worker/api/zygote.prepare) is what load_tokenizer returns in its forks, with its chat
+    """What a zygote preloads (worker/zygote.prepare) is what load_tokenizer returns in its forks, with its chat
     template compiled and its longest token counted; a changed tokenizer file, or another directory, loads afresh."""
     import os
     import shutil

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from keepwarm.worker.block_manager import (
+from keepwarm.worker.engine.block_manager import (
     BlockHash,
     BlockManager,
     BlockPool,
@@ -15,8 +15,8 @@ from keepwarm.worker.block_manager import (
     cdiv,
     hash_block_tokens,
 )
+from keepwarm.worker.engine.sequence import Sequence
 from keepwarm.worker.sampling_params import SamplingParams
-from keepwarm.worker.sequence import Sequence
 
 BS = 4
 

@@ -6,20 +6,11 @@ import random
 
 import pytest
 import torch
+from support.inputs import make_prompts
 
 from keepwarm import LLM, SamplingParams
 
 MAX_TOKENS = 16
-
-
-def make_prompts(seed: int = 0, vocab: int = 512) -> list[list[int]]:
-    """16 prompts of different lengths (1..70 tokens); some share prefixes so prefix caching is exercised."""
-    rng = random.Random(seed)
-    lengths = [1, 2, 5, 9, 15, 16, 17, 23, 31, 32, 33, 40, 47, 55, 64, 70]
-    prompts = [[rng.randrange(5, vocab) for _ in range(n)] for n in lengths]
-    prompts[6] = prompts[5] + prompts[6][:1]  # 16-token block shared, then one more token
-    prompts[12] = prompts[9] + prompts[12][:15]  # two full blocks shared
-    return prompts
 
 
 @pytest.fixture(scope="module")

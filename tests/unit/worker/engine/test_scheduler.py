@@ -3,10 +3,10 @@ limits, preemption of the newest by recompute, prefix-cache hits, finishing from
 
 from __future__ import annotations
 
-from keepwarm.worker.block_manager import BlockManager
+from keepwarm.worker.engine.block_manager import BlockManager
+from keepwarm.worker.engine.scheduler import Scheduler, SchedulerConfig
+from keepwarm.worker.engine.sequence import Sequence, SequenceStatus
 from keepwarm.worker.sampling_params import SamplingParams
-from keepwarm.worker.scheduler import Scheduler, SchedulerConfig
-from keepwarm.worker.sequence import Sequence, SequenceStatus
 
 
 def seq(name: str, n: int, start: int = 1) -> Sequence:

@@ -5,50 +5,29 @@ and the lines keepwarm refuses with (unsupported architectures, LoRA on MoE, tex
 from __future__ import annotations
 
 import shutil
-import tempfile
 from pathlib import Path
 
 import pytest
 import torch
+from support.daemon import DaemonProc, new_runtime_dir, remove_runtime_dir
+from support.references import MAX_TOKENS, dequantized_moe_hf, hf_greedy, load_hf
 
 from keepwarm import LLM, LoRARequest, SamplingParams
-from keepwarm.formats import paths
 from keepwarm.formats.model_config import ModelConfigError
 
-MAX_TOKENS = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 # Longer than every sliding window (16) and, for the Phi-3 model, before, across and past longrope's switch (64).
 PROMPTS = [list(range(7, 8)), list(range(30, 39)), list(range(100, 131)), list(range(200, 255)),
            list(range(250, 314)), list(range(400, 470))]
 
 
-def hf_greedy(model, prompts: list[list[int]] = PROMPTS, max_new_tokens: int = MAX_TOKENS) -> list[list[int]]:
-    model.generation_config.eos_token_id = None
-    outs = []
-    for p in prompts:
-        ids = torch.tensor([p])
-        gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                             max_new_tokens=max_new_tokens, pad_token_id=0)
-        outs.append(gen[0, len(p):].tolist())
-    return outs
-
-
-def load_hf(model_dir: str):
-    import transformers
-
-    return transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-
-
 @pytest.fixture(scope="module")
 def daemon_dir():
-    from test_daemon import DaemonProc
-
-    d = Path(tempfile.mkdtemp(prefix="kwrt-", dir="/tmp"))  # short: unix socket paths are limited
+    d = new_runtime_dir()
     proc = DaemonProc(d).start()
     yield d
     proc.stop()
-    shutil.rmtree(paths.shm_dir(d), ignore_errors=True)
-    shutil.rmtree(d, ignore_errors=True)
+    remove_runtime_dir(d)
 
 
 @pytest.mark.slow
@@ -62,39 +41,7 @@ def test_greedy_from_the_daemon_matches_transformers(tiny_model_factory, daemon_
         outs = llm.generate(PROMPTS, GREEDY)
     finally:
         llm.close()
-    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(load_hf(model))
-
-
-def dequantized_moe_hf(model_dir: str, llm: LLM, device: str = "cpu"):
-    """transformers' model with every projection the engine quantized (attention, each expert's gate_up / down,
-    Qwen3-MoE's dense MLP) replaced by this suite's own dequantization of the engine's parts
-    (test_quant_reference.dequantize, written from the formats' definitions, not keepwarm's dequantize)."""
-    from test_quant_reference import dequantize
-
-    hf = load_hf(model_dir).to(device)
-    cfg = hf.config
-    q_rows, kv_rows = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-    with torch.no_grad():
-        for ours, theirs in zip(llm.llm_engine.loaded.model.model.layers, hf.model.layers, strict=True):
-            attn, mlp = theirs.self_attn, theirs.mlp
-            pairs = [(ours.self_attn.qkv_proj.weight, [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight],
-                      [q_rows, kv_rows, kv_rows]), (ours.self_attn.o_proj.weight, [attn.o_proj.weight], None)]
-            if hasattr(ours.mlp, "experts"):  # transformers stacks the experts: [E, 2I, H] and [E, H, I]
-                assert not getattr(ours.mlp.gate.weight, "is_quantized_weight", False)  # the router stays dense
-                for e, expert in enumerate(ours.mlp.experts):
-                    pairs += [(expert.gate_up_proj.weight, [mlp.experts.gate_up_proj[e]], None),
-                              (expert.down_proj.weight, [mlp.experts.down_proj[e]], None)]
-            else:
-                pairs += [(ours.mlp.gate_up_proj.weight, [mlp.gate_proj.weight, mlp.up_proj.weight],
-                           [mlp.gate_proj.weight.shape[0]] * 2),
-                          (ours.mlp.down_proj.weight, [mlp.down_proj.weight], None)]
-            for qw, targets, rows in pairs:
-                assert getattr(qw, "is_quantized_weight", False), f"{targets[0].shape} weight is not quantized"
-                dense = dequantize(qw.meta, qw.parts)
-                for target, piece in zip(targets, dense.split(rows) if rows else [dense], strict=True):
-                    assert target.shape == piece.shape and not torch.equal(target, piece.to(device))
-                    target.copy_(piece.to(device))
-    return hf
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(load_hf(model), PROMPTS)
 
 
 # Each family with int8, and each of int4 / fp8 on one family (the expert path is the same code for both).
@@ -109,7 +56,7 @@ def test_quantized_experts_match_the_dequantized_model(tiny_model_factory, model
     moe = next(layer.mlp for layer in llm.llm_engine.loaded.model.model.layers if hasattr(layer.mlp, "experts"))
     assert moe.experts[0].gate_up_proj.weight.meta.scheme == scheme
     outs = llm.generate(PROMPTS, GREEDY)
-    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(dequantized_moe_hf(model, llm))
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(dequantized_moe_hf(model, llm), PROMPTS)
 
 
 SEVEN = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -126,10 +73,10 @@ def test_lora_matches_peft(tiny_model_factory, make_adapter, tmp_path, model_nam
     llm = LLM(model=base, dtype="float32", max_model_len=256, enable_lora=True, max_lora_rank=8, daemon=False)
     lora = LoRARequest("ad", 1, adapter)
     outs = llm.generate(PROMPTS * 2, GREEDY, lora_request=[lora] * len(PROMPTS) + [None] * len(PROMPTS))
-    want = hf_greedy(PeftModel.from_pretrained(load_hf(base), adapter).eval())
+    want = hf_greedy(PeftModel.from_pretrained(load_hf(base), adapter).eval(), PROMPTS)
     assert [o.outputs[0].token_ids for o in outs[:len(PROMPTS)]] == want
-    assert [o.outputs[0].token_ids for o in outs[len(PROMPTS):]] == hf_greedy(load_hf(base))
-    assert want != hf_greedy(load_hf(base))  # the adapter does change the output
+    assert [o.outputs[0].token_ids for o in outs[len(PROMPTS):]] == hf_greedy(load_hf(base), PROMPTS)
+    assert want != hf_greedy(load_hf(base), PROMPTS)  # the adapter does change the output
 
 
 def test_lora_on_moe_is_refused_with_one_line(tiny_model_factory) -> None:
@@ -181,8 +128,8 @@ def test_skip_tokenizer_init_serves_token_ids_without_tokenizer_files(tiny_model
 @pytest.mark.parametrize("scheme", ["int8", "int4", "fp8"])
 def test_experts_take_every_quantized_layout(tiny_model_factory, scheme: str) -> None:
     """The arena plan quantizes each expert's gate_up / down like any linear; the router and norms stay dense."""
-    from keepwarm.daemon.checkpoint import Checkpoint
-    from keepwarm.daemon.loader import plan_arena
+    from keepwarm.weights.checkpoint import Checkpoint
+    from keepwarm.weights.loader import plan_arena
 
     ckpt = Checkpoint(tiny_model_factory("qwen3_moe"))
     planned, _ = plan_arena(ckpt, scheme, torch.float32)

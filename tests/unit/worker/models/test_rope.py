@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import json
 
-import torch
-from test_quant_reference import MAX_TOKENS, hf_greedy
+from support.references import MAX_TOKENS, hf_greedy, load_hf
 
 from keepwarm import LLM, SamplingParams
 from keepwarm.formats.model_config import load_model_config
@@ -17,11 +16,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
 def _hf_greedy(model_dir) -> list[list[int]]:
-    import transformers
-
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    hf.generation_config.eos_token_id = None
-    return hf_greedy(hf, PROMPTS)
+    return hf_greedy(load_hf(model_dir), PROMPTS)
 
 
 def test_linear_rope_matches_transformers(tmp_path) -> None:

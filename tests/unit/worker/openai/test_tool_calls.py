@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from keepwarm.worker.api.protocol import APIError
-from keepwarm.worker.api.tool_calls import (
+from keepwarm.worker.openai.protocol import APIError
+from keepwarm.worker.openai.tool_calls import (
     ToolMode,
     ToolStreamer,
     parse,

@@ -1,0 +1,12 @@
+"""Free loopback ports for the servers the tests start."""
+
+from __future__ import annotations
+
+import socket
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (the kernel's pick; a server binds it just after)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
