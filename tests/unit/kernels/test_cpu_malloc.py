@@ -1,10 +1,9 @@
-"""kernels/cpu_malloc.py: with the thresholds raised, the freed big activations of a step (40 / 20 / 20 MB, like a
-prefill chunk's gate/up, its half and their product) are reused by the next steps; with KEEPWARM_CPU_MALLOC=0
-glibc decides by its moving thresholds, and the steps fault in anywhere from a quarter to all of their pages again.
-Measured here (one thread, six steps, 122,880 pages touched): ~5,100 faults with the tuning; without it
-30,600-122,700 from one fresh process to the next (the same code: where the heap can grow decides). The test asks
-for at most an eighth of the pages with the tuning, and fewer than without: it fails if the tuning does nothing.
-Fresh processes: malloc's state is per process."""
+"""kernels/cpu_malloc.py: with the thresholds raised, a step's freed big blocks (40 / 20 / 20 MB, like a prefill
+chunk's gate/up, its half and their product) are reused by the next steps; with KEEPWARM_CPU_MALLOC=0 glibc maps
+each afresh and the steps fault in all their pages again (122,722 of 122,880 here). The child allocates through
+glibc's malloc itself, as torch's CPU allocator does: counted through torch tensors, the faults with the tuning
+went from 0 to 61,440 between fresh processes depending on what else was imported (where the address space lets
+the heap grow), which made the count a test of import order. It fails if the tuning does nothing."""
 
 from __future__ import annotations
 
@@ -14,17 +13,21 @@ import sys
 import textwrap
 
 _CHILD = textwrap.dedent("""
-    import resource, torch
+    import ctypes, resource
+    import torch  # what a serving process has loaded: its libraries shape the address space the heap grows in
     from keepwarm.kernels.cpu_malloc import keep_freed_memory
-    torch.set_num_threads(1)  # one thread, one malloc arena: the same blocks every run
     print(keep_freed_memory())
+    libc = ctypes.CDLL("libc.so.6")
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
     def step():
-        a = torch.empty(20 << 20, dtype=torch.bfloat16)
-        a.fill_(1.0)
-        b = torch.empty(10 << 20, dtype=torch.bfloat16)
-        b.fill_(2.0)
-        c = a[: 10 << 20] * b
-        del a, b, c
+        blocks = []
+        for mb in (40, 20, 20):
+            p = libc.malloc(mb << 20)
+            ctypes.memset(p, 1, mb << 20)
+            blocks.append(p)
+        for p in blocks:
+            libc.free(p)
     step()
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     for _ in range(6):
