@@ -21,6 +21,7 @@ from pathlib import Path
 from keepwarm.daemon.client import DaemonClient
 from keepwarm.formats import paths
 from keepwarm.snapshot.store import Store
+from support.procs import stop_process
 from support.wait import wait_until
 
 WORKER_SCRIPT = str(Path(__file__).with_name("worker_script.py"))
@@ -92,13 +93,8 @@ class DaemonProc:
         self.proc.wait(timeout=10)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        if self.proc is not None:
+            stop_process(self.proc, timeout=30)
 
 
 class Worker:

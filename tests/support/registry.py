@@ -19,6 +19,7 @@ import httpx
 import pytest
 
 from support.ports import free_port
+from support.procs import stop_process
 from support.wait import wait_until
 
 REGISTRY_BIN = "docker-registry"
@@ -37,12 +38,7 @@ class Registry:
         return f"127.0.0.1:{self.port}"
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        stop_process(self.proc, timeout=10)
 
 
 def start_registry(root: Path) -> Registry:

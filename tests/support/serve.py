@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 
 from support.ports import free_port
+from support.procs import stop_process
 from support.wait import wait_until
 
 
@@ -76,10 +77,4 @@ class ServeProcess:
         return Path(self.log_path).read_text()
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                return self.proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-        return self.proc.wait()
+        return stop_process(self.proc, sig, timeout)
