@@ -368,7 +368,8 @@ _SHORT = {INT8_OP: "aten op", INT4_OP: "aten op", INT8_CAST: "cast+matmul", FP8_
 
 def _expected_isa() -> str:
     """The instruction set the CPU's flags promise, before any build (the switch and a failed build aside)."""
-    flags, variant = cpu_native.cpu_flags(), cpu_native.variant_for(cpu_native.cpu_flags())
+    flags = cpu_native.cpu_flags()
+    variant = cpu_native.variant_for(flags)
     if variant != "avx512":
         return AVX2 if variant else NONE
     if {"amx_tile", "amx_bf16"} <= flags and cpu_native.has_vbmi():
