@@ -4,8 +4,8 @@ Why a process and not a thread: a worker's threads share one GIL, and native cod
 pydantic parse of a huge body, a tokenizer call on a long text) starved the renewal thread until the daemon
 dropped the lease. The keeper imports only the daemon client (no torch: ~0.15 s, ~20 MB), so nothing the worker
 does can stop it from renewing. Rules:
-- it renews every ``ttl / 3`` seconds; when the daemon answers ``unknown_lease`` (it restarted, or dropped us) it
-  attaches again by fingerprint, for the worker's pid, and reports the new lease id;
+- it renews at once, then every ``ttl / 3`` seconds; when the daemon answers ``unknown_lease`` (it restarted,
+  or dropped us) it attaches again by fingerprint, for the worker's pid, and reports the new lease id;
 - it ends when the worker's pid is gone, when its stdin closes (the worker died: the daemon drops the lease when
   it sees the pid gone), or on ``stop keep`` / ``stop detach`` (the latter detaches the current lease first);
 - stdout is one event per line: ``renewed``, ``lease <id>``, ``warn <message>``.
@@ -45,7 +45,11 @@ def run(runtime_dir: str, lease: str, pid: int, ttl: float, model: str, quantiza
     threading.Thread(target=read_commands, name="commands", daemon=True).start()
     client = DaemonClient(Path(runtime_dir) if runtime_dir else None, timeout=max(1.0, interval))
     try:
-        while not stop.wait(interval):
+        # The first renewal goes out at once: the keeper's own start-up (~0.1 s idle, several times that on a
+        # loaded machine) already used part of the TTL since the attach.
+        first = True
+        while first or not stop.wait(interval):
+            first = False
             if not pid_alive(pid):  # a zombie worker counts as gone, as in the daemon
                 return 0
             try:

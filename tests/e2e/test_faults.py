@@ -255,14 +255,16 @@ def test_a_worker_holding_the_gil_keeps_its_lease(side, tiny_llama) -> None:
 
     from keepwarm import LLM
 
-    side.start_daemon("--lease-ttl", "1.0")
+    # TTL 1.5 s, GIL held 5 s: over three TTLs, with room for the keeper's start on a loaded machine (at 1.0 s a
+    # clean clone once saw the lease dropped 1.07 s after the attach, before the GIL was taken at all).
+    side.start_daemon("--lease-ttl", "1.5")
     llm = LLM(model=tiny_llama, dtype="float32", daemon=True, runtime_dir=str(side.rt), max_model_len=64)
     try:
         att = llm.llm_engine.loaded.attachment
         lease = att.lease_id
         time.sleep(1.0)
         t0 = time.monotonic()
-        while time.monotonic() - t0 < 4.0:  # catastrophic backtracking: `re` holds the GIL throughout each call
+        while time.monotonic() - t0 < 5.0:  # catastrophic backtracking: `re` holds the GIL throughout each call
             re.match(r"(a+)+$", "a" * 23 + "b")
         time.sleep(0.5)
         status = side.status()
