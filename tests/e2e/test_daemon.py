@@ -173,7 +173,7 @@ def test_corrupted_arena_is_not_readopted(daemon, runtime_dir, tiny_llama) -> No
 
 
 def test_missed_renewals_drop_lease_and_eviction_rules(daemon, runtime_dir, tiny_llama, tiny_model_factory) -> None:
-    d = daemon("--lease-ttl", "1")
+    d = daemon("--lease-ttl", "2")  # the evict below must come within one TTL of the attach, on a loaded machine
     with d.client() as c:
         lease = c.attach(tiny_llama)["lease_id"]  # our own pid is alive, but we never renew
         with pytest.raises(DaemonError) as e:
