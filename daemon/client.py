@@ -193,12 +193,16 @@ class DaemonClient:
         return self.typed(AttachReply, "attach", args, timeout=60.0, on_event=on_event)
 
     def load_image(self, manifest_json: str, image: str | Path, sha256: str | None = None,
-                   on_event: ProgressCallback | None = None) -> LoadReply:
+                   on_event: ProgressCallback | None = None, portable: bool = False) -> LoadReply:
         """Make an arena image resident (no re-quantization); ``image`` is read by the daemon, which checks it
-        against ``sha256`` (when given) in the same pass."""
-        args = {"manifest": manifest_json, "image": str(Path(image).absolute())}
+        against ``sha256`` (when given) in the same pass. ``portable``: the image is a portable layer, from which
+        the daemon builds this machine's layout (the reply's ``origin`` is then "portable", or "image" where the
+        portable layout is this machine's)."""
+        args: dict[str, Any] = {"manifest": manifest_json, "image": str(Path(image).absolute())}
         if sha256 is not None:
             args["sha256"] = sha256
+        if portable:
+            args["portable"] = True
         return self.typed(LoadReply, "load_image", args, timeout=60.0, on_event=on_event)
 
     def load_adapter(self, path: str | Path) -> AdapterReply:

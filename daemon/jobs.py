@@ -15,6 +15,7 @@ socket loop touches residency, leases and the job table.
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 import threading
 import time
@@ -28,7 +29,7 @@ from typing import Any
 from keepwarm.daemon.image import ImageError, check_cpu_layouts, check_gaps_zero, fill_cpu, fill_cuda, image_size
 from keepwarm.daemon.residency import Residency, Resident
 from keepwarm.formats import paths
-from keepwarm.formats.arena import ArenaManifest, CpuArenaFile, CudaArena
+from keepwarm.formats.arena import ArenaManifest, CpuArenaFile, CudaArena, arena_digest_of, pwrite_all
 from keepwarm.formats.errors import QuantizationError
 from keepwarm.formats.layout import describe_sizes
 from keepwarm.formats.model_config import ModelConfigError
@@ -36,6 +37,7 @@ from keepwarm.formats.wire import ProtocolError
 from keepwarm.kernels.cpu_malloc import release_freed_memory
 from keepwarm.weights.checkpoint import Checkpoint
 from keepwarm.weights.loader import build_arena, plan_arena, resolve_dtype
+from keepwarm.weights.portable import PortableError, from_portable, plan_machine
 from keepwarm.weights.sharding import TensorParallelError
 from keepwarm.weights.shards import build_shards
 
@@ -77,7 +79,7 @@ class LoadJob:
             self.result = self.work(self)
         except ProtocolError as e:
             self.error = e
-        except ImageError as e:
+        except (ImageError, PortableError) as e:
             self.error = ProtocolError(e.code, e.message)
         except (QuantizationError, ModelConfigError, TensorParallelError) as e:  # one line, nothing resident
             log.info("%s refused: %s", self.what, e)
@@ -186,7 +188,7 @@ def _check_image(image: Path, sha256: str | None, file_digest: str | None, arena
 
 
 def image_job(key: JobKey, manifest: ArenaManifest, image: Path, arena_bytes: int,
-              residency: Residency, sha256: str | None = None) -> LoadJob:
+              residency: Residency, sha256: str | None = None, origin: str = "image") -> LoadJob:
     """Copy the arena image at ``image`` into a new arena and check it against ``manifest`` (and, given
     ``sha256``, the file against that digest), hashing each chunk as it lands: one pass over the bytes."""
     def work(job: LoadJob) -> list[Resident]:
@@ -221,6 +223,48 @@ def image_job(key: JobKey, manifest: ArenaManifest, image: Path, arena_bytes: in
                  m.quantization, m.dtype, arena_bytes / 1e6, seconds,
                  arena_bytes / max(seconds, 1e-9) / 1e9, m.fingerprint[:16])
         now = time.time()
-        return [Resident(m, storage, "image", now, seconds, now, mpath, source_bytes=arena_bytes)]
+        return [Resident(m, storage, origin, now, seconds, now, mpath, source_bytes=arena_bytes)]
 
     return LoadJob(key, "image", f"loading the image {image}", manifest.quantization, arena_bytes, arena_bytes, work)
+
+
+def portable_job(key: JobKey, pm: ArenaManifest, image: Path, size: int, residency: Residency,
+                 device_name: str) -> LoadJob:
+    """Build this CPU's arena from a snapshot's portable layer at ``image`` (``pm``: its manifest): every weight
+    re-packed into this machine's layout or copied (never re-quantized), while a second thread checks the layer's
+    bytes against ``pm.arena_digest``; nothing is installed unless they match (keepwarm.weights.portable)."""
+    def work(job: LoadJob) -> list[Resident]:
+        t0 = time.perf_counter()
+        steps = plan_machine(pm, residency.device)
+        job.arena_bytes = max((e.offset + e.nbytes for s in steps for e in s.entries), default=0)
+        paths.ensure_private_dir(residency.arena_dir)
+        src = CpuArenaFile.open_readonly(image, size)
+        tmp = residency.arena_dir / f".portable-{secrets.token_hex(6)}.arena"
+        storage = CpuArenaFile.create(tmp, max(job.arena_bytes, 1), reserve=False)  # every part written by pwrite
+        job.created = (storage, tmp)
+        fd = os.open(tmp, os.O_WRONLY)
+        try:
+            with ThreadPoolExecutor(max_workers=1) as pool:
+                check = pool.submit(arena_digest_of, src.flat, pm.tensors, 1, pm.arena_digest_scheme)
+                m = from_portable(pm, src.flat, steps, lambda e, view: pwrite_all(fd, view, e.offset), device_name,
+                                  residency.threads, job.add_bytes)
+                digest = check.result()
+            if digest != pm.arena_digest:
+                raise ImageError("bad_image", f"the portable layer {image} does not match its manifest's "
+                                              "arena_digest; nothing loaded")
+            check_gaps_zero(src, pm, size, image)
+        finally:
+            os.close(fd)
+            src.close()
+        storage, mpath = residency.install_cpu_arena(storage, m)
+        job.created = (storage, tmp)
+        seconds = time.perf_counter() - t0
+        repacked = sum(s.how != "copy" for s in steps)
+        log.info("built the arena of %s (%s, %s) from its portable layer: %d weights re-packed for this machine, "
+                 "none re-quantized, %.1f MB in %.2fs, fingerprint %s", m.model_name, m.quantization, m.dtype,
+                 repacked, job.arena_bytes / 1e6, seconds, m.fingerprint[:16])
+        now = time.time()
+        return [Resident(m, storage, "portable", now, seconds, now, mpath, source_bytes=size)]
+
+    return LoadJob(key, "image", f"building {pm.model_name} from the portable layer {image}", pm.quantization, size,
+                   size, work)

@@ -15,11 +15,21 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from keepwarm.daemon.image import ImageError, check_device, image_size
-from keepwarm.daemon.jobs import JobKey, LoadJob, Waiter, image_job, load_error_code, preload_job, shard_job
+from keepwarm.daemon.jobs import (
+    JobKey,
+    LoadJob,
+    Waiter,
+    image_job,
+    load_error_code,
+    portable_job,
+    preload_job,
+    shard_job,
+)
 from keepwarm.daemon.protocol import event
 from keepwarm.daemon.residency import WHOLE, Residency, Resident
 from keepwarm.formats.arena import ArenaManifest, dtype_name
@@ -29,6 +39,7 @@ from keepwarm.formats.model_config import ModelConfigError
 from keepwarm.formats.wire import ProtocolError
 from keepwarm.weights.checkpoint import Checkpoint
 from keepwarm.weights.loader import plan_arena, resolve_dtype
+from keepwarm.weights.portable import needs_repack
 from keepwarm.weights.sharding import TensorParallelError, check_pipeline, check_supported
 
 ModelKey = tuple[str, str, str]  # (model directory, quantization, dtype), resolved
@@ -117,10 +128,17 @@ class Loads:
                         if r.manifest.model_fingerprint == fingerprint})
         return " and ".join(describe_sizes(*n) for n in sizes)
 
-    def load_image(self, waiter: Waiter, manifest: ArenaManifest, image: Path, sha256: str | None) -> None:
-        """Start (or join) the job that copies ``image`` into a new arena; ``waiter`` waits on it."""
+    def load_image(self, waiter: Waiter, manifest: ArenaManifest, image: Path, sha256: str | None,
+                   portable: bool = False) -> None:
+        """Start (or join) the job that copies ``image`` into a new arena; ``waiter`` waits on it. A ``portable``
+        image is re-packed into this machine's layout (``portable_job``), or copied as an image where the portable
+        layout is this machine's."""
+        repack = portable and needs_repack(manifest, self.device)
+        if portable and not repack:
+            manifest = replace(manifest, device=self.device_name)
         try:
-            check_device(manifest, self.device)  # the CPU layouts are checked in the job's thread
+            if not repack:
+                check_device(manifest, self.device)  # the CPU layouts are checked in the job's thread
             size = image_size(manifest, image)
         except ImageError as e:
             raise ProtocolError(e.code, e.message) from None
@@ -129,7 +147,9 @@ class Loads:
         if job is None:
             arena_bytes = size if self.device.type == "cpu" else manifest.total_bytes
             self.residency.room_plan(arena_bytes, manifest.model_name)  # refuse now if it can never fit
-            job = image_job(key, manifest, image, arena_bytes, self.residency, sha256)
+            origin = "portable" if portable else "image"
+            job = (portable_job(key, manifest, image, size, self.residency, self.device_name) if repack else
+                   image_job(key, manifest, image, arena_bytes, self.residency, sha256, origin))
             self._start(key, job, f"image-{manifest.fingerprint[:12]}")
         job.waiters.append(waiter)
 

@@ -73,6 +73,9 @@ class LoadImageArgs:
     manifest: str  # the arena manifest (JSON) of the image
     image: str  # absolute path of the image file: the arena's bytes (e.g. a snapshot blob), read by the daemon
     sha256: str | None = None  # the file's sha256 (a snapshot blob's digest): checked in the same pass as the load
+    # The image is a snapshot's portable layer (its manifest's device is "portable"): the daemon builds its own
+    # layout from it (re-pack only, keepwarm.weights.portable), or loads it as is where its layout is this one.
+    portable: bool = False
 
 
 @dataclass(frozen=True)

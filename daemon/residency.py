@@ -65,7 +65,7 @@ def parse_memory_budget(text: str | None, device: torch.device) -> int | None:
 class Resident:
     manifest: ArenaManifest
     storage: CpuArenaFile | CudaArena
-    origin: str  # "preload" | "adopted" | "image"
+    origin: str  # "preload" | "adopted" | "image" | "portable" (built from a snapshot's portable layer)
     loaded_at: float
     load_seconds: float
     last_used: float

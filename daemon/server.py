@@ -17,6 +17,7 @@ docs/architecture.md, "The daemon"; the weights are read, converted and packed b
 from __future__ import annotations
 
 import fcntl
+import functools
 import logging
 import os
 import re
@@ -65,6 +66,7 @@ from keepwarm.formats.version import __version__
 from keepwarm.formats.wire import ProtocolError
 from keepwarm.kernels.cpu_malloc import keep_freed_memory
 from keepwarm.weights.loader import warm_up
+from keepwarm.weights.portable import PORTABLE_DEVICE, PortableError, platform_descriptor, pm_of
 
 log = logging.getLogger("keepwarm.daemon")
 
@@ -103,6 +105,13 @@ class Daemon:
     @property
     def device_name(self) -> str:
         return "cpu" if self.device.type == "cpu" else f"cuda:{cuda_uuid(self.device)}"
+
+    @functools.cached_property
+    def platform(self) -> dict[str, Any]:
+        """What this daemon's arena layouts depend on (``weights.portable.platform_descriptor``): a snapshot's
+        image made on a platform of the same ``key`` loads as it is. Found at the first ``status`` (a packing
+        probe, ~0.1 s), not at start."""
+        return platform_descriptor(self.device)
 
     # -- lifecycle -------------------------------------------------------------------------------------------------
     def acquire_lock(self) -> None:
@@ -240,6 +249,7 @@ class Daemon:
     def _verb_status(self, _identity: bytes, rid: str, _args: Any) -> dict:
         return reply_ok(rid, pid=os.getpid(), version=__version__, socket=str(paths.socket_path(self.runtime_dir)),
                         runtime_dir=str(self.runtime_dir), arena_dir=str(self.arena_dir), device=self.device_name,
+                        platform=self.platform,
                         memory_budget=self.memory_budget, resident_bytes=self.residency.resident_bytes(),
                         adapters=[e.info() for e in self.adapters.entries.values()],
                         uptime_s=round(time.time() - self.started_at, 3), counters=dict(self.counters),
@@ -360,9 +370,13 @@ class Daemon:
 
     def _verb_load_image(self, identity: bytes, rid: str, args: LoadImageArgs) -> dict | None:
         try:
-            manifest = ArenaManifest.from_json(args.manifest)
+            manifest = pm_of(args.manifest) if args.portable else ArenaManifest.from_json(args.manifest)
+        except PortableError as e:
+            raise ProtocolError(e.code, f"load_image: {e.message}") from None
         except (ValueError, KeyError, TypeError) as e:
             raise ProtocolError("bad_image", f"load_image: the manifest does not parse: {e}") from None
+        if not args.portable and manifest.device == PORTABLE_DEVICE:
+            raise ProtocolError("bad_image", "load_image: the image is a portable layer: load it with portable set")
         r = self.residency.residents.get(manifest.fingerprint)
         if r is not None:  # the same model is resident already: kept as it is
             return self._done_reply(rid, "load_image", args, r, cached=True)
@@ -371,7 +385,7 @@ class Daemon:
             raise ProtocolError("bad_request", "load_image: the image path must be absolute")
         if args.sha256 is not None and not re.fullmatch(r"[0-9a-f]{64}", args.sha256):
             raise ProtocolError("bad_request", "load_image: sha256 must be 64 lowercase hex digits")
-        self.loads.load_image((identity, rid, "load_image", args), manifest, image, args.sha256)
+        self.loads.load_image((identity, rid, "load_image", args), manifest, image, args.sha256, args.portable)
         return None  # answered when the job finishes
 
     # -- answers -----------------------------------------------------------------------------------------------------

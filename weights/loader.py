@@ -220,13 +220,15 @@ def write_packed(p: PlannedTensor, staging: torch.Tensor, target: torch.dtype, f
 
 def build_arena(ckpt: Checkpoint, quantization: str, dtype: str, flat: torch.Tensor, device: str,
                 progress: Progress | None = None, threads: int = 4,
-                planned: list[PlannedTensor] | None = None, arena_file: Path | None = None) -> ArenaManifest:
+                planned: list[PlannedTensor] | None = None, arena_file: Path | None = None,
+                device_type: str | None = None) -> ArenaManifest:
     """Fill ``flat`` (the arena's uint8 buffer, CPU or CUDA, sized by :func:`plan_arena`) and return its manifest.
     ``arena_file``: the tmpfs file ``flat`` maps, into which converted, quantized and packed tensors are written with
-    ``pwrite`` (see the module docstring)."""
+    ``pwrite`` (see the module docstring). ``device_type``: the layouts of another device than ``flat``'s (a CUDA
+    arena's, built in host memory: how the tests make a CUDA image without a GPU)."""
     target = resolve_dtype(ckpt, dtype)
     quantization = ckpt.resolve_quantization(quantization)
-    device_type = flat.device.type
+    device_type = device_type or flat.device.type
     if planned is None:
         planned, total = plan_arena(ckpt, quantization, target, device_type)
         if total > flat.numel():
