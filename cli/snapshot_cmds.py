@@ -1,4 +1,5 @@
-"""`keepwarm snapshot create|restore|list|show|diff|verify|delete|gc|export|import|push|pull` (docs/snapshots.md)."""
+"""`keepwarm snapshot create|restore|add-platform|list|show|diff|verify|delete|gc|export|import|push|pull`
+(docs/snapshots.md)."""
 
 from __future__ import annotations
 
@@ -13,13 +14,13 @@ from typing import Annotated
 import typer
 
 from keepwarm.cli.errors import fail
-from keepwarm.snapshot import manifest as mf
 from keepwarm.snapshot.archive import export as do_export
 from keepwarm.snapshot.archive import import_archive
 from keepwarm.snapshot.inspect import diff as do_diff
 from keepwarm.snapshot.inspect import diff_text, list_rows, list_text, mb, show_text
 from keepwarm.snapshot.manifest import SnapshotError
 from keepwarm.snapshot.store import Store
+from keepwarm.snapshot.verify import verify as verify_snapshot
 
 snapshot_app = typer.Typer(help="Capture, restore and move known-good states (model image, adapters, config).",
                            no_args_is_help=True)
@@ -182,33 +183,22 @@ def diff(a: Annotated[str, typer.Argument()], b: Annotated[str, typer.Argument()
 
 @snapshot_app.command()
 def verify(name: Annotated[str, typer.Argument()]) -> None:
-    """Re-hash every blob of the snapshot and check the arena image against its manifest."""
-    def run():
-        from keepwarm.formats.arena import ArenaHasher, ArenaManifest  # deferred: torch (~1.2 s), for verify alone
-
-        store = _store()
-        t0 = time.perf_counter()
-        with store.lock():
-            m = store.load(name)
-            every = [(mod, img) for mod in m["models"] for img in mf.images(mod)]  # a shard per rank, or one
-            images = {img["image"]["digest"]: img["image"]["size"] for _, img in every}
-            n, nbytes = store.verify(m, skip=frozenset(images))
-            for mod, img in every:
-                arena = ArenaManifest.from_json(store.read_blob(img["image_manifest"]["digest"]).decode())
-                if (arena.fingerprint, arena.arena_digest) != (img["fingerprint"], img["arena_digest"]):
-                    raise SnapshotError(f"blob {img['image_manifest']['digest']} (model {mod['name']}: arena "
-                                        "manifest) does not match the snapshot's model entry")
-                # the blob's sha256 and the arena digest in one pass
-                hasher = ArenaHasher(arena.tensors, arena.arena_digest_scheme)
-                store.verify_blob(img["image"]["digest"], img["image"]["size"], f"model {mod['name']}: arena image",
-                                  also=hasher.feed)
-                if hasher.hexdigest() != arena.arena_digest:
-                    raise SnapshotError(f"blob {img['image']['digest']} (model {mod['name']}: arena image) does "
-                                        "not match its arena_digest")
-        return n + len(images), nbytes + sum(images.values()), time.perf_counter() - t0
-
-    n, nbytes, secs = _guard(run)
+    """Re-hash every blob of the snapshot and check each arena layer (portable, per platform) against its manifest."""
+    n, nbytes, secs = _guard(lambda: verify_snapshot(_store(), name))
     typer.echo(f"{name}: ok, {n} blobs ({mb(nbytes)}) verified in {secs:.2f}s")
+
+
+@snapshot_app.command("add-platform")
+def add_platform(name: Annotated[str, typer.Argument()]) -> None:
+    """Add this machine's image to a snapshot, built by the daemon from the snapshot's portable layer (re-pack
+    only), so a restore on a machine of this platform loads it as it is."""
+    # deferred: the daemon client's zmq and psutil, which `keepwarm --help` must not pay
+    from keepwarm.snapshot.platforms import add_platform as do_add
+
+    r = _guard(lambda: do_add(name, store=_store(), say=_say))
+    if r.added:
+        typer.echo(f"{name}: added the {r.platform['name']} image (key {r.platform['key']}), {mb(r.new_bytes)} new; "
+                   f"{r.seconds:.2f}s")
 
 
 @snapshot_app.command()
@@ -309,7 +299,9 @@ def push(
             r = _guard(lambda: do_push(_store(), name, reg))
         record(name, r.seconds, r.uploaded_bytes)
     rate = r.uploaded_bytes / 1e6 / r.seconds if r.seconds > 0 else 0.0
-    typer.echo(f"pushed {name} to {r.reference} ({r.manifest_digest}): {r.blobs} blobs ({mb(r.total_bytes)}), "
+    what = (f"an OCI index: the portable layer + {len(r.platforms)} platform image(s) ({', '.join(r.platforms)}), "
+            if r.platforms else "")
+    typer.echo(f"pushed {name} to {r.reference} ({r.manifest_digest}): {what}{r.blobs} blobs ({mb(r.total_bytes)}), "
                f"{r.uploaded} uploaded ({mb(r.uploaded_bytes)}, {rate:.0f} MB/s), {r.blobs - r.uploaded} already "
                f"there; {r.seconds:.2f}s")
 
@@ -323,20 +315,27 @@ def pull(
     username: _Username = None,
     password_stdin: _PasswordStdin = False,
 ) -> None:
-    """Pull a snapshot from an OCI registry: blobs the store has are skipped, every other one is verified before
-    anything lands."""
+    """Pull a snapshot from an OCI registry: of an index, the portable layer and this machine's platform image (if it
+    has one); blobs the store has are skipped, every other one is verified before anything lands."""
     from keepwarm.snapshot.oci import pull as do_pull  # deferred: httpx (~80 ms), for pull alone
+    from keepwarm.snapshot.oci import this_platform_key  # deferred (above); it asks the daemon (or torch) for an index
 
     with _recorded("pull") as record:
         reg = _registry(reference, insecure, username, password_stdin, 64 << 20)
         with reg:
-            r = _guard(lambda: do_pull(_store(), reg, rename=name, force=force))
+            r = _guard(lambda: do_pull(_store(), reg, rename=name, force=force, platform_key=this_platform_key))
         record(r.imported.name, r.seconds, r.downloaded_bytes)
     i = r.imported
     rate = r.downloaded_bytes / 1e6 / r.seconds if r.seconds > 0 else 0.0
     state = "already in the store" if i.already_present else "pulled"
-    typer.echo(f"{state} {i.name} from {reference}: {i.blobs} blobs, {i.new_blobs} downloaded "
-               f"({mb(r.downloaded_bytes)}, {rate:.0f} MB/s); {r.seconds:.2f}s")
+    what = ""
+    if r.platform is not None:
+        what = f"the portable layer and the {r.platform['name']} image (platform {r.platform['key']}), "
+    elif r.index:
+        what = (f"the portable layer only (no image for this machine's platform {r.platform_key}: a restore builds "
+                "it from the portable layer), ")
+    typer.echo(f"{state} {i.name} from {reference}: {what}{i.blobs} blobs, {i.new_blobs} downloaded "
+               f"({mb(r.downloaded_bytes)}, {rate:.0f} MB/s), {r.skipped} already here; {r.seconds:.2f}s")
 
 
 def register(app: typer.Typer) -> None:

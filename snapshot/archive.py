@@ -407,11 +407,15 @@ def _import(store: Store, path: Path, staging: Path, rename: str | None, force: 
 
 
 def target_name(store: Store, m: dict[str, Any], rename: str | None, force: bool) -> tuple[str, bool]:
-    """The name the snapshot lands under and whether that exact snapshot is there already; a different one of
+    """The name the snapshot lands under and whether that exact snapshot is there already (or the same snapshot
+    with more platform images: a pull of one platform into the store that pushed them all); a different one of
     that name is refused unless ``force``."""
     name = mf.check_name(rename) if rename else m["name"]
     if store.exists(name):
-        if mf.dumps(store.load(name)) == mf.dumps({**m, "name": name}):
+        have, new = store.load(name), {**m, "name": name}
+        keys = {p["platform"]["key"] for mod in new["models"] for a in mf.images(mod) if mf.layered(a)
+                for p in a["platforms"]}
+        if mf.dumps(have) == mf.dumps(new) or mf.dumps(mf.without_platforms(have, keys)) == mf.dumps(new):
             return name, True
         if not force:
             raise SnapshotError(f"a different snapshot named {name!r} exists; import it under another name "

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ from typing import Any
 from keepwarm.daemon.client import DaemonClient, DaemonError, ensure_daemon
 from keepwarm.formats import paths
 from keepwarm.formats.adapter import LoRAError, adapter_digest, read_adapter_dir
-from keepwarm.formats.arena import ArenaHasher, ArenaManifest, CudaArena
+from keepwarm.formats.arena import ArenaHasher, ArenaManifest, CpuArenaFile, CudaArena
 from keepwarm.formats.layout import Layout
 from keepwarm.snapshot import manifest as mf
 from keepwarm.snapshot.identity import machine_identity
@@ -33,6 +34,7 @@ from keepwarm.worker.attach import Attachment, LeaseKeeper
 from keepwarm.worker.default_model import default_model
 from keepwarm.worker.lora import parse_lora_modules
 from keepwarm.worker.process.config import ConfigError, build_config, load_toml
+from keepwarm.worker.tokenizer import gguf_tokenizer_dir
 
 DEFAULT_SERVER = "http://127.0.0.1:8000"
 # The model directory's files a server reads besides the weights: config, tokenizer, generation config, chat
@@ -159,6 +161,30 @@ def capture_arena(store: Store, manifest_json: str, arena: dict[str, Any]) -> tu
     return ref, layouts
 
 
+def capture_portable(store: Store, m: ArenaManifest, arena: dict[str, Any], image: BlobRef) -> dict[str, Any]:
+    """The arena's portable layer (keepwarm.weights.portable) as blobs: the image itself where nothing in it is
+    machine-specific (one blob serves both), else its portable form written from the arena's bytes, tensor by
+    tensor, and landed in the store."""
+    from keepwarm.weights.portable import machine_specific, to_portable  # deferred: kernels (oneDNN) with it
+
+    if not machine_specific(m):
+        pm, ref = to_portable(m, None, None), image
+    else:
+        if arena["kind"] != "cpu":  # a CUDA arena's layouts are all portable
+            raise SnapshotError(f"the {arena['kind']} arena of {m.model_name} has CPU-only layouts")
+        src = CpuArenaFile.open_readonly(Path(arena["path"]), m.total_bytes)
+        staging = store.staging_dir("portable")
+        try:
+            out = staging / "portable"
+            pm = to_portable(m, src.flat, out)
+            ref = store.put_written(out)
+        finally:
+            src.close()
+            shutil.rmtree(staging, ignore_errors=True)
+    return {"image": ref.ref(), "image_manifest": store.put_bytes(pm.to_json().encode()).ref(),
+            "arena_digest": pm.arena_digest}
+
+
 def _attach(source: Source, rt: Path | None, preload: bool, say: Say, layout: Layout | None = None):
     """Lease the model (a split ``layout``: that shard) in the daemon: (Attachment without tensors, attach reply,
     daemon status)."""
@@ -211,11 +237,17 @@ def _capture(store: Store, source: Source, rt: Path | None, preload: bool, say: 
             f"fingerprint {m.fingerprint[:16]})")
         image, layouts = capture_arena(store, reply.manifest, reply.arena)
         image_manifest = store.put_bytes(reply.manifest.encode())
+        portable = capture_portable(store, m, reply.arena, image)
     finally:
         att.close()
+    platform = status.get("platform")
+    if not isinstance(platform, dict):
+        raise SnapshotError(f"the daemon at {rt or paths.runtime_dir()} does not say its platform (an older keepwarm "
+                            "daemon?); restart it")
     entry = {"tp_rank": layout.tp_rank, "pp_stage": layout.pp_stage, "fingerprint": m.fingerprint,
-             "arena_digest": m.arena_digest,
-             "arena_bytes": m.total_bytes, "image": image.ref(), "image_manifest": image_manifest.ref()}
+             "arena_bytes": m.total_bytes, "portable": portable,
+             "platforms": [{"platform": platform, "image": image.ref(), "image_manifest": image_manifest.ref(),
+                            "arena_digest": m.arena_digest}]}
     return m, entry, layouts, status
 
 
@@ -258,7 +290,8 @@ def create(name: str, *, server: str | None = None, config_path: str | None = No
     if store.exists(name) and not force:
         raise SnapshotError(f"a snapshot named {name!r} exists; delete it first or pass --force")
     source = from_config(config_path) if config_path else from_server(server or DEFAULT_SERVER, api_key)
-    if not source.model_dir.is_dir():
+    gguf = source.model_dir.suffix == ".gguf" and source.model_dir.is_file()
+    if not gguf and not source.model_dir.is_dir():
         raise SnapshotError(f"the model directory {source.model_dir} is gone: its config and tokenizer files are "
                             "part of the snapshot")
     rt_cfg = source.config.get("runtime_dir")
@@ -279,14 +312,19 @@ def create(name: str, *, server: str | None = None, config_path: str | None = No
                 shards.append(shard)
                 layouts |= set(shard_layouts)
         image_seconds = time.perf_counter() - ti
-        files = {p.name: store.put_file(p).ref() for p in model_files(source.model_dir)}
+        # A GGUF file holds its config and tokenizer: the config as the daemon read it, the tokenizer as a worker
+        # serves it (beside the file, or converted from its metadata once)
+        files_dir = gguf_tokenizer_dir(source.model_dir) if gguf else source.model_dir
+        files = {p.name: store.put_file(p).ref() for p in model_files(files_dir)}
+        if gguf:
+            files["config.json"] = store.put_bytes(m.config_json.encode()).ref()
         if "config.json" not in files:
             raise SnapshotError(f"{source.model_dir} has no config.json")
         model = {"role": "base", "name": m.model_name, "source": m.model, "fingerprint": m.model_fingerprint,
                  "quantization": m.quantization, "dtype": m.dtype, "device": m.device,
-                 "layout_version": m.layout_version, "layouts": sorted(layouts),
-                 **{k: shards[0][k] for k in ("arena_digest", "arena_bytes", "image", "image_manifest")},
-                 "files": files}
+                 "layout_version": m.layout_version, "layouts": sorted(layouts), "files": files}
+        if len(shards) == 1:
+            model.update({k: shards[0][k] for k in ("arena_bytes", "portable", "platforms")})
         if len(shards) > 1:
             model.update(tensor_parallel_size=tp_size, pipeline_parallel_size=pp_size, shards=shards)
         tok = source.config.get("tokenizer")

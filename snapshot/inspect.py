@@ -55,8 +55,9 @@ def show_text(m: dict[str, Any]) -> str:
     for mod in m["models"]:
         lines.append(f"  model {model_line(mod)}")
         lines.append(f"    source {mod['source']}; fingerprint {mod['fingerprint']}")
-        lines.append(f"    arena image {mb(mod['image']['size'])} (blob {mod['image']['digest'][:16]}), layouts "
-                     f"{', '.join(mod.get('layouts', [])) or '-'}; files: {', '.join(sorted(mod['files']))}")
+        lines.append(f"    layouts {', '.join(mod.get('layouts', [])) or '-'}; files: "
+                     f"{', '.join(sorted(mod['files']))}")
+        lines += [f"    {line}" for line in layer_lines(mod)]
     for a in m["adapters"]:
         lines.append(f"  adapter {a['name']}: rank {a.get('rank') or '?'}, digest {a['digest'][:16]}, from "
                      f"{a.get('source', '?')}")
@@ -66,6 +67,23 @@ def show_text(m: dict[str, Any]) -> str:
     blobs = mf.blobs(m)
     lines.append(f"  {len(blobs)} blobs, {mb(sum(blobs.values()))}")
     return "\n".join(lines)
+
+
+def layer_lines(mod: dict[str, Any]) -> list[str]:
+    """The model's arena layers: the portable layer and each platform image (per shard when split)."""
+    out = []
+    for img in mf.images(mod):
+        shard = f" (stage {img.get('pp_stage', 0)}, rank {img['tp_rank']})" if "shards" in mod else ""
+        if mf.layered(img):
+            p = img["portable"]
+            shared = any(x["image"]["digest"] == p["image"]["digest"] for x in img["platforms"])
+            out.append(f"portable layer{shard} {mb(p['image']['size'])} (blob {p['image']['digest'][:16]}"
+                       + (", the same blob as an image" if shared else "") + ")")
+        for x in mf.platform_images(img):
+            p = x["platform"]
+            name = f"{p['name']} image (platform {p['key']})" if p else "arena image"
+            out.append(f"{name}{shard} {mb(x['image']['size'])} (blob {x['image']['digest'][:16]})")
+    return out
 
 
 def diff(a: dict[str, Any], b: dict[str, Any]) -> list[dict[str, Any]]:
@@ -85,6 +103,9 @@ def diff(a: dict[str, Any], b: dict[str, Any]) -> list[dict[str, Any]]:
         for k in ("name", "source", "fingerprint", "quantization", "dtype", "device", "arena_digest"):
             if x.get(k) != y.get(k):
                 out.append({"what": "model", "key": f"{role}.{k}", "a": x.get(k), "b": y.get(k)})
+        px, py = _platforms(x), _platforms(y)
+        if px != py:
+            out.append({"what": "model", "key": f"{role}.platforms", "a": px, "b": py})
         for fname in sorted(set(x["files"]) | set(y["files"])):
             dx, dy = x["files"].get(fname, {}).get("digest"), y["files"].get(fname, {}).get("digest")
             if dx != dy:
@@ -100,6 +121,13 @@ def diff(a: dict[str, Any], b: dict[str, Any]) -> list[dict[str, Any]]:
         if ia.get(k) != ib.get(k):
             out.append({"what": "identity", "key": k, "a": ia.get(k), "b": ib.get(k)})
     return out
+
+
+def _platforms(mod: dict[str, Any]) -> list[str]:
+    """The platform names a model entry holds images for (``portable`` first where it has that layer)."""
+    arena = mf.images(mod)[0]
+    names = ["portable"] if mf.layered(arena) else []
+    return names + [x["platform"]["name"] if x["platform"] else "image" for x in mf.platform_images(arena)]
 
 
 def diff_text(name_a: str, name_b: str, changes: list[dict[str, Any]]) -> str:

@@ -8,7 +8,10 @@ machine's identity) are documented in docs/snapshots.md, "Manifest (schema versi
   as a server.toml) before anything is written; its size is bounded before it is parsed (MAX_MANIFEST_BYTES);
 - the server config is the effective one, never with the API key;
 - a parallel deployment's model lists one shard per (stage, rank), stage-major; its own fingerprint is then the
-  whole model's, and its image, image manifest and arena digest the first shard's."""
+  whole model's (and, in a single-image snapshot, its image, image manifest and arena digest the first shard's);
+- an arena (a model's, or each shard's) is either two layers, ``portable`` (the machine-independent form, always)
+  and ``platforms`` (images for the machines they were built on, each keyed by a platform descriptor, zero or
+  more), or, in a snapshot made before the two layers, one ``image`` (:func:`platform_images` reads both)."""
 
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ SCHEMA_VERSION = 1
 
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 DIGEST_RE = re.compile(r"[0-9a-f]{64}")
+PLATFORM_KEY_RE = re.compile(r"[0-9a-f]{24}")
 # Plain file names (a model's config/tokenizer files): no directories, no leading dot.
 FILE_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,199}")
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
@@ -96,11 +100,10 @@ def validate(m: Any) -> dict[str, Any]:
         if not isinstance(mod, dict):
             raise SnapshotError(f"manifest: {w} must be a map")
         _str(f"{w}.fingerprint", mod.get("fingerprint"), DIGEST_RE)
-        _str(f"{w}.arena_digest", mod.get("arena_digest"), DIGEST_RE)
         for k in ("name", "source", "quantization", "dtype", "device", "role"):
             _str(f"{w}.{k}", mod.get(k))
-        _blob(f"{w}.image", mod.get("image"))
-        _blob(f"{w}.image_manifest", mod.get("image_manifest"))
+        if "shards" not in mod:
+            _arena(w, mod)
         _files(f"{w}.files", mod.get("files"))
         if "config.json" not in mod["files"]:
             raise SnapshotError(f"manifest: {w}.files has no config.json")
@@ -144,17 +147,73 @@ def _shards(w: str, mod: dict[str, Any]) -> None:
         if not isinstance(sh, dict) or (sh.get("pp_stage", 0), sh.get("tp_rank")) != divmod(i, tp):
             raise SnapshotError(f"manifest: {ws} must be a map with pp_stage {i // tp} and tp_rank {i % tp}")
         _str(f"{ws}.fingerprint", sh.get("fingerprint"), DIGEST_RE)
-        _str(f"{ws}.arena_digest", sh.get("arena_digest"), DIGEST_RE)
-        _blob(f"{ws}.image", sh.get("image"))
-        _blob(f"{ws}.image_manifest", sh.get("image_manifest"))
-    if (shards[0]["image"], shards[0]["arena_digest"]) != (mod["image"], mod["arena_digest"]):
-        raise SnapshotError(f"manifest: {w}.image must be rank 0's shard image")
+        if layered(sh) != layered(shards[0]):
+            raise SnapshotError(f"manifest: {ws} and shard 0 must both have a portable layer, or neither")
+        _arena(ws, sh)
+    if not layered(shards[0]):  # a single-image snapshot names shard 0's image on the model too
+        _image(w, mod)
+        if (shards[0]["image"], shards[0]["arena_digest"]) != (mod["image"], mod["arena_digest"]):
+            raise SnapshotError(f"manifest: {w}.image must be rank 0's shard image")
+
+
+def _image(where: str, img: Any) -> None:
+    if not isinstance(img, dict):
+        raise SnapshotError(f"manifest: {where} must be a map")
+    _str(f"{where}.arena_digest", img.get("arena_digest"), DIGEST_RE)
+    _blob(f"{where}.image", img.get("image"))
+    _blob(f"{where}.image_manifest", img.get("image_manifest"))
+
+
+def _arena(w: str, a: dict[str, Any]) -> None:
+    """One arena's layers: ``portable`` + ``platforms``, or (before the two layers) one image."""
+    if not layered(a):
+        _image(w, a)
+        return
+    _image(f"{w}.portable", a["portable"])
+    if not isinstance(a.get("platforms"), list):
+        raise SnapshotError(f"manifest: {w}.platforms must be a list")
+    keys = set()
+    for i, p in enumerate(a["platforms"]):
+        wp = f"{w}.platforms[{i}]"
+        _image(wp, p)
+        desc = p.get("platform")
+        if not isinstance(desc, dict) or not isinstance(desc.get("name"), str) or desc.get("device") not in (
+                "cpu", "cuda"):
+            raise SnapshotError(f"manifest: {wp}.platform must be a map with a name and a device (cpu or cuda)")
+        key = _str(f"{wp}.platform.key", desc.get("key"), PLATFORM_KEY_RE)
+        if key in keys:
+            raise SnapshotError(f"manifest: {w}.platforms names platform {key} twice")
+        keys.add(key)
+
+
+def layered(a: dict[str, Any]) -> bool:
+    """True for an arena entry with the two layers (a portable layer and platform images)."""
+    return "portable" in a
 
 
 def images(mod: dict[str, Any]) -> list[dict[str, Any]]:
-    """A model entry's arena images, each with its ``fingerprint``, ``arena_digest``, ``image`` and
-    ``image_manifest``: the one arena, or one shard per tensor-parallel rank (in rank order)."""
+    """A model entry's arenas, each with its ``fingerprint`` and its layers (``portable`` and ``platforms``, or one
+    ``image``): the one arena, or one shard per (stage, rank), stage-major."""
     return mod.get("shards") or [mod]
+
+
+def platform_images(a: dict[str, Any]) -> list[dict[str, Any]]:
+    """An arena entry's machine images, each ``{platform, image, image_manifest, arena_digest}``; the platform of a
+    snapshot made before the two layers is None (its image says which machine by its manifest's layouts)."""
+    if layered(a):
+        return list(a["platforms"])
+    return [{"platform": None, **{k: a[k] for k in ("image", "image_manifest", "arena_digest")}}]
+
+
+def without_platforms(m: dict[str, Any], keep: set[str]) -> dict[str, Any]:
+    """A copy of ``m`` whose layered arenas keep only the platform images whose key is in ``keep`` (a pull of one
+    platform from an index records what it holds)."""
+    out = json.loads(json.dumps(m))
+    for mod in out["models"]:
+        for a in images(mod):
+            if layered(a):
+                a["platforms"] = [p for p in a["platforms"] if p["platform"]["key"] in keep]
+    return out
 
 
 def loads(text: str | bytes) -> dict[str, Any]:
@@ -180,9 +239,12 @@ def blob_refs(m: dict[str, Any]) -> list[tuple[str, int, str]]:
         label = f"model {mod['name']}"
         for img in images(mod):
             shard = f" (stage {img.get('pp_stage', 0)}, rank {img['tp_rank']})" if "tp_rank" in img else ""
-            out.append((img["image"]["digest"], img["image"]["size"], f"{label}: arena image{shard}"))
-            out.append((img["image_manifest"]["digest"], img["image_manifest"]["size"],
-                        f"{label}: arena manifest{shard}"))
+            layers = [("portable ", img["portable"])] if layered(img) else []
+            layers += [(f"{p['platform']['name']} " if p["platform"] else "", p) for p in platform_images(img)]
+            for what, layer in layers:
+                out.append((layer["image"]["digest"], layer["image"]["size"], f"{label}: {what}arena image{shard}"))
+                out.append((layer["image_manifest"]["digest"], layer["image_manifest"]["size"],
+                            f"{label}: {what}arena manifest{shard}"))
         for fname, b in sorted(mod["files"].items()):
             out.append((b["digest"], b["size"], f"{label}: {fname}"))
         for fname, b in sorted((mod.get("tokenizer_files") or {}).items()):

@@ -1,17 +1,18 @@
 """Snapshots as OCI artifacts: ``keepwarm snapshot push NAME REF`` / ``pull REF`` against a container registry.
 
-A snapshot is one OCI image manifest (artifactType :data:`ARTIFACT_TYPE`) whose config is the snapshot manifest
-(:data:`MEDIA_CONFIG`) and whose layers are its blobs (:data:`MEDIA_BLOB`, sorted by digest); registry digests are
-the store's, so a push skips blobs the registry has (HEAD) and a pull blobs the store has. Rules (docs/snapshots.md,
-"OCI registries"):
-- the distribution HTTP API (``/v2/``) over httpx, no other client; HTTPS unless ``insecure``; credentials from
-  ``--username/--password-stdin`` or the docker config's ``auths``, a 401 answered once (Basic or Bearer); credential
-  helpers are not run, and the error says so;
-- upload: a session, chunks in order, PUT ``?digest=``; a broken chunk resumes from the session's ``Range``, or
-  restarts the blob in a new session when the registry invalidated it (at most RETRIES breaks per blob);
-- pull: the OCI manifest and config are size-limited and parsed strictly, every digest ``sha256:<64 hex>``, the
-  layers exactly the snapshot manifest's blobs and sizes; blobs are hashed into the store's staging directory and
-  nothing lands until every one checked out (a corrupt one is refused naming its digest)."""
+A snapshot with the two layers is an OCI image index (artifactType :data:`ARTIFACT_TYPE`): the portable manifest
+(config: the snapshot manifest, :data:`MEDIA_CONFIG`; layers: every blob but the platform images') and a manifest
+per platform (config: its descriptor, :data:`MEDIA_PLATFORM`; layers: its images; in the index, a ``platform`` and
+``io.keepwarm.platform.*`` annotations). One made before the layers is one manifest of all its blobs. Layers are
+:data:`MEDIA_BLOB`, sorted, named by the store's digests. Rules (docs/snapshots.md, "OCI registries"):
+- the ``/v2/`` API over httpx, no other client; HTTPS unless ``insecure``; credentials from ``--username``/
+  ``--password-stdin`` or the docker config's ``auths``, a 401 answered once (Basic or Bearer); no credential helpers;
+- push skips blobs the registry has (HEAD); upload: a session, chunks in order, PUT ``?digest=``; a broken chunk
+  resumes from the session's ``Range``, or restarts in a new session (RETRIES breaks per blob); an index's manifests
+  are PUT by digest before the index is PUT by tag; the same snapshot gives the same bytes;
+- pull: indexes, manifests and configs are size-limited and parsed strictly (digests ``sha256:<64 hex>``, layers
+  exactly the snapshot manifest's); of an index the portable layer and only this machine's platform; blobs the store
+  has are skipped, the rest hashed into staging, and nothing lands until every one checked out (a bad one named)."""
 
 from __future__ import annotations
 
@@ -37,19 +38,28 @@ from keepwarm.snapshot.manifest import SnapshotError
 from keepwarm.snapshot.store import CHUNK, Store
 
 MEDIA_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
+MEDIA_INDEX = "application/vnd.oci.image.index.v1+json"
 ARTIFACT_TYPE = "application/vnd.keepwarm.snapshot.v1"
 MEDIA_CONFIG = "application/vnd.keepwarm.snapshot.manifest.v1+json"
 MEDIA_BLOB = "application/vnd.keepwarm.snapshot.blob.v1"
+MEDIA_PLATFORM = "application/vnd.keepwarm.snapshot.platform.v1+json"  # a platform manifest's config: its descriptor
 ANNOTATION_WHAT = "io.keepwarm.blob"
 ANNOTATION_NAME = "io.keepwarm.snapshot.name"
+ANNOTATION_PLATFORM = "io.keepwarm.platform"  # "portable" on the portable manifest; .key, .name, ... on a platform's
 DEFAULT_CHUNK = 64 << 20
 MAX_OCI_MANIFEST = 4 << 20
+MAX_PLATFORM_CONFIG = 64 << 10
 RETRIES = 5  # broken connections tolerated per blob
 
 _HOST_RE = re.compile(r"[A-Za-z0-9.-]+(:[0-9]{1,5})?|\[[0-9A-Fa-f:]+\](:[0-9]{1,5})?")
 _REPO_RE = re.compile(r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*")
 _TAG_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
 _OCI_DIGEST_RE = re.compile(r"sha256:([0-9a-f]{64})")
+_GOARCH = {"x86_64": "amd64", "amd64": "amd64", "aarch64": "arm64", "arm64": "arm64"}  # OCI names CPUs as Go does
+
+# this machine's platform key for a pull of an index: the key, None (the portable layer only), or a function asked
+# only when the tag is an index (finding the key may ask the daemon or import torch)
+PlatformKey = str | Callable[[], str | None] | None
 
 
 @dataclass(frozen=True)
@@ -280,20 +290,34 @@ class Registry:
                     return  # the PUT landed, its answer was lost
                 location, offset = self._resume(location, digest, offset)
 
-    def put_manifest(self, body: bytes) -> None:
-        r = self._send("PUT", self.url(f"manifests/{self.ref.tag}"), content=body,
-                       headers={"Content-Type": MEDIA_MANIFEST})
+    def put_manifest(self, body: bytes, reference: str | None = None, media_type: str = MEDIA_MANIFEST) -> None:
+        """PUT a manifest (or index) under ``reference``: the tag, or ``sha256:<hex>`` (the registry checks it)."""
+        ref = reference or self.ref.tag
+        r = self._send("PUT", self.url(f"manifests/{ref}"), content=body, headers={"Content-Type": media_type})
         if r.status_code != 201:
-            raise self._fail(f"put manifest {self.ref.tag}", r)
+            raise self._fail(f"put manifest {ref}", r)
 
-    def get_manifest(self) -> bytes:
-        r = self._send("GET", self.url(f"manifests/{self.ref.tag}"), headers={"Accept": MEDIA_MANIFEST})
+    def get_manifest(self, accept: tuple[str, ...] = (MEDIA_MANIFEST,)) -> tuple[bytes, str]:
+        """The tag's manifest or index (size-limited) and the media type the registry says it is."""
+        r = self._send("GET", self.url(f"manifests/{self.ref.tag}"), headers={"Accept": ", ".join(accept)})
         if r.status_code == 404:
             raise SnapshotError(f"{self.ref} not found in the registry ({_error_text(r)})")
         if r.status_code != 200:
             raise self._fail(f"get manifest {self.ref.tag}", r)
         if len(r.content) > MAX_OCI_MANIFEST:
             raise SnapshotError(f"{self.ref}: a {len(r.content)}-byte manifest is too large")
+        return r.content, r.headers.get("content-type", "").split(";")[0].strip()
+
+    def get_manifest_by_digest(self, digest: str, size: int) -> bytes:
+        """A manifest an index names, refused unless its bytes are that digest and size."""
+        if size > MAX_OCI_MANIFEST:
+            raise SnapshotError(f"registry index: a {size}-byte manifest is too large")
+        r = self._send("GET", self.url(f"manifests/sha256:{digest}"), headers={"Accept": MEDIA_MANIFEST})
+        if r.status_code != 200:
+            raise self._fail(f"get manifest sha256:{digest}", r)
+        if len(r.content) != size or hashlib.sha256(r.content).hexdigest() != digest:
+            raise SnapshotError(f"manifest sha256:{digest} from the registry does not match its digest; nothing "
+                                "written")
         return r.content
 
     def blob_chunks(self, digest: str, size: int) -> Iterator[memoryview]:
@@ -320,12 +344,13 @@ class Registry:
 @dataclass(frozen=True)
 class PushResult:
     reference: str
-    manifest_digest: str
+    manifest_digest: str  # the tag's: the index of a layered snapshot, else its one manifest
     blobs: int
     uploaded: int
     uploaded_bytes: int
     total_bytes: int
     seconds: float
+    platforms: tuple[str, ...] = ()  # the platform images' names in the index (none: a plain manifest)
 
 
 def descriptor(media_type: str, digest: str, size: int, annotations: dict[str, str] | None = None) -> dict:
@@ -335,19 +360,117 @@ def descriptor(media_type: str, digest: str, size: int, annotations: dict[str, s
     return d
 
 
-def oci_manifest(m: dict[str, Any], config: bytes) -> bytes:
-    """The OCI image manifest of a snapshot (deterministic: the same snapshot gives the same bytes)."""
-    what: dict[str, str] = {}
-    for digest, _, label in mf.blob_refs(m):
-        what.setdefault(digest, label)
-    layers = [descriptor(MEDIA_BLOB, d, s, {ANNOTATION_WHAT: what[d]}) for d, s in sorted(mf.blobs(m).items())]
-    doc = {"schemaVersion": 2, "mediaType": MEDIA_MANIFEST, "artifactType": ARTIFACT_TYPE,
-           "config": descriptor(MEDIA_CONFIG, hashlib.sha256(config).hexdigest(), len(config)),
-           "layers": layers,
-           "annotations": {ANNOTATION_NAME: m["name"],
-                           "org.opencontainers.image.created": time.strftime(
-                               "%Y-%m-%dT%H:%M:%SZ", time.gmtime(m["created_at"]))}}
+def _json(doc: Any) -> bytes:
     return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+
+
+def _blob_desc(data: bytes, media_type: str) -> dict:
+    return descriptor(media_type, hashlib.sha256(data).hexdigest(), len(data))
+
+
+def _layers(refs: Iterable[tuple[str, int, str]]) -> list[dict]:
+    """Layer descriptors of blobs (digest, size, what), one per digest, sorted by digest, each annotated with what it
+    is first named as."""
+    what: dict[str, tuple[int, str]] = {}
+    for digest, size, label in refs:
+        what.setdefault(digest, (size, label))
+    return [descriptor(MEDIA_BLOB, d, s, {ANNOTATION_WHAT: label}) for d, (s, label) in sorted(what.items())]
+
+
+def _annotations(m: dict[str, Any], **extra: str) -> dict[str, str]:
+    return {ANNOTATION_NAME: m["name"],
+            "org.opencontainers.image.created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(m["created_at"])),
+            **extra}
+
+
+def _manifest_doc(config: dict, layers: list[dict], annotations: dict[str, str]) -> bytes:
+    return _json({"schemaVersion": 2, "mediaType": MEDIA_MANIFEST, "artifactType": ARTIFACT_TYPE, "config": config,
+                  "layers": layers, "annotations": annotations})
+
+
+def oci_manifest(m: dict[str, Any], config: bytes) -> bytes:
+    """The one OCI image manifest of a snapshot made before the two layers (deterministic: the same snapshot gives the
+    same bytes)."""
+    return _manifest_doc(_blob_desc(config, MEDIA_CONFIG), _layers(mf.blob_refs(m)), _annotations(m))
+
+
+def layered(m: dict[str, Any]) -> bool:
+    """True for a snapshot with the two layers (pushed as an index)."""
+    return any(mf.layered(a) for mod in m["models"] for a in mf.images(mod))
+
+
+def platforms(m: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """key -> descriptor of every platform image the snapshot holds, in the order they were added."""
+    out: dict[str, dict[str, Any]] = {}
+    for mod in m["models"]:
+        for a in mf.images(mod):
+            for p in (a["platforms"] if mf.layered(a) else []):
+                out.setdefault(p["platform"]["key"], p["platform"])
+    return out
+
+
+def platform_refs(m: dict[str, Any], key: str) -> list[tuple[str, int, str]]:
+    """The blobs of one platform's images (image and image manifest of every arena and shard): (digest, size, what)."""
+    out = []
+    for mod in m["models"]:
+        for a in mf.images(mod):
+            shard = f" (stage {a.get('pp_stage', 0)}, rank {a['tp_rank']})" if "tp_rank" in a else ""
+            for p in (a["platforms"] if mf.layered(a) else []):
+                if p["platform"]["key"] == key:
+                    what = f"model {mod['name']}: {p['platform']['name']} arena"
+                    out += [(p["image"]["digest"], p["image"]["size"], f"{what} image{shard}"),
+                            (p["image_manifest"]["digest"], p["image_manifest"]["size"], f"{what} manifest{shard}")]
+    return out
+
+
+def platform_annotations(desc: dict[str, Any]) -> dict[str, str]:
+    """``io.keepwarm.platform.*``: what names the platform (tools show them: skopeo inspect --raw, oras)."""
+    fields = ["key", "name", "device", *(("isa", "pack_key", "int4_layout") if desc.get("device") == "cpu" else
+                                         ("capability",))]
+    return {f"{ANNOTATION_PLATFORM}.{f}": ",".join(map(str, desc[f])) if isinstance(desc[f], list) else str(desc[f])
+            for f in fields if f in desc}
+
+
+def oci_platform(desc: dict[str, Any]) -> dict[str, str] | None:
+    """The OCI ``platform`` of a CPU image (its architecture in Go's names); a CUDA descriptor names no host CPU."""
+    arch = desc.get("arch") if desc.get("device") == "cpu" else None
+    if not isinstance(arch, str) or not arch:
+        return None
+    return {"architecture": _GOARCH.get(arch, arch), "os": "linux"}
+
+
+@dataclass(frozen=True)
+class OciIndex:
+    index: bytes
+    manifests: list[bytes]  # PUT by digest before the index
+    configs: list[bytes]  # the manifests' config blobs: the snapshot manifest, then one per platform
+    platform_names: tuple[str, ...]
+
+
+def oci_index(m: dict[str, Any], config: bytes) -> OciIndex:
+    """The OCI image index of a layered snapshot: the portable manifest (config: the whole snapshot manifest; layers:
+    every blob but the platform images'), then one manifest per platform (config: its descriptor; layers: its
+    images). Deterministic: the same snapshot gives the same bytes."""
+    portable_refs = mf.blob_refs(mf.without_platforms(m, set()))
+    bodies = [_manifest_doc(_blob_desc(config, MEDIA_CONFIG), _layers(portable_refs),
+                            _annotations(m, **{ANNOTATION_PLATFORM: "portable"}))]
+    entries = [descriptor(MEDIA_MANIFEST, hashlib.sha256(bodies[0]).hexdigest(), len(bodies[0]),
+                          {ANNOTATION_PLATFORM: "portable"})]
+    configs = [config]
+    for key, desc in platforms(m).items():
+        pconfig = _json(desc)
+        notes = platform_annotations(desc)
+        body = _manifest_doc(_blob_desc(pconfig, MEDIA_PLATFORM), _layers(platform_refs(m, key)),
+                             _annotations(m, **notes))
+        entry = descriptor(MEDIA_MANIFEST, hashlib.sha256(body).hexdigest(), len(body), notes)
+        if (plat := oci_platform(desc)) is not None:
+            entry["platform"] = plat
+        bodies.append(body)
+        entries.append(entry)
+        configs.append(pconfig)
+    index = _json({"schemaVersion": 2, "mediaType": MEDIA_INDEX, "artifactType": ARTIFACT_TYPE,
+                   "manifests": entries, "annotations": _annotations(m)})
+    return OciIndex(index, bodies, configs, tuple(d["name"] for d in platforms(m).values()))
 
 
 def _pread(fd: int, offset: int, n: int) -> Iterator[bytes]:
@@ -361,28 +484,49 @@ def _pread(fd: int, offset: int, n: int) -> Iterator[bytes]:
         yield piece
 
 
+def _slice(data: bytes, offset: int, n: int) -> list[bytes]:
+    return [data[offset:offset + n]]
+
+
+def _upload_all(store: Store, reg: Registry, configs: list[bytes], blobs: dict[str, int]) -> tuple[int, int, int]:
+    """Upload the config blobs and the store's blobs the registry lacks: (blobs, uploaded, total bytes)."""
+    todo: list[tuple[str, int, bytes | Path]] = [(hashlib.sha256(c).hexdigest(), len(c), c) for c in configs]
+    todo += [(d, s, store.blob_path(d)) for d, s in sorted(blobs.items())]
+    todo = list({d: (d, s, src) for d, s, src in todo}.values())
+    uploaded = 0
+    for digest, size, src in todo:
+        if reg.has_blob(digest, size):
+            continue
+        reg.say(f"  uploading blob {digest[:12]} ({size} bytes)")
+        if isinstance(src, bytes):
+            reg.upload(digest, size, functools.partial(_slice, src))
+        else:
+            with open(src, "rb", buffering=0) as f:
+                reg.upload(digest, size, functools.partial(_pread, f.fileno()))
+        uploaded += 1
+    return len(todo), uploaded, sum(s for _, s, _ in todo)
+
+
 def push(store: Store, name: str, reg: Registry) -> PushResult:
+    """Push a snapshot under the tag: an index (its manifests PUT by digest first) when it has the two layers, else
+    one manifest as before them."""
     t0 = time.perf_counter()
     with store.lock():
         m, blobs = store.load_complete(name)
         config = mf.dumps(m).encode()
-        todo = [(hashlib.sha256(config).hexdigest(), len(config), None), *[(d, s, store.blob_path(d))
-                                                                          for d, s in sorted(blobs.items())]]
-        uploaded = 0
-        for digest, size, path in todo:
-            if reg.has_blob(digest, size):
-                continue
-            reg.say(f"  uploading blob {digest[:12]} ({size} bytes)")
-            if path is None:
-                reg.upload(digest, size, lambda off, n: [config[off:off + n]])
-            else:
-                with open(path, "rb", buffering=0) as f:
-                    reg.upload(digest, size, functools.partial(_pread, f.fileno()))
-            uploaded += 1
-        body = oci_manifest(m, config)
-        reg.put_manifest(body)
-    return PushResult(str(reg.ref), "sha256:" + hashlib.sha256(body).hexdigest(), len(todo), uploaded,
-                      reg.uploaded_bytes, sum(s for _, s, _ in todo), time.perf_counter() - t0)
+        if layered(m):
+            idx = oci_index(m, config)
+            n, uploaded, total = _upload_all(store, reg, idx.configs, blobs)
+            for body in idx.manifests:
+                reg.put_manifest(body, f"sha256:{hashlib.sha256(body).hexdigest()}")
+            body, names = idx.index, idx.platform_names
+            reg.put_manifest(body, media_type=MEDIA_INDEX)
+        else:
+            n, uploaded, total = _upload_all(store, reg, [config], blobs)
+            body, names = oci_manifest(m, config), ()
+            reg.put_manifest(body)
+    return PushResult(str(reg.ref), "sha256:" + hashlib.sha256(body).hexdigest(), n, uploaded, reg.uploaded_bytes,
+                      total, time.perf_counter() - t0, names)
 
 
 # -- pull ----------------------------------------------------------------------------------------------------------
@@ -400,22 +544,30 @@ def _digest_of(where: str, desc: Any) -> tuple[str, int]:
     return m.group(1), size
 
 
-def parse_oci_manifest(raw: bytes) -> tuple[tuple[str, int], dict[str, int]]:
-    """(config digest and size, layer digest -> size) of a keepwarm snapshot artifact; anything else refused."""
+def _doc(raw: bytes, what: str) -> dict[str, Any]:
     try:
         doc = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
-        raise SnapshotError(f"registry manifest: not JSON ({e})") from None
-    if not isinstance(doc, dict) or doc.get("mediaType", MEDIA_MANIFEST) != MEDIA_MANIFEST \
-            or doc.get("schemaVersion") != 2:
+        raise SnapshotError(f"registry {what}: not JSON ({e})") from None
+    if not isinstance(doc, dict):
+        raise SnapshotError(f"registry {what}: not a JSON object")
+    return doc
+
+
+def parse_oci_manifest(raw: bytes, config_type: str = MEDIA_CONFIG,
+                       max_config: int = mf.MAX_MANIFEST_BYTES) -> tuple[tuple[str, int], dict[str, int]]:
+    """(config digest and size, layer digest -> size) of a keepwarm snapshot artifact (``config_type``: the snapshot
+    manifest, or a platform descriptor); anything else refused."""
+    doc = _doc(raw, "manifest")
+    if doc.get("mediaType", MEDIA_MANIFEST) != MEDIA_MANIFEST or doc.get("schemaVersion") != 2:
         raise SnapshotError("registry manifest: not an OCI image manifest (schemaVersion 2)")
     config = doc.get("config")
-    if not isinstance(config, dict) or config.get("mediaType") != MEDIA_CONFIG:
+    if not isinstance(config, dict) or config.get("mediaType") != config_type:
         kind = config.get("mediaType") if isinstance(config, dict) else None
         raise SnapshotError(f"registry manifest: not a keepwarm snapshot (config media type {kind!r})")
     cfg = _digest_of("config", config)
-    if cfg[1] > mf.MAX_MANIFEST_BYTES:
-        raise SnapshotError(f"registry manifest: a {cfg[1]}-byte snapshot manifest is too large")
+    if cfg[1] > max_config:
+        raise SnapshotError(f"registry manifest: a {cfg[1]}-byte config ({config_type}) is too large")
     layers: dict[str, int] = {}
     if not isinstance(doc.get("layers"), list):
         raise SnapshotError("registry manifest: layers must be a list")
@@ -427,6 +579,41 @@ def parse_oci_manifest(raw: bytes) -> tuple[tuple[str, int], dict[str, int]]:
         if layers.setdefault(digest, size) != size:
             raise SnapshotError(f"registry manifest: blob {digest} is named with two sizes")
     return cfg, layers
+
+
+@dataclass(frozen=True)
+class IndexEntries:
+    portable: tuple[str, int]  # the portable manifest's digest and size
+    platforms: dict[str, tuple[str, int]]  # platform key -> its manifest's digest and size
+
+
+def parse_oci_index(raw: bytes) -> IndexEntries:
+    """The manifests of a keepwarm snapshot index: exactly one portable, one per platform key; anything else refused."""
+    doc = _doc(raw, "index")
+    if doc.get("mediaType") != MEDIA_INDEX or doc.get("schemaVersion") != 2:
+        raise SnapshotError("registry index: not an OCI image index (schemaVersion 2)")
+    if doc.get("artifactType") != ARTIFACT_TYPE:
+        raise SnapshotError(f"registry index: not a keepwarm snapshot (artifactType {doc.get('artifactType')!r})")
+    if not isinstance(doc.get("manifests"), list):
+        raise SnapshotError("registry index: manifests must be a list")
+    portable: list[tuple[str, int]] = []
+    keyed: dict[str, tuple[str, int]] = {}
+    for i, entry in enumerate(doc["manifests"]):
+        ref = _digest_of(f"manifests[{i}]", entry)
+        notes = entry.get("annotations")
+        if entry.get("mediaType") != MEDIA_MANIFEST or not isinstance(notes, dict):
+            raise SnapshotError(f"registry index: manifests[{i}] is not a keepwarm snapshot manifest")
+        key = notes.get(f"{ANNOTATION_PLATFORM}.key")
+        if notes.get(ANNOTATION_PLATFORM) == "portable" and key is None:
+            portable.append(ref)
+        elif isinstance(key, str) and mf.PLATFORM_KEY_RE.fullmatch(key) and key not in keyed:
+            keyed[key] = ref
+        else:
+            raise SnapshotError(f"registry index: manifests[{i}] is neither the portable layer nor a platform image "
+                                "with a new key")
+    if len(portable) != 1:
+        raise SnapshotError(f"registry index: {len(portable)} portable manifests, not one")
+    return IndexEntries(portable[0], keyed)
 
 
 def _check_layers(layers: dict[str, int], expected: dict[str, int]) -> None:
@@ -441,23 +628,77 @@ def _check_layers(layers: dict[str, int], expected: dict[str, int]) -> None:
         raise SnapshotError(f"layer {extra[0]} of the registry manifest is not named by the snapshot")
 
 
+def _small_blob(reg: Registry, digest: str, size: int, what: str) -> bytes:
+    data = b"".join(reg.blob_chunks(digest, size))
+    if hashlib.sha256(data).hexdigest() != digest:
+        raise SnapshotError(f"blob {digest} ({what}) from the registry is corrupt; nothing written")
+    return data
+
+
+@dataclass(frozen=True)
+class PullPlan:
+    manifest: dict[str, Any]  # what the store records: the platform images it gets, no other
+    platform: dict[str, Any] | None  # the platform image fetched (None: the portable layer only, or a plain manifest)
+    index: bool  # the tag is an index (else a plain manifest, pushed before the two layers)
+    key: str | None = None  # this machine's platform key, asked for where the tag is an index
+
+
+def _plan_plain(reg: Registry, raw: bytes) -> PullPlan:
+    (cfg_digest, cfg_size), layers = parse_oci_manifest(raw)
+    m = mf.loads(_small_blob(reg, cfg_digest, cfg_size, "the snapshot manifest"))
+    _check_layers(layers, mf.blobs(m))
+    return PullPlan(m, None, False)
+
+
+def _plan_index(reg: Registry, raw: bytes, platform_key: PlatformKey) -> PullPlan:
+    """The portable manifest and its config (the whole snapshot manifest), then this machine's platform manifest,
+    each checked against the snapshot manifest."""
+    entries = parse_oci_index(raw)
+    (cfg_digest, cfg_size), layers = parse_oci_manifest(reg.get_manifest_by_digest(*entries.portable))
+    m = mf.loads(_small_blob(reg, cfg_digest, cfg_size, "the snapshot manifest"))
+    known = platforms(m)
+    if set(known) != set(entries.platforms):
+        raise SnapshotError(f"registry index: its platform manifests ({', '.join(sorted(entries.platforms))}) are "
+                            f"not the snapshot's platforms ({', '.join(sorted(known))})")
+    _check_layers(layers, mf.blobs(mf.without_platforms(m, set())))
+    key = platform_key() if callable(platform_key) else platform_key
+    if key not in entries.platforms:
+        return PullPlan(mf.validate(mf.without_platforms(m, set())), None, True, key)
+    (pcfg_digest, pcfg_size), players = parse_oci_manifest(reg.get_manifest_by_digest(*entries.platforms[key]),
+                                                            MEDIA_PLATFORM, MAX_PLATFORM_CONFIG)
+    try:
+        desc = json.loads(_small_blob(reg, pcfg_digest, pcfg_size, f"the descriptor of platform {key}"))
+    except ValueError:
+        desc = None
+    if desc != known[key]:
+        raise SnapshotError(f"registry index: the manifest of platform {key} describes another platform than the "
+                            "snapshot's")
+    _check_layers(players, {d: s for d, s, _ in platform_refs(m, key)})
+    return PullPlan(mf.validate(mf.without_platforms(m, {key})), known[key], True, key)
+
+
 @dataclass(frozen=True)
 class PullResult:
     imported: ImportResult
     downloaded_bytes: int
     seconds: float
+    downloaded: int = 0  # blobs downloaded
+    skipped: int = 0  # blobs the store had
+    platform: dict[str, Any] | None = None  # the platform image fetched, None: the portable layer only (or plain)
+    index: bool = False  # the tag was an index (else a plain manifest, pushed before the two layers)
+    platform_key: str | None = None  # this machine's platform key, where the tag was an index
 
 
-def pull(store: Store, reg: Registry, rename: str | None = None, force: bool = False) -> PullResult:
+def pull(store: Store, reg: Registry, rename: str | None = None, force: bool = False,
+         platform_key: PlatformKey = None) -> PullResult:
+    """Pull the tag: an index (the portable layer plus the platform image whose key is ``platform_key``, a function
+    asked only then, or none) or a plain manifest (everything). Blobs the store has are skipped."""
     t0 = time.perf_counter()
-    (cfg_digest, cfg_size), layers = parse_oci_manifest(reg.get_manifest())
-    config = b"".join(reg.blob_chunks(cfg_digest, cfg_size))
-    if hashlib.sha256(config).hexdigest() != cfg_digest:
-        raise SnapshotError(f"blob {cfg_digest} (the snapshot manifest) from the registry is corrupt; nothing "
-                            "written")
-    m = mf.loads(config)
+    raw, media_type = reg.get_manifest(accept=(MEDIA_INDEX, MEDIA_MANIFEST))
+    is_index = _doc(raw, "manifest").get("mediaType", media_type) == MEDIA_INDEX
+    plan = _plan_index(reg, raw, platform_key) if is_index else _plan_plain(reg, raw)
+    m = plan.manifest
     expected = mf.blobs(m)
-    _check_layers(layers, expected)
     target_name(store, m, rename, force)  # refuse a name clash before downloading anything
     downloaded = 0
     store.ensure()
@@ -468,17 +709,40 @@ def pull(store: Store, reg: Registry, rename: str | None = None, force: bool = F
             for digest, size in sorted(expected.items()):
                 if store.has_blob(digest, size):
                     continue
-                reg.say(f"  downloading blob {digest[:12]} ({size} bytes)")
-                try:
-                    store.put_chunks(reg.blob_chunks(digest, size), expect_digest=digest, staging=staging)
-                except httpx.TransportError as e:
-                    raise SnapshotError(f"download of blob {digest} broke ({e}); nothing written") from None
-                except SnapshotError as e:
-                    msg = str(e) if "nothing written" in str(e) else f"{e} (from the registry); nothing written"
-                    raise SnapshotError(msg) from None
+                _download(store, reg, digest, size, staging)
                 received[digest] = True
                 downloaded += size
             result = commit_staged(store, m, expected, received, staging, rename, force)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
-    return PullResult(result, downloaded, time.perf_counter() - t0)
+    return PullResult(result, downloaded, time.perf_counter() - t0, len(received), len(expected) - len(received),
+                      plan.platform, plan.index, plan.key)
+
+
+def _download(store: Store, reg: Registry, digest: str, size: int, staging: Path) -> None:
+    """One blob into ``staging``, hashed as it arrives; a corrupt or broken one refused with nothing written."""
+    reg.say(f"  downloading blob {digest[:12]} ({size} bytes)")
+    try:
+        store.put_chunks(reg.blob_chunks(digest, size), expect_digest=digest, staging=staging)
+    except httpx.TransportError as e:
+        raise SnapshotError(f"download of blob {digest} broke ({e}); nothing written") from None
+    except SnapshotError as e:
+        msg = str(e) if "nothing written" in str(e) else f"{e} (from the registry); nothing written"
+        raise SnapshotError(msg) from None
+
+
+def this_platform_key(runtime_dir: Path | None = None) -> str:
+    """This machine's platform key: the daemon's (``status``) where one answers at the runtime dir, else the CPU's."""
+    from keepwarm.daemon.client import DaemonClient  # deferred: zmq and psutil, for a pull of an index alone
+
+    with DaemonClient(runtime_dir) as client:
+        status = client.ping(timeout=2.0)
+    platform = (status or {}).get("platform")
+    if isinstance(platform, dict) and isinstance(platform.get("key"), str):
+        return platform["key"]
+    # deferred, these two: torch (~1.2 s), paid only by a pull of an index with no daemon to ask
+    import torch
+
+    from keepwarm.weights.portable import platform_descriptor  # deferred (above): it imports torch
+
+    return str(platform_descriptor(torch.device("cpu"))["key"])

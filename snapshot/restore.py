@@ -196,14 +196,21 @@ def restore(name: str, *, store: Store | None = None, server_config: str | None 
     store = store or Store()
     with store.lock():
         m = store.load(name)
-        # 1. every blob, before anything else; the arena image is checked by the daemon as it loads it (one pass),
-        # or here if the daemon turns out to hold that model already (step 4)
-        images = frozenset(img["image"]["digest"] for mod in m["models"] for img in mf.images(mod))
-        n, nbytes = store.verify(m, skip=images)
+        # 1. every blob, before anything else; the arena image (or portable layer) is checked by the daemon as it
+        # loads it (one pass), or here if the daemon turns out to hold that model already (step 4); the layers this
+        # restore does not load are not read (`snapshot verify` checks every one)
+        layers = frozenset(d for mod in m["models"] for img in mf.images(mod) for d in _layer_blobs(img))
+        n, nbytes = store.verify(m, skip=layers)
         verify_seconds = time.perf_counter() - t0
         say(f"verified {n} blobs ({nbytes / 1e6:.1f} MB) in {verify_seconds:.2f}s; the arena image is checked "
             "as the daemon loads it")
-        model, arena_jsons = _arena_manifests(store, name, m)
+        rt = paths.runtime_dir()
+        client = _daemon_for(rt, m["models"][0], say)
+        try:  # 0. what to load: this platform's image, else the portable layer
+            model, picks = _arena_manifests(store, name, m, client.status().get("platform"))
+        except BaseException:
+            client.close()
+            raise
 
         # 2. up-front checks: the server config's target, the API key, the daemon's device
         unit, target = _config_target(server_config, restart_server)
@@ -212,14 +219,12 @@ def restore(name: str, *, store: Store | None = None, server_config: str | None 
             raise SnapshotError("the snapshot's server required an API key, which snapshots never store: pass "
                                 "--api-key (or KEEPWARM_API_KEY), keep api_key in the existing server config, or "
                                 "pass --api-key-from-env if the server gets KEEPWARM_API_KEY from its environment")
-        rt = paths.runtime_dir()
         root = restored_root()
         model_dir = root / model["fingerprint"]
         adapter_dirs = {a["digest"]: root / "adapters" / a["digest"] for a in m["adapters"]}
         explicit_rt = bool(m["server_config"].get("runtime_dir")) or bool(os.environ.get("KEEPWARM_RUNTIME_DIR"))
         cfg = build_server_config(m, model_dir, adapter_dirs, rt if explicit_rt else None, key)
         config_text = to_toml(ServerConfig(**cfg))
-        client = _daemon_for(rt, model, say)
 
         created: list[Path] = []  # to remove on failure
         loaded_images: list[str] = []
@@ -228,7 +233,7 @@ def restore(name: str, *, store: Store | None = None, server_config: str | None 
             # 3. files
             staged = _stage_files(store, root, m, adapter_dirs, created)
             # 4. the daemon
-            load_seconds = _load_into_daemon(client, store, m, arena_jsons, adapter_dirs, loaded_images,
+            load_seconds = _load_into_daemon(client, store, m, picks, adapter_dirs, loaded_images,
                                              loaded_adapters, say)
             # 5. commit
             if not model.get("tokenizer_files") and _dir_matches(model_dir, model["files"]):
@@ -262,29 +267,66 @@ def restore(name: str, *, store: Store | None = None, server_config: str | None 
     return result
 
 
-def _arena_manifests(store: Store, name: str, m: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
-    """The snapshot's one model entry and its arena manifests (JSON; one per tensor-parallel rank for a sharded
-    deployment), after checking they agree with it."""
+@dataclass(frozen=True)
+class Pick:
+    """What restore loads for one arena: a platform ``image`` (``layer``: its blob refs) or the ``portable``
+    layer, with the arena manifest (JSON) and, for an image of a layered snapshot, the portable layer to fall back
+    to if the daemon finds the image's layouts are not its own."""
+
+    how: str  # "image" | "portable"
+    layer: dict[str, Any]
+    arena_json: str
+    platform: str  # the image's platform name ("" for a single-image snapshot or the portable layer)
+    fallback: Pick | None = None
+
+
+def _layer_blobs(img: dict[str, Any]) -> list[str]:
+    layers = [img["portable"]] if mf.layered(img) else []
+    return [x["image"]["digest"] for x in layers + mf.platform_images(img)]
+
+
+def _arena_manifests(store: Store, name: str, m: dict[str, Any], platform: dict[str, Any] | None,
+                     ) -> tuple[dict[str, Any], list[Pick]]:
+    """The snapshot's one model entry and, per arena (one, or a shard per (stage, rank)), what to load on the
+    daemon's ``platform``: the image made for its key, else the portable layer (a single-image snapshot: its image)."""
     if len(m["models"]) != 1:
         raise SnapshotError(f"snapshot {name} holds {len(m['models'])} models; this keepwarm restores one")
     model = m["models"][0]
-    out = []
+    key = (platform or {}).get("key")
+    picks = []
     for img in mf.images(model):
-        arena_json = store.read_blob(img["image_manifest"]["digest"]).decode()
-        try:  # only what must match here; the daemon parses and checks the whole manifest (this needs no torch)
-            arena = json.loads(arena_json)
-            arena_ids = (arena["fingerprint"], arena["arena_digest"], arena.get("source_fingerprint") or
-                         arena["fingerprint"], arena.get("tp_rank", 0), arena.get("tp_size", 1),
-                         arena.get("pp_stage", 0), arena.get("pp_size", 1))
-        except (ValueError, KeyError, TypeError) as e:
-            raise SnapshotError(f"the arena manifest of {model['name']} does not parse: {e}") from None
-        if arena_ids != (img["fingerprint"], img["arena_digest"], model["fingerprint"], img.get("tp_rank", 0),
-                         model.get("tensor_parallel_size", 1), img.get("pp_stage", 0),
-                         model.get("pipeline_parallel_size", 1)):
-            raise SnapshotError(f"snapshot {name}: its arena manifest does not match the model entry "
-                                "(fingerprint, arena_digest or tensor-parallel rank differ)")
-        out.append(arena_json)
-    return model, out
+        portable = None
+        if mf.layered(img):
+            portable = Pick("portable", img["portable"], _arena_json(store, name, model, img, img["portable"], True),
+                            "")
+        match = next((p for p in mf.platform_images(img) if p["platform"] is None or p["platform"]["key"] == key),
+                     None)
+        if match is None:
+            assert portable is not None  # a single-image snapshot's one image has no platform: it always matches
+            picks.append(portable)
+            continue
+        label = match["platform"]["name"] if match["platform"] else ""
+        picks.append(Pick("image", match, _arena_json(store, name, model, img, match, False), label, portable))
+    return model, picks
+
+
+def _arena_json(store: Store, name: str, model: dict[str, Any], img: dict[str, Any], layer: dict[str, Any],
+                portable: bool) -> str:
+    """A layer's arena manifest (JSON), after checking it agrees with the model entry."""
+    arena_json = store.read_blob(layer["image_manifest"]["digest"]).decode()
+    try:  # only what must match here; the daemon parses and checks the whole manifest (this needs no torch)
+        arena = json.loads(arena_json)
+        arena_ids = (arena["fingerprint"], arena["arena_digest"], arena.get("source_fingerprint") or
+                     arena["fingerprint"], arena.get("tp_rank", 0), arena.get("tp_size", 1),
+                     arena.get("pp_stage", 0), arena.get("pp_size", 1), arena["device"] == "portable")
+    except (ValueError, KeyError, TypeError) as e:
+        raise SnapshotError(f"the arena manifest of {model['name']} does not parse: {e}") from None
+    if arena_ids != (img["fingerprint"], layer["arena_digest"], model["fingerprint"], img.get("tp_rank", 0),
+                     model.get("tensor_parallel_size", 1), img.get("pp_stage", 0),
+                     model.get("pipeline_parallel_size", 1), portable):
+        raise SnapshotError(f"snapshot {name}: its {'portable ' if portable else ''}arena manifest does not match the "
+                            "model entry (fingerprint, arena_digest, tensor-parallel rank or device differ)")
+    return arena_json
 
 
 def _config_target(server_config: str | None, restart_server: bool) -> tuple[dict[str, Any] | None, Path]:
@@ -306,22 +348,32 @@ def _config_target(server_config: str | None, restart_server: bool) -> tuple[dic
 
 
 def _daemon_for(rt: Path, model: dict[str, Any], say: Say) -> Any:
-    """A client to the daemon at ``rt`` (started if none answers) that keeps arenas on the model's device kind."""
+    """A client to the daemon at ``rt`` (started if none answers, on the snapshot's device kind). A snapshot with a
+    portable layer restores on a daemon of either kind; a single-image one needs the image's kind."""
     kind = "cpu" if model["device"] == "cpu" else "cuda"
+    layered = all(mf.layered(img) for img in mf.images(model))
     client = DaemonClient(rt, timeout=30.0)
     if client.ping(timeout=2.0) is None:
         client.close()
         try:
             client, _ = ensure_daemon(rt, device=kind)
         except DaemonError as e:
-            raise SnapshotError(f"no daemon answers at {paths.socket_path(rt)} and starting one failed: "
-                                f"{e.message}") from None
+            if not layered or kind == "cpu":
+                raise SnapshotError(f"no daemon answers at {paths.socket_path(rt)} and starting one failed: "
+                                    f"{e.message}") from None
+            say(f"no {kind} daemon could start ({e.message}); restoring on a cpu daemon from the portable layer")
+            try:
+                client, _ = ensure_daemon(rt, device="cpu")
+            except DaemonError as e2:
+                raise SnapshotError(f"no daemon answers at {paths.socket_path(rt)} and starting one failed: "
+                                    f"{e2.message}") from None
         say(f"started a keepwarm daemon ({client.socket_path})")
     status = client.status()
-    if status["device"].split(":", 1)[0] != kind:
+    if not layered and status["device"].split(":", 1)[0] != kind:
         client.close()
-        raise SnapshotError(f"the snapshot holds a {kind} arena image of {model['name']} ({model['device']}); "
-                            f"the daemon at {client.socket_path} keeps {status['device']} arenas")
+        raise SnapshotError(f"the snapshot holds a {kind} arena image of {model['name']} ({model['device']}) and no "
+                            f"portable layer (made before keepwarm had one); the daemon at {client.socket_path} "
+                            f"keeps {status['device']} arenas")
     return client
 
 
@@ -355,34 +407,31 @@ def _stage_files(store: Store, root: Path, m: dict[str, Any], adapter_dirs: dict
     return staged
 
 
-def _load_into_daemon(client: Any, store: Store, m: dict[str, Any], arena_jsons: list[str],
+def _load_into_daemon(client: Any, store: Store, m: dict[str, Any], picks: list[Pick],
                       adapter_dirs: dict[str, Path], loaded_images: list[str], loaded_adapters: list[str],
                       say: Say) -> float:
-    """Load the model's arena images (one, or a shard per tensor-parallel rank) and the adapters into the daemon;
-    what it newly loaded is appended to ``loaded_images`` / ``loaded_adapters`` (undone if the restore fails).
-    Returns the images' load time."""
+    """Load the model's arenas (one, or a shard per tensor-parallel rank) and the adapters into the daemon; what it
+    newly loaded is appended to ``loaded_images`` / ``loaded_adapters`` (undone if the restore fails). Returns the
+    arenas' load time."""
     model = m["models"][0]
     tl = time.perf_counter()
-    cached = True
-    for img, arena_json in zip(mf.images(model), arena_jsons, strict=True):
+    cached, paths_taken = True, set()
+    for img, pick in zip(mf.images(model), picks, strict=True):
         shard = f", stage {img.get('pp_stage', 0)} rank {img['tp_rank']}" if "tp_rank" in img else ""
-        say(f"loading the image of {model['name']} ({model['quantization']}/{model['dtype']}, "
-            f"{img['image']['size'] / 1e6:.1f} MB{shard}) into the daemon")
-        image = img["image"]
-        try:
-            # no sha256 over the file: the daemon checks every tensor byte against the arena digest and every other
-            # byte for zero as it copies, which pins the image to the blob the snapshot names (daemon/image.py)
-            reply = client.load_image(arena_json, store.blob_path(image["digest"]))
-        except DaemonError as e:
-            raise SnapshotError(f"the daemon cannot hold the image of {model['name']}{shard}: {e.message}") from None
+        reply, pick = _load_arena(client, store, model, pick, shard, say)
+        paths_taken.add(reply.origin if not reply.cached else "resident")
         if not reply.cached:
             loaded_images.append(img["fingerprint"])
             cached = False
-        else:  # resident already, so the daemon did not read the image: a corrupt snapshot is refused all the same
+        else:  # resident already, so the daemon did not read the layer: a corrupt snapshot is refused all the same
+            image = pick.layer["image"]
             store.verify_blob(image["digest"], image["size"], f"model {model['name']}: arena image{shard}")
     load_seconds = time.perf_counter() - tl
+    how = {"image": "the image made for this platform loaded", "resident": "already resident, kept as is",
+           "portable": "built from the portable layer (re-packed where this machine's layout differs, never "
+                       "re-quantized)"}
     say(f"{model['name']}: " + ("already resident, kept as is" if cached else
-                                f"image loaded in {load_seconds:.2f}s (no re-quantization)"))
+                                f"{'; '.join(how[p] for p in sorted(paths_taken))} in {load_seconds:.2f}s"))
     for a in m["adapters"]:
         try:
             r = client.load_adapter(adapter_dirs[a["digest"]])
@@ -394,6 +443,27 @@ def _load_into_daemon(client: Any, store: Store, m: dict[str, Any], arena_jsons:
             raise SnapshotError(f"adapter {a['name']}: the daemon read digest {r.digest[:16]}, the "
                                 f"snapshot says {a['digest'][:16]}")
     return load_seconds
+
+
+def _load_arena(client: Any, store: Store, model: dict[str, Any], pick: Pick, shard: str, say: Say,
+                ) -> tuple[Any, Pick]:
+    """Load one arena by ``pick`` (an image whose layouts the daemon refuses falls back to the portable layer, said
+    in one line): (the daemon's reply, the pick that loaded)."""
+    image = pick.layer["image"]
+    what = f"the {pick.platform} image" if pick.how == "image" and pick.platform else (
+        "the image" if pick.how == "image" else "the portable layer")
+    say(f"loading {what} of {model['name']} ({model['quantization']}/{model['dtype']}, {image['size'] / 1e6:.1f} MB"
+        f"{shard}) into the daemon")
+    try:
+        # no sha256 over the file: the daemon checks every tensor byte against the arena digest and every other
+        # byte for zero as it copies, which pins the image to the blob the snapshot names (daemon/image.py)
+        return client.load_image(pick.arena_json, store.blob_path(image["digest"]),
+                                 portable=pick.how == "portable"), pick
+    except DaemonError as e:
+        if e.code == "incompatible_image" and pick.fallback is not None:
+            say(f"the daemon cannot use {what} as it is ({e.message}); building it from the portable layer")
+            return _load_arena(client, store, model, pick.fallback, shard, say)
+        raise SnapshotError(f"the daemon cannot hold {what} of {model['name']}{shard}: {e.message}") from None
 
 
 def _write_config(store: Store, target: Path, text: str, private: bool) -> None:

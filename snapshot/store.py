@@ -253,6 +253,12 @@ class Store:
         with open(path, "rb", buffering=0) as f:
             return self.put_chunks(file_chunks(f, depth=COPY_DEPTH), depth=COPY_DEPTH)
 
+    def put_written(self, path: Path) -> BlobRef:
+        """Land a complete, fsynced file written in this store's ``tmp`` directory (same file system) as a blob:
+        hashed, then renamed, not copied."""
+        digest, size = hash_file(path)
+        return BlobRef(digest, size, self._land(path, digest))
+
     def put_bytes(self, data: bytes) -> BlobRef:
         digest = hashlib.sha256(data).hexdigest()
         if self.has_blob(digest, len(data)):

@@ -301,23 +301,30 @@ def snapshot(daemon, tiny_llama, tmp_path_factory):
 
 def _variant(store, case: str, adapters: dict[str, str]) -> str:
     """A copy of snapshot "base" broken as ``case``; returns its name."""
+    from keepwarm.snapshot import manifest as mf
+
     m = store.load("base")
     mod = m["models"][0]
-    image = store.read_blob(mod["image"]["digest"])
-    arena = json.loads(store.read_blob(mod["image_manifest"]["digest"]))
+    img = mf.platform_images(mod)[0]  # this machine's image (the one a restore here loads), changed in place
+    image = store.read_blob(img["image"]["digest"])
+    arena = json.loads(store.read_blob(img["image_manifest"]["digest"]))
     if case == "image-corrupt":
         tensor = arena["tensors"][len(arena["tensors"]) // 2]
         at = tensor["offset"] + tensor["nbytes"] // 2
-        mod["image"] = store.put_bytes(image[:at] + bytes([image[at] ^ 0xFF]) + image[at + 1:]).ref()
+        img["image"] = store.put_bytes(image[:at] + bytes([image[at] ^ 0xFF]) + image[at + 1:]).ref()
     elif case == "image-missing":
-        mod["image"] = {"digest": hashlib.sha256(b"never stored").hexdigest(), "size": mod["image"]["size"]}
+        img["image"] = {"digest": hashlib.sha256(b"never stored").hexdigest(), "size": img["image"]["size"]}
     elif case == "image-short":  # the manifest's layout does not fit in the image
-        mod["image"] = store.put_bytes(image[:len(image) // 2]).ref()
+        img["image"] = store.put_bytes(image[:len(image) // 2]).ref()
     elif case == "layout-foreign":  # a CPU layout this machine does not produce
         weight = next(iter(arena["quant"]))
         arena["quant"][weight] = {**arena["quant"][weight], "layout": "int4_cpu_from_another_torch",
                                   "scheme": "int4"}
-        mod["image_manifest"] = store.put_bytes(json.dumps(arena).encode()).ref()
+        img["image_manifest"] = store.put_bytes(json.dumps(arena).encode()).ref()
+        # made before the two layers: no portable layer for restore to build this machine's arena from instead
+        for k in ("portable", "platforms"):
+            del mod[k]
+        mod.update({k: img[k] for k in ("image", "image_manifest", "arena_digest")})
     elif case == "adapter-rejected":  # the image loads, then the daemon refuses the adapter: the image goes again
         config, weights = b'{"peft_type": "LORA", "r": 4, "target_modules": ["q_proj"]}', os.urandom(4096)
         m["adapters"] = [{"name": "junk", "digest": adapter_digest(config.decode(), weights), "rank": 4,

@@ -1,8 +1,12 @@
 """Snapshots through an OCI registry (keepwarm.snapshot.oci) against a real one: Debian's docker-registry (the CNCF
 distribution server) behind a counting, fault-injecting proxy (tests/support/registry.py). Push and pull of a small
 snapshot, no blob uploaded twice, a corrupted blob refused with nothing written, interrupted uploads resumed, Bearer
-token auth with docker-config credentials, plain HTTP refused without --insecure, hostile manifests refused. The
-end-to-end push -> pull -> restore -> same greedy text is in test_snapshot.py (it shares that module's daemon)."""
+token auth with docker-config credentials, plain HTTP refused without --insecure, hostile manifests refused. A snapshot
+with the two layers is an OCI image index (read back over /v2/ as a client sees it); a pull fetches its portable layer
+and only this machine's platform image (counted), one made before the layers is a plain manifest and still pulls; a
+layered snapshot made on "a machine of another kind" (a daemon under foreign ISA caps) and given this machine's image
+pulls and restores that image on a third store. The end-to-end push -> pull -> restore -> same greedy text is in
+test_snapshot.py (it shares that module's daemon)."""
 
 from __future__ import annotations
 
@@ -15,19 +19,26 @@ import sys
 
 import httpx
 import pytest
+from support.cli import kw
+from support.daemon import Side
 from support.registry import registry_env
-from support.snapshots import synthetic
+from support.snapshots import fake_platform, synthetic, synthetic_layered
 
 from keepwarm.snapshot import manifest as mf
 from keepwarm.snapshot.manifest import SnapshotError
 from keepwarm.snapshot.oci import (
+    ARTIFACT_TYPE,
     MEDIA_BLOB,
     MEDIA_CONFIG,
+    MEDIA_INDEX,
+    MEDIA_MANIFEST,
+    MEDIA_PLATFORM,
     Credentials,
     Reference,
     Registry,
     descriptor,
     docker_config_credentials,
+    parse_oci_index,
     parse_oci_manifest,
     pull,
     push,
@@ -230,3 +241,205 @@ def test_hostile_or_foreign_manifests_are_refused(proxy, src, tmp_path) -> None:
         with pytest.raises(SnapshotError, match=f"blob {missing} of the snapshot is not a layer"):
             pull(dst, c)
     assert not dst.root.exists() or not any(dst.blobs_dir.iterdir())
+
+
+# -- the OCI image index of a snapshot with the two layers ---------------------------------------------------------
+# A machine of another kind: a daemon whose oneDNN and ATen are capped below this CPU (other packs, int4 order).
+FOREIGN = {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE", "ATEN_CPU_CAPABILITY": "default"}
+
+
+def home_with(tmp_path, store: Store, name: str = "home") -> dict[str, str]:
+    """A CLI environment whose store is ``store`` and whose runtime dir has no daemon."""
+    home = tmp_path / name
+    home.mkdir()
+    os.symlink(store.root, home / "store")
+    return {**os.environ, "KEEPWARM_HOME": str(home), "KEEPWARM_RUNTIME_DIR": str(tmp_path / f"{name}-rt")}
+
+
+def get_v2(proxy, repo: str, what: str, accept: str) -> httpx.Response:
+    r = httpx.get(f"http://{proxy.host}/v2/{repo}/{what}", headers={"Accept": accept})
+    assert r.status_code == 200, r.text
+    return r
+
+
+def image_blob(m: dict, key: str) -> str:
+    return next(p["image"]["digest"] for p in m["models"][0]["platforms"] if p["platform"]["key"] == key)
+
+
+def test_layered_push_writes_an_index_as_clients_read_it(proxy, tmp_path) -> None:
+    store = Store(tmp_path / "src").ensure()
+    arm, cuda = fake_platform("cpu-arm", arch="aarch64"), fake_platform("cuda-sm90", device="cuda")
+    m = synthetic_layered(store, "lay", ["cpu-a", arm, cuda])
+    env = home_with(tmp_path, store)
+    r = kw_cli(env, "snapshot", "push", "lay", f"{proxy.host}/kw/index:v1", "--insecure")
+    assert r.returncode == 0, r.stderr
+    assert "an OCI index: the portable layer + 3 platform image(s) (cpu-a, cpu-arm, cuda-sm90)" in r.stdout
+    # every manifest the index names is PUT by digest, and only then the index by tag
+    puts = [path.rsplit("/", 1)[-1] for _, path, _ in proxy.requests("PUT", "/manifests/")]
+    assert puts[-1] == "v1" and len(puts) == 5 and all(p.startswith("sha256:") for p in puts[:4])
+
+    got = get_v2(proxy, "kw/index", "manifests/v1", f"{MEDIA_INDEX}, {MEDIA_MANIFEST}")
+    assert got.headers["content-type"] == MEDIA_INDEX
+    index = got.json()
+    assert f"sha256:{hashlib.sha256(got.content).hexdigest()}" in r.stdout  # the digest the push reported
+    assert (index["mediaType"], index["artifactType"], index["annotations"]["io.keepwarm.snapshot.name"]) == (
+        MEDIA_INDEX, ARTIFACT_TYPE, "lay")
+    portable, *plats = index["manifests"]
+    assert portable["annotations"] == {"io.keepwarm.platform": "portable"} and "platform" not in portable
+    def notes(entry: dict) -> dict:
+        assert all(k.startswith("io.keepwarm.platform.") for k in entry["annotations"])
+        return {k.removeprefix("io.keepwarm.platform."): v for k, v in entry["annotations"].items()}
+
+    assert plats[0]["platform"] == {"architecture": "amd64", "os": "linux"}
+    assert notes(plats[0]) == {"key": fake_platform("cpu-a")["key"], "name": "cpu-a", "device": "cpu",
+                               "isa": "avx2,fma", "pack_key": "kcpu-a", "int4_layout": "int4_cpu_x"}
+    assert plats[1]["platform"] == {"architecture": "arm64", "os": "linux"} and notes(plats[1])["key"] == arm["key"]
+    assert "platform" not in plats[2]  # a CUDA descriptor names no host CPU
+    assert notes(plats[2]) == {"key": cuda["key"], "name": "cuda-sm90", "device": "cuda", "capability": "9.0"}
+
+    # the manifests, as a client fetches them by digest: config and layers
+    def manifest(entry: dict) -> dict:
+        body = get_v2(proxy, "kw/index", f"manifests/{entry['digest']}", MEDIA_MANIFEST)
+        assert hashlib.sha256(body.content).hexdigest() == entry["digest"][7:] and entry["mediaType"] == MEDIA_MANIFEST
+        return body.json()
+
+    pm = manifest(portable)
+    assert pm["config"]["mediaType"] == MEDIA_CONFIG and pm["artifactType"] == ARTIFACT_TYPE
+    assert get_v2(proxy, "kw/index", f"blobs/{pm['config']['digest']}", "*/*").content == mf.dumps(m).encode()
+    assert {d["digest"][7:] for d in pm["layers"]} == set(mf.blobs(mf.without_platforms(m, set())))
+    for entry, p in zip(plats, m["models"][0]["platforms"], strict=True):
+        doc = manifest(entry)
+        assert doc["config"]["mediaType"] == MEDIA_PLATFORM
+        assert get_v2(proxy, "kw/index", f"blobs/{doc['config']['digest']}", "*/*").json() == p["platform"]
+        assert [d["digest"][7:] for d in doc["layers"]] == sorted([p["image"]["digest"], p["image_manifest"]["digest"]])
+        assert all(d["mediaType"] == MEDIA_BLOB for d in doc["layers"])
+    # the same snapshot gives the same bytes: pushed again, the same index digest and no blob uploaded
+    again = kw_cli(env, "snapshot", "push", "lay", f"{proxy.host}/kw/index:v2", "--insecure")
+    assert f"sha256:{hashlib.sha256(got.content).hexdigest()}" in again.stdout and "0 uploaded" in again.stdout
+
+
+def test_pull_of_an_index_fetches_the_portable_layer_and_only_this_platform(proxy, tmp_path) -> None:
+    src = Store(tmp_path / "src").ensure()
+    m = synthetic_layered(src, "lay", ["cpu-a", "cpu-b"])
+    a, b = fake_platform("cpu-a")["key"], fake_platform("cpu-b")["key"]
+    with client(proxy, "kw/pick") as c:
+        push(src, "lay", c)
+    portable = mf.blobs(mf.without_platforms(m, set()))
+    b_blobs = {p["image"]["digest"] for p in m["models"][0]["platforms"][1:]} | {
+        p["image_manifest"]["digest"] for p in m["models"][0]["platforms"][1:]}
+
+    proxy.log.clear()  # on "the other" platform (b): the portable layer and b's image, nothing of a's
+    dst = Store(tmp_path / "dst")
+    with client(proxy, "kw/pick") as c:
+        res = pull(dst, c, platform_key=lambda: b)
+    fetched = {path.rsplit("sha256:", 1)[1] for _, path, _ in proxy.requests("GET", "/blobs/sha256:")}
+    config = hashlib.sha256(mf.dumps(m).encode()).hexdigest()
+    platform_config = hashlib.sha256(json.dumps(fake_platform("cpu-b"), sort_keys=True,
+                                                separators=(",", ":")).encode()).hexdigest()
+    assert fetched == {*portable, *b_blobs, config, platform_config}
+    assert (res.index, res.platform, res.downloaded, res.skipped) == (True, fake_platform("cpu-b"), 7, 0)
+    assert res.downloaded_bytes == sum(mf.blobs(m)[d] for d in [*portable, *b_blobs])
+    assert not dst.has_blob(image_blob(m, a)) and dst.has_blob(image_blob(m, b))
+    assert dst.load("lay") == mf.without_platforms(m, {b})
+
+    # a key matching no platform: the portable layer only; into a store holding it, nothing downloaded
+    with client(proxy, "kw/pick") as c:
+        res = pull(dst, c, rename="bare", platform_key="0" * 24)
+    assert (res.platform, res.downloaded, res.skipped, res.imported.blobs) == (None, 0, 5, 5)
+    assert dst.load("bare") == {**mf.without_platforms(m, set()), "name": "bare"}
+    # the CLI with no daemon to ask: this CPU's key (cpu-a / cpu-b are not it), said in the pull's line
+    env = home_with(tmp_path, Store(tmp_path / "cli").ensure())
+    r = kw_cli(env, "snapshot", "pull", f"{proxy.host}/kw/pick:v1", "--insecure")
+    assert r.returncode == 0, r.stderr
+    assert "pulled lay" in r.stdout and "the portable layer only (no image for this machine's platform" in r.stdout
+    assert "5 blobs, 5 downloaded" in r.stdout
+
+
+def test_a_snapshot_made_before_the_two_layers_is_a_plain_manifest_and_pulls_as_before(proxy, src, tmp_path) -> None:
+    store, m = src
+    with client(proxy, "kw/plain") as c:
+        r = push(store, "syn", c)
+    got = get_v2(proxy, "kw/plain", "manifests/v1", f"{MEDIA_INDEX}, {MEDIA_MANIFEST}")
+    assert got.headers["content-type"] == MEDIA_MANIFEST and r.platforms == ()
+    assert got.json()["config"]["mediaType"] == MEDIA_CONFIG and len(got.json()["layers"]) == 4
+
+    def never() -> str:
+        raise AssertionError("a plain manifest needs no platform key")
+
+    dst = Store(tmp_path / "dst")
+    with client(proxy, "kw/plain") as c:
+        res = pull(dst, c, platform_key=never)
+    assert (res.index, res.platform, res.downloaded) == (False, None, 4) and dst.load("syn") == m
+
+
+def test_hostile_or_inconsistent_indexes_are_refused(proxy, tmp_path) -> None:
+    src = Store(tmp_path / "src").ensure()
+    synthetic_layered(src, "lay", ["cpu-a", "cpu-b"])
+    with client(proxy, "kw/badindex") as c:
+        push(src, "lay", c)
+        index = json.loads(c.get_manifest((MEDIA_INDEX,))[0])
+    entries = index["manifests"]
+
+    def doc(**kw) -> bytes:
+        return json.dumps({**index, **kw}).encode()
+
+    assert set(parse_oci_index(doc()).platforms) == {fake_platform(n)["key"] for n in ("cpu-a", "cpu-b")}
+    with pytest.raises(SnapshotError, match="not a keepwarm snapshot"):
+        parse_oci_index(doc(artifactType="application/vnd.example"))
+    with pytest.raises(SnapshotError, match="0 portable manifests"):
+        parse_oci_index(doc(manifests=entries[1:]))
+    with pytest.raises(SnapshotError, match=r"manifests\[3\] is neither"):
+        parse_oci_index(doc(manifests=[*entries, entries[1]]))
+    # in the registry: an index naming one of the snapshot's two platforms is refused, nothing written
+    with client(proxy, "kw/badindex") as c:
+        c.put_manifest(doc(manifests=entries[:2]), media_type=MEDIA_INDEX)
+        dst = Store(tmp_path / "dst")
+        with pytest.raises(SnapshotError, match="not the snapshot's platforms"):
+            pull(dst, c, platform_key=fake_platform("cpu-a")["key"])
+        # a platform manifest whose descriptor is another platform's: refused naming it
+        swapped = [entries[0], {**entries[1], "digest": entries[2]["digest"], "size": entries[2]["size"]},
+                   {**entries[2], "digest": entries[1]["digest"], "size": entries[1]["size"]}]
+        c.put_manifest(doc(manifests=swapped), media_type=MEDIA_INDEX)
+        with pytest.raises(SnapshotError, match="describes another platform"):
+            pull(dst, c, platform_key=fake_platform("cpu-a")["key"])
+    assert not dst.root.exists() or not any(dst.blobs_dir.iterdir())
+
+
+@pytest.mark.slow
+def test_layered_snapshot_of_two_machines_pulls_each_platform_and_restores(reg, tiny_llama, tmp_path) -> None:
+    """A machine of another kind (A) creates the snapshot, this machine's kind (B) adds its image in the same store;
+    pushed as a two-platform index. A third store on B's daemon pulls the portable layer and B's image, never A's,
+    and restores B's image as it is; a fourth on A's kind gets A's image."""
+    a, b = Side(tmp_path / "AB"), Side(tmp_path / "AB")  # one store, two daemons
+    foreign = {**a.env, **FOREIGN}
+    a.start_daemon(env=foreign)
+    b.start_daemon()
+    c, d = Side(tmp_path / "C", runtime_dir=b.rt), Side(tmp_path / "D", runtime_dir=a.rt)  # stores on B's, A's
+    try:
+        cfg = tmp_path / "server.toml"
+        cfg.write_text(f'model = "{tiny_llama}"\nquantization = "int4"\ndtype = "bfloat16"\n')
+        kw(foreign, "snapshot", "create", "s1", "--from-config", cfg, "--preload")
+        kw(b.env, "snapshot", "add-platform", "s1")
+        m = a.store.load("s1")
+        key_a, key_b = a.status()["platform"]["key"], b.status()["platform"]["key"]
+        assert [p["platform"]["key"] for p in m["models"][0]["platforms"]] == [key_a, key_b]
+        img_a, img_b = image_blob(m, key_a), image_blob(m, key_b)
+        assert len({img_a, img_b, m["models"][0]["portable"]["image"]["digest"]}) == 3
+        ref = f"{reg.host}/kw/two:v1"
+        assert "+ 2 platform image(s)" in kw(b.env, "snapshot", "push", "s1", ref, "--insecure").stdout
+
+        r = kw(c.env, "snapshot", "pull", ref, "--insecure")
+        name_b = b.status()["platform"]["name"]
+        assert f"the portable layer and the {name_b} image (platform {key_b})" in r.stdout
+        assert c.store.has_blob(img_b) and not c.store.has_blob(img_a)
+        assert c.store.load("s1") == mf.without_platforms(m, {key_b})
+        r = kw(c.env, "snapshot", "restore", "s1", "--server-config", tmp_path / "c.toml")
+        assert "the image made for this platform loaded" in r.stdout, r.stdout
+        assert [x["origin"] for x in c.status()["models"]] == ["image"]
+
+        with Registry(Reference.parse(ref), insecure=True) as registry:  # on A's kind: A's image, not B's
+            assert pull(d.store, registry, platform_key=key_a).platform == a.status()["platform"]
+        assert d.store.has_blob(img_a) and not d.store.has_blob(img_b)
+    finally:
+        a.stop()
+        b.stop()

@@ -20,7 +20,7 @@ import pytest
 from support.cli import kw, one_line_error
 from support.daemon import Side
 from support.serve import ServeProcess
-from support.snapshots import synthetic
+from support.snapshots import flip_byte, synthetic
 
 from keepwarm.daemon.client import DaemonClient, DaemonError
 from keepwarm.snapshot import manifest as mf
@@ -68,14 +68,6 @@ class Server(ServeProcess):
 def store_bytes(store: Store) -> int:
     return sum(p.stat().st_size for p in store.blobs_dir.iterdir()) if store.blobs_dir.is_dir() else 0
 
-
-def flip_byte(path: Path, offset: int) -> None:
-    os.chmod(path, 0o644)
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0xFF]))
 
 
 def config_without_rewritten(cfg: dict) -> dict:
@@ -157,7 +149,7 @@ def test_round_trip_restores_config_adapters_and_greedy_output(prod, tmp_path) -
         assert after["preloads"] == before["preloads"]  # no re-quantization, no checkpoint read
         resident = {m["fingerprint"]: m for m in side.status()["models"]}
         assert resident[prod.fingerprint]["origin"] == "image"
-        image = side.store.load("prod")["models"][0]["image"]
+        image = mf.platform_images(side.store.load("prod")["models"][0])[0]["image"]  # this machine's
         assert resident[prod.fingerprint]["source_bytes"] == image["size"]  # the image read, not the checkpoint
         assert resident[prod.fingerprint]["arena_bytes"] == image["size"]
     finally:
@@ -301,7 +293,8 @@ def test_flipped_byte_fails_verify_import_and_restore_naming_the_blob(prod, tmp_
     kw(c.env, "snapshot", "import", archive)
     m = c.store.load("prod")
     mod = m["models"][0]
-    victims = {"arena image": mod["image"]["digest"], "arena manifest": mod["image_manifest"]["digest"],
+    img = mf.platform_images(mod)[0]  # this machine's image: the one restore loads here
+    victims = {"arena image": img["image"]["digest"], "arena manifest": img["image_manifest"]["digest"],
                "config.json": mod["files"]["config.json"]["digest"],
                "adapter weights": m["adapters"][0]["files"]["adapter_model.safetensors"]["digest"]}
     server_toml = c.home / "server.toml"
@@ -345,10 +338,16 @@ def test_restore_refuses_what_the_daemon_cannot_hold(prod, tmp_path) -> None:
         assert not [p for p in (e.home / "restored").rglob("*") if p.is_file()]  # staged files removed
         st = e.status()
         assert st["models"] == [] and st["adapters"] == [] and st["counters"]["images_loaded"] == 0
-        # A CUDA image on a CPU daemon: refused before anything is staged.
+        # A CUDA image on a CPU daemon, in a snapshot made before the portable layer (so nothing to build this
+        # machine's arena from): refused before anything is staged.
         m = e.store.load("prod")
         m["name"] = "prod-cuda"
-        m["models"][0]["device"] = "cuda:GPU-00000000-0000-0000-0000-000000000000"
+        mod = m["models"][0]
+        (img,) = mf.platform_images(mod)
+        for k in ("portable", "platforms"):
+            del mod[k]
+        mod.update({k: img[k] for k in ("image", "image_manifest", "arena_digest")},
+                   device="cuda:GPU-00000000-0000-0000-0000-000000000000")
         e.store.save(m)
         err = one_line_error(kw(e.env, "snapshot", "restore", "prod-cuda", check=False))
         assert "cuda arena image" in err and "keeps cpu arenas" in err
@@ -371,7 +370,7 @@ def test_load_image_verb(prod, tmp_path) -> None:
     from keepwarm.formats.arena import ArenaManifest
 
     store = prod.side.store
-    mod = store.load("prod")["models"][0]
+    mod = mf.platform_images(store.load("prod")["models"][0])[0]  # this machine's image
     manifest_json = store.read_blob(mod["image_manifest"]["digest"]).decode()
     image = store.blob_path(mod["image"]["digest"])
     f = Side(tmp_path / "F").start_daemon()
@@ -644,7 +643,9 @@ def test_tensor_parallel_snapshot_keeps_each_ranks_image_and_refuses_another_siz
         mod = g.store.load("tp2")["models"][0]
         shards = mod["shards"]
         assert mod["tensor_parallel_size"] == 2 and [x["tp_rank"] for x in shards] == [0, 1]
-        assert len({x["image"]["digest"] for x in shards}) == 2 and mod["image"] == shards[0]["image"]
+        images = [mf.platform_images(x)[0]["image"] for x in shards]
+        assert len({i["digest"] for i in images}) == 2 and "image" not in mod  # each rank's, none on the model
+        assert [x["portable"]["image"] for x in shards] == images  # int8: nothing machine-specific, one blob each
         resident = sorted(g.status()["models"], key=lambda m: m["tp_rank"])
         assert [m["fingerprint"] for m in resident] == [x["fingerprint"] for x in shards]
         assert {m["source_fingerprint"] for m in resident} == {mod["fingerprint"]}
