@@ -307,3 +307,45 @@ def test_a_corrupted_portable_blob_is_named_and_nothing_loads(fleet, tmp_path) -
     from keepwarm.snapshot.verify import verify
 
     verify(side.store, snap.name)
+
+
+# -- on a GPU ----------------------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+def test_a_cpu_snapshot_restores_on_a_cuda_daemon_and_serves(fleet, monkeypatch, tmp_path) -> None:
+    """On a GPU: a snapshot made on a CPU (bf16, oneDNN-packed where that CPU packs) restores on a CUDA daemon
+    through its portable layer (CUDA's layout: copied, not re-packed), byte for byte the arena a preload makes
+    there, and a worker on the GPU serves it with the preload's greedy tokens."""
+    from keepwarm import LLM, SamplingParams
+    from keepwarm.snapshot.restore import restore
+
+    snap = fleet.made("bf16")
+    gpu = Side(tmp_path / "gpu").start_daemon("--device", "cuda")
+    try:
+        carry(fleet.here.store, gpu.store, snap.name, tmp_path)
+        for k in ("KEEPWARM_HOME", "KEEPWARM_RUNTIME_DIR"):
+            monkeypatch.setenv(k, gpu.env[k])
+        said: list[str] = []
+        restore(snap.name, store=gpu.store, server_config=str(tmp_path / "server.toml"), say=said.append)
+        assert any("loading the portable layer" in s for s in said), said
+        entry, arena = resident(gpu, snap.fingerprint)
+        assert entry["origin"] == "portable" and entry["device"].startswith("cuda:")
+
+        def tokens(model: str, **extra: str) -> list[list[int]]:
+            llm = LLM(model=model, dtype=snap.dtype, max_model_len=128, daemon=True, device="cuda",
+                      runtime_dir=str(gpu.rt), **extra)
+            try:
+                assert llm.weights_source == "daemon"
+                params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+                return [o.outputs[0].token_ids for o in llm.generate(["The capital of France is"], params)]
+            finally:
+                llm.close()
+
+        restored = tokens(str(gpu.home / "restored" / snap.fingerprint), fingerprint=snap.fingerprint)
+        evict_all(gpu)
+        with DaemonClient(gpu.rt) as c:
+            c.preload(snap.model, snap.quantization, snap.dtype)
+        _, preloaded = resident(gpu, snap.fingerprint)
+        assert (arena["arena_digest"], arena["tensors"]) == (preloaded["arena_digest"], preloaded["tensors"])
+        assert restored == tokens(snap.model)
+    finally:
+        gpu.stop()
