@@ -1,6 +1,8 @@
 """`keepwarm bench snapshot`: snapshot create / restore times against raw copies of the same bytes, and
-restore-to-serving against a cold preload from the checkpoint. Figures go to docs/benchmarks.md; nothing here is
-asserted."""
+restore-to-serving against a cold preload from the checkpoint; per model, the three ways to an arena in the same
+run: a preload from the checkpoint, a restore of the image made for this platform, and a restore through the
+portable layer (a copy of the snapshot's manifest with no platform image, so the daemon builds its layout from the
+portable layer), each into an empty daemon. Figures go to docs/benchmarks.md; nothing here is asserted."""
 
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ from keepwarm.cli.bench import (
 from keepwarm.cli.bench_serving import _first_token, _free_port, _kill, _resolve_model, _start_to_first_token
 from keepwarm.formats import paths
 from keepwarm.formats.paths import keepwarm_home
+from keepwarm.snapshot import manifest as mf
 from keepwarm.snapshot.store import Store
 from keepwarm.worker.process.config import ServerConfig, to_toml
 
@@ -87,9 +90,10 @@ def snapshot_bench(
                                                  "(e.g. a local docker-registry): also time push and pull.")] = None,
     smoke: Annotated[bool, typer.Option("--smoke", help=SMOKE_HELP)] = False,
 ) -> None:
-    """Per model: snapshot create (cold store; then a config-only second snapshot) vs `cp` of the arena file to
-    the store's disk (+ fsync); restore into an empty daemon (verify + image load) vs `cp` of the image to
-    /dev/shm; restore + server start to first token vs a cold start (preload from the checkpoint) to first token;
+    """Per model: snapshot create (cold store, the portable layer included; then a config-only second snapshot) vs
+    `cp` of the arena file to the store's disk (+ fsync); restore into an empty daemon (verify + image load) vs `cp`
+    of the image to /dev/shm, and through the portable layer against it and the preload; restore + server start to
+    first token vs a cold start (preload from the checkpoint) to first token;
     the same two into a running `serve --zygote` server (`keepwarm restart` onto the restored config, or onto the
     checkpoint);
     with ``--registry``, push to a new repository and pull into an empty store. Page caches of the files read are
@@ -102,7 +106,7 @@ def snapshot_bench(
     for spec in models.split(","):
         path = _resolve_model(spec, dtype)
         work = Path(tempfile.mkdtemp(prefix="bench-snapshot-", dir=keepwarm_home()))  # the store's real disk
-        rts = [Path(tempfile.mkdtemp(prefix="kwbs-", dir="/tmp")) for _ in range(6)]
+        rts = [Path(tempfile.mkdtemp(prefix="kwbs-", dir="/tmp")) for _ in range(9)]
         try:
             rows.append(_bench_model(path, _Run(dtype, quantization, threads, _free_port()), work, rts, registry))
         finally:
@@ -130,11 +134,10 @@ class _Run:
 
 
 def _bench_model(path: Path, run: _Run, work: Path, rts: list[Path], registry: str | None = None) -> dict[str, Any]:
-    """One model's row: create, restore, then restore-to-first-token against a cold start; each in its own daemon
-    (runtime dirs ``rts[0..5]``), the store under ``work``; then push / pull through ``registry``."""
-    # deferred, these two: torch, zmq and psutil, which `keepwarm --help` must not pay
-    from keepwarm.snapshot.restore import restore
-    from keepwarm.weights.checkpoint import Checkpoint  # deferred (above)
+    """One model's row: create, restore (the platform image, then the portable layer), then restore-to-first-token
+    against a cold start; each in its own daemon (runtime dirs ``rts[0..8]``), the store under ``work``; then push /
+    pull through ``registry``."""
+    from keepwarm.weights.checkpoint import Checkpoint  # deferred: torch, which `keepwarm --help` must not pay
 
     files = Checkpoint(path).files
     home = work / "home"
@@ -146,12 +149,15 @@ def _bench_model(path: Path, run: _Run, work: Path, rts: list[Path], registry: s
     subprocess.run([sys.executable, "-c", "from keepwarm.kernels import cpu_native; cpu_native.glue_on()"],
                    env={**os.environ, **base_env}, check=True, capture_output=True)
     with _env(**base_env, KEEPWARM_RUNTIME_DIR=str(rts[0])):
-        store, blob, arena_bytes, file_bytes, note = _bench_create(path, run, work, home, rts[0], files, row)
-    blobs = [blob]
+        store, blobs, arena_bytes, file_bytes, note = _bench_create(path, run, work, home, rts[0], files, row)
     typer.echo(f"{path.name} ({run.quantization}, {run.dtype}): arena {arena_bytes / 1e6:.1f} MB (file "
                f"{file_bytes / 1e6:.1f} MB); preload from the checkpoint {row['preload_s']:.2f}s (page cache {note})")
     typer.echo(f"  create (cold store)          {row['create_s']:7.2f} s  {row['create_mbps']:8.1f} MB/s  "
-               f"(arena image {row['create_image_s']:.2f}s)")
+               f"(arena image and portable layer {row['create_image_s']:.2f}s)")
+    same = "the same blob" if row["portable_same_blob"] else "a second blob"
+    typer.echo(f"  snapshot sizes               image {row['image_blob_bytes'] / 1e6:.1f} MB, portable layer "
+               f"{row['portable_blob_bytes'] / 1e6:.1f} MB ({same}): {row['snapshot_blob_bytes'] / 1e6:.1f} MB "
+               f"of arena blobs")
     cp_s, cp_sync_s = row["cp_arena_to_disk_s"], row["cp_arena_to_disk_fsync_s"]
     typer.echo(f"  cp arena -> store disk       {cp_s:7.2f} s  {file_bytes / cp_s / 1e6:8.1f} MB/s  "
                f"(+fsync {cp_sync_s:.2f}s, {file_bytes / cp_sync_s / 1e6:.1f} MB/s; before the create "
@@ -159,30 +165,12 @@ def _bench_model(path: Path, run: _Run, work: Path, rts: list[Path], registry: s
     typer.echo(f"  create (config only)         {row['create_config_only_s']:7.2f} s  "
                f"{row['create_config_only_new_bytes'] / 1e3:.1f} KB new blobs")
 
-    # -- restore into an empty daemon -------------------------------------------------------------------------
-    with _env(**base_env, KEEPWARM_RUNTIME_DIR=str(rts[1])):
-        client = _daemon(rts[1])
-        try:
-            drop_page_cache(blobs)
-            res = restore("bench", store=store)
-            row.update(restore_s=res.seconds, restore_verify_s=res.verify_seconds,
-                       restore_load_s=res.load_seconds, restore_mbps=file_bytes / res.seconds / 1e6,
-                       images_loaded=client.status()["counters"]["images_loaded"])
-        finally:
-            _stop(client)
-    shm = Path("/dev/shm") / f"kwbench-{os.getpid()}.arena"
-    drop_page_cache(blobs)
-    row["cp_image_to_shm_s"] = _timed_cp(blob, shm, sync=False)
-    shm.unlink()
-    typer.echo(f"  restore (verify + load)      {row['restore_s']:7.2f} s  {row['restore_mbps']:8.1f} MB/s  "
-               f"(verify {row['restore_verify_s']:.2f}s, image load {row['restore_load_s']:.2f}s)")
-    typer.echo(f"  cp image -> /dev/shm         {row['cp_image_to_shm_s']:7.2f} s  "
-               f"{file_bytes / row['cp_image_to_shm_s'] / 1e6:8.1f} MB/s")
+    _bench_restores(store, base_env, rts[1:5], blobs, work, row)
     from transformers import AutoTokenizer  # deferred: ~0.7 s, which `keepwarm --help` must not pay
 
     prompt = bench_prompts(AutoTokenizer.from_pretrained(str(path)), 1)[0]
-    _bench_first_token(path, run, home, base_env, rts[2:4], files, blobs, prompt, row)
-    _bench_zygote(path, run, home, base_env, rts[4:6], files, blobs, prompt, row)
+    _bench_first_token(path, run, home, base_env, rts[5:7], files, blobs, prompt, row)
+    _bench_zygote(path, run, home, base_env, rts[7:9], files, blobs, prompt, row)
     if registry:
         _bench_registry(store, registry, work, blobs, row)
     return row
@@ -207,10 +195,11 @@ def _bench_registry(store: Store, registry: str, work: Path, blobs: list[Path], 
 
 
 def _bench_create(path: Path, run: _Run, work: Path, home: Path, rt: Path, files: list[Path], row: dict[str, Any]
-                  ) -> tuple[Store, Path, int, int, str]:
+                  ) -> tuple[Store, list[Path], int, int, str]:
     """Preload, then snapshot create (cold store, then config only) against cp of the arena file (+ fsync, before
-    and after the create); fills ``row``.
-    Returns (the store, the image blob, arena bytes, arena file bytes, the page-cache note)."""
+    and after the create); fills ``row``, the blob sizes too.
+    Returns (the store, the arena blobs: the image, then the portable layer where it is another blob, arena bytes,
+    arena file bytes, the page-cache note)."""
     from keepwarm.snapshot.create import create  # deferred: torch (~1.2 s), which `keepwarm --help` must not pay
 
     client = _daemon(rt)
@@ -246,8 +235,85 @@ def _bench_create(path: Path, run: _Run, work: Path, home: Path, rt: Path, files
         raw.unlink()
     finally:
         _stop(client)
-    blob = store.blob_path(store.load("bench")["models"][0]["image"]["digest"])
-    return store, blob, arena_bytes, file_bytes, note
+    return store, _snapshot_blobs(store, row), arena_bytes, file_bytes, note
+
+
+def _snapshot_blobs(store: Store, row: dict[str, Any]) -> list[Path]:
+    """The snapshot's image blob (this platform's) and portable blob, their sizes into ``row``: [image] where the
+    portable layer is the image itself (no machine-specific layout), else [image, portable]."""
+    model = store.load("bench")["models"][0]
+    image, portable = mf.platform_images(model)[0]["image"], model["portable"]["image"]
+    same = image["digest"] == portable["digest"]
+    row.update(image_blob_bytes=image["size"], portable_blob_bytes=portable["size"], portable_same_blob=same,
+               snapshot_blob_bytes=image["size"] + (0 if same else portable["size"]))
+    return [store.blob_path(image["digest"])] + ([] if same else [store.blob_path(portable["digest"])])
+
+
+# The order of the restores (ABBA) and the figure kept, each kind's faster run: on these VMs the first large load
+# after a preload ran 1.5-2.9x slower than the next ones, whichever kind it was (the 1B int8, whose two kinds load
+# the same blob the same way: 1.9-2.8 s first, 0.9-1.0 s after; a pause or touching 4 GB first did not remove it).
+RESTORE_ORDER = (("restore", "bench"), ("restore_portable", "bench-portable"),
+                 ("restore_portable", "bench-portable"), ("restore", "bench"))
+
+
+def _bench_restores(store: Store, base_env: dict[str, str], rts: list[Path], blobs: list[Path], work: Path,
+                    row: dict[str, Any]) -> None:
+    """Restore into an empty daemon (page caches dropped first) the image made for this platform, and through the
+    portable layer (a copy of the manifest under another name with no platform image, so restore finds none for
+    this machine), twice each in RESTORE_ORDER (daemons ``rts[0..3]``), against `cp` of the image to /dev/shm;
+    fills ``row`` with each kind's faster run (all runs in ``*_runs_s``), their ratio and each against the
+    preload."""
+    store.save({**mf.without_platforms(store.load("bench"), set()), "name": "bench-portable"})
+    runs: dict[str, list[dict[str, Any]]] = {"restore": [], "restore_portable": []}
+    for (key, name), rt in zip(RESTORE_ORDER, rts, strict=True):
+        runs[key].append(_restore_once(store, name, rt, base_env, work, blobs))
+    for key, done in runs.items():
+        best = min(done, key=lambda r: r["s"])
+        row.update({f"{key}_{k}": v for k, v in best.items() if k != "images_loaded"})
+        row[f"{key}_runs_s"] = [r["s"] for r in done]
+        row[f"{key}_mbps"] = row["image_bytes"] / best["s"] / 1e6
+    row["images_loaded"] = runs["restore"][0]["images_loaded"]
+    row.update(portable_vs_image=row["restore_portable_s"] / row["restore_s"],
+               portable_vs_preload=row["restore_portable_s"] / row["preload_s"])
+    shm = Path("/dev/shm") / f"kwbench-{os.getpid()}.arena"
+    drop_page_cache(blobs)
+    row["cp_image_to_shm_s"] = _timed_cp(blobs[0], shm, sync=False)
+    shm.unlink()
+    runs_s = {k: ", ".join(f"{x:.2f}" for x in row[f"{k}_runs_s"]) for k in runs}
+    typer.echo(f"  restore (verify + load)      {row['restore_s']:7.2f} s  {row['restore_mbps']:8.1f} MB/s  "
+               f"(verify {row['restore_verify_s']:.2f}s, image load {row['restore_load_s']:.2f}s, in the daemon "
+               f"{row['restore_daemon_s']:.2f}s; runs {runs_s['restore']}s)")
+    typer.echo(f"  restore via portable layer   {row['restore_portable_s']:7.2f} s  "
+               f"{row['restore_portable_mbps']:8.1f} MB/s  (verify {row['restore_portable_verify_s']:.2f}s, load "
+               f"{row['restore_portable_load_s']:.2f}s, in the daemon {row['restore_portable_daemon_s']:.2f}s, "
+               f"origin {row['restore_portable_origin']}; runs {runs_s['restore_portable']}s); "
+               f"x{row['portable_vs_image']:.2f} the image restore, x{row['portable_vs_preload']:.2f} the preload")
+    typer.echo(f"  cp image -> /dev/shm         {row['cp_image_to_shm_s']:7.2f} s  "
+               f"{row['image_bytes'] / row['cp_image_to_shm_s'] / 1e6:8.1f} MB/s")
+
+
+def _restore_once(store: Store, name: str, rt: Path, base_env: dict[str, str], work: Path, blobs: list[Path]
+                  ) -> dict[str, Any]:
+    """`snapshot restore NAME` into a new, empty daemon at ``rt``, page caches dropped first (its arena removed
+    after: only the times are kept): the times, the resident's origin and what restore said of its path."""
+    from keepwarm.snapshot.restore import restore  # deferred: zmq and psutil, which `keepwarm --help` must not pay
+
+    said: list[str] = []
+    with _env(**base_env, KEEPWARM_RUNTIME_DIR=str(rt)):
+        client = _daemon(rt)
+        try:
+            drop_page_cache(blobs)
+            # its own config file: the first-token rows serve the one `snapshot restore bench` writes
+            res = restore(name, store=store, server_config=str(work / f"{name}.toml"), say=said.append)
+            st = client.status()
+            [resident] = st["models"]
+        finally:
+            _stop(client)
+            shutil.rmtree(paths.shm_dir(rt), ignore_errors=True)
+    return {"s": res.seconds, "verify_s": res.verify_seconds, "load_s": res.load_seconds,
+            "daemon_s": resident["load_seconds"], "origin": resident["origin"],
+            "said": said[-1] if said else "",  # which path restore says it took, and its time
+            "images_loaded": st["counters"]["images_loaded"]}
 
 
 def _bench_first_token(path: Path, run: _Run, home: Path, base_env: dict[str, str], rts: list[Path],

@@ -141,6 +141,17 @@ def test_bench_snapshot_smoke(bench_env, tmp_path) -> None:
     [row] = data["rows"]
     assert row["quantization"] == "int8" and "(int8, " in out
     assert row["images_loaded"] == 1 and row["create_config_only_new_bytes"] < row["image_bytes"]
+    # the three ways to the arena in one run: an int8 arena has nothing machine-specific, so its portable layer is
+    # the image's blob, and the portable restore (no platform image in its manifest) loads it as the portable layer
+    assert row["portable_same_blob"] and row["portable_blob_bytes"] == row["image_blob_bytes"] > 0
+    assert row["snapshot_blob_bytes"] == row["image_blob_bytes"]
+    assert row["restore_origin"] == "image" and row["restore_portable_origin"] == "portable"
+    assert row["restore_portable_said"] and row["restore_said"]  # the path restore said it took, for the doc
+    assert row["portable_vs_image"] == row["restore_portable_s"] / row["restore_s"] > 0
+    # each kind restored twice (ABBA), the faster run kept
+    assert all(len(row[f"{k}_runs_s"]) == 2 and row[f"{k}_s"] == min(row[f"{k}_runs_s"])
+               for k in ("restore", "restore_portable"))
+    assert row["portable_vs_preload"] == row["restore_portable_s"] / row["preload_s"] > 0
     assert row["restore_to_first_token_s"] > 0 and row["cold_preload_to_first_token_s"] > 0
     # into a running serve --zygote: restore --restart-server (the restart in place), against a restart onto the
     # checkpoint; the bench raises if either restart was a cold start (the zygote gone)
