@@ -136,6 +136,33 @@ def unpack_int4(qweight: torch.Tensor, layout: str, shape: tuple[int, int]) -> t
     return torch.cat(out).contiguous()
 
 
+def _nibble_pairs(lo_rows: torch.Tensor, hi_rows: torch.Tensor) -> torch.Tensor:
+    """Canonical bytes of the rows whose codes go to the low / high nibbles ([..., R, K/2] each) -> their CPU pack
+    [..., K, R]: column k = 2m takes both rows' low nibbles, k = 2m + 1 both high ones."""
+    even = (lo_rows & 15) | (hi_rows << 4)
+    odd = (lo_rows >> 4) | (hi_rows & 0xF0)
+    return torch.stack((even.transpose(-1, -2), odd.transpose(-1, -2)), dim=-2).flatten(-3, -2)
+
+
+def repack_int4_canonical(qweight: torch.Tensor, layout: str, shape: tuple[int, int]) -> torch.Tensor:
+    """An ``int4_canonical`` qweight [N, K/2] in the CPU ``layout`` (the bytes torch's CPU int4 pack makes of the
+    same codes), straight from byte to byte: no codes tensor, no int32 (the 1B's int4 arena: 1.75 -> 0.59 s)."""
+    n, k = shape
+    m = _INT4_CPU_RE.fullmatch(layout)
+    if m is None:
+        raise QuantizationError(f"unknown int4 layout {layout!r}")
+    mode, block = m.group(1), int(m.group(2))
+    nb = n // block
+    nf = nb * block
+    rows = qweight[:nf].view(nb, block, k // 2)
+    lo, hi = (rows[:, 0::2], rows[:, 1::2]) if mode == "pairs" else (rows[:, :block // 2], rows[:, block // 2:])
+    out = [_nibble_pairs(lo, hi).reshape(-1)]
+    if n > nf:  # a short last block is always stored as pairs
+        tail = qweight[nf:]
+        out.append(_nibble_pairs(tail[0::2], tail[1::2]).reshape(-1))
+    return torch.cat(out) if len(out) > 1 else out[0].contiguous()
+
+
 @functools.cache
 def cpu_int4_layout() -> str | None:
     """The layout this process's torch._convert_weight_to_int4pack_for_cpu produces; None if not recognised."""

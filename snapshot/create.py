@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -165,24 +164,29 @@ def capture_portable(store: Store, m: ArenaManifest, arena: dict[str, Any], imag
     """The arena's portable layer (keepwarm.weights.portable) as blobs: the image itself where nothing in it is
     machine-specific (one blob serves both), else its portable form written from the arena's bytes, tensor by
     tensor, and landed in the store."""
-    from keepwarm.weights.portable import machine_specific, to_portable  # deferred: kernels (oneDNN) with it
+    # deferred: kernels (oneDNN) come with it
+    from keepwarm.weights.portable import machine_specific, portable_chunks, to_portable
 
+    key = store.arena_key(m.arena_digest, ["portable", m.fingerprint], m.total_bytes)
+    known = store.layer_lookup(key)
+    if known is not None:  # made from this arena before (a config-only second snapshot): not written again
+        return known
     if not machine_specific(m):
         pm, ref = to_portable(m, None, None), image
     else:
         if arena["kind"] != "cpu":  # a CUDA arena's layouts are all portable
             raise SnapshotError(f"the {arena['kind']} arena of {m.model_name} has CPU-only layouts")
         src = CpuArenaFile.open_readonly(Path(arena["path"]), m.total_bytes)
-        staging = store.staging_dir("portable")
-        try:
-            out = staging / "portable"
-            pm = to_portable(m, src.flat, out)
-            ref = store.put_written(out)
+        made: list[ArenaManifest] = []
+        try:  # hashed and written as the pieces are made, with the store's writeback pacing: one pass
+            ref = store.put_chunks(portable_chunks(m, src.flat, made), depth=COPY_DEPTH)
         finally:
             src.close()
-            shutil.rmtree(staging, ignore_errors=True)
-    return {"image": ref.ref(), "image_manifest": store.put_bytes(pm.to_json().encode()).ref(),
-            "arena_digest": pm.arena_digest}
+        pm = made[0]
+    layer = {"image": ref.ref(), "image_manifest": store.put_bytes(pm.to_json().encode()).ref(),
+             "arena_digest": pm.arena_digest}
+    store.layer_remember(key, layer)
+    return layer
 
 
 def _attach(source: Source, rt: Path | None, preload: bool, say: Say, layout: Layout | None = None):

@@ -253,12 +253,6 @@ class Store:
         with open(path, "rb", buffering=0) as f:
             return self.put_chunks(file_chunks(f, depth=COPY_DEPTH), depth=COPY_DEPTH)
 
-    def put_written(self, path: Path) -> BlobRef:
-        """Land a complete, fsynced file written in this store's ``tmp`` directory (same file system) as a blob:
-        hashed, then renamed, not copied."""
-        digest, size = hash_file(path)
-        return BlobRef(digest, size, self._land(path, digest))
-
     def put_bytes(self, data: bytes) -> BlobRef:
         digest = hashlib.sha256(data).hexdigest()
         if self.has_blob(digest, len(data)):
@@ -316,6 +310,21 @@ class Store:
 
     def arena_remember(self, key: str, ref: BlobRef) -> None:
         self.write_atomic(self.index_dir / key, json.dumps(ref.ref()).encode())
+
+    def layer_lookup(self, key: str) -> dict[str, Any] | None:
+        """A remembered arena layer (``{image, image_manifest, arena_digest}``, e.g. the portable layer made from
+        an arena) whose blobs are both still in the store, or None."""
+        try:
+            d = json.loads((self.index_dir / key).read_text())
+            blobs = [(d[k]["digest"], d[k]["size"]) for k in ("image", "image_manifest")]
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        if all(isinstance(g, str) and DIGEST_RE.fullmatch(g) and self.has_blob(g, s) for g, s in blobs):
+            return d
+        return None
+
+    def layer_remember(self, key: str, layer: dict[str, Any]) -> None:
+        self.write_atomic(self.index_dir / key, json.dumps(layer).encode())
 
     # -- manifests -------------------------------------------------------------------------------------------------
     def write_atomic(self, path: Path, data: bytes, mode: int = 0o600) -> None:

@@ -20,7 +20,7 @@ import hashlib
 import json
 import os
 import platform as _platform
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -37,7 +37,7 @@ from keepwarm.formats.arena import (
     dtype_from_name,
     dtype_name,
     leaf_digest,
-    pwrite_all,
+    leaf_hasher,
     tensor_byte_view,
     view_tensor,
 )
@@ -50,6 +50,7 @@ from keepwarm.formats.quant import (
     is_quantized_target,
     layout_parts,
     pack_int4,
+    repack_int4_canonical,
     unpack_int4,
 )
 from keepwarm.kernels.cpu_packed import PackedWeight, packing_available
@@ -170,45 +171,60 @@ def _drop_tied_head(m: ArenaManifest, flat: torch.Tensor, by_weight: dict[str, l
 def to_portable(m: ArenaManifest, flat: torch.Tensor | None, out: Path | None) -> ArenaManifest:
     """The portable manifest of the arena ``m`` whose bytes ``flat`` holds (a CPU mapping). When ``m`` has nothing
     machine-specific the portable form is the arena itself (``out`` is not written); otherwise its bytes are written
-    to ``out``, tensor by tensor, and its ``arena_digest`` computed over them."""
-    base = {"device": PORTABLE_DEVICE, "created_at": m.created_at}
+    to ``out`` (:func:`portable_chunks`)."""
     if not machine_specific(m):
-        return replace(m, **base)  # type: ignore[arg-type]
+        return replace(m, device=PORTABLE_DEVICE)
     if out is None or flat is None:
         raise ValueError("to_portable: the arena has machine-specific layouts and no bytes or output file were given")
+    made: list[ArenaManifest] = []
+    with open(out, "wb") as f:
+        for chunk in portable_chunks(m, flat, made):
+            f.write(chunk)
+        os.fsync(f.fileno())
+    return made[0]
+
+
+PIECE = 1 << 20  # the pieces portable_chunks yields: hashed and written while in cache
+
+
+def portable_chunks(m: ArenaManifest, flat: torch.Tensor, made: list[ArenaManifest]) -> Iterator[memoryview]:
+    """The portable form of the arena ``m`` (its bytes in ``flat``, a CPU mapping) as consecutive byte pieces,
+    the zero padding between tensors included, made weight by weight as they are consumed (a snapshot's store
+    hashes and writes them in one pass); once exhausted, its manifest is appended to ``made``."""
     by_weight = m.entries_by_weight()
     drop = _drop_tied_head(m, flat, by_weight)
     entries: list[TensorEntry] = []
     quant: dict[str, dict[str, Any]] = {}
     leaves: list[str] = []
-    offset = 0
-    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        for weight, group in by_weight.items():
-            if weight == LM_HEAD and drop:
-                continue
-            if weight in m.quant and _specific(m.quant[weight].get("layout", "")):
-                parts, meta = _portable_parts(m, flat, weight, group)
-                if meta is not None:
-                    quant[weight] = meta.to_dict()
-                items = [(part, t.view(torch.uint8).reshape(-1), dtype_name(t.dtype), tuple(t.shape))
-                         for part, t in parts.items()]
-            else:
-                if weight in m.quant:
-                    quant[weight] = m.quant[weight]
-                items = [(e.part, tensor_byte_view(flat, e), e.dtype, e.shape) for e in group]
-            for part, raw, dt, shape in items:
-                view = tensor_bytes(raw)
-                pwrite_all(fd, view, offset)
-                leaves.append(leaf_digest(view, m.arena_digest_scheme))
-                entries.append(TensorEntry(weight, part, offset, raw.numel(), dt, shape))
-                offset = align(offset + raw.numel())
-        os.ftruncate(fd, max(offset, 1))
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    return replace(m, **base, tensors=tuple(entries), quant=quant, total_bytes=offset,  # type: ignore[arg-type]
-                   arena_digest=combine_digests("arena", leaves))
+    offset = written = 0
+    for weight, group in by_weight.items():
+        if weight == LM_HEAD and drop:
+            continue
+        if weight in m.quant and _specific(m.quant[weight].get("layout", "")):
+            parts, meta = _portable_parts(m, flat, weight, group)
+            if meta is not None:
+                quant[weight] = meta.to_dict()
+            items = [(part, t.view(torch.uint8).reshape(-1), dtype_name(t.dtype), tuple(t.shape))
+                     for part, t in parts.items()]
+        else:
+            if weight in m.quant:
+                quant[weight] = m.quant[weight]
+            items = [(e.part, tensor_byte_view(flat, e), e.dtype, e.shape) for e in group]
+        for part, raw, dt, shape in items:
+            if offset > written:  # the padding before it
+                yield memoryview(bytes(offset - written))
+            view, leaf = tensor_bytes(raw), leaf_hasher(m.arena_digest_scheme)
+            for at in range(0, len(view), PIECE):
+                leaf.update(view[at:at + PIECE])
+                yield view[at:at + PIECE]
+            leaves.append(leaf.hexdigest())
+            entries.append(TensorEntry(weight, part, offset, raw.numel(), dt, shape))
+            written = offset + raw.numel()
+            offset = align(written)
+    if offset > written:  # the last tensor's padding too: the layer is total_bytes long
+        yield memoryview(bytes(offset - written))
+    made.append(replace(m, device=PORTABLE_DEVICE, tensors=tuple(entries), quant=quant, total_bytes=offset,
+                        arena_digest=combine_digests("arena", leaves)))
 
 
 # -- portable -> machine -----------------------------------------------------------------------------------------------
@@ -307,8 +323,9 @@ def _make(step: Step, pm: ArenaManifest, src: torch.Tensor, write: Write) -> tup
     if step.how == "int4":
         assert step.meta is not None
         by_part = {e.part: e for e in step.source}
-        codes = unpack_int4(view_tensor(src, by_part["qweight"]), LAYOUT_INT4_CANONICAL, step.meta.shape)
-        parts = pack_int4(step.meta, codes, view_tensor(src, by_part["scales"]), view_tensor(src, by_part["zeros"]))
+        qweight = repack_int4_canonical(view_tensor(src, by_part["qweight"]), step.meta.layout, step.meta.shape)
+        parts = {"qweight": qweight, "scales_and_zeros": torch.stack(
+            (view_tensor(src, by_part["scales"]).t(), view_tensor(src, by_part["zeros"]).t()), dim=-1)}
         out = []
         for e in step.entries:
             view = tensor_bytes(parts[e.part].contiguous())

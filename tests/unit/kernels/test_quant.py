@@ -29,6 +29,7 @@ from keepwarm.formats.quant import (
     is_quantized_target,
     quantize,
     quantized_layout,
+    repack_int4_canonical,
     unpack_int4,
     validate_scheme,
 )
@@ -482,6 +483,19 @@ def test_read_only_parts() -> None:
 def test_unpack_int4_layouts(layout: str) -> None:
     codes = torch.randint(0, 16, (80, 64), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
     assert torch.equal(unpack_int4(pack_int4(codes, layout), layout, (80, 64)), codes)
+
+
+@pytest.mark.parametrize("layout", [f"int4_cpu_{m}{b}" for m in ("halves", "pairs") for b in (16, 32, 64)])
+@pytest.mark.parametrize("n", [80, 144, 208])  # 80 and 208: a short last row block for 64
+def test_repack_int4_canonical_is_the_cpu_pack(layout: str, n: int) -> None:
+    """A snapshot's portable int4 bytes re-packed byte to byte (keepwarm.weights.portable) are exactly the pack of
+    the same codes: the test's own pack for every layout, and torch's op for this machine's."""
+    codes = torch.randint(0, 16, (n, 64), dtype=torch.uint8, generator=torch.Generator().manual_seed(n))
+    canonical = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    got = repack_int4_canonical(canonical, layout, (n, 64))
+    assert torch.equal(got.reshape(-1), pack_int4(codes, layout).reshape(-1))
+    if layout == cpu_int4_layout():
+        assert torch.equal(got.reshape(-1), torch._convert_weight_to_int4pack_for_cpu(codes.int(), 2).reshape(-1))
 
 
 def test_foreign_cpu_int4_layout_uses_reference() -> None:
