@@ -18,7 +18,7 @@ import torch
 
 from keepwarm.formats.arena import source_signature
 from keepwarm.formats.errors import QuantizationError
-from keepwarm.formats.gguf import PLAIN_TYPES, dequantize_dense, is_gguf, read_gguf
+from keepwarm.formats.gguf import PLAIN_TYPES, dequantize_dense, is_gguf, read_gguf, unpermute_rows
 from keepwarm.formats.model_config import ModelConfig, ModelConfigError, load_model_config, parse_model_config
 from keepwarm.formats.quant import QuantMeta, is_quantized_target
 from keepwarm.weights.convert import convert_gguf, convert_weight, dense_shape, plan_gguf, plan_weight
@@ -155,7 +155,9 @@ class Checkpoint:
         self.files = [self.model_dir]
         self.sources = {}
         for name, t in tensors.items():
-            if t.type_name in PLAIN_TYPES:
+            # A plain projection goes the quantized ones' way too: llama.cpp permuted Q and K rows (undone at
+            # conversion), and a fused weight is converted from its projections as one
+            if t.type_name in PLAIN_TYPES and not (is_quantized_target(_fused_name(name)) and len(t.shape) == 2):
                 self.sources[name] = SourceTensor(name, self.model_dir, PLAIN_TYPES[t.type_name], t.shape, t.offset,
                                                   t.nbytes)
             else:
@@ -237,6 +239,12 @@ class Checkpoint:
             parts.append(self._get(p))
             roles.append(f"{i}.{self.gguf_types[p]}.{heads}")
             shapes.append(self._gguf_shapes[p])
+        types = [self.gguf_types[p] for p in part_names]
+        plain = [x in PLAIN_TYPES for x in types]
+        if any(plain) and not all(plain):
+            kinds = [", ".join(sorted({x for x, p in zip(types, plain, strict=True) if p == want})) for want in (1, 0)]
+            raise QuantizationError(f"{self.model_dir.name}: {name} fuses plain ({kinds[0]}) and quantized "
+                                    f"({kinds[1]}) projections; keepwarm stores a fused weight in one layout")
         shape = (sum(n for n, _ in shapes), shapes[0][1])
         return FusedTensor(name, tuple(parts), torch.uint8, shape, tuple(roles), tuple(shapes))
 
@@ -248,6 +256,8 @@ class Checkpoint:
         if not is_quantized_target(t.name):
             if len(t.parts) != 1:
                 raise QuantizationError(f"{t.name}: a fused GGUF tensor that is not a projection")
+            return None
+        if t.roles[0].split(".")[1] in PLAIN_TYPES:  # F32 / F16 / BF16 projections: stored dense, arena dtype
             return None
         return plan_gguf([r.split(".")[1] for r in t.roles], t.dense_shapes, act_dtype, device_type)
 
@@ -262,6 +272,9 @@ class Checkpoint:
                                   act_dtype, t.name)
         raws = [next(iter(p.items())) for p in views]  # one raw block tensor per projection, keyed "TYPE.heads"
         if meta is None:
+            if all(key.split(".")[0] in PLAIN_TYPES for key, _ in raws):  # plain projections, Q/K rows un-permuted
+                return {"": torch.cat([_plain_rows(key, raw, shape) for (key, raw), shape in
+                                       zip(raws, t.dense_shapes, strict=True)]).to(act_dtype)}
             (key, raw), = raws
             return {"": dequantize_dense(key.split(".")[0], raw, t.dense_shapes[0]).to(act_dtype)}
         projections = [(key.split(".")[0], raw, int(key.split(".")[1])) for key, raw in raws]
@@ -386,3 +399,19 @@ def tensors_from_buffer(flat: torch.Tensor) -> dict[str, torch.Tensor]:
             raise ValueError(f"tensor {name!r} extends past the buffer")
         out[name] = flat[base + begin:base + end].view(dtype).view(tuple(info["shape"]))
     return out
+
+
+def _plain_rows(key: str, raw: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+    """A plain GGUF projection ("TYPE.heads" and its bytes) as its values [N, K], Q/K rows un-permuted."""
+    type_name, heads = key.split(".")[0], int(key.split(".")[1])
+    values = raw.view(PLAIN_TYPES[type_name]).view(shape)
+    return unpermute_rows(values, heads) if heads else values
+
+
+def _fused_name(gguf_hf_name: str) -> str:
+    """The fused weight a GGUF tensor (by its Hugging Face name) goes into: q/k/v -> qkv_proj, gate/up -> gate_up."""
+    for parts, fused in ((("q_proj", "k_proj", "v_proj"), "qkv_proj"), (("gate_proj", "up_proj"), "gate_up_proj")):
+        for part in parts:
+            if gguf_hf_name.endswith(f".{part}.weight"):
+                return gguf_hf_name.replace(f".{part}.weight", f".{fused}.weight")
+    return gguf_hf_name

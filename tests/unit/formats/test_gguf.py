@@ -27,9 +27,14 @@ F16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2), "Q5_K"
 
 
 def random_blocks(type_name: str, n: int, k: int, seed: int) -> np.ndarray:
-    """Valid blocks of `type_name` for an [n, k] weight: random codes and sub-scales, sane float16 scales."""
-    _, per_block, block_bytes, _ = QUANT_TYPES[type_name]
+    """Valid blocks of `type_name` for an [n, k] weight: random codes and sub-scales, sane float16 scales (a plain
+    type: random values, as its bytes)."""
     rng = np.random.default_rng(seed)
+    if type_name in ("F32", "F16", "BF16"):
+        v = rng.normal(0, 0.05, size=(n, k)).astype(np.float32)
+        typed = {"F32": v, "F16": v.astype(np.float16), "BF16": (v.view(np.uint32) >> 16).astype(np.uint16)}
+        return typed[type_name].view(np.uint8).reshape(n, -1)
+    _, per_block, block_bytes, _ = QUANT_TYPES[type_name]
     raw = rng.integers(0, 256, size=(n, k // per_block, block_bytes), dtype=np.uint8)
     for pos in F16_FIELDS[type_name]:
         scale = rng.uniform(-0.01, 0.01, size=(n, k // per_block)).astype(np.float16)
@@ -53,6 +58,9 @@ TYPES = [
      "ffn_up": "Q5_K", "ffn_down": "Q6_K"},
     {"attn_q": "Q4_0", "attn_k": "Q4_0", "attn_v": "Q4_0", "attn_output": "Q4_1", "ffn_gate": "Q4_1",
      "ffn_up": "Q4_1", "ffn_down": "Q4_K"},
+    # plain projections (a BF16 / F16 GGUF, refused before): stored dense, Q and K rows un-permuted
+    {"attn_q": "BF16", "attn_k": "BF16", "attn_v": "BF16", "attn_output": "F16", "ffn_gate": "F32",
+     "ffn_up": "F32", "ffn_down": "BF16"},
 ]
 HF = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
       "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
@@ -66,13 +74,16 @@ def _shape(proj: str) -> tuple[int, int]:
             "ffn_down": (HIDDEN, INTER)}[proj]
 
 
-def write_tiny_gguf(path: Path, extra: dict[str, tuple[str, np.ndarray]] | None = None) -> dict[str, torch.Tensor]:
-    """Write the tiny llama; returns its expected dense weights (Hugging Face names and row order)."""
+def write_tiny_gguf(path: Path, extra: dict[str, tuple[str, np.ndarray]] | None = None,
+                    types: list[dict[str, str]] | None = None) -> dict[str, torch.Tensor]:
+    """Write the tiny llama (a layer per entry of ``types``, default TYPES); returns its expected dense weights
+    (Hugging Face names and row order)."""
+    types = TYPES if types is None else types
     from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
 
     unpermute = LlamaTensorProcessor(config={"num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS})
     w = gguf.GGUFWriter(str(path), "llama")
-    w.add_block_count(len(TYPES))
+    w.add_block_count(len(types))
     w.add_context_length(256)
     w.add_embedding_length(HIDDEN)
     w.add_feed_forward_length(INTER)
@@ -90,12 +101,12 @@ def write_tiny_gguf(path: Path, extra: dict[str, tuple[str, np.ndarray]] | None 
     expected["model.embed_tokens.weight"] = torch.from_numpy(embed)
     w.add_tensor("output_norm.weight", np.ones(HIDDEN, dtype=np.float32))
     expected["model.norm.weight"] = torch.ones(HIDDEN)
-    for i, types in enumerate(TYPES):
+    for i, layer in enumerate(types):
         for norm, hf in (("attn_norm", "input_layernorm"), ("ffn_norm", "post_attention_layernorm")):
             v = rng.uniform(0.5, 1.5, HIDDEN).astype(np.float32)
             w.add_tensor(f"blk.{i}.{norm}.weight", v)
             expected[f"model.layers.{i}.{hf}.weight"] = torch.from_numpy(v)
-        for proj, type_name in types.items():
+        for proj, type_name in layer.items():
             n, k = _shape(proj)
             raw = random_blocks(type_name, n, k, seed=100 * i + len(proj))
             qtype = gguf.GGMLQuantizationType[type_name]
@@ -144,7 +155,10 @@ def test_gguf_arena_weights_and_layouts(tiny_gguf) -> None:
                  m + "gate_up_proj.weight": [m + "gate_proj.weight", m + "up_proj.weight"],
                  m + "down_proj.weight": [m + "down_proj.weight"]}
         for name, parts in fused.items():
-            assert torch.equal(got[name].dequantize(), torch.cat([expected[x] for x in parts])), name
+            w = got[name]
+            dense = w.dequantize() if isinstance(w, QuantizedWeight) else w  # plain: the arena holds the values
+            assert isinstance(w, QuantizedWeight) == (i < 2), name
+            assert torch.equal(dense, torch.cat([expected[x] for x in parts])), name
     assert torch.equal(got["model.embed_tokens.weight"], expected["model.embed_tokens.weight"])
 
 
@@ -190,6 +204,8 @@ def bad_gguf(case: str, tmp_path: Path, tiny_gguf_path: Path) -> Path:
         out.write_bytes(data[:len(data) - 5000])
     elif case == "unsupported_type":  # a type the package knows but keepwarm does not run (Q2_K)
         write_tiny_gguf(out, {"blk.0.extra.weight": ("Q2_K", np.zeros((4, 84), dtype=np.uint8))})
+    elif case == "plain_and_quantized_fused":  # q in F16 beside k and v quantized: one fused weight, two layouts
+        write_tiny_gguf(out, types=[{**TYPES[0], "attn_q": "F16"}])
     else:  # a tensor type number no GGUF version defines
         write_tiny_gguf(out)
         data = bytearray(out.read_bytes())
@@ -204,6 +220,7 @@ GGUF_BAD = [
     ("truncated", "is not a complete, readable GGUF file"),
     ("unsupported_type", "tensor blk.0.extra.weight has GGUF type Q2_K, which is not supported"),
     ("unknown_type", "is not a complete, readable GGUF file"),
+    ("plain_and_quantized_fused", "qkv_proj.weight fuses plain (F16) and quantized (Q4_K, Q6_K) projections"),
 ]
 
 
