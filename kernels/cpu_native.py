@@ -79,17 +79,34 @@ _VARIANTS = (
 )
 
 
+# The flags oneDNN's and torch's CPU kernels dispatch on: they decide the blocked layout of packed bfloat16 weights
+# (mkldnn_packed) and which int4 pack torch produces (a snapshot records them: its identity, its platforms).
+LAYOUT_ISA_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq",
+                    "avx512_vnni", "avx512_bf16", "avx512_fp16", "avx_vnni", "avx_ne_convert", "amx_tile", "amx_bf16",
+                    "amx_int8", "amx_fp16",
+                    # aarch64
+                    "asimd", "sve", "sve2", "bf16", "i8mm", "asimddp")
+
+
 @functools.cache
 def cpu_flags() -> frozenset[str]:
-    """The CPU's flags as /proc/cpuinfo lists them (empty where it cannot be read)."""
+    """The CPU's flags as /proc/cpuinfo lists them (``flags``; ``Features`` on aarch64; empty where it cannot be
+    read)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
         return frozenset()
     for line in text.splitlines():
-        if line.startswith("flags"):
-            return frozenset(line.split(":", 1)[1].split())
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return frozenset(value.split())
     return frozenset()
+
+
+def layout_isa_flags() -> list[str]:
+    """Of LAYOUT_ISA_FLAGS, those this CPU has, in that order."""
+    have = cpu_flags()
+    return [f for f in LAYOUT_ISA_FLAGS if f in have]
 
 
 def has_vbmi() -> bool:

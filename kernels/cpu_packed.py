@@ -20,6 +20,7 @@ import ctypes
 import functools
 import logging
 import os
+import re
 import threading
 from pathlib import Path
 from typing import Any
@@ -103,6 +104,12 @@ def _shim() -> _Shim | None:
 
 
 # ---------------------------------------------------------------------------------------------- availability
+def onednn_version() -> str | None:
+    """The oneDNN version torch was built with (``v3.12.0``), None where its build does not say."""
+    m = re.search(r"(?:oneDNN|MKL-DNN) (v[\d.]+)", torch.__config__.show())
+    return m.group(1) if m else None
+
+
 def _disabled_by_env() -> bool:
     return os.environ.get(ENV_VAR, "1").strip().lower() in ("0", "false", "no", "off")
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import platform
-import re
 import socket
 from pathlib import Path
 from typing import Any
@@ -14,41 +13,29 @@ import torch
 
 from keepwarm.formats.arena import cuda_device_by_uuid
 from keepwarm.formats.version import __version__
-
-# The flags oneDNN's and torch's CPU kernels dispatch on: they decide the blocked layout of packed bfloat16
-# weights (mkldnn_packed) and which int4 pack torch produces.
-ISA_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni",
-             "avx512_bf16", "avx512_fp16", "avx_vnni", "avx_ne_convert", "amx_tile", "amx_bf16", "amx_int8",
-             "amx_fp16",
-             # aarch64
-             "asimd", "sve", "sve2", "bf16", "i8mm", "asimddp")
+from keepwarm.kernels.cpu_native import layout_isa_flags
+from keepwarm.kernels.cpu_packed import onednn_version
 
 
-def _cpuinfo() -> tuple[str, list[str]]:
-    model, flags = platform.processor() or platform.machine(), set()
+def _cpu_model() -> str:
+    model = platform.processor() or platform.machine()
+    if model != platform.machine():  # the OS named it
+        return model
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             key, _, value = line.partition(":")
-            key = key.strip()
-            if key in ("model name", "Model", "CPU part") and model in ("", platform.machine()):
-                model = value.strip()
-            elif key in ("flags", "Features") and not flags:
-                flags = set(value.split())
+            if key.strip() in ("model name", "Model", "CPU part"):
+                return value.strip()
     except OSError:
         pass
-    return model, [f for f in ISA_FLAGS if f in flags]
-
-
-def onednn_version() -> str | None:
-    m = re.search(r"(?:oneDNN|MKL-DNN) (v[\d.]+)", torch.__config__.show())
-    return m.group(1) if m else None
+    return model
 
 
 def machine_identity(daemon_device: str) -> dict[str, Any]:
-    cpu, isa = _cpuinfo()
     ident: dict[str, Any] = {
         "keepwarm": __version__, "torch": torch.__version__, "python": platform.python_version(),
-        "platform": platform.platform(), "hostname": socket.gethostname(), "cpu": cpu, "cpu_isa": isa,
+        "platform": platform.platform(), "hostname": socket.gethostname(), "cpu": _cpu_model(),
+        "cpu_isa": layout_isa_flags(),
         "cpu_count": os.cpu_count(), "onednn": onednn_version(), "daemon_device": daemon_device, "gpu": None,
     }
     if daemon_device.startswith("cuda") and torch.cuda.is_available():
