@@ -46,6 +46,7 @@ from keepwarm.formats.model_config import parse_dtype
 from keepwarm.formats.packed import packed_bytes
 from keepwarm.formats.quant import (
     LAYOUT_MKLDNN_PACKED,
+    PartsLayout,
     QuantMeta,
     is_quantized_target,
     layout_parts,
@@ -116,15 +117,22 @@ def plan_arena(ckpt: Checkpoint, quantization: str, dtype: torch.dtype, device_t
             layout = {"": (dtype, t.shape)}
         else:
             layout = {"": (t.dtype, t.shape)}
-        entries = []
-        for part, (pdtype, shape) in layout.items():
-            n = torch.empty((), dtype=pdtype).element_size()
-            for s in shape:
-                n *= s
-            entries.append(TensorEntry(name, part, offset, n, dtype_name(pdtype), tuple(shape)))
-            offset = align(offset + n)
+        entries, offset = place(name, layout, offset)
         planned.append(PlannedTensor(t, quantized, entries, packed, derived, meta))
     return planned, offset
+
+
+def place(weight: str, layout: PartsLayout, offset: int) -> tuple[list[TensorEntry], int]:
+    """``weight``'s parts (name -> dtype and shape) laid out in an arena from ``offset``, each aligned: (their
+    entries, the offset after them)."""
+    entries = []
+    for part, (pdtype, shape) in layout.items():
+        n = torch.empty((), dtype=pdtype).element_size()
+        for s in shape:
+            n *= s
+        entries.append(TensorEntry(weight, part, offset, n, dtype_name(pdtype), tuple(shape)))
+        offset = align(offset + n)
+    return entries, offset
 
 
 _THREAD = threading.local()

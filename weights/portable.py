@@ -41,10 +41,12 @@ from keepwarm.formats.arena import (
     tensor_byte_view,
     view_tensor,
 )
+from keepwarm.formats.model_config import parse_model_config
 from keepwarm.formats.packed import cpu_torch_key, packed_bytes, packed_layout
 from keepwarm.formats.quant import (
     LAYOUT_INT4_CANONICAL,
     LAYOUT_MKLDNN_PACKED,
+    PartsLayout,
     QuantMeta,
     cpu_int4_layout,
     is_quantized_target,
@@ -53,16 +55,13 @@ from keepwarm.formats.quant import (
     repack_int4_canonical,
     unpack_int4,
 )
-from keepwarm.kernels.cpu_packed import PackedWeight, packing_available
+from keepwarm.kernels.cpu_native import layout_isa_flags
+from keepwarm.kernels.cpu_packed import PackedWeight, onednn_version, packing_available
 from keepwarm.weights.checkpoint import tensor_bytes
+from keepwarm.weights.loader import place
 
 PORTABLE_DEVICE = "portable"
 LM_HEAD, EMBED = "lm_head.weight", "model.embed_tokens.weight"
-# The CPU flags the layouts (and so the platform) depend on, shown in a descriptor (the key hashes all of cpuinfo).
-ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_tile", "amx_bf16",
-             "amx_int8", "asimd", "sve")
-
-
 class PortableError(Exception):
     """A portable layer that cannot be used (code as the daemon's protocol errors: ``bad_image``)."""
 
@@ -73,28 +72,15 @@ class PortableError(Exception):
 
 
 # -- platforms ---------------------------------------------------------------------------------------------------------
-def _cpu_flags() -> list[str]:
-    try:
-        first = Path("/proc/cpuinfo").read_text().split("\n\n")[0]
-    except OSError:
-        return []
-    for line in first.splitlines():
-        name, _, value = line.partition(":")
-        if name.strip() in ("flags", "Features"):
-            have = set(value.split())
-            return [f for f in ISA_FLAGS if f in have]
-    return []
-
-
 def platform_descriptor(device: torch.device) -> dict[str, Any]:
     """What this machine's arena layouts depend on: for a CPU the ISA, torch and oneDNN (their hash in
     ``pack_key``) and torch's int4 pack order; for CUDA the compute capability and the arena layout version. ``key``
     hashes the fields that decide the bytes; ``name`` is for people (e.g. ``cpu-x86_64-amx``)."""
     d: dict[str, Any] = {"device": device.type, "layout_version": LAYOUT_VERSION, "torch": torch.__version__}
     if device.type == "cpu":
-        flags = _cpu_flags()
+        flags = layout_isa_flags()
         packs = packing_available(torch.bfloat16)
-        d.update(arch=_platform.machine(), isa=flags, onednn=_onednn_version(),
+        d.update(arch=_platform.machine(), isa=flags, onednn=onednn_version() or "unknown",
                  pack_key=cpu_torch_key() if packs else "none", int4_layout=cpu_int4_layout() or LAYOUT_INT4_CANONICAL)
         tier = next((t for t, f in (("amx", "amx_bf16"), ("avx512bf16", "avx512_bf16"), ("avx512", "avx512f"),
                                     ("avx2", "avx2")) if f in flags), "base")
@@ -112,13 +98,6 @@ def platform_descriptor(device: torch.device) -> dict[str, Any]:
     return d
 
 
-def _onednn_version() -> str:
-    for line in torch.__config__.show().splitlines():
-        if "oneDNN" in line or "MKL-DNN" in line:
-            return line.strip().lstrip("- ").split(" (Git")[0].strip()[:80]
-    return "unknown"
-
-
 # -- machine -> portable -----------------------------------------------------------------------------------------------
 def machine_specific(m: ArenaManifest) -> list[str]:
     """The weights of ``m`` in a layout that depends on the machine (see the module docstring)."""
@@ -129,15 +108,9 @@ def _specific(layout: str) -> bool:
     return layout == LAYOUT_MKLDNN_PACKED or layout.startswith("int4_cpu_")
 
 
-def _config(m: ArenaManifest) -> dict[str, Any]:
-    try:
-        return json.loads(m.config_json)
-    except ValueError:
-        return {}
-
-
-def _tied(cfg: dict[str, Any]) -> bool:
-    return bool(cfg.get("tie_word_embeddings", cfg.get("text_config", {}).get("tie_word_embeddings", False)))
+def _tied(m: ArenaManifest) -> bool:
+    """Whether the model ties its head to the embedding, read as the preload reads it (a family's default too)."""
+    return parse_model_config(m.config_json, None, source=m.model).tie_word_embeddings
 
 
 def _portable_parts(m: ArenaManifest, flat: torch.Tensor, weight: str, entries: list[TensorEntry],
@@ -159,7 +132,7 @@ def _portable_parts(m: ArenaManifest, flat: torch.Tensor, weight: str, entries: 
 
 def _drop_tied_head(m: ArenaManifest, flat: torch.Tensor, by_weight: dict[str, list[TensorEntry]]) -> bool:
     """True when ``lm_head`` is a packed copy of the embedding that a packing machine derives again."""
-    if LM_HEAD not in by_weight or EMBED not in by_weight or not _tied(_config(m)):
+    if LM_HEAD not in by_weight or EMBED not in by_weight or not _tied(m):
         return False
     if m.quant.get(LM_HEAD, {}).get("layout") != LAYOUT_MKLDNN_PACKED or len(by_weight[EMBED]) != 1:
         return False
@@ -268,7 +241,7 @@ def _choose(pm: ArenaManifest, device: torch.device) -> list[tuple[str, str, tup
             out.append((weight, "int4", tuple(group), QuantMeta(meta.scheme, int4, meta.group_size, meta.shape)))
         else:
             out.append((weight, "copy", tuple(group), meta))
-    if packs and LM_HEAD not in by_weight and EMBED in by_weight and _tied(_config(pm)):
+    if packs and LM_HEAD not in by_weight and EMBED in by_weight and _tied(pm):
         out.append((LM_HEAD, "derive", tuple(by_weight[EMBED]), None))
     return out
 
@@ -280,28 +253,18 @@ def plan_machine(pm: ArenaManifest, device: torch.device) -> list[Step]:
     dtype = dtype_from_name(pm.dtype)
     steps, offset = [], 0
     for weight, how, source, meta in _choose(pm, device):
+        layout: PartsLayout
         if how in ("pack", "derive"):
             shape = source[0].shape
-            nbytes = packed_layout((int(shape[0]), int(shape[1])), dtype)[0]
-            layout: list[tuple[str, str, tuple[int, ...], int]] = [("packed", "uint8", (nbytes,), nbytes)]
+            layout = {"packed": (torch.uint8, (packed_layout((int(shape[0]), int(shape[1])), dtype)[0],))}
         elif how == "int4":
             assert meta is not None
-            layout = [(p, dtype_name(dt), tuple(s), _nbytes(dt, s)) for p, (dt, s) in layout_parts(meta, dtype).items()]
+            layout = layout_parts(meta, dtype)
         else:
-            layout = [(e.part, e.dtype, e.shape, e.nbytes) for e in source]
-        entries = []
-        for part, dt_name, shape, nbytes in layout:
-            entries.append(TensorEntry(weight, part, offset, nbytes, dt_name, tuple(shape)))
-            offset = align(offset + nbytes)
+            layout = {e.part: (dtype_from_name(e.dtype), e.shape) for e in source}
+        entries, offset = place(weight, layout, offset)
         steps.append(Step(weight, how, source, tuple(entries), meta))
     return steps
-
-
-def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
-    n = torch.empty((), dtype=dtype).element_size()
-    for s in shape:
-        n *= s
-    return n
 
 
 Write = Callable[[TensorEntry, memoryview], None]
