@@ -205,6 +205,13 @@ def platform_images(a: dict[str, Any]) -> list[dict[str, Any]]:
     return [{"platform": None, **{k: a[k] for k in ("image", "image_manifest", "arena_digest")}}]
 
 
+def arena_layers(a: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """Every layer of an arena entry with a label for messages (``portable ``, ``cpu-x86_64-amx ``, or ``""`` for
+    a single-image snapshot's image): its portable layer first, then its platform images."""
+    out = [("portable ", a["portable"])] if layered(a) else []
+    return out + [(f"{p['platform']['name']} " if p["platform"] else "", p) for p in platform_images(a)]
+
+
 def without_platforms(m: dict[str, Any], keep: set[str]) -> dict[str, Any]:
     """A copy of ``m`` whose layered arenas keep only the platform images whose key is in ``keep`` (a pull of one
     platform from an index records what it holds)."""
@@ -239,9 +246,7 @@ def blob_refs(m: dict[str, Any]) -> list[tuple[str, int, str]]:
         label = f"model {mod['name']}"
         for img in images(mod):
             shard = f" (stage {img.get('pp_stage', 0)}, rank {img['tp_rank']})" if "tp_rank" in img else ""
-            layers = [("portable ", img["portable"])] if layered(img) else []
-            layers += [(f"{p['platform']['name']} " if p["platform"] else "", p) for p in platform_images(img)]
-            for what, layer in layers:
+            for what, layer in arena_layers(img):
                 out.append((layer["image"]["digest"], layer["image"]["size"], f"{label}: {what}arena image{shard}"))
                 out.append((layer["image_manifest"]["digest"], layer["image_manifest"]["size"],
                             f"{label}: {what}arena manifest{shard}"))

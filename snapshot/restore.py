@@ -199,7 +199,8 @@ def restore(name: str, *, store: Store | None = None, server_config: str | None 
         # 1. every blob, before anything else; the arena image (or portable layer) is checked by the daemon as it
         # loads it (one pass), or here if the daemon turns out to hold that model already (step 4); the layers this
         # restore does not load are not read (`snapshot verify` checks every one)
-        layers = frozenset(d for mod in m["models"] for img in mf.images(mod) for d in _layer_blobs(img))
+        layers = frozenset(layer["image"]["digest"] for mod in m["models"] for img in mf.images(mod)
+                           for _, layer in mf.arena_layers(img))
         n, nbytes = store.verify(m, skip=layers)
         verify_seconds = time.perf_counter() - t0
         say(f"verified {n} blobs ({nbytes / 1e6:.1f} MB) in {verify_seconds:.2f}s; the arena image is checked "
@@ -278,11 +279,6 @@ class Pick:
     arena_json: str
     platform: str  # the image's platform name ("" for a single-image snapshot or the portable layer)
     fallback: Pick | None = None
-
-
-def _layer_blobs(img: dict[str, Any]) -> list[str]:
-    layers = [img["portable"]] if mf.layered(img) else []
-    return [x["image"]["digest"] for x in layers + mf.platform_images(img)]
 
 
 def _arena_manifests(store: Store, name: str, m: dict[str, Any], platform: dict[str, Any] | None,

@@ -26,10 +26,7 @@ def verify(store: Store, name: str) -> tuple[int, int, float]:
         layers: list[tuple[dict[str, Any], dict[str, Any], dict[str, Any], str]] = []
         for mod in m["models"]:
             for img in mf.images(mod):  # a shard per (stage, rank), or one
-                if mf.layered(img):
-                    layers.append((mod, img, img["portable"], "portable "))
-                layers += [(mod, img, p, f"{p['platform']['name']} " if p["platform"] else "")
-                           for p in mf.platform_images(img)]
+                layers += [(mod, img, layer, what) for what, layer in mf.arena_layers(img)]
         images = {layer["image"]["digest"]: layer["image"]["size"] for _, _, layer, _ in layers}
         n, nbytes = store.verify(m, skip=frozenset(images))
         checked: set[tuple[str, str]] = set()
