@@ -39,8 +39,8 @@ from keepwarm.weights.prequant import SourceQuant
 log = logging.getLogger("keepwarm.daemon")
 
 # GGUF types whose blocks are torch's int4 groups of 32: (q - 8) * d + 0 and q * d + m = (q - 8) * d + (m + 8d).
-# Q4_K's w = d*sc*q - dmin*m has a zero that does not fold into the tinygemm form without rounding: it goes to int8
-# groups, which store the offset as it is.
+# Q4_K's w = d*sc*q - dmin*m has a zero that does not fold into the tinygemm form without rounding, and IQ4's codes
+# index a non-linear table: they go to int8 groups, which store the code and the offset as they are.
 INT4_EXACT_TYPES = frozenset({"Q4_0", "Q4_1"})
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AWQ GEMM: nibble i of an int32 holds column AWQ_ORDER[i] of its 8
 _INT4_ARENA_GROUPS = (128, 64, 32, 256)  # per-channel int4 becomes groups of the first of these dividing K
@@ -113,8 +113,9 @@ def plan_weight(src: SourceQuant, shapes: Sequence[Shape], act_dtype: torch.dtyp
 
 def plan_gguf(types: Sequence[str], shapes: Sequence[Shape], act_dtype: torch.dtype, device_type: str,
               ) -> QuantMeta:
-    """A fused GGUF weight's layout: int4 groups when every projection is a 4-bit type of one group size, else int8
-    groups of the smallest group size (every code fits)."""
+    """A fused GGUF weight's layout: torch's int4 groups of 32 when every projection is Q4_0 / Q4_1, else int8 groups
+    of the smallest group size among its types (16 beside Q2_K / Q3_K / Q6_K, else 32): every type's codes fit int8
+    as they are and a coarser scale repeats exactly."""
     ks = {k for _, k in shapes}
     if len(ks) != 1:
         raise QuantizationError(f"fused projections have different K: {sorted(ks)}")
@@ -309,8 +310,9 @@ def _checked(meta: QuantMeta, parts: dict[str, torch.Tensor], act_dtype: torch.d
 
 def _int_parts(meta: QuantMeta, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
                g_idx: torch.Tensor | None, act_dtype: torch.dtype, name: str) -> dict[str, torch.Tensor]:
-    """The parts of `meta`'s integer layout from w = codes * scale + offset (codes unsigned, per-group scale and
-    offset; groups by g_idx when given, else contiguous and possibly larger than the layout's: then repeated)."""
+    """The parts of `meta`'s integer layout from w = codes * scale + offset (codes unsigned, or signed within int8,
+    per-group scale and offset; groups by g_idx when given, else contiguous and possibly larger than the layout's:
+    then repeated)."""
     n, k = meta.shape
     if g_idx is None and meta.group_size is not None and scale.shape[1] != k // meta.group_size:
         rep = k // meta.group_size // scale.shape[1]  # a coarser source group spread over the layout's groups
@@ -327,9 +329,12 @@ def _int_parts(meta: QuantMeta, codes: torch.Tensor, scale: torch.Tensor, offset
                     "zeros": _store(z, act_dtype, "zeros", name), "g_idx": g_idx.to(torch.int32)}
         return pack_int4(meta, codes.to(torch.uint8), _store(scale, act_dtype, "scales", name),
                          _store(z, act_dtype, "zeros", name))
-    # int8: q = u - shift; w = u * s + o = q * s + (o + shift * s). Codes that fit int8 as they are (GGUF's
-    # 4/5/6-bit ones) keep shift 0 and their offset unchanged: no rounding at all.
-    shift = 128 if meta.layout == LAYOUT_INT8 or int(codes.max()) > 127 else 0
+    # int8: q = u - shift; w = u * s + o = q * s + (o + shift * s). Codes that fit int8 as they are (every GGUF
+    # type's) keep shift 0 and their offset unchanged: no rounding at all.
+    lo, hi = (int(x) for x in torch.aminmax(codes))
+    shift = 128 if meta.layout == LAYOUT_INT8 or hi > 127 else 0
+    if lo - shift < -128 or hi - shift > 127:
+        raise QuantizationError(f"{name}: codes {lo}..{hi} do not fit int8")
     q = (codes - shift).to(torch.int8)
     zeros = offset + float(shift) * scale if shift else offset
     if shift:

@@ -1,7 +1,9 @@
 """GGUF files read without transformers' dequantization: each block type decoded exactly as the `gguf` package's
-own (independent) dequantizer does, a tiny llama written with the `gguf` package's writer serves the same greedy
-tokens as transformers on its dequantized weights, bad files are refused in one line, and the bundled SmolLM2 is
-served from its own Q4_1 weights (slow)."""
+own (independent) dequantizer does (random blocks, blocks at their fields' extremes, hand-computed values), fused
+weights of mixed types stored exactly, tiny llamas written with the `gguf` package's writer (one with the legacy and
+plain types, one with Q2_K / Q3_K / Q5_0 / Q5_1 / IQ4_NL / IQ4_XS and a Q3_K embedding) serve the same greedy tokens
+as transformers on their dequantized weights, bad files and unsupported types are refused in one line, and the
+bundled SmolLM2 is served from its own Q4_1 weights (slow)."""
 
 from __future__ import annotations
 
@@ -16,19 +18,24 @@ import torch
 from support.daemon import DaemonProc, new_runtime_dir, remove_runtime_dir
 
 from keepwarm.formats.errors import QuantizationError
-from keepwarm.formats.gguf import QUANT_TYPES, dequantize_dense
+from keepwarm.formats.gguf import QUANT_TYPES, decode, dequantize_dense
 from keepwarm.kernels.quant import QuantizedWeight
 from keepwarm.weights.checkpoint import Checkpoint
+from keepwarm.weights.convert import convert_gguf, plan_gguf
 from keepwarm.weights.loader import build_arena, plan_arena
 from keepwarm.worker.attach import model_tensors
 
 # Where each type keeps its float16 scale fields in a block (the rest of a block is any bytes).
-F16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+F16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q2_K": (80, 82),
+              "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,)}
+# float16 scales at their edges: zeros of both signs, the smallest subnormal and normal, the largest finite ones
+F16_EDGES = np.array([0.0, -0.0, 2.0 ** -24, -(2.0 ** -14), 65504.0, -65504.0, 1.0, -1.0], dtype=np.float16)
 
 
-def random_blocks(type_name: str, n: int, k: int, seed: int) -> np.ndarray:
+def random_blocks(type_name: str, n: int, k: int, seed: int, edges: bool = False) -> np.ndarray:
     """Valid blocks of `type_name` for an [n, k] weight: random codes and sub-scales, sane float16 scales (a plain
-    type: random values, as its bytes)."""
+    type: random values, as its bytes). ``edges``: row 0 all 0x00 bytes, row 1 all 0xFF (the sub-scales and codes at
+    both ends: Q3_K / IQ4_XS sub-scales -32 and 31), row 2's first scales F16_EDGES."""
     rng = np.random.default_rng(seed)
     if type_name in ("F32", "F16", "BF16"):
         v = rng.normal(0, 0.05, size=(n, k)).astype(np.float32)
@@ -36,22 +43,79 @@ def random_blocks(type_name: str, n: int, k: int, seed: int) -> np.ndarray:
         return typed[type_name].view(np.uint8).reshape(n, -1)
     _, per_block, block_bytes, _ = QUANT_TYPES[type_name]
     raw = rng.integers(0, 256, size=(n, k // per_block, block_bytes), dtype=np.uint8)
+    if edges:
+        raw[0], raw[1] = 0x00, 0xFF
     for pos in F16_FIELDS[type_name]:
         scale = rng.uniform(-0.01, 0.01, size=(n, k // per_block)).astype(np.float16)
+        if edges:
+            scale[2, :len(F16_EDGES)] = F16_EDGES[:k // per_block]
         raw[..., pos:pos + 2] = scale.view(np.uint8).reshape(n, k // per_block, 2)
     return raw.reshape(n, -1)
 
 
+def gguf_dense(type_name: str, raw: np.ndarray) -> torch.Tensor:
+    """The `gguf` package's own dequantization (numpy, float32): the independent reference."""
+    dense = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[type_name])
+    return torch.from_numpy(np.ascontiguousarray(dense)).float()
+
+
 @pytest.mark.parametrize("type_name", sorted(QUANT_TYPES))
 def test_block_decoding_equals_the_gguf_package(type_name: str) -> None:
-    raw = random_blocks(type_name, 6, 512, seed=len(type_name))
-    ours = dequantize_dense(type_name, torch.from_numpy(raw), (6, 512))
-    ref = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[type_name])
-    assert torch.equal(ours, torch.from_numpy(np.ascontiguousarray(ref)).float())
+    _, per_block, block_bytes, _ = QUANT_TYPES[type_name]
+    assert gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[type_name]] == (per_block, block_bytes)
+    raw = random_blocks(type_name, 8, 2048, seed=len(type_name), edges=True)
+    ref = gguf_dense(type_name, raw)
+    assert torch.equal(dequantize_dense(type_name, torch.from_numpy(raw), (8, 2048)), ref)
+    codes, _, _ = decode(type_name, torch.from_numpy(raw), (8, 2048))
+    # the arena stores codes as int8 unchanged (and Q4_0 / Q4_1's as torch's unsigned int4)
+    low, high = (0, 15) if type_name in ("Q4_0", "Q4_1") else (-128, 127)
+    assert low <= int(codes.min()) and int(codes.max()) <= high
+    # llama.cpp's dot products: a quantized embedding row read back is the same row as in a whole-tensor decode
+    assert torch.equal(dequantize_dense(type_name, torch.from_numpy(raw[5:6]), (1, 2048)), ref[5:6])
 
 
-# A tiny llama with K = 256 / 512 (K-quants need multiples of 256) and a type per projection: layer 0 fuses Q4_K
-# with Q6_K (stored as int8 groups of 16); in layer 1 Q4_0 and Q4_1 are torch's int4 groups of 32, Q4_K int8 groups.
+# Every weight of a block of all 0x00 / all 0xFF bytes whose float16 scale (and min) fields are 1.0, by hand from
+# llama.cpp's block layouts: e.g. Q3_K 0x00 is sub-scale 0 - 32 times code 0 - 4 (high bit clear) = 128; IQ4_XS 0xFF
+# is (63 - 32) * kvalues[15] = 31 * 113; Q6_K 0xFF is int8 scale -1 times 63 - 32; Q5_K 0xFF is 63 * 31 - 63.
+BY_HAND = {"Q4_0": (-8, 7), "Q4_1": (1, 16), "Q5_0": (-16, 15), "Q5_1": (1, 32), "Q8_0": (0, -1),
+           "Q2_K": (0, 15 * 3 - 15), "Q3_K": (128, 31 * 3), "Q4_K": (0, 63 * 15 - 63), "Q5_K": (0, 63 * 31 - 63),
+           "Q6_K": (0, -31), "IQ4_NL": (-127, 113), "IQ4_XS": (-32 * -127, 31 * 113)}
+
+
+@pytest.mark.parametrize("type_name", sorted(QUANT_TYPES))
+def test_extreme_blocks_decode_to_the_values_computed_by_hand(type_name: str) -> None:
+    _, per_block, block_bytes, _ = QUANT_TYPES[type_name]
+    for fill, want in zip((0x00, 0xFF), BY_HAND[type_name], strict=True):
+        raw = np.full((1, block_bytes), fill, dtype=np.uint8)
+        for pos in F16_FIELDS[type_name]:
+            raw[0, pos:pos + 2] = np.array([1.0], dtype=np.float16).view(np.uint8)
+        got = dequantize_dense(type_name, torch.from_numpy(raw), (1, per_block))
+        assert torch.equal(got, torch.full((1, per_block), float(want))), (fill, got.unique())
+        assert torch.equal(got, gguf_dense(type_name, raw))
+
+
+# Fused projections of mixed types (llama.cpp's Q4_K_M writes Q4_K beside Q6_K; Q3_K_M, Q3_K beside Q5_K) and the
+# layout each pair becomes: int4 only for Q4_0 / Q4_1, else int8 groups of the finer type's group size.
+FUSED = [(("Q4_K", "Q6_K"), "int8_group", 16), (("Q3_K", "Q5_K"), "int8_group", 16),
+         (("Q2_K", "IQ4_XS"), "int8_group", 16), (("IQ4_NL", "Q8_0"), "int8_group", 32),
+         (("Q5_0", "Q5_1", "Q4_0"), "int8_group", 32), (("Q4_0", "Q4_1"), "int4", 32)]
+
+
+@pytest.mark.parametrize("types, scheme, group_size", FUSED)
+def test_fused_weights_of_mixed_types_convert_exactly(types: tuple[str, ...], scheme: str, group_size: int) -> None:
+    shapes = [(64, 512), (32, 512), (48, 512)][:len(types)]
+    raws = [random_blocks(t, n, k, seed=i, edges=True) for i, (t, (n, k)) in enumerate(zip(types, shapes, strict=True))]
+    meta = plan_gguf(types, shapes, torch.float32, "cpu")
+    assert (meta.scheme, meta.group_size) == (scheme, group_size)
+    parts = convert_gguf(meta, [(t, torch.from_numpy(r), 0) for t, r in zip(types, raws, strict=True)], shapes,
+                         torch.float32, "fused")
+    got = QuantizedWeight.from_parts(meta, parts).dequantize()
+    assert torch.equal(got, torch.cat([gguf_dense(t, r) for t, r in zip(types, raws, strict=True)]))
+
+
+# Tiny llamas with K = 256 / 512 (K-quants need multiples of 256) and a type per projection. "legacy": layer 0 fuses
+# Q4_K with Q6_K (stored as int8 groups of 16); in layer 1 Q4_0 and Q4_1 are torch's int4 groups of 32, Q4_K int8
+# groups; layer 2 is plain. "kquant_iq4": the other types, each fused weight a mix, and a Q3_K token embedding.
 HIDDEN, INTER, HEADS, KV_HEADS, VOCAB = 256, 512, 4, 2, 512
 TYPES = [
     {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q8_0", "ffn_gate": "Q5_K",
@@ -62,6 +126,27 @@ TYPES = [
     {"attn_q": "BF16", "attn_k": "BF16", "attn_v": "BF16", "attn_output": "F16", "ffn_gate": "F32",
      "ffn_up": "F32", "ffn_down": "BF16"},
 ]
+NEW_TYPES = [
+    {"attn_q": "Q3_K", "attn_k": "Q3_K", "attn_v": "Q5_K", "attn_output": "Q5_0", "ffn_gate": "Q2_K",
+     "ffn_up": "Q3_K", "ffn_down": "Q3_K"},
+    {"attn_q": "IQ4_NL", "attn_k": "IQ4_NL", "attn_v": "Q8_0", "attn_output": "Q5_1", "ffn_gate": "IQ4_XS",
+     "ffn_up": "Q6_K", "ffn_down": "IQ4_XS"},
+    {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "IQ4_XS", "ffn_gate": "Q5_0",
+     "ffn_up": "Q5_1", "ffn_down": "Q2_K"},
+]
+# model -> (its layers' types, the token embedding's type, the (layout, group size) of some fused weights)
+MODELS = {
+    "legacy": (TYPES, "F32", {"0.self_attn.qkv_proj": ("int8_group", 16), "0.self_attn.o_proj": ("int8_group", 32),
+                              "1.self_attn.qkv_proj": ("int4_cpu", 32), "1.mlp.gate_up_proj": ("int4_cpu", 32),
+                              "1.mlp.down_proj": ("int8_group", 32)}),
+    "kquant_iq4": (NEW_TYPES, "Q3_K", {
+        "0.self_attn.qkv_proj": ("int8_group", 16), "0.self_attn.o_proj": ("int8_group", 32),
+        "0.mlp.gate_up_proj": ("int8_group", 16), "0.mlp.down_proj": ("int8_group", 16),
+        "1.self_attn.qkv_proj": ("int8_group", 32), "1.self_attn.o_proj": ("int8_group", 32),
+        "1.mlp.gate_up_proj": ("int8_group", 16), "1.mlp.down_proj": ("int8_group", 32),
+        "2.self_attn.qkv_proj": ("int8_group", 16), "2.self_attn.o_proj": ("int8_group", 32),
+        "2.mlp.gate_up_proj": ("int8_group", 32), "2.mlp.down_proj": ("int8_group", 16)}),
+}
 HF = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
       "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
       "ffn_down": "mlp.down_proj"}
@@ -75,9 +160,9 @@ def _shape(proj: str) -> tuple[int, int]:
 
 
 def write_tiny_gguf(path: Path, extra: dict[str, tuple[str, np.ndarray]] | None = None,
-                    types: list[dict[str, str]] | None = None) -> dict[str, torch.Tensor]:
-    """Write the tiny llama (a layer per entry of ``types``, default TYPES); returns its expected dense weights
-    (Hugging Face names and row order)."""
+                    types: list[dict[str, str]] | None = None, embed_type: str = "F32") -> dict[str, torch.Tensor]:
+    """Write the tiny llama (a layer per entry of ``types``, default TYPES; the token embedding in ``embed_type``,
+    output tied to it); returns its expected dense weights (Hugging Face names and row order)."""
     types = TYPES if types is None else types
     from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
 
@@ -96,9 +181,14 @@ def write_tiny_gguf(path: Path, extra: dict[str, tuple[str, np.ndarray]] | None 
     w.add_eos_token_id(2)
     rng = np.random.default_rng(0)
     expected: dict[str, torch.Tensor] = {}
-    embed = rng.normal(0, 0.5, size=(VOCAB, HIDDEN)).astype(np.float32)
-    w.add_tensor("token_embd.weight", embed)
-    expected["model.embed_tokens.weight"] = torch.from_numpy(embed)
+    if embed_type == "F32":
+        embed = rng.normal(0, 0.5, size=(VOCAB, HIDDEN)).astype(np.float32)
+        w.add_tensor("token_embd.weight", embed)
+        expected["model.embed_tokens.weight"] = torch.from_numpy(embed)
+    else:
+        raw = random_blocks(embed_type, VOCAB, HIDDEN, seed=7)
+        w.add_tensor("token_embd.weight", raw, raw_dtype=gguf.GGMLQuantizationType[embed_type])
+        expected["model.embed_tokens.weight"] = gguf_dense(embed_type, raw)
     w.add_tensor("output_norm.weight", np.ones(HIDDEN, dtype=np.float32))
     expected["model.norm.weight"] = torch.ones(HIDDEN)
     for i, layer in enumerate(types):
@@ -125,39 +215,52 @@ def write_tiny_gguf(path: Path, extra: dict[str, tuple[str, np.ndarray]] | None 
 
 
 @pytest.fixture(scope="module")
-def tiny_gguf(tmp_path_factory, tiny_llama) -> tuple[Path, dict[str, torch.Tensor]]:
-    d = tmp_path_factory.mktemp("gguf")
-    for f in Path(tiny_llama).iterdir():  # the tokenizer beside the file (the same 512-token vocabulary)
-        if f.suffix != ".safetensors" and f.name not in ("config.json", "generation_config.json"):
-            shutil.copy(f, d / f.name)
-    expected = write_tiny_gguf(d / "tiny.gguf")
-    return d / "tiny.gguf", expected
+def gguf_models(tmp_path_factory, tiny_llama):
+    """name -> (its .gguf file, its expected dense weights): each of MODELS written once for the module, in its own
+    directory beside the tokenizer files (the same 512-token vocabulary)."""
+    written: dict[str, tuple[Path, dict[str, torch.Tensor]]] = {}
+
+    def get(name: str) -> tuple[Path, dict[str, torch.Tensor]]:
+        if name not in written:
+            d = tmp_path_factory.mktemp(f"gguf_{name}")
+            for f in Path(tiny_llama).iterdir():
+                if f.suffix != ".safetensors" and f.name not in ("config.json", "generation_config.json"):
+                    shutil.copy(f, d / f.name)
+            types, embed_type, _ = MODELS[name]
+            written[name] = d / "tiny.gguf", write_tiny_gguf(d / "tiny.gguf", types=types, embed_type=embed_type)
+        return written[name]
+    return get
 
 
-def test_gguf_arena_weights_and_layouts(tiny_gguf) -> None:
-    path, expected = tiny_gguf
+@pytest.fixture(scope="module")
+def tiny_gguf(gguf_models) -> tuple[Path, dict[str, torch.Tensor]]:
+    return gguf_models("legacy")
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_gguf_arena_weights_and_layouts(gguf_models, model) -> None:
+    path, expected = gguf_models(model)
+    types, _, layouts = MODELS[model]
     ckpt = Checkpoint(path)
     assert ckpt.resolve_quantization("auto") == "gguf"
     _, total = plan_arena(ckpt, "auto", torch.float32)
     flat = torch.empty(total, dtype=torch.uint8)
     got = model_tensors(build_arena(ckpt, "auto", "float32", flat, "cpu"), flat)
-    layouts = {n: w.meta.layout for n, w in got.items() if isinstance(w, QuantizedWeight)}
-    assert layouts["model.layers.0.self_attn.qkv_proj.weight"] == "int8_group"  # Q4_K | Q6_K: groups of 16
-    assert got["model.layers.0.self_attn.qkv_proj.weight"].meta.group_size == 16
-    assert layouts["model.layers.0.self_attn.o_proj.weight"] == "int8_group"  # Q8_0
-    assert layouts["model.layers.1.self_attn.qkv_proj.weight"].startswith("int4_cpu")  # Q4_0
-    assert layouts["model.layers.1.mlp.gate_up_proj.weight"].startswith("int4_cpu")  # Q4_1
-    for i in range(len(TYPES)):
+    for short, (layout, group_size) in layouts.items():
+        meta = got[f"model.layers.{short}.weight"].meta
+        assert meta.layout.startswith(layout) and meta.group_size == group_size, (short, meta)
+    for i, layer in enumerate(types):
         p = f"model.layers.{i}."
         a, m = p + "self_attn.", p + "mlp."
         fused = {a + "qkv_proj.weight": [a + f"{x}_proj.weight" for x in "qkv"],
                  a + "o_proj.weight": [a + "o_proj.weight"],
                  m + "gate_up_proj.weight": [m + "gate_proj.weight", m + "up_proj.weight"],
                  m + "down_proj.weight": [m + "down_proj.weight"]}
+        plain = layer["attn_q"] in ("F32", "F16", "BF16")
         for name, parts in fused.items():
             w = got[name]
             dense = w.dequantize() if isinstance(w, QuantizedWeight) else w  # plain: the arena holds the values
-            assert isinstance(w, QuantizedWeight) == (i < 2), name
+            assert isinstance(w, QuantizedWeight) != plain, name
             assert torch.equal(dense, torch.cat([expected[x] for x in parts])), name
     assert torch.equal(got["model.embed_tokens.weight"], expected["model.embed_tokens.weight"])
 
@@ -176,12 +279,13 @@ def _dense_dir(path: Path, expected: dict[str, torch.Tensor], out: Path) -> Path
     return out
 
 
-def test_gguf_greedy_tokens_equal_transformers_on_its_dequantized_weights(tiny_gguf, tmp_path) -> None:
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_gguf_greedy_tokens_equal_transformers_on_its_dequantized_weights(gguf_models, model, tmp_path) -> None:
     import transformers
 
     from keepwarm import LLM, SamplingParams
 
-    path, expected = tiny_gguf
+    path, expected = gguf_models(model)
     prompts = [[5, 17, 99, 240, 7], [300, 12, 45]]
     llm = LLM(model=str(path), dtype="float32", daemon=False, max_model_len=128)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
@@ -202,8 +306,10 @@ def bad_gguf(case: str, tmp_path: Path, tiny_gguf_path: Path) -> Path:
     if case == "truncated":
         data = tiny_gguf_path.read_bytes()
         out.write_bytes(data[:len(data) - 5000])
-    elif case == "unsupported_type":  # a type the package knows but keepwarm does not run (Q2_K)
-        write_tiny_gguf(out, {"blk.0.extra.weight": ("Q2_K", np.zeros((4, 84), dtype=np.uint8))})
+    elif case.startswith("unsupported_"):  # a type the package knows but keepwarm does not run
+        type_name = case.removeprefix("unsupported_")
+        _, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[type_name]]
+        write_tiny_gguf(out, {"blk.0.extra.weight": (type_name, np.zeros((4, block_bytes), dtype=np.uint8))})
     elif case == "plain_and_quantized_fused":  # q in F16 beside k and v quantized: one fused weight, two layouts
         write_tiny_gguf(out, types=[{**TYPES[0], "attn_q": "F16"}])
     else:  # a tensor type number no GGUF version defines
@@ -218,7 +324,10 @@ def bad_gguf(case: str, tmp_path: Path, tiny_gguf_path: Path) -> Path:
 
 GGUF_BAD = [
     ("truncated", "is not a complete, readable GGUF file"),
-    ("unsupported_type", "tensor blk.0.extra.weight has GGUF type Q2_K, which is not supported"),
+    ("unsupported_IQ2_XXS", "tensor blk.0.extra.weight has GGUF type IQ2_XXS, which is not supported"),
+    ("unsupported_IQ3_S", "tensor blk.0.extra.weight has GGUF type IQ3_S, which is not supported"),
+    ("unsupported_IQ1_M", "tensor blk.0.extra.weight has GGUF type IQ1_M, which is not supported"),
+    ("unsupported_TQ2_0", "tensor blk.0.extra.weight has GGUF type TQ2_0, which is not supported"),
     ("unknown_type", "is not a complete, readable GGUF file"),
     ("plain_and_quantized_fused", "qkv_proj.weight fuses plain (F16) and quantized (Q4_K, Q6_K) projections"),
 ]
