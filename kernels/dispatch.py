@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from keepwarm.formats.quant import LAYOUT_MKLDNN_PACKED, cpu_int4_layout
+from keepwarm.formats.quant import LAYOUT_INT8_GROUP, LAYOUT_MKLDNN_PACKED, cpu_int4_layout
 
 from . import cpu_native, native_ops
 
@@ -55,6 +55,9 @@ FP8_NATIVE = "keepwarm C kernel, fp8 (AVX512-BF16)"
 FP8_AMX = "keepwarm C kernel, fp8 (AMX tiles)"
 FP8_AVX2 = "keepwarm C kernel, fp8 (AVX2)"
 CODES_WIDE = "codes->bf16 (C) + oneDNN bf16 matmul, scale on the output"
+INT8G_AVX2 = "keepwarm C kernel, int8 groups (AVX2)"
+INT8G_AVX512 = "keepwarm C kernel, int8 groups (AVX-512)"
+INT8G_WIDE = "int8 groups->bf16 (C) + oneDNN bf16 matmul"
 REFERENCE = "reference dequantize+matmul"
 MKLDNN_PACKED = "mkldnn packed"
 F_LINEAR = "F.linear"
@@ -66,6 +69,8 @@ C_STORE_KV = "keepwarm C KV store"
 C_ATTENTION = "keepwarm C decode attention (AVX2)"
 
 _FAST_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Rows of x above which an int8_group linear makes the bf16 weight and runs oneDNN's matmul (where oneDNN has one).
+Q8G_WIDE_ROWS = 40
 _INT4_HALVES_RE = re.compile(r"int4_cpu_halves(\d+)")
 
 
@@ -158,6 +163,12 @@ def _q8_int8(x: torch.Tensor, w: Any) -> bool:
 def _q8_fp8(x: torch.Tensor, w: Any) -> bool:
     scale = fp8_scale(w)
     return scale is not None and native_ops.q8_fits(x, w.parts["qweight"], scale)
+
+
+def _q8g(x: torch.Tensor, w: Any) -> bool:  # int8_group without g_idx, bf16 x (float32 x: the reference)
+    p = w.parts
+    return w.meta.layout == LAYOUT_INT8_GROUP and native_ops.q8g_fits(x, p["qweight"], p["scales"], p["zeros"],
+                                                                       w.meta.group_size or 0)
 
 
 def _q4(x: torch.Tensor, w: Any) -> bool:
@@ -268,6 +279,23 @@ def _linear_rules() -> tuple[Rule, ...]:
              _fp8_native_k32),
         Rule("linear_fp8_block", avx512, ANY, FP8_NATIVE, "bf16 x, one scale per row", "no fused fp8 op",
              _fp8_native),
+        *_int8_group_rules(),
+    )
+
+
+def _int8_group_rules() -> tuple[Rule, ...]:
+    """GGUF Q8_0 / Q5_K / Q6_K / Q4_K weights (the int8_group layout, no g_idx) for bf16 x; float32 x and groups
+    not a multiple of 16 keep the reference (dequantize per call, then matmul). Figures: SmolLM2's shapes, one
+    thread, against oneDNN's packed bf16 matmul (docs/kernels.md)."""
+    takes = "bf16 x (float32 x: the reference), no g_idx, group % 16 == 0"
+    return (
+        Rule("linear_int8_group", _BUILT, (Q8G_WIDE_ROWS + 1, None), INT8G_WIDE, takes,
+             "the reference's bf16 weight (C, its bits) + oneDNN: 3.1x bf16's time at 48 rows, the kernel 3.3-3.9x",
+             _q8g, _onednn_bf16),
+        Rule("linear_int8_group", _AVX512S, ANY, INT8G_AVX512, takes,
+             "16 lanes: 0.60-0.68x bf16's time at 1 row, 1.20-1.33x at 8 (AVX2 kernel 0.70-0.75x, 1.60-1.78x)", _q8g),
+        Rule("linear_int8_group", _BUILT, ANY, INT8G_AVX2, takes,
+             "codes x scales in registers, one pass: 0.70-0.75x bf16's time at 1 row; the reference 8.6-35x", _q8g),
     )
 
 
@@ -363,7 +391,7 @@ _SHORT = {INT8_OP: "aten op", INT4_OP: "aten op", INT8_CAST: "cast+matmul", FP8_
           INT8_AMX: "C amx", FP8_AMX: "C amx", INT4_AMX: "C amx", INT8_AVX2: "C avx2", FP8_AVX2: "C avx2",
           INT4_AVX2: "C avx2", BF16_AVX2: "C avx2", CODES_WIDE: "codes->bf16+oneDNN", REFERENCE: "reference",
           MKLDNN_PACKED: "oneDNN packed", TORCH: "torch", C_RMS_NORM: "C", C_ROTARY: "C", C_STORE_KV: "C",
-          C_ATTENTION: "C"}
+          C_ATTENTION: "C", INT8G_AVX2: "C avx2", INT8G_AVX512: "C avx512", INT8G_WIDE: "groups->bf16+oneDNN"}
 
 
 def _expected_isa() -> str:

@@ -12,6 +12,8 @@ Rules:
 from __future__ import annotations
 
 import ctypes
+import functools
+from typing import Any
 
 import torch
 
@@ -21,7 +23,8 @@ from . import cpu_native
 
 __all__ = ["attention_fits", "attention_plan", "bf16_fits", "bf16_linear", "codes_to_bf16", "decode_attention",
            "fp8_linear", "int8_linear", "q4_amx_linear", "q4_fits", "q4_linear", "q4_pairs_fits", "q4_vec_linear",
-           "q8_fits", "q8_linear", "quantize_int8", "rms_norm", "rotary_neox", "rows_fit", "store_kv"]
+           "q8_fits", "q8_linear", "q8g_avx512_linear", "q8g_fits", "q8g_linear", "q8g_to_bf16", "quantize_int8",
+           "rms_norm", "rotary_neox", "rows_fit", "store_kv"]
 
 
 def _lib(what: str, matmuls: bool = False) -> ctypes.CDLL:
@@ -253,6 +256,84 @@ def q8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> t
     if rc != 0:
         raise ValueError(f"q8_linear: the kernel refused M={xf.shape[0]} N={n} K={k} (rc {rc})")
     return out.reshape(*x.shape[:-1], n)
+
+
+def q8g_fits(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+             group_size: int) -> bool:
+    """x [..., K] bfloat16; qweight int8 [N, K] contiguous; scales and zeros bfloat16 [N, K / group_size]
+    contiguous; group_size a multiple of 16 that divides K; all on the CPU (the int8_group layout, no g_idx)."""
+    return (x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.numel() > 0 and x.dim() > 0
+            and _q8g_weight_fits(qweight, scales, zeros, group_size) and x.shape[-1] == qweight.shape[1])
+
+
+def _q8g_weight_fits(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> bool:
+    if not (qweight.dim() == 2 and qweight.dtype == torch.int8 and qweight.device.type == "cpu"
+            and qweight.is_contiguous() and qweight.numel() > 0):
+        return False
+    n, k = qweight.shape
+    return (group_size >= 16 and group_size % 16 == 0 and k % group_size == 0
+            and all(t.dtype == torch.bfloat16 and t.device.type == "cpu" and t.is_contiguous()
+                    and tuple(t.shape) == (n, k // group_size) for t in (scales, zeros)))
+
+
+@functools.cache
+def _q8group(name: str) -> Any:  # a ctypes function
+    # The int8_group entry points' C signatures are declared here, not in cpu_native._declare (their files).
+    fn = getattr(_lib(name, matmuls=name.endswith("512")), name)
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    pointers, sizes = (4, 3) if name.endswith("bf16") else (5, 4)
+    fn.restype, fn.argtypes = ctypes.c_int, [p] * pointers + [i64] * sizes + [ctypes.c_int]
+    return fn
+
+
+def _q8g(name: str, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+         group_size: int) -> torch.Tensor:
+    if not q8g_fits(x, qweight, scales, zeros, group_size):
+        raise ValueError(f"{name}: x {tuple(x.shape)} {x.dtype}, weight {tuple(qweight.shape)} {qweight.dtype}, "
+                         f"scales {tuple(scales.shape)} {scales.dtype}, zeros {tuple(zeros.shape)} {zeros.dtype} "
+                         f"and groups of {group_size} do not fit")
+    n, k = qweight.shape
+    x2 = x.reshape(-1, k).contiguous()
+    out = torch.empty((x2.shape[0], n), dtype=torch.bfloat16)
+    rc = _q8group(name)(x2.data_ptr(), qweight.data_ptr(), scales.data_ptr(), zeros.data_ptr(), out.data_ptr(),
+                        x2.shape[0], n, k, group_size, torch.get_num_threads())
+    if rc != 0:
+        raise ValueError(f"{name}: the kernel refused M={x2.shape[0]} N={n} K={k} groups of {group_size} (rc {rc})")
+    return out.reshape(*x.shape[:-1], n)
+
+
+def q8g_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+               group_size: int) -> torch.Tensor:
+    """``x @ W^T`` in bfloat16 for the int8_group layout, W = code * scale + zero per group of ``group_size``
+    columns (:func:`q8g_fits` inputs), on AVX2 (every build): per output, the exact float32 products x * (code *
+    scale) summed, plus zero * (x's group sum) per group, float32, one order whatever the batch or the threads,
+    rounded once."""
+    return _q8g("kw_q8group", x, qweight, scales, zeros, group_size)
+
+
+def q8g_avx512_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                      group_size: int) -> torch.Tensor:
+    """:func:`q8g_linear` on 16 lanes (the avx512 build only): the same products, its sums in another fixed
+    order."""
+    if cpu_native.variant_name() != "avx512":
+        raise ValueError(f"q8g_avx512_linear: no avx512 build here ({cpu_native.reasons()[0] or 'switched off'})")
+    return _q8g("kw_q8group512", x, qweight, scales, zeros, group_size)
+
+
+def q8g_to_bf16(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> torch.Tensor:
+    """The int8_group weight as bfloat16 [N, K], bit for bit the reference's ``dequantize(torch.bfloat16)`` (code *
+    scale + zero in float32, rounded once to nearest even), threads as the matmuls; for the widest calls."""
+    if not _q8g_weight_fits(qweight, scales, zeros, group_size):
+        raise ValueError(f"q8g_to_bf16: weight {tuple(qweight.shape)} {qweight.dtype}, scales {tuple(scales.shape)} "
+                         f"{scales.dtype}, zeros {tuple(zeros.shape)} {zeros.dtype} and groups of {group_size} do "
+                         "not fit")
+    n, k = qweight.shape
+    out = torch.empty((n, k), dtype=torch.bfloat16)
+    rc = _q8group("kw_q8group_bf16")(qweight.data_ptr(), scales.data_ptr(), zeros.data_ptr(), out.data_ptr(), n, k,
+                                     group_size, torch.get_num_threads())
+    if rc != 0:
+        raise ValueError(f"q8g_to_bf16: the kernel refused N={n} K={k} groups of {group_size} (rc {rc})")
+    return out
 
 
 def q4_fits(x: torch.Tensor, qweight: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int,

@@ -215,6 +215,31 @@ def _int4_c(kernel: str) -> Callable[..., torch.Tensor]:
 _int4_avx2, _int4_amx, _int4_vec = (_int4_c(k) for k in ("q4_linear", "q4_amx_linear", "q4_vec_linear"))
 
 
+def _int8_group_c(kernel: str) -> Callable[..., torch.Tensor]:
+    """The path of one of keepwarm's int8_group C kernels (`native_ops.<kernel>`, looked up at each call), with the
+    bias added after."""
+    def linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+        assert w.meta.group_size is not None
+        p = w.parts
+        y = getattr(native_ops, kernel)(_as_2d(x), p["qweight"], p["scales"], p["zeros"], w.meta.group_size)
+        return _add_bias(y, x, bias)
+
+    linear.__name__ = linear.__qualname__ = f"_int8_group_{kernel}"
+    return linear
+
+
+_int8_group_avx2, _int8_group_avx512 = (_int8_group_c(k) for k in ("q8g_linear", "q8g_avx512_linear"))
+
+
+def _int8_group_wide(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """Many rows of bf16 x: the reference's own bf16 weight (made in C, bit for bit), then F.linear: the reference's
+    result, without its float32 temporaries."""
+    if x.dtype != torch.bfloat16 or w.meta.group_size is None:
+        raise ValueError(f"the wide int8_group path takes bfloat16 x and groups, not {x.dtype}, {w.meta.group_size}")
+    p = w.parts
+    return F.linear(x, native_ops.q8g_to_bf16(p["qweight"], p["scales"], p["zeros"], w.meta.group_size), bias)
+
+
 def _int4_op(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     sz = w.parts["scales_and_zeros"].to(x.dtype)  # the op wants x's dtype
     y = torch._weight_int4pack_mm_for_cpu(_as_2d(x), w.parts["qweight"], w.meta.group_size, sz)
@@ -255,6 +280,7 @@ PATHS: dict[str, dict[str, Callable[..., torch.Tensor]]] = {
             D.CODES_WIDE: _codes_wide},
     "fp8_block": {D.FP8_BLOCK_BITS: _fp8_block_bits, D.FP8_NATIVE: _fp8_native, D.FP8_AVX2: _fp8_avx2,
                   D.FP8_AMX: _fp8_native, D.CODES_WIDE: _codes_wide},
+    "int8_group": {D.INT8G_AVX2: _int8_group_avx2, D.INT8G_AVX512: _int8_group_avx512, D.INT8G_WIDE: _int8_group_wide},
 }
 
 

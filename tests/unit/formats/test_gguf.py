@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 from support.daemon import DaemonProc, new_runtime_dir, remove_runtime_dir
+from support.tiny_gguf import F16_FIELDS, gguf_dense, random_blocks, write_tiny_gguf
 
 from keepwarm.formats.errors import QuantizationError
 from keepwarm.formats.gguf import QUANT_TYPES, decode, dequantize_dense
@@ -24,39 +25,6 @@ from keepwarm.weights.checkpoint import Checkpoint
 from keepwarm.weights.convert import convert_gguf, plan_gguf
 from keepwarm.weights.loader import build_arena, plan_arena
 from keepwarm.worker.attach import model_tensors
-
-# Where each type keeps its float16 scale fields in a block (the rest of a block is any bytes).
-F16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q2_K": (80, 82),
-              "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,)}
-# float16 scales at their edges: zeros of both signs, the smallest subnormal and normal, the largest finite ones
-F16_EDGES = np.array([0.0, -0.0, 2.0 ** -24, -(2.0 ** -14), 65504.0, -65504.0, 1.0, -1.0], dtype=np.float16)
-
-
-def random_blocks(type_name: str, n: int, k: int, seed: int, edges: bool = False) -> np.ndarray:
-    """Valid blocks of `type_name` for an [n, k] weight: random codes and sub-scales, sane float16 scales (a plain
-    type: random values, as its bytes). ``edges``: row 0 all 0x00 bytes, row 1 all 0xFF (the sub-scales and codes at
-    both ends: Q3_K / IQ4_XS sub-scales -32 and 31), row 2's first scales F16_EDGES."""
-    rng = np.random.default_rng(seed)
-    if type_name in ("F32", "F16", "BF16"):
-        v = rng.normal(0, 0.05, size=(n, k)).astype(np.float32)
-        typed = {"F32": v, "F16": v.astype(np.float16), "BF16": (v.view(np.uint32) >> 16).astype(np.uint16)}
-        return typed[type_name].view(np.uint8).reshape(n, -1)
-    _, per_block, block_bytes, _ = QUANT_TYPES[type_name]
-    raw = rng.integers(0, 256, size=(n, k // per_block, block_bytes), dtype=np.uint8)
-    if edges:
-        raw[0], raw[1] = 0x00, 0xFF
-    for pos in F16_FIELDS[type_name]:
-        scale = rng.uniform(-0.01, 0.01, size=(n, k // per_block)).astype(np.float16)
-        if edges:
-            scale[2, :len(F16_EDGES)] = F16_EDGES[:k // per_block]
-        raw[..., pos:pos + 2] = scale.view(np.uint8).reshape(n, k // per_block, 2)
-    return raw.reshape(n, -1)
-
-
-def gguf_dense(type_name: str, raw: np.ndarray) -> torch.Tensor:
-    """The `gguf` package's own dequantization (numpy, float32): the independent reference."""
-    dense = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[type_name])
-    return torch.from_numpy(np.ascontiguousarray(dense)).float()
 
 
 @pytest.mark.parametrize("type_name", sorted(QUANT_TYPES))
@@ -116,7 +84,6 @@ def test_fused_weights_of_mixed_types_convert_exactly(types: tuple[str, ...], sc
 # Tiny llamas with K = 256 / 512 (K-quants need multiples of 256) and a type per projection. "legacy": layer 0 fuses
 # Q4_K with Q6_K (stored as int8 groups of 16); in layer 1 Q4_0 and Q4_1 are torch's int4 groups of 32, Q4_K int8
 # groups; layer 2 is plain. "kquant_iq4": the other types, each fused weight a mix, and a Q3_K token embedding.
-HIDDEN, INTER, HEADS, KV_HEADS, VOCAB = 256, 512, 4, 2, 512
 TYPES = [
     {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q8_0", "ffn_gate": "Q5_K",
      "ffn_up": "Q5_K", "ffn_down": "Q6_K"},
@@ -147,72 +114,6 @@ MODELS = {
         "2.self_attn.qkv_proj": ("int8_group", 16), "2.self_attn.o_proj": ("int8_group", 32),
         "2.mlp.gate_up_proj": ("int8_group", 32), "2.mlp.down_proj": ("int8_group", 16)}),
 }
-HF = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-      "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-      "ffn_down": "mlp.down_proj"}
-
-
-def _shape(proj: str) -> tuple[int, int]:
-    hd = HIDDEN // HEADS
-    return {"attn_q": (HIDDEN, HIDDEN), "attn_k": (KV_HEADS * hd, HIDDEN), "attn_v": (KV_HEADS * hd, HIDDEN),
-            "attn_output": (HIDDEN, HIDDEN), "ffn_gate": (INTER, HIDDEN), "ffn_up": (INTER, HIDDEN),
-            "ffn_down": (HIDDEN, INTER)}[proj]
-
-
-def write_tiny_gguf(path: Path, extra: dict[str, tuple[str, np.ndarray]] | None = None,
-                    types: list[dict[str, str]] | None = None, embed_type: str = "F32") -> dict[str, torch.Tensor]:
-    """Write the tiny llama (a layer per entry of ``types``, default TYPES; the token embedding in ``embed_type``,
-    output tied to it); returns its expected dense weights (Hugging Face names and row order)."""
-    types = TYPES if types is None else types
-    from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
-
-    unpermute = LlamaTensorProcessor(config={"num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS})
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_block_count(len(types))
-    w.add_context_length(256)
-    w.add_embedding_length(HIDDEN)
-    w.add_feed_forward_length(INTER)
-    w.add_head_count(HEADS)
-    w.add_head_count_kv(KV_HEADS)
-    w.add_rope_freq_base(10000.0)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_vocab_size(VOCAB)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    rng = np.random.default_rng(0)
-    expected: dict[str, torch.Tensor] = {}
-    if embed_type == "F32":
-        embed = rng.normal(0, 0.5, size=(VOCAB, HIDDEN)).astype(np.float32)
-        w.add_tensor("token_embd.weight", embed)
-        expected["model.embed_tokens.weight"] = torch.from_numpy(embed)
-    else:
-        raw = random_blocks(embed_type, VOCAB, HIDDEN, seed=7)
-        w.add_tensor("token_embd.weight", raw, raw_dtype=gguf.GGMLQuantizationType[embed_type])
-        expected["model.embed_tokens.weight"] = gguf_dense(embed_type, raw)
-    w.add_tensor("output_norm.weight", np.ones(HIDDEN, dtype=np.float32))
-    expected["model.norm.weight"] = torch.ones(HIDDEN)
-    for i, layer in enumerate(types):
-        for norm, hf in (("attn_norm", "input_layernorm"), ("ffn_norm", "post_attention_layernorm")):
-            v = rng.uniform(0.5, 1.5, HIDDEN).astype(np.float32)
-            w.add_tensor(f"blk.{i}.{norm}.weight", v)
-            expected[f"model.layers.{i}.{hf}.weight"] = torch.from_numpy(v)
-        for proj, type_name in layer.items():
-            n, k = _shape(proj)
-            raw = random_blocks(type_name, n, k, seed=100 * i + len(proj))
-            qtype = gguf.GGMLQuantizationType[type_name]
-            name = f"blk.{i}.{proj}.weight"
-            w.add_tensor(name, raw, raw_dtype=qtype)
-            dense = gguf.quants.dequantize(raw, qtype)
-            dense = unpermute.process(dense, name).weights  # transformers' own un-permutation of Q and K
-            expected[f"model.layers.{i}.{HF[proj]}.weight"] = torch.from_numpy(np.ascontiguousarray(dense)).float()
-    for name, (type_name, raw) in (extra or {}).items():
-        w.add_tensor(name, raw, raw_dtype=gguf.GGMLQuantizationType[type_name])
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return expected
-
 
 @pytest.fixture(scope="module")
 def gguf_models(tmp_path_factory, tiny_llama):
@@ -227,7 +128,7 @@ def gguf_models(tmp_path_factory, tiny_llama):
                 if f.suffix != ".safetensors" and f.name not in ("config.json", "generation_config.json"):
                     shutil.copy(f, d / f.name)
             types, embed_type, _ = MODELS[name]
-            written[name] = d / "tiny.gguf", write_tiny_gguf(d / "tiny.gguf", types=types, embed_type=embed_type)
+            written[name] = d / "tiny.gguf", write_tiny_gguf(d / "tiny.gguf", types, embed_type=embed_type)
         return written[name]
     return get
 
@@ -309,11 +210,11 @@ def bad_gguf(case: str, tmp_path: Path, tiny_gguf_path: Path) -> Path:
     elif case.startswith("unsupported_"):  # a type the package knows but keepwarm does not run
         type_name = case.removeprefix("unsupported_")
         _, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[type_name]]
-        write_tiny_gguf(out, {"blk.0.extra.weight": (type_name, np.zeros((4, block_bytes), dtype=np.uint8))})
+        write_tiny_gguf(out, TYPES, {"blk.0.extra.weight": (type_name, np.zeros((4, block_bytes), dtype=np.uint8))})
     elif case == "plain_and_quantized_fused":  # q in F16 beside k and v quantized: one fused weight, two layouts
-        write_tiny_gguf(out, types=[{**TYPES[0], "attn_q": "F16"}])
+        write_tiny_gguf(out, [{**TYPES[0], "attn_q": "F16"}])
     else:  # a tensor type number no GGUF version defines
-        write_tiny_gguf(out)
+        write_tiny_gguf(out, TYPES)
         data = bytearray(out.read_bytes())
         name = b"blk.1.ffn_down.weight"
         at = data.index(name) + len(name) + 4 + 2 * 8  # after the name: n_dims (u32), two dims (u64 each)

@@ -1,0 +1,198 @@
+/* The int8_group matmul's body, written once for a vector of LANES float32 lanes and included by its two files:
+ * gemm_int8_group_avx2.c (LANES 8, kw_q8group) and gemm_int8_group_avx512.c (LANES 16, kw_q8group512). Each defines
+ * first: VEC, LANES, XB (rows of x per register block), ENTRY (the entry point's name) and the vector operations
+ * v_zero, v_set1, v_load, v_store_u (unaligned), v_load_a, v_store_a (aligned), v_add, v_mul, v_fma (a * b + c),
+ * v_codes (LANES int8 codes as float32, exactly), v_widen (LANES bf16 as float32) and v_hsum (the lanes added in
+ * one fixed tree). Prefetches (interleaved A/B, one thread): the next 8 rows during an M == 1 block (0.64-0.82x
+ * the time of prefetching each row 256 bytes ahead), the next 4 rows during a conversion (0.85-0.95x at M = 8).
+ *
+ *   out[m, n] = bf16( sum_k x[m, k] * (q[n, k] * s[n, g(k)])  +  sum_g z[n, g] * xs[m, g] )
+ *
+ * What it computes and in which order: gemm_int8_group_avx2.c's header. Threads split N in blocks of NB rows.
+ */
+#ifndef GEMM_INT8_GROUP_H
+#define GEMM_INT8_GROUP_H
+
+#define NB 8  /* weight rows in lockstep at M == 1, and per block of a thread */
+#define WB 4  /* M > 1: weight rows per register block (times XB rows of x) */
+#define MC 48 /* rows of x per chunk: its float32 copy stays in L2 while every weight block of a thread passes */
+
+typedef struct {
+    const uint16_t *x, *s, *z;
+    const int8_t *q;
+    uint16_t *out;
+    int64_t M, N, K, gs, G, Gp; /* Gp: G rounded up to LANES (the scratch rows' stride, zero beyond G) */
+    atomic_int fail;
+} g8_t;
+
+/* bf16 [n] -> float32 [n], then zeros up to np (a multiple of LANES) */
+static void g8_widen(const uint16_t *src, int64_t n, float *dst, int64_t np) {
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES) v_store_u(dst + i, v_widen(src + i));
+    for (; i < n; i++) dst[i] = bf16f(src[i]);
+    for (; i < np; i++) dst[i] = 0.0f;
+}
+
+/* rows m0 .. m0+mr-1 of x as float32 [mr][K] and their group sums [mr][Gp] (LANES lanes, then v_hsum) */
+static void g8_x(const g8_t *a, int64_t m0, int64_t mr, float *x32, float *xs) {
+    const int64_t K = a->K, gs = a->gs;
+    for (int64_t r = 0; r < mr; r++) {
+        float *xr = x32 + r * K, *sr = xs + r * a->Gp;
+        g8_widen(a->x + (m0 + r) * K, K, xr, K);
+        for (int64_t g = 0; g < a->G; g++) {
+            VEC acc = v_zero();
+            for (int64_t k = g * gs; k < (g + 1) * gs; k += LANES) acc = v_add(acc, v_load(xr + k));
+            sr[g] = v_hsum(acc);
+        }
+        for (int64_t g = a->G; g < a->Gp; g++) sr[g] = 0.0f;
+    }
+}
+
+/* the zero term's lanes for one weight row (zf: its zeros as float32 [Gp]) and one row of x's group sums */
+static inline VEC g8_zterm(const float *zf, const float *xs, int64_t Gp) {
+    VEC t = v_zero();
+    for (int64_t g = 0; g < Gp; g += LANES) t = v_fma(v_load(zf + g), v_load(xs + g), t);
+    return t;
+}
+
+/* M == 1: rows n .. n+nr-1 (nr <= NB) in lockstep, each code times its scale in registers. sf, zf: the rows' scales
+ * and zeros as float32 [nr][Gp]. Inlined with nr = NB and as is, so the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void g8_rows_1(const g8_t *a, int64_t n, int nr, const float *sf,
+                                                            const float *zf, const float *x32, const float *xs,
+                                                            uint16_t *out) {
+    const int64_t K = a->K, gs = a->gs, Gp = a->Gp;
+    const int8_t *w = a->q + n * K;
+    VEC acc[NB];
+    for (int i = 0; i < NB; i++) acc[i] = v_zero();
+    for (int64_t g = 0, k = 0; g < a->G; g++) {
+        /* the next block's rows (NB * K bytes right after these) fetched over this block's groups */
+        for (int64_t b = 0; b < NB * gs; b += 64)
+            _mm_prefetch((const char *)(w + NB * K + g * NB * gs + b), _MM_HINT_T0);
+        for (int64_t end = k + gs; k < end; k += LANES) {
+            VEC xv = v_load(x32 + k);
+            for (int i = 0; i < nr; i++) acc[i] = v_fma(xv, v_mul(v_codes(w + i * K + k), v_set1(sf[i * Gp + g])),
+                                                        acc[i]);
+        }
+    }
+    for (int i = 0; i < nr; i++) out[n + i] = f32_to_bf16(v_hsum(v_add(acc[i], g8_zterm(zf + i * Gp, xs, Gp))));
+}
+
+static void g8_rows_1_any(const g8_t *a, int64_t n, int nr, const float *sf, const float *zf, const float *x32,
+                          const float *xs, uint16_t *out) {
+    if (nr == NB)
+        g8_rows_1(a, n, NB, sf, zf, x32, xs, out);
+    else
+        g8_rows_1(a, n, nr, sf, zf, x32, xs, out);
+}
+
+/* rows n .. n+nr-1 of q times their scales (sf [nr][Gp]) into w [nr][K] (exact) */
+static void g8_convert(const g8_t *a, int64_t n, int nr, const float *sf, float *w) {
+    const int64_t K = a->K, gs = a->gs;
+    for (int i = 0; i < nr; i++) {
+        const int8_t *src = a->q + (n + i) * K;
+        for (int64_t g = 0, k = 0; g < a->G; g++) {
+            VEC sb = v_set1(sf[i * a->Gp + g]);
+            for (int64_t b = 0; b < gs; b += 64) /* the next WB rows, converted next */
+                _mm_prefetch((const char *)(src + WB * K + k + b), _MM_HINT_T0);
+            for (int64_t end = k + gs; k < end; k += LANES) v_store_a(w + i * K + k, v_mul(v_codes(src + k), sb));
+        }
+    }
+}
+
+/* chunk rows c .. c+xr-1 (xr <= XB; rows m0 + c ... of out) against the wr (<= WB) converted weight rows w, whose
+ * outputs are columns n ...; inlined with constant wr and xr */
+static inline __attribute__((always_inline)) void g8_block(const g8_t *a, int64_t n, int wr, const float *w,
+                                                           const float *zf, int64_t m0, int64_t c, int xr,
+                                                           const float *x32, const float *xs) {
+    const int64_t K = a->K, Gp = a->Gp;
+    const float *x0 = x32 + c * K;
+    VEC acc[WB][XB];
+    for (int i = 0; i < WB; i++)
+        for (int j = 0; j < XB; j++) acc[i][j] = v_zero();
+    for (int64_t k = 0; k < K; k += LANES) {
+        VEC xv[XB];
+        for (int j = 0; j < xr; j++) xv[j] = v_load(x0 + j * K + k);
+        for (int i = 0; i < wr; i++) {
+            VEC wv = v_load_a(w + i * K + k);
+            for (int j = 0; j < xr; j++) acc[i][j] = v_fma(xv[j], wv, acc[i][j]);
+        }
+    }
+    for (int i = 0; i < wr; i++)
+        for (int j = 0; j < xr; j++)
+            a->out[(m0 + c + j) * a->N + n + i] =
+                f32_to_bf16(v_hsum(v_add(acc[i][j], g8_zterm(zf + i * Gp, xs + (c + j) * Gp, Gp))));
+}
+
+/* every row of the chunk (mr rows from m0) against wr (<= WB) weight rows from n, converted in w */
+static void g8_chunk(const g8_t *a, int64_t n, int wr, const float *w, const float *zf, int64_t m0, int64_t mr,
+                     const float *x32, const float *xs) {
+    int64_t c = 0;
+    if (wr == WB) {
+        for (; c + XB <= mr; c += XB) g8_block(a, n, WB, w, zf, m0, c, XB, x32, xs);
+        for (; c + 2 <= mr; c += 2) g8_block(a, n, WB, w, zf, m0, c, 2, x32, xs);
+        if (c < mr) g8_block(a, n, WB, w, zf, m0, c, 1, x32, xs);
+    } else {
+        for (; c + XB <= mr; c += XB) g8_block(a, n, wr, w, zf, m0, c, XB, x32, xs);
+        for (; c < mr; c++) g8_block(a, n, wr, w, zf, m0, c, 1, x32, xs);
+    }
+}
+
+/* the scratch of a thread: x chunk [mc][K], its group sums [mc][Gp], WB converted rows [WB][K], the scales and
+ * zeros of a block [NB][Gp] each; NULL without memory */
+static float *g8_scratch(const g8_t *a, int64_t mc) {
+    static __thread kw_buf scratch;
+    return kw_scratch(&scratch, (size_t)((mc + WB) * a->K + (mc + 2 * NB) * a->Gp) * sizeof(float));
+}
+
+static void g8_slice(const void *arg, int t, int nthreads) {
+    g8_t *a = (g8_t *)arg;
+    const int64_t K = a->K, Gp = a->Gp;
+    int64_t blocks = (a->N + NB - 1) / NB, per = (blocks + nthreads - 1) / nthreads;
+    int64_t n0 = t * per * NB, n1 = (t + 1) * per * NB, mc = a->M < MC ? a->M : MC;
+    if (n1 > a->N) n1 = a->N;
+    if (n0 >= n1) return;
+    float *x32 = g8_scratch(a, mc);
+    if (!x32) {
+        atomic_store(&a->fail, 1);
+        return;
+    }
+    float *w = x32 + mc * K, *xs = w + WB * K, *sf = xs + mc * Gp, *zf = sf + NB * Gp;
+    for (int64_t m0 = 0; m0 < a->M; m0 += mc) {
+        int64_t mr = a->M - m0 < mc ? a->M - m0 : mc;
+        g8_x(a, m0, mr, x32, xs);
+        for (int64_t n = n0; n < n1; n += NB) {
+            int nr = n1 - n < NB ? (int)(n1 - n) : NB;
+            for (int i = 0; i < nr; i++) {
+                g8_widen(a->s + (n + i) * a->G, a->G, sf + i * Gp, Gp);
+                g8_widen(a->z + (n + i) * a->G, a->G, zf + i * Gp, Gp);
+            }
+            if (mr == 1) { /* one row of x: the codes in registers, one pass */
+                g8_rows_1_any(a, n, nr, sf, zf, x32, xs, a->out + m0 * a->N);
+                continue;
+            }
+            for (int b = 0; b < nr; b += WB) {
+                int wr = nr - b < WB ? nr - b : WB;
+                g8_convert(a, n + b, wr, sf + b * Gp, w);
+                g8_chunk(a, n + b, wr, w, zf + b * Gp, m0, mr, x32, xs);
+            }
+        }
+    }
+}
+
+/* x: bf16 [M, K]; q: int8 [N, K]; s, z: bf16 [N, K / gs], gs a multiple of 16. 0, -1 on bad sizes, -2 when a
+ * thread's scratch could not be allocated. Declared here, not in kw.h: kernels/native_ops.py binds it. */
+int ENTRY(const uint16_t *x, const int8_t *q, const uint16_t *s, const uint16_t *z, uint16_t *out, int64_t M,
+          int64_t N, int64_t K, int64_t gs, int nthreads);
+
+int ENTRY(const uint16_t *x, const int8_t *q, const uint16_t *s, const uint16_t *z, uint16_t *out, int64_t M,
+          int64_t N, int64_t K, int64_t gs, int nthreads) {
+    if (M < 1 || N < 1 || gs < 16 || gs % 16 || K < gs || K % gs) return -1;
+    nthreads = kw_threads(nthreads);
+    if (N < 32 * nthreads) nthreads = 1;
+    int64_t G = K / gs;
+    g8_t a = {x, s, z, q, out, M, N, K, gs, G, (G + LANES - 1) / LANES * LANES, 0};
+    kw_run(g8_slice, &a, nthreads);
+    return atomic_load(&a.fail) ? -2 : 0;
+}
+
+#endif /* GEMM_INT8_GROUP_H */
