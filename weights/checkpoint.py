@@ -248,12 +248,14 @@ class Checkpoint:
         shape = (sum(n for n, _ in shapes), shapes[0][1])
         return FusedTensor(name, tuple(parts), torch.uint8, shape, tuple(roles), tuple(shapes))
 
-    def plan_quantized(self, t: FusedTensor, act_dtype: torch.dtype, device_type: str) -> QuantMeta | None:
-        """A pre-quantized tensor's arena layout (headers only); None: it is stored dense (a GGUF embedding)."""
+    def plan_quantized(self, t: FusedTensor, act_dtype: torch.dtype, device_type: str, name: str | None = None,
+                       ) -> QuantMeta | None:
+        """A pre-quantized tensor's arena layout (headers only); None: it is stored dense (a GGUF embedding).
+        ``name``: the weight it is stored as, when not ``t``'s (a tied GGUF ``lm_head`` from the token embedding)."""
         assert self.quant is not None and t.roles
         if self.quant.kind != "gguf":
             return plan_weight(self.quant, t.dense_shapes, act_dtype, device_type)
-        if not is_quantized_target(t.name):
+        if not is_quantized_target(name or t.name) and name != "lm_head.weight":
             if len(t.parts) != 1:
                 raise QuantizationError(f"{t.name}: a fused GGUF tensor that is not a projection")
             return None

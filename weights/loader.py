@@ -95,10 +95,9 @@ def plan_arena(ckpt: Checkpoint, quantization: str, dtype: torch.dtype, device_t
     quantization = ckpt.resolve_quantization(quantization)
     packing = quantization == "none" and device_type == "cpu" and packing_available(dtype)
     sources: list[tuple[str, FusedTensor, bool]] = [(t.name, t, False) for t in ckpt.tensors]
-    if packing and ckpt.config.tie_word_embeddings and all(t.name != _LM_HEAD for t in ckpt.tensors):
-        embed = next((t for t in ckpt.tensors if t.name == _EMBED), None)
-        if embed is not None:
-            sources.append((_LM_HEAD, embed, True))
+    head = _derived_head(ckpt, packing, dtype, device_type)
+    if head is not None:
+        sources.append((_LM_HEAD, head, True))
     planned: list[PlannedTensor] = []
     offset = 0
     for name, t, derived in sources:
@@ -106,7 +105,7 @@ def plan_arena(ckpt: Checkpoint, quantization: str, dtype: torch.dtype, device_t
         packed = packing and _packs(name, t)
         meta = None
         if t.roles:
-            meta = ckpt.plan_quantized(t, dtype, device_type)
+            meta = ckpt.plan_quantized(t, dtype, device_type, name)
             layout = layout_parts(meta, dtype) if meta is not None else {"": (dtype, t.shape)}
             quantized = True
         elif quantized:
@@ -120,6 +119,22 @@ def plan_arena(ckpt: Checkpoint, quantization: str, dtype: torch.dtype, device_t
         entries, offset = place(name, layout, offset)
         planned.append(PlannedTensor(t, quantized, entries, packed, derived, meta))
     return planned, offset
+
+
+def _derived_head(ckpt: Checkpoint, packing: bool, dtype: torch.dtype, device_type: str) -> FusedTensor | None:
+    """The embedding a tied ``lm_head`` is stored from, or None (the model then multiplies by the embedding): a
+    packed copy on a packing CPU; for a GGUF file in bfloat16 on the CPU, the file's own quantized token_embd blocks
+    converted as a projection (exact where the dense bf16 embedding rounds them; 1/2 to 1/4 of its bytes a step)."""
+    if not ckpt.config.tie_word_embeddings or any(t.name == _LM_HEAD for t in ckpt.tensors):
+        return None
+    embed = next((t for t in ckpt.tensors if t.name == _EMBED), None)
+    if embed is None:
+        return None
+    if packing:
+        return embed
+    gguf_head = (device_type == "cpu" and dtype == torch.bfloat16 and embed.roles
+                 and ckpt.plan_quantized(embed, dtype, device_type, _LM_HEAD) is not None)
+    return embed if gguf_head else None
 
 
 def place(weight: str, layout: PartsLayout, offset: int) -> tuple[list[TensorEntry], int]:
