@@ -288,8 +288,9 @@ def test_fp8_as_float16_every_code() -> None:
 
 # ---------------------------------------------------------------------------------------------- paths vs reference
 NATIVE = (dispatch.INT8_NATIVE, dispatch.FP8_NATIVE, dispatch.INT8_AMX,  # the AMX names: same function
-          dispatch.FP8_AMX, dispatch.CODES_WIDE)
-AVX2 = (dispatch.INT8_AVX2, dispatch.INT4_AVX2, dispatch.FP8_AVX2)  # bfloat16 only; callable wherever a build loaded
+          dispatch.FP8_AMX, dispatch.CODES_WIDE, dispatch.INT8G_AVX512)
+AVX2 = (dispatch.INT8_AVX2, dispatch.INT4_AVX2, dispatch.FP8_AVX2,  # bfloat16 only; callable wherever a build loaded
+        dispatch.INT8G_AVX2, dispatch.INT8G_WIDE)
 
 
 def _cases() -> list[tuple[str, str]]:
@@ -305,7 +306,21 @@ def fp8_block_weight(w: torch.Tensor, gs: int) -> QuantizedWeight:
     return QuantizedWeight.from_parts(QuantMeta("fp8_block", "fp8_block", gs, (n, k)), {"qweight": q, "scales": scales})
 
 
+def int8_group_weight(w: torch.Tensor, gs: int, dtype: torch.dtype) -> QuantizedWeight:
+    """A pre-quantized int8_group weight (what GGUF Q8_0 / K-quants load as): per group of `gs` columns a scale and
+    a zero in `dtype`, codes -128..127."""
+    n, k = w.shape
+    groups = w.float().view(n, k // gs, gs)
+    lo, hi = groups.amin(dim=-1), groups.amax(dim=-1)
+    scales, zeros = ((hi - lo) / 255).clamp(min=1e-8).to(dtype), ((hi + lo) / 2).to(dtype)
+    q = ((groups - zeros.float()[..., None]) / scales.float()[..., None]).round().clamp(-128, 127)
+    return QuantizedWeight.from_parts(QuantMeta("int8_group", "int8_group", gs, (n, k)),
+                                      {"qweight": q.to(torch.int8).view(n, k), "scales": scales, "zeros": zeros})
+
+
 def _quantized(scheme: str, n: int, k: int, dtype: torch.dtype, seed: int) -> QuantizedWeight:
+    if scheme == "int8_group":  # only checkpoints (GGUF) have it: groups of 32 for even seeds, 16 for odd ones
+        return int8_group_weight(_weight(n, k, seed=seed), 32 if seed % 2 == 0 else 16, dtype)
     if scheme == "fp8_block":  # only checkpoints have it: per channel for even seeds, blocks of 32 for odd ones
         return fp8_block_weight(_weight(n, k, seed=seed), k if seed % 2 == 0 else 32)
     return QuantizedWeight.from_parts(*quantize(_weight(n, k, seed=seed), scheme, dtype))
