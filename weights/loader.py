@@ -11,8 +11,8 @@ Rules (why, with the measurements: docs/architecture.md, "Data path"):
   and ``lm_head.weight`` are stored ``mkldnn_packed``; a tied head is a packed copy of the embedding (which stays
   plain), counted neither in the fingerprint nor in progress: both stay functions of the checkpoint.
 - A pre-quantized checkpoint's projections are read whole and converted by :mod:`keepwarm.weights.convert`, never
-  re-quantized; its dynamic activation quantization, if any, is logged as run weight-only. A tied GGUF head in
-  bfloat16 on the CPU is the file's quantized token_embd converted as a projection (derived, like the packed copy).
+  re-quantized (its activation quantization logged as run weight-only); a tied GGUF head in bf16 on the CPU is the
+  file's quantized token_embd converted as a projection (derived, as the packed copy is).
 """
 
 from __future__ import annotations
