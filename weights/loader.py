@@ -10,9 +10,8 @@ Rules (why, with the measurements: docs/architecture.md, "Data path"):
 - Quantization "none" on a CPU that packs (:func:`keepwarm.kernels.cpu_packed.packing_available`): the linear weights
   and ``lm_head.weight`` are stored ``mkldnn_packed``; a tied head is a packed copy of the embedding (which stays
   plain), counted neither in the fingerprint nor in progress: both stay functions of the checkpoint.
-- A pre-quantized checkpoint's projections are read whole and converted by :mod:`keepwarm.weights.convert`, never
-  re-quantized (its activation quantization logged as run weight-only); a tied GGUF head in bf16 on the CPU is the
-  file's quantized token_embd converted as a projection (derived, as the packed copy is).
+- A pre-quantized checkpoint's projections are converted by :mod:`keepwarm.weights.convert`, never re-quantized
+  (activation quantization logged as run weight-only); a tied GGUF head in bf16 on the CPU is its quantized embedding.
 """
 
 from __future__ import annotations
