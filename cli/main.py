@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 
 from keepwarm.cli import (
+    bench_llamacpp,  # noqa: F401  (registers `bench llamacpp`)
     bench_lora,  # noqa: F401  (registers `bench lora`)
     bench_profile,  # noqa: F401  (registers `bench profile`)
     bench_serving,  # noqa: F401  (registers `bench restart` and `bench serving`)
