@@ -28,6 +28,7 @@ from keepwarm.worker.models.layers import (
     VocabParallelEmbedding,
     WeightBindError,
 )
+from keepwarm.worker.models.native_step import DecodeStep
 
 
 @dataclass
@@ -214,9 +215,14 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
                 kv: KVCache) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
-        residual = None
-        for layer in self.model.layers:
-            x, residual = layer(positions, x, residual, self.cos_sin, attn, kv)
+        step = DecodeStep.of(self, kv, _PLAIN) if x.device.type == "cpu" else None
+        done = None if step is None else step.run(x, attn)
+        if done is not None:  # every layer in one C call: a decode-only CPU step (native_step.py)
+            x, residual = done
+        else:
+            residual = None
+            for layer in self.model.layers:
+                x, residual = layer(positions, x, residual, self.cos_sin, attn, kv)
         x, _ = self.model.norm(x, residual)
         return x
 
@@ -224,3 +230,7 @@ class LlamaForCausalLM(nn.Module):
         # In the model's dtype, then float32 for sampling: the same rounding as transformers' generate. Through
         # kernels.linear so a packed head (PackedWeight) takes its fast path.
         return kernels.linear(hidden, self.lm_head.weight).float()
+
+
+# The classes worker/models/native_step.py's C step computes exactly (a subclass changes the layer).
+_PLAIN = (LlamaForCausalLM, LlamaDecoderLayer, LlamaAttention, LlamaMLP)
