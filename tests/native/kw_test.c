@@ -7,7 +7,9 @@
  *   and its bits unchanged by the thread count; the AVX512-BF16 / VBMI / AMX kernels where the build has them and
  *   the CPU runs them;
  * - the decode attention against a scalar reference, and a plan reading outside the cache refused;
- * - the glue (RMSNorm, rotary, KV store) and the int8 quantization against scalar references.
+ * - the glue (RMSNorm, rotary, KV store) and the int8 quantization against scalar references;
+ * - the native decode step (step.c): two layers of int8-group and bf16 weights equal, bit for bit, the same entry
+ *   points called one by one, at 1 and 2 threads; a weight of no known kind refused with its layer and op.
  * Exits 1 on the first mismatch (with what and where), 0 when everything matched.
  */
 #include <math.h>
@@ -18,6 +20,8 @@
 #include <string.h>
 #include <sys/wait.h>
 #include <unistd.h>
+
+#include <immintrin.h>
 
 #include "kw.h"
 
@@ -479,6 +483,146 @@ static void test_quant_int8(void) {
     free(w), free(sc), free(q);
 }
 
+/* ---- the native decode step (step.c's structs, as kernels/cpu_step.py declares them) ---- */
+int kw_q8group(const uint16_t *x, const int8_t *q, const uint16_t *s, const uint16_t *z, uint16_t *out, int64_t M,
+               int64_t N, int64_t K, int64_t gs, int nthreads);
+int kw_silu_mul(const uint16_t *gu, uint16_t *out, int64_t T, int64_t I, const void *exp8);
+typedef struct {
+    int64_t kind;
+    const void *q;
+    const uint16_t *s, *z;
+    int64_t N, K, gs, B;
+} st_lin;
+typedef struct {
+    const uint16_t *in_norm, *post_norm;
+    uint16_t *kc, *vc;
+    st_lin qkv, o, gate_up, down;
+} st_layer;
+typedef struct {
+    int64_t L, H, Hq, Hk, D, I, num_blocks, bs;
+    float eps, scale, softcap, unused;
+    const void *exp8;
+} st_model;
+int kw_decode_step(const st_model *m, const st_layer *layers, uint16_t *x, uint16_t *res, int64_t T,
+                   const float *cos, const float *sin, int64_t cs, const int64_t *slots, const int64_t *plan,
+                   int nthreads);
+
+__attribute__((target("avx2"))) static __m256 exp8_scalar(__m256 v) { /* any expf: both sides use the same */
+    float f[8];
+    _mm256_storeu_ps(f, v);
+    for (int i = 0; i < 8; i++) f[i] = expf(f[i]);
+    return _mm256_loadu_ps(f);
+}
+
+static uint16_t *bf16s(int64_t n, float scale) {
+    uint16_t *p = xalloc((size_t)n * 2);
+    for (int64_t i = 0; i < n; i++) p[i] = bfr(scale);
+    return p;
+}
+
+static st_lin step_lin(int64_t kind, int64_t N, int64_t K) { /* kind 1: int8 groups of 32; 6: bf16 */
+    st_lin w = {kind, NULL, NULL, NULL, N, K, 32, 0};
+    if (kind == 6) {
+        w.q = bf16s(N * K, 0.1f);
+        return w;
+    }
+    int8_t *q = xalloc((size_t)(N * K));
+    for (int64_t i = 0; i < N * K; i++) q[i] = (int8_t)(rnd() % 255 - 127);
+    w.q = q, w.s = bf16s(N * K / 32, 0.002f), w.z = bf16s(N * K / 32, 0.01f);
+    return w;
+}
+
+/* the step's composition, entry point by entry point (step.c's layer(), written apart) */
+static void step_by_ops(const st_model *m, const st_layer *ly, uint16_t *x, uint16_t *res, int64_t T,
+                        const float *cos, const float *sin, const int64_t *slots, const int64_t *plan) {
+    const int64_t H = m->H, D = m->D, nq = (m->Hq + 2 * m->Hk) * D, hq = m->Hq * D, hk = m->Hk * D;
+    uint16_t *h = xalloc((size_t)(T * H) * 2), *qkv = xalloc((size_t)(T * nq) * 2), *qo = xalloc((size_t)(T * hq) * 2);
+    uint16_t *ko = xalloc((size_t)(T * hk) * 2), *ao = xalloc((size_t)(T * hq) * 2);
+    uint16_t *gu = xalloc((size_t)(T * 2 * m->I) * 2), *act = xalloc((size_t)(T * m->I) * 2);
+    float *xf = xalloc((size_t)(T * 2 * m->I) * 4);
+    for (int64_t l = 0; l < m->L; l++, ly++) {
+        const st_lin *lins[4] = {&ly->qkv, &ly->o, &ly->gate_up, &ly->down};
+        uint16_t *ins[4] = {h, ao, h, act}, *outs[4] = {qkv, x, gu, x};
+        for (int j = 0; j < 4; j++) {
+            if (j == 0) {
+                if (l == 0) memcpy(res, x, (size_t)(T * H) * 2);
+                kw_rms_norm(x, H, l ? res : NULL, H, ly->in_norm, h, l ? res : NULL, T, H, m->eps);
+            }
+            if (j == 1) {
+                kw_rotary_neox(qkv, nq, qkv + hq, nq, cos, sin, D, qo, ko, T, m->Hq, m->Hk, D);
+                kw_store_kv(ko, hk, qkv + hq + hk, nq, ly->kc, ly->vc, slots, T, m->Hk, D, m->num_blocks, m->bs);
+                kw_decode_attention(qo, hq, ly->kc, ly->vc, ao, plan, T, m->Hq, m->Hk, D, m->num_blocks, m->bs,
+                                    m->scale, 0.0f, 1);
+            }
+            if (j == 2) kw_rms_norm(x, H, res, H, ly->post_norm, h, res, T, H, m->eps);
+            if (j == 3) kw_silu_mul(gu, act, T, m->I, m->exp8);
+            const st_lin *w = lins[j];
+            if (w->kind == 1) {
+                kw_q8group(ins[j], w->q, w->s, w->z, outs[j], T, w->N, w->K, w->gs, 1);
+            } else {
+                for (int64_t i = 0; i < T * w->K; i += 16) /* kw_bgemm's split x */
+                    for (int k = 0; k < 8; k++)
+                        xf[i + k] = bf16f(ins[j][i + 2 * k]), xf[i + 8 + k] = bf16f(ins[j][i + 2 * k + 1]);
+                kw_bgemm(xf, w->q, outs[j], T, w->N, w->K, 1);
+            }
+        }
+    }
+    free(h), free(qkv), free(qo), free(ko), free(ao), free(gu), free(act), free(xf);
+}
+
+static void test_step(void) {
+    const int64_t L = 2, H = 64, Hq = 4, Hk = 2, D = 16, I = 96, nb = 4, bs = 4, T = 2, pool = Hk * nb * bs * D;
+    st_model m = {L, H, Hq, Hk, D, I, nb, bs, 1e-5f, 0.25f, 0.0f, 0.0f, (const void *)exp8_scalar};
+    st_layer ly[2];
+    uint16_t *pools[3][4]; /* the step at 1 and 2 threads, the composition: each its own K/V pools */
+    for (int64_t l = 0; l < L; l++) {
+        int64_t kind = l == 0 ? 1 : 6;
+        ly[l] = (st_layer){bf16s(H, 1.0f), bf16s(H, 1.0f), NULL, NULL, step_lin(kind, (Hq + 2 * Hk) * D, H),
+                           step_lin(kind, H, Hq * D), step_lin(kind, 2 * I, H), step_lin(kind, H, I)};
+        uint16_t *k0 = bf16s(pool, 1.0f), *v0 = bf16s(pool, 1.0f);
+        for (int c = 0; c < 3; c++) {
+            pools[c][2 * l] = xalloc((size_t)pool * 2), pools[c][2 * l + 1] = xalloc((size_t)pool * 2);
+            memcpy(pools[c][2 * l], k0, (size_t)pool * 2), memcpy(pools[c][2 * l + 1], v0, (size_t)pool * 2);
+        }
+        free(k0), free(v0);
+    }
+    /* sequence 0: 3 positions in block 2 (this step's at slot 10); sequence 1: 6 in blocks 0, 3 (slot 13) */
+    int64_t plan[3 + 3 * 2 + 2 * 2] = {T, 2, 0, 3, 6, 0, 0, 0, 0, 2, 0, 0, 3}, slots[2] = {10, 13};
+    float *cs = xalloc((size_t)(T * D) * 4);
+    for (int64_t i = 0; i < T * D; i++) cs[i] = unif();
+    uint16_t *x0 = bf16s(T * H, 1.0f), *x[3], *res[3];
+    for (int c = 0; c < 3; c++) {
+        x[c] = xalloc((size_t)(T * H) * 2), res[c] = xalloc((size_t)(T * H) * 2);
+        memcpy(x[c], x0, (size_t)(T * H) * 2);
+    }
+    for (int c = 0; c < 3; c++) {
+        for (int64_t l = 0; l < L; l++) ly[l].kc = pools[c][2 * l], ly[l].vc = pools[c][2 * l + 1];
+        if (c < 2)
+            CHECK(kw_decode_step(&m, ly, x[c], res[c], T, cs, cs + D / 2, D, slots, plan, c + 1) == 0,
+                  "step refused (%d threads)", c + 1);
+        else
+            step_by_ops(&m, ly, x[c], res[c], T, cs, cs + D / 2, slots, plan);
+    }
+    for (int c = 0; c < 2; c++) {
+        same_bits("step: output vs the entry points one by one", x[c], x[2], T * H);
+        same_bits("step: residual vs the entry points one by one", res[c], res[2], T * H);
+        for (int64_t l = 0; l < L; l++) same_bits("step: K pool", pools[c][2 * l], pools[2][2 * l], pool);
+    }
+    ly[1].qkv.kind = 99;
+    CHECK(kw_decode_step(&m, ly, x[0], res[0], T, cs, cs + D / 2, D, slots, plan, 1) == -(10 + 16 + 2),
+          "step: a weight of no known kind not refused as layer 1's qkv");
+    for (int c = 0; c < 3; c++) {
+        free(x[c]), free(res[c]);
+        for (int i = 0; i < 4; i++) free(pools[c][i]);
+    }
+    for (int64_t l = 0; l < L; l++) {
+        const st_lin *ws[4] = {&ly[l].qkv, &ly[l].o, &ly[l].gate_up, &ly[l].down};
+        for (int j = 0; j < 4; j++) free((void *)ws[j]->q), free((void *)ws[j]->s), free((void *)ws[j]->z);
+        free((void *)ly[l].in_norm), free((void *)ly[l].post_norm);
+    }
+    free(cs), free(x0);
+}
+
 int main(int argc, char **argv) {
     g_tsan = argc > 1 && !strcmp(argv[1], "--tsan");
     test_scratch();
@@ -512,6 +656,7 @@ int main(int argc, char **argv) {
     test_rotary();
     test_store_kv();
     test_quant_int8();
+    test_step();
     printf("kw_test: %d checks passed%s\n", atomic_load(&g_checks), g_tsan ? " (TSan: pool, no OpenMP / fork)" : "");
     return 0;
 }

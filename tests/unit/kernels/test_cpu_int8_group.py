@@ -30,7 +30,7 @@ from support.tiny_gguf import tiny_gguf_dir
 
 from keepwarm import LLM, SamplingParams, kernels
 from keepwarm.formats.quant import QuantMeta
-from keepwarm.kernels import cpu_native, dispatch, native_ops, quant
+from keepwarm.kernels import cpu_native, cpu_step, dispatch, native_ops, quant
 from keepwarm.kernels.quant import QuantizedWeight, linear_reference
 
 pytestmark = pytest.mark.skipif(not cpu_native.glue_on(), reason=f"native kernels: {cpu_native.reasons()[1]}")
@@ -218,6 +218,7 @@ def test_gguf_model_decodes_the_references_greedy_tokens(tiny_llama, tmp_path, m
     # as [300, 12, 45] meets at its fifth token, breaks either way under any change of summation order)
     prompts = [[5, 17, 99, 240, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9]]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    monkeypatch.setenv(cpu_step.ENV_VAR, "0")  # op by op: each linear through native_ops (counted below)
     calls: list[int] = []
     for name in ("q8g_linear", "q8g_avx512_linear"):  # count the kernels' calls (kernels/quant.py looks them up)
         fn = getattr(native_ops, name)
