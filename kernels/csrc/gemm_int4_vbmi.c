@@ -125,6 +125,53 @@ static void q4v_fold(const q4amx_t *a, int64_t b, int64_t g, int64_t mb, int R, 
     }
 }
 
+/* M == 1: block b's outputs with q4vec_slice's sums, the pairs built in registers instead of the code scratch (a
+ * decode step's matmuls: 1.5-2x faster): per group and 16 channels one accumulator from zero, the k pairs in order
+ * through vdpbf16ps, then q4v_fold's two fmas, the total rounded once: the same bits as every other M. */
+static void q4vec_row(const q4amx_t *a, int64_t b) {
+    const int64_t K = a->K, B = a->B, gs = a->gs, hb = B / 2, V = B / 16;
+    uint8_t i0[64], i1[64];
+    q4_perm_index(0, B == 64 ? 32 : 16, i0);
+    q4_perm_index(B == 64 ? 16 : 32, 48, i1);
+    const __m512i idx0 = _mm512_loadu_si512(i0), idx1 = _mm512_loadu_si512(i1);
+    const __m512i c41 = _mm512_set1_epi8(0x41), m78 = _mm512_set1_epi8(0x78), m80 = _mm512_set1_epi8((char)0x80);
+    const uint32_t *xp = (const uint32_t *)a->x; /* one row: its bf16 pairs are the panel */
+    const uint8_t *blk = a->q + b * K * hb;
+    __m512 tot[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int64_t g = 0; g < K / gs; g++) {
+        __m512 cg[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+        for (int64_t k = g * gs; k < (g + 1) * gs; k += 128 / B) {
+            __m512i v = _mm512_loadu_si512(blk + k * hb);
+            __m512i lo = _mm512_ternarylogic_epi32(_mm512_slli_epi16(v, 3), m78, m80, 0xEA);
+            __m512i hi = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 1), m78, m80, 0xEA);
+            __m512bh x0 = (__m512bh)_mm512_set1_epi32((int32_t)xp[k / 2]);
+            if (B == 64) { /* channels 0-15, 16-31 from the low nibbles, 32-47, 48-63 from the high; one k pair */
+                cg[0] = _mm512_dpbf16_ps(cg[0], x0, (__m512bh)_mm512_permutex2var_epi8(lo, idx0, c41));
+                cg[1] = _mm512_dpbf16_ps(cg[1], x0, (__m512bh)_mm512_permutex2var_epi8(lo, idx1, c41));
+                cg[2] = _mm512_dpbf16_ps(cg[2], x0, (__m512bh)_mm512_permutex2var_epi8(hi, idx0, c41));
+                cg[3] = _mm512_dpbf16_ps(cg[3], x0, (__m512bh)_mm512_permutex2var_epi8(hi, idx1, c41));
+            } else { /* channels 0-15 (low), 16-31 (high); two k pairs, in order */
+                __m512bh x1 = (__m512bh)_mm512_set1_epi32((int32_t)xp[k / 2 + 1]);
+                cg[0] = _mm512_dpbf16_ps(cg[0], x0, (__m512bh)_mm512_permutex2var_epi8(lo, idx0, c41));
+                cg[1] = _mm512_dpbf16_ps(cg[1], x0, (__m512bh)_mm512_permutex2var_epi8(hi, idx0, c41));
+                cg[0] = _mm512_dpbf16_ps(cg[0], x1, (__m512bh)_mm512_permutex2var_epi8(lo, idx1, c41));
+                cg[1] = _mm512_dpbf16_ps(cg[1], x1, (__m512bh)_mm512_permutex2var_epi8(hi, idx1, c41));
+            }
+        }
+        const __m512 xs = _mm512_set1_ps(a->xs[g * a->Mp]);
+        for (int64_t c = 0; c < V; c++) { /* q4v_fold */
+            __m512i r = _mm512_loadu_si512(a->sz + (g * a->N + b * B + c * 16) * 2);
+            __m512 sc = _mm512_castsi512_ps(_mm512_slli_epi32(r, 16));
+            __m512 z = _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32((int)0xFFFF0000u)));
+            __m512 zf = _mm512_fnmadd_ps(_mm512_set1_ps(24.0f), sc, z);
+            tot[c] = _mm512_fmadd_ps(zf, xs, _mm512_fmadd_ps(sc, cg[c], tot[c]));
+        }
+    }
+    float t[64];
+    for (int64_t c = 0; c < V; c++) _mm512_storeu_ps(t + c * 16, tot[c]);
+    for (int64_t c = 0; c < B; c++) a->out[b * B + c] = f32_to_bf16(t[c]);
+}
+
 static void q4vec_slice(const void *arg, int t, int nthreads) {
     q4amx_t *a = (q4amx_t *)arg;
     int64_t b0, b1;
@@ -134,6 +181,10 @@ static void q4vec_slice(const void *arg, int t, int nthreads) {
     if (rc > 0) return;
     if (rc < 0) {
         atomic_store(&a->fail, 1);
+        return;
+    }
+    if (a->M == 1) {
+        for (int64_t b = b0; b < b1; b++) q4vec_row(a, b);
         return;
     }
     const int64_t K = a->K, B = a->B, gs = a->gs, K2 = K / 2;

@@ -206,21 +206,26 @@ def test_int4_vector_kernel_reads_torchs_pack() -> None:
 
 
 @needs_vbmi
-def test_int4_vector_rows_do_not_depend_on_the_batch_or_threads() -> None:
+@pytest.mark.parametrize(("block", "gs"), [(64, 128), (32, 32), (32, 64)])
+def test_int4_vector_rows_do_not_depend_on_the_batch_or_threads(block: int, gs: int) -> None:
+    """One row (built in registers, q4vec_row) and many (through the code scratch): the same bits."""
     g = torch.Generator().manual_seed(3)
     # magnitudes 2^-12 .. 2^12: float32 sums round, so another summation order would show in the bf16 results
     x = (torch.randn(40, 1152, generator=g) * torch.exp2(torch.randint(-12, 13, (40, 1152), generator=g))).bfloat16()
-    codes, sz, _ = q4_case(128, 1152, 128, 2)
-    packed = halves(codes, 64)
+    codes, sz, _ = q4_case(128, 1152, gs, 2)
+    packed = halves(codes, block)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        full = native_ops.q4_vec_linear(x, packed, sz, 128, 64)
-        for rows in (2, 3, 12, 13, 25):
-            assert torch.equal(native_ops.q4_vec_linear(x[:rows].contiguous(), packed, sz, 128, 64), full[:rows])
-        assert torch.equal(native_ops.q4_vec_linear(x[5:7].contiguous(), packed, sz, 128, 64), full[5:7])
+        full = native_ops.q4_vec_linear(x, packed, sz, gs, block)
+        for rows in (1, 2, 3, 12, 13, 25):
+            assert torch.equal(native_ops.q4_vec_linear(x[:rows].contiguous(), packed, sz, gs, block), full[:rows])
+        for i in (5, 17, 39):
+            assert torch.equal(native_ops.q4_vec_linear(x[i:i + 1].contiguous(), packed, sz, gs, block), full[i:i + 1])
+        assert torch.equal(native_ops.q4_vec_linear(x[5:7].contiguous(), packed, sz, gs, block), full[5:7])
         torch.set_num_threads(1)
-        assert torch.equal(native_ops.q4_vec_linear(x, packed, sz, 128, 64), full)
+        assert torch.equal(native_ops.q4_vec_linear(x, packed, sz, gs, block), full)
+        assert torch.equal(native_ops.q4_vec_linear(x[3:4].contiguous(), packed, sz, gs, block), full[3:4])
     finally:
         torch.set_num_threads(before)
 
