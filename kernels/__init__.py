@@ -1,4 +1,5 @@
-"""keepwarm.kernels: one dispatch point per kernel; model code calls these and nothing below them.
+"""keepwarm.kernels: one dispatch point per kernel; model code calls these and nothing below them, but for the native
+decode step (kernels/cpu_step.py, whole layers in one C call), which worker/models/native_step.py drives.
 
 What it owns: the public kernel functions (each looks its implementation up in kernels/registry.py by name and device)
 and the wiring of the backends into that registry. It may import formats only; nothing in kernels/ imports it.
