@@ -30,6 +30,7 @@ from keepwarm.cli.bench import (
     vllm_env,
 )
 from keepwarm.cli.bench_handoff import describe, describe_phases, median_phases, zygote_rows
+from keepwarm.cli.errors import fail
 from keepwarm.formats.paths import keepwarm_home
 from keepwarm.worker.default_model import default_model
 
@@ -48,6 +49,9 @@ def _resolve_model(spec: str, dtype: str) -> Path:
         return default_model()
     if spec in LARGE_PRESETS:
         return make_large_random_model(keepwarm_home() / "bench-models" / f"random-llama-{spec}", spec, dtype)
+    if not Path(spec).is_dir():
+        fail(f"--models: {spec!r} is not 'smollm2', a random preset ({', '.join(sorted(LARGE_PRESETS))}) or a model "
+             "directory (a GGUF file: `keepwarm bench profile --model FILE` or `bench llamacpp`)", 2)
     return Path(spec)
 
 

@@ -3,6 +3,9 @@ no wall-clock figure is asserted). The command itself runs end to end in tests/b
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from keepwarm.cli.bench_profile import StepTimer
@@ -85,3 +88,15 @@ def test_instrumented_times_the_parts_and_removes_every_wrapper() -> None:
     assert set(timer.wall) == {"input preparation", "engine other"}
     assert (kernels.linear, kernels.paged_attention, IncrementalDetokenizer.step, LoRALayer.apply) == before
     assert not {"host_inputs", "device_inputs", "_forward"} & set(vars(runner)) and "step" not in vars(engine)
+
+
+def test_a_bench_model_that_is_no_directory_is_refused_in_one_line(tmp_path) -> None:
+    """`bench restart` / `bench snapshot` / `bench llamacpp` read a model directory: a file (a GGUF) is one line."""
+    gguf = tmp_path / "model.Q8_0.gguf"
+    gguf.write_bytes(b"GGUF")
+    run = subprocess.run([sys.executable, "-m", "keepwarm.cli.main", "bench", "restart", "--models", str(gguf)],
+                         capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert run.returncode == 2
+    assert run.stderr.strip().splitlines() == [f"error: --models: {str(gguf)!r} is not 'smollm2', a random preset "
+                                               "(1b, 8b) or a model directory (a GGUF file: `keepwarm bench "
+                                               "profile --model FILE` or `bench llamacpp`)"]
