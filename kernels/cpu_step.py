@@ -28,7 +28,7 @@ from . import cpu_native, dispatch, native_ops
 __all__ = ["ENV_VAR", "MAX_ROWS", "NativeStep", "StepLayer", "StepShape", "exp8_address", "make", "silu_mul"]
 
 ENV_VAR = "KEEPWARM_CPU_STEP"
-MAX_ROWS = 40  # dispatch.Q8G_WIDE_ROWS: above it the int8-group linears take oneDNN, which C cannot call
+MAX_ROWS = dispatch.Q8G_WIDE_ROWS  # above it the int8-group linears take oneDNN, which C cannot call
 
 # dispatch's kernel names -> step.c's kinds (KW_Q8G ... KW_BGEMM)
 KINDS = {dispatch.INT8G_AVX2: 1, dispatch.INT8G_AVX512: 2, dispatch.INT4_AVX2: 3, dispatch.INT4_VEC: 4,
@@ -90,6 +90,7 @@ def exp8_address() -> int | None:
     return ctypes.cast(fn, ctypes.c_void_p).value
 
 
+@functools.cache
 def _entry(name: str) -> ctypes._CFuncPtr:  # type: ignore[name-defined]
     lib = cpu_native.library()
     assert lib is not None, f"{name} called where no build loaded"

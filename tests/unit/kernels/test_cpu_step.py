@@ -91,26 +91,30 @@ def _generate(path: object, threads: int = 2, prompts: list[list[int]] = PROMPTS
     return [(o.token_ids, [{k: v.logprob for k, v in step.items()} for step in o.logprobs]) for o in outs]
 
 
-def _count_steps(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+def _count_steps(monkeypatch: pytest.MonkeyPatch) -> tuple[list[int], list[bool]]:
+    """The rows of each step the C step ran, and whether it said it was exact (`NativeStep.exact`) at those rows."""
     rows: list[int] = []
+    exact: list[bool] = []
     run = cpu_step.NativeStep.run
 
     def counted(self: cpu_step.NativeStep, x: torch.Tensor, *a: object) -> object:
         out = run(self, x, *a)  # type: ignore[arg-type]
         if out is not None:
             rows.append(x.shape[0])
+            exact.append(self.exact(x.shape[0]))
         return out
 
     monkeypatch.setattr(cpu_step.NativeStep, "run", counted)
-    return rows
+    return rows, exact
 
 
 def test_int8_group_model_steps_equal_op_by_op_per_layer_and_end_to_end(tiny_llama, tmp_path, monkeypatch,
                                                                        per_layer) -> None:
     path, _ = tiny_gguf_dir(tmp_path / "gguf", tiny_llama, INT8_GROUPS)
-    rows = _count_steps(monkeypatch)
+    rows, exact = _count_steps(monkeypatch)
     native = _generate(path)
     assert sorted(set(rows)) == [1, 2, 3], f"the step ran at rows {sorted(set(rows))}"
+    assert all(exact), "int8-group kernels are the dispatch's own: the step must say it is exact"
     assert per_layer and {k for _, k, _, _ in per_layer} == {1, 2}
     assert all(d == 0.0 for _, _, d, _ in per_layer), f"per layer: {per_layer}"
     one_thread = _generate(path, threads=1)
@@ -128,7 +132,7 @@ def test_int8_group_model_steps_equal_op_by_op_per_layer_and_end_to_end(tiny_lla
 def test_substituted_kernels_step_within_the_bound(tiny_llama, tmp_path, monkeypatch, per_layer, kind) -> None:
     types = SUBSTITUTED[kind]
     path, _ = tiny_gguf_dir(tmp_path / "gguf", tiny_llama, [types, types])
-    rows = _count_steps(monkeypatch)
+    rows, _ = _count_steps(monkeypatch)
     native = _generate(path)
     assert sorted(set(rows)) == [1, 2, 3]
     assert per_layer
@@ -180,7 +184,7 @@ def test_a_forked_child_runs_the_step_with_its_parents_bits(tiny_llama, tmp_path
 
 def test_what_the_step_cannot_compute_runs_op_by_op_and_says_why(tiny_llama, tmp_path, monkeypatch, caplog) -> None:
     path, _ = tiny_gguf_dir(tmp_path / "gguf", tiny_llama, INT8_GROUPS)
-    rows = _count_steps(monkeypatch)
+    rows, _ = _count_steps(monkeypatch)
     native_step._log_once.cache_clear()
     with caplog.at_level(logging.INFO, logger="keepwarm.worker.models"):
         llm = LLM(model=str(path), dtype="float32", daemon=False, max_model_len=128)
