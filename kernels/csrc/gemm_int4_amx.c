@@ -10,6 +10,7 @@ static void q4_tiles_amx(const q4amx_t *a, int64_t b, const uint32_t *s, int64_t
                          float *cg, float *tot) {
     const int64_t K = a->K, B = a->B, bs = B * 4;
     const uint16_t *x = a->x + mb * K;
+    const int64_t R = a->M - mb < 16 ? a->M - mb : 16; /* rows past M are the tiles' padding: not folded */
     for (int64_t g0 = k0; g0 < k0 + kc; g0 += a->gs) {
         _tile_zero(0);
         _tile_zero(1);
@@ -44,7 +45,7 @@ static void q4_tiles_amx(const q4amx_t *a, int64_t b, const uint32_t *s, int64_t
             __m512 z = _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32((int)0xFFFF0000u)));
             /* the codes entered as 16 + c: c - 8 = (16 + c) - 24 */
             __m512 zf = _mm512_fnmadd_ps(_mm512_set1_ps(24.0f), sc, z);
-            for (int64_t i = 0; i < 16; i++) {
+            for (int64_t i = 0; i < R; i++) {
                 float *t = tot + (mb + i) * B + c;
                 __m512 v = _mm512_fmadd_ps(sc, _mm512_loadu_ps(cg + i * 64 + c), _mm512_loadu_ps(t));
                 _mm512_storeu_ps(t, _mm512_fmadd_ps(zf, _mm512_set1_ps(a->xs[g * a->Mp + mb + i]), v));

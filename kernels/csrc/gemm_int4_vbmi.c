@@ -12,46 +12,51 @@
  */
 #include "kw_avx512.h"
 
-/* vpermt2b's table: bytes 0..63 from the loaded codes, 64 = the constant 0x41. For 16 channels whose codes lie
- * at bytes o0 + i (k) and o1 + i (k + 1), i < 16: each dword = the two bf16 (low byte, 0x41), k first. */
-static void q4_perm_index(int o0, int o1, uint8_t idx[64]) {
+/* vpermb's table: dword i (i < 16) = (byte o0 + i, -, byte o1 + i, -): two k rows' codes of the
+ * same channels, each byte a low and a high nibble's channel. The unset bytes are masked off after the shift. */
+static void q4_row_index(int o0, int o1, uint8_t idx[64]) {
     for (int i = 0; i < 16; i++) {
-        idx[4 * i] = (uint8_t)(o0 + i);
-        idx[4 * i + 1] = 64;
-        idx[4 * i + 2] = (uint8_t)(o1 + i);
-        idx[4 * i + 3] = 64;
+        idx[4 * i] = idx[4 * i + 1] = (uint8_t)(o0 + i);
+        idx[4 * i + 2] = idx[4 * i + 3] = (uint8_t)(o1 + i);
     }
 }
 
+/* (16 + code k, 16 + code k+1) bf16 pairs from q4_row_index's dwords: the low (LO) or high (HI) nibble of each
+ * byte shifted to bits 3-6 of its 16-bit half, the mantissa's top bits under 0x4180 = 16.0 (q4_pack_pairs). */
+#define Q4_PAIRS_LO(d) _mm512_ternarylogic_epi32(_mm512_slli_epi32(d, 3), m78, c41, 0xEA)
+#define Q4_PAIRS_HI(d) _mm512_ternarylogic_epi32(_mm512_srli_epi32(d, 1), m78, c41, 0xEA)
+
+/* Groups ahead prefetched: a group's scales are a row of [K / gs, N, 2] apart, a stride no hardware
+ * prefetcher follows, and the L2 streamer stops at each 4 KB page of the codes. Measured on a 1B model's layers
+ * read from memory (20 layers, 564 MB, AMX kind, one row, 2 threads): 120 ms without, 49 ms with the scales', 39 ms
+ * with the codes' too (distances 2-16 within 5%). */
+#define PF_SCALES 4
+#define PF_CODES 2
+
 /* s[k2][c] = (16 + code[k0 + 2 k2][c], 16 + code[k0 + 2 k2 + 1][c]) as bf16, c < B, for kc k of block b. 16 + c
- * is bf16 0x4180 | c << 3 (16..31, step 1: exact), so a byte permute builds each tile row from the codes with no
- * widening or conversion; the fold takes the 16 back out (q4_tiles_amx). One 64-byte load holds 2 (B = 64) or 4
- * (B = 32) consecutive k rows of the block. */
+ * is bf16 0x4180 | c << 3 (16..31, step 1: exact), so a byte permute, a shift and a mask build each tile row from
+ * the codes with no widening or conversion; the fold takes the 16 back out (q4_tiles_amx). One 64-byte load holds
+ * 2 (B = 64) or 4 (B = 32) consecutive k rows of the block. The fold's scales of these groups are prefetched. */
 void q4_pack_pairs(const q4amx_t *a, int64_t b, int64_t k0, int64_t kc, uint32_t *s) {
     const int64_t hb = a->B / 2, B = a->B;
     uint8_t i0[64], i1[64];
-    q4_perm_index(0, B == 64 ? 32 : 16, i0);        /* B = 64: channels 0-15 (k, k+1); B = 32: the first pair */
-    q4_perm_index(B == 64 ? 16 : 32, 48, i1);       /* B = 64: channels 16-31; B = 32: the second pair */
+    q4_row_index(0, B == 64 ? 32 : 16, i0);
+    q4_row_index(B == 64 ? 16 : 32, 48, i1);
     const __m512i idx0 = _mm512_loadu_si512(i0), idx1 = _mm512_loadu_si512(i1);
-    const __m512i c41 = _mm512_set1_epi8(0x41), m78 = _mm512_set1_epi8(0x78), m80 = _mm512_set1_epi8((char)0x80);
+    const __m512i c41 = _mm512_set1_epi32(0x41804180), m78 = _mm512_set1_epi32(0x00780078);
     const uint8_t *blk = a->q + b * a->K * hb;
+    for (int64_t g = k0 / a->gs; g < (k0 + kc) / a->gs; g++)
+        for (int64_t c = 0; c < B; c += 16) _mm_prefetch((const char *)(a->sz + (g * a->N + b * B + c) * 2), _MM_HINT_T0);
     for (int64_t k = k0; k < k0 + kc; k += 128 / B) {
         __m512i v = _mm512_loadu_si512(blk + k * hb);
-        /* per byte: (low nibble << 3) | 0x80 and (high nibble << 3) | 0x80 (ternary logic: (a & b) | c) */
-        __m512i lo = _mm512_ternarylogic_epi32(_mm512_slli_epi16(v, 3), m78, m80, 0xEA);
-        __m512i hi = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 1), m78, m80, 0xEA);
+        _mm_prefetch((const char *)(blk + k * hb + PF_CODES * 1024), _MM_HINT_T0);
+        __m512i d0 = _mm512_permutexvar_epi8(idx0, v), d1 = _mm512_permutexvar_epi8(idx1, v);
         uint32_t *dst = s + (k - k0) / 2 * B;
-        if (B == 64) { /* low nibbles: channels 0-31, high: 32-63 */
-            _mm512_storeu_si512(dst, _mm512_permutex2var_epi8(lo, idx0, c41));
-            _mm512_storeu_si512(dst + 16, _mm512_permutex2var_epi8(lo, idx1, c41));
-            _mm512_storeu_si512(dst + 32, _mm512_permutex2var_epi8(hi, idx0, c41));
-            _mm512_storeu_si512(dst + 48, _mm512_permutex2var_epi8(hi, idx1, c41));
-        } else { /* low nibbles: channels 0-15, high: 16-31; two k pairs */
-            _mm512_storeu_si512(dst, _mm512_permutex2var_epi8(lo, idx0, c41));
-            _mm512_storeu_si512(dst + 16, _mm512_permutex2var_epi8(hi, idx0, c41));
-            _mm512_storeu_si512(dst + 32, _mm512_permutex2var_epi8(lo, idx1, c41));
-            _mm512_storeu_si512(dst + 48, _mm512_permutex2var_epi8(hi, idx1, c41));
-        }
+        /* B = 64: channels 0-15, 16-31, 32-47, 48-63 of (k, k+1); B = 32: 0-15, 16-31 of (k, k+1), then of (k+2, k+3) */
+        _mm512_storeu_si512(dst, Q4_PAIRS_LO(d0));
+        _mm512_storeu_si512(dst + 16, B == 64 ? Q4_PAIRS_LO(d1) : Q4_PAIRS_HI(d0));
+        _mm512_storeu_si512(dst + 32, B == 64 ? Q4_PAIRS_HI(d0) : Q4_PAIRS_LO(d1));
+        _mm512_storeu_si512(dst + 48, Q4_PAIRS_HI(d1));
     }
 }
 
@@ -124,27 +129,6 @@ static void q4v_fold(const q4amx_t *a, int64_t b, int64_t g, int64_t mb, int R, 
         }
     }
 }
-
-/* vpermb's table for q4vec_row: dword i (i < 16) = (byte o0 + i, -, byte o1 + i, -): two k rows' codes of the
- * same channels, each byte a low and a high nibble's channel. The unset bytes are masked off after the shift. */
-static void q4_row_index(int o0, int o1, uint8_t idx[64]) {
-    for (int i = 0; i < 16; i++) {
-        idx[4 * i] = idx[4 * i + 1] = (uint8_t)(o0 + i);
-        idx[4 * i + 2] = idx[4 * i + 3] = (uint8_t)(o1 + i);
-    }
-}
-
-/* (16 + code k, 16 + code k+1) bf16 pairs from q4_row_index's dwords: the low (LO) or high (HI) nibble of each
- * byte shifted to bits 3-6 of its 16-bit half, the mantissa's top bits under 0x4180 = 16.0 (q4_pack_pairs). */
-#define Q4_PAIRS_LO(d) _mm512_ternarylogic_epi32(_mm512_slli_epi32(d, 3), m78, c41, 0xEA)
-#define Q4_PAIRS_HI(d) _mm512_ternarylogic_epi32(_mm512_srli_epi32(d, 1), m78, c41, 0xEA)
-
-/* Groups ahead prefetched (q4vec_row): a group's scales are a row of [K / gs, N, 2] apart, a stride no hardware
- * prefetcher follows, and the L2 streamer stops at each 4 KB page of the codes. Measured on a 1B model's layers
- * read from memory (20 layers, 564 MB, AMX kind, one row, 2 threads): 120 ms without, 49 ms with the scales', 39 ms
- * with the codes' too (distances 2-16 within 5%). */
-#define PF_SCALES 4
-#define PF_CODES 2
 
 /* M == 1: block b's outputs with q4vec_slice's sums, the pairs built in registers instead of the code scratch (a
  * decode step's matmuls): a single-source byte permute puts two k rows' bytes of 16 channels in each dword, a
