@@ -46,9 +46,13 @@ LAYOUT_MKLDNN_PACKED = "mkldnn_packed"
 LAYOUT_FP8_BLOCK = "fp8_block"
 LAYOUT_INT8_GROUP = "int8_group"
 LAYOUT_INT8_GIDX = "int8_gidx"
+# int8_group with unsigned 4-bit codes (GGUF Q4_K, Q2_K): [N, K / 2], in each 32 columns byte j = column j (low
+# nibble) and column 16 + j (high), so the int8_group kernels read LANES consecutive codes from consecutive bytes.
+LAYOUT_INT8_GROUP_U4 = "int8_group_u4"
 LAYOUT_INT4_GIDX = "int4_gidx"
 _SCHEME_LAYOUTS = {"none": (LAYOUT_DENSE,), "int8": (LAYOUT_INT8,), "fp8": (LAYOUT_FP8,),
-                   "fp8_block": (LAYOUT_FP8_BLOCK,), "int8_group": (LAYOUT_INT8_GROUP, LAYOUT_INT8_GIDX),
+                   "fp8_block": (LAYOUT_FP8_BLOCK,),
+                   "int8_group": (LAYOUT_INT8_GROUP, LAYOUT_INT8_GIDX, LAYOUT_INT8_GROUP_U4),
                    "int4_gidx": (LAYOUT_INT4_GIDX,)}
 _INT4_CPU_RE = re.compile(r"int4_cpu_(pairs|halves)(16|32|64)")
 
@@ -134,6 +138,20 @@ def unpack_int4(qweight: torch.Tensor, layout: str, shape: tuple[int, int]) -> t
         rest = flat[nf * k // 2:].view(k, (n - nf) // 2)
         out.append(torch.stack((rest & 15, rest >> 4), dim=-1).reshape(k, n - nf).t())
     return torch.cat(out).contiguous()
+
+
+def pack_u4_groups(codes: torch.Tensor) -> torch.Tensor:
+    """Unsigned 4-bit codes [N, K] (0..15, K % 32 == 0) -> the int8_group_u4 bytes [N, K / 2]."""
+    n, k = codes.shape
+    c = codes.to(torch.uint8).view(n, k // 32, 2, 16)
+    return (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(n, k // 2)
+
+
+def unpack_u4_groups(qweight: torch.Tensor) -> torch.Tensor:
+    """The int8_group_u4 bytes [N, K / 2] -> their codes [N, K] (uint8, 0..15); plain torch, any device."""
+    n, half = qweight.shape
+    b = qweight.view(n, half // 16, 1, 16)
+    return torch.cat((b & 15, b >> 4), dim=2).reshape(n, half * 2)
 
 
 def _nibble_pairs(lo_rows: torch.Tensor, hi_rows: torch.Tensor) -> torch.Tensor:
@@ -245,7 +263,9 @@ def layout_parts(meta: QuantMeta, act_dtype: torch.dtype) -> PartsLayout:
         raise QuantizationError(f"int4 group size {gs} does not divide K={k}")
     if lay != LAYOUT_INT4_CANONICAL and n % 16:
         raise QuantizationError(f"int4 on cpu needs N (output features) divisible by 16; got N={n}")
-    if lay in (LAYOUT_INT8_GROUP, LAYOUT_INT8_GIDX, LAYOUT_INT4_CANONICAL, LAYOUT_INT4_GIDX):
+    if lay == LAYOUT_INT8_GROUP_U4 and k % 32:
+        raise QuantizationError(f"{lay} needs K (input features) divisible by 32; got K={k}")
+    if lay in (LAYOUT_INT8_GROUP, LAYOUT_INT8_GIDX, LAYOUT_INT8_GROUP_U4, LAYOUT_INT4_CANONICAL, LAYOUT_INT4_GIDX):
         codes = (torch.int8, (n, k)) if lay in (LAYOUT_INT8_GROUP, LAYOUT_INT8_GIDX) else (torch.uint8, (n, k // 2))
         parts: PartsLayout = {"qweight": codes, "scales": (act_dtype, (n, k // gs)), "zeros": (act_dtype, (n, k // gs))}
         if lay in (LAYOUT_INT8_GIDX, LAYOUT_INT4_GIDX):

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from keepwarm.formats.quant import LAYOUT_INT8_GROUP_U4
+
 from . import cpu_native, dispatch, native_ops
 
 __all__ = ["ENV_VAR", "MAX_ROWS", "NativeStep", "StepLayer", "StepShape", "exp8_address", "make", "silu_mul"]
@@ -33,6 +35,8 @@ MAX_ROWS = dispatch.Q8G_WIDE_ROWS  # above it the int8-group linears take oneDNN
 # dispatch's kernel names -> step.c's kinds (KW_Q8G ... KW_BGEMM)
 KINDS = {dispatch.INT8G_AVX2: 1, dispatch.INT8G_AVX512: 2, dispatch.INT4_AVX2: 3, dispatch.INT4_VEC: 4,
          dispatch.INT4_AMX: 5, dispatch.BF16_AVX2: 6}
+# The int8-group kinds for the 4-bit pack (int8_group_u4): KW_Q8G_U4, KW_Q8G512_U4.
+U4_KINDS = {dispatch.INT8G_AVX2: 7, dispatch.INT8G_AVX512: 8}
 # A kernel C cannot call -> keepwarm's kernel on the same weight (another float32 summation order).
 SUBSTITUTES = {dispatch.INT4_OP: (dispatch.INT4_VEC, dispatch.INT4_AVX2), dispatch.F_LINEAR: (dispatch.BF16_AVX2,)}
 
@@ -150,7 +154,8 @@ def _lin(weight: object, kernel: str) -> _Lin:
     p, m = weight.parts, weight.meta  # type: ignore[attr-defined]
     n, k = m.shape
     if m.scheme == "int8_group":
-        return _Lin(KINDS[kernel], p["qweight"].data_ptr(), p["scales"].data_ptr(), p["zeros"].data_ptr(), n, k,
+        kind = U4_KINDS[kernel] if m.layout == LAYOUT_INT8_GROUP_U4 else KINDS[kernel]
+        return _Lin(kind, p["qweight"].data_ptr(), p["scales"].data_ptr(), p["zeros"].data_ptr(), n, k,
                     m.group_size, 0)
     return _Lin(KINDS[kernel], p["qweight"].data_ptr(), p["scales_and_zeros"].data_ptr(), None, n, k, m.group_size,
                 dispatch.int4_block(m.layout))

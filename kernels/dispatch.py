@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from keepwarm.formats.quant import LAYOUT_INT8_GROUP, LAYOUT_MKLDNN_PACKED, cpu_int4_layout
+from keepwarm.formats.quant import LAYOUT_INT8_GROUP, LAYOUT_INT8_GROUP_U4, LAYOUT_MKLDNN_PACKED, cpu_int4_layout
 
 from . import cpu_native, native_ops
 
@@ -165,10 +165,13 @@ def _q8_fp8(x: torch.Tensor, w: Any) -> bool:
     return scale is not None and native_ops.q8_fits(x, w.parts["qweight"], scale)
 
 
+_Q8G_LAYOUTS = (LAYOUT_INT8_GROUP, LAYOUT_INT8_GROUP_U4)
+
+
 def _q8g(x: torch.Tensor, w: Any) -> bool:  # int8_group without g_idx, bf16 x (float32 x: the reference)
     p = w.parts
-    return w.meta.layout == LAYOUT_INT8_GROUP and native_ops.q8g_fits(x, p["qweight"], p["scales"], p["zeros"],
-                                                                       w.meta.group_size or 0)
+    return w.meta.layout in _Q8G_LAYOUTS and native_ops.q8g_fits(x, p["qweight"], p["scales"], p["zeros"],
+                                                                 w.meta.group_size or 0)
 
 
 def _q4(x: torch.Tensor, w: Any) -> bool:

@@ -260,26 +260,40 @@ def q8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> t
 
 def q8g_fits(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
              group_size: int) -> bool:
-    """x [..., K] bfloat16; qweight int8 [N, K] contiguous; scales and zeros bfloat16 [N, K / group_size]
-    contiguous; group_size a multiple of 16 that divides K; all on the CPU (the int8_group layout, no g_idx)."""
+    """x [..., K] bfloat16; qweight int8 [N, K] (int8_group) or uint8 [N, K / 2] (int8_group_u4, K % 32 == 0)
+    contiguous; scales and zeros bfloat16 [N, K / group_size] contiguous; group_size a multiple of 16 that divides K;
+    all on the CPU (no g_idx)."""
     return (x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.numel() > 0 and x.dim() > 0
-            and _q8g_weight_fits(qweight, scales, zeros, group_size) and x.shape[-1] == qweight.shape[1])
+            and _q8g_weight_fits(qweight, scales, zeros, group_size) and x.shape[-1] == _q8g_k(qweight))
+
+
+def _q8g_k(qweight: torch.Tensor) -> int:
+    """K of an int8_group qweight: int8 codes [N, K], or two 4-bit codes a byte (uint8 [N, K / 2])."""
+    return int(qweight.shape[1]) * (2 if qweight.dtype == torch.uint8 else 1)
 
 
 def _q8g_weight_fits(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> bool:
-    if not (qweight.dim() == 2 and qweight.dtype == torch.int8 and qweight.device.type == "cpu"
+    if not (qweight.dim() == 2 and qweight.dtype in (torch.int8, torch.uint8) and qweight.device.type == "cpu"
             and qweight.is_contiguous() and qweight.numel() > 0):
         return False
-    n, k = qweight.shape
+    n, k = qweight.shape[0], _q8g_k(qweight)
     return (group_size >= 16 and group_size % 16 == 0 and k % group_size == 0
+            and (qweight.dtype == torch.int8 or k % 32 == 0)
             and all(t.dtype == torch.bfloat16 and t.device.type == "cpu" and t.is_contiguous()
                     and tuple(t.shape) == (n, k // group_size) for t in (scales, zeros)))
+
+
+def _q8g_entry(name: str, qweight: torch.Tensor) -> str:
+    """The entry point for this qweight's codes: `name`, or its ``_u4`` twin for the 4-bit pack."""
+    if qweight.dtype != torch.uint8:
+        return name
+    return name.replace("_bf16", "_u4_bf16") if name.endswith("_bf16") else name + "_u4"
 
 
 @functools.cache
 def _q8group(name: str) -> Any:  # a ctypes function
     # The int8_group entry points' C signatures are declared here, not in cpu_native._declare (their files).
-    fn = getattr(_lib(name, matmuls=name.endswith("512")), name)
+    fn = getattr(_lib(name, matmuls="512" in name), name)
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     pointers, sizes = (4, 3) if name.endswith("bf16") else (5, 4)
     fn.restype, fn.argtypes = ctypes.c_int, [p] * pointers + [i64] * sizes + [ctypes.c_int]
@@ -292,11 +306,11 @@ def _q8g(name: str, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
         raise ValueError(f"{name}: x {tuple(x.shape)} {x.dtype}, weight {tuple(qweight.shape)} {qweight.dtype}, "
                          f"scales {tuple(scales.shape)} {scales.dtype}, zeros {tuple(zeros.shape)} {zeros.dtype} "
                          f"and groups of {group_size} do not fit")
-    n, k = qweight.shape
+    n, k = qweight.shape[0], _q8g_k(qweight)
     x2 = x.reshape(-1, k).contiguous()
     out = torch.empty((x2.shape[0], n), dtype=torch.bfloat16)
-    rc = _q8group(name)(x2.data_ptr(), qweight.data_ptr(), scales.data_ptr(), zeros.data_ptr(), out.data_ptr(),
-                        x2.shape[0], n, k, group_size, torch.get_num_threads())
+    rc = _q8group(_q8g_entry(name, qweight))(x2.data_ptr(), qweight.data_ptr(), scales.data_ptr(), zeros.data_ptr(),
+                                             out.data_ptr(), x2.shape[0], n, k, group_size, torch.get_num_threads())
     if rc != 0:
         raise ValueError(f"{name}: the kernel refused M={x2.shape[0]} N={n} K={k} groups of {group_size} (rc {rc})")
     return out.reshape(*x.shape[:-1], n)
@@ -304,10 +318,10 @@ def _q8g(name: str, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
 
 def q8g_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                group_size: int) -> torch.Tensor:
-    """``x @ W^T`` in bfloat16 for the int8_group layout, W = code * scale + zero per group of ``group_size``
-    columns (:func:`q8g_fits` inputs), on AVX2 (every build): per output, the exact float32 products x * (code *
-    scale) summed, plus zero * (x's group sum) per group, float32, one order whatever the batch or the threads,
-    rounded once."""
+    """``x @ W^T`` in bfloat16 for the int8_group layouts, W = code * scale + zero per group of ``group_size``
+    columns (:func:`q8g_fits` inputs; 4-bit codes: the same bits as their int8 form), on AVX2 (every build): per
+    output, the exact float32 products x * (code * scale) summed, plus zero * (x's group sum) per group, float32,
+    one order whatever the batch or the threads, rounded once."""
     return _q8g("kw_q8group", x, qweight, scales, zeros, group_size)
 
 
@@ -327,9 +341,10 @@ def q8g_to_bf16(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
         raise ValueError(f"q8g_to_bf16: weight {tuple(qweight.shape)} {qweight.dtype}, scales {tuple(scales.shape)} "
                          f"{scales.dtype}, zeros {tuple(zeros.shape)} {zeros.dtype} and groups of {group_size} do "
                          "not fit")
-    n, k = qweight.shape
+    n, k = qweight.shape[0], _q8g_k(qweight)
     out = torch.empty((n, k), dtype=torch.bfloat16)
-    rc = _q8group("kw_q8group_bf16")(qweight.data_ptr(), scales.data_ptr(), zeros.data_ptr(), out.data_ptr(), n, k,
+    rc = _q8group(_q8g_entry("kw_q8group_bf16", qweight))(qweight.data_ptr(), scales.data_ptr(), zeros.data_ptr(),
+                                                          out.data_ptr(), n, k,
                                      group_size, torch.get_num_threads())
     if rc != 0:
         raise ValueError(f"q8g_to_bf16: the kernel refused N={n} K={k} groups of {group_size} (rc {rc})")

@@ -24,10 +24,12 @@ from keepwarm.formats.errors import QuantizationError
 from keepwarm.formats.quant import (
     LAYOUT_INT4_CANONICAL,
     LAYOUT_INT4_GIDX,
+    LAYOUT_INT8_GROUP_U4,
     WEIGHT_SCHEMES,
     QuantMeta,
     layout_parts,
     unpack_int4,
+    unpack_u4_groups,
 )
 
 from . import cpu, dispatch, native_ops
@@ -82,7 +84,8 @@ class QuantizedWeight:
         elif m.scheme == "fp8_block":
             w = p["qweight"].float().mul_(_per_column(p["scales"].float(), m))
         elif m.scheme == "int8_group":
-            w = p["qweight"].float().mul_(_per_column(p["scales"].float(), m, p.get("g_idx")))
+            q = unpack_u4_groups(p["qweight"]) if m.layout == LAYOUT_INT8_GROUP_U4 else p["qweight"]
+            w = q.float().mul_(_per_column(p["scales"].float(), m, p.get("g_idx")))
             w = w.add_(_per_column(p["zeros"].float(), m, p.get("g_idx")))
         elif m.layout == LAYOUT_INT4_GIDX:
             g = p["g_idx"].long()

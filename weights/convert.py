@@ -29,9 +29,11 @@ from keepwarm.formats.quant import (
     LAYOUT_INT8,
     LAYOUT_INT8_GIDX,
     LAYOUT_INT8_GROUP,
+    LAYOUT_INT8_GROUP_U4,
     QuantMeta,
     layout_parts,
     pack_int4,
+    pack_u4_groups,
     plan,
 )
 from keepwarm.weights.prequant import SourceQuant
@@ -42,6 +44,8 @@ log = logging.getLogger("keepwarm.daemon")
 # Q4_K's w = d*sc*q - dmin*m has a zero that does not fold into the tinygemm form without rounding, and IQ4's codes
 # index a non-linear table: they go to int8 groups, which store the code and the offset as they are.
 INT4_EXACT_TYPES = frozenset({"Q4_0", "Q4_1"})
+# GGUF types whose stored codes are unsigned 4-bit (formats/gguf.py's decode: Q4_K q, Q2_K q): int8_group_u4.
+U4_TYPES = frozenset({"Q4_K", "Q2_K"})
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AWQ GEMM: nibble i of an int32 holds column AWQ_ORDER[i] of its 8
 _INT4_ARENA_GROUPS = (128, 64, 32, 256)  # per-channel int4 becomes groups of the first of these dividing K
 _ROUNDING_LOGGED: set[tuple[str, str]] = set()
@@ -115,7 +119,8 @@ def plan_gguf(types: Sequence[str], shapes: Sequence[Shape], act_dtype: torch.dt
               ) -> QuantMeta:
     """A fused GGUF weight's layout: torch's int4 groups of 32 when every projection is Q4_0 / Q4_1, else int8 groups
     of the smallest group size among its types (16 beside Q2_K / Q3_K / Q6_K, else 32): every type's codes fit int8
-    as they are and a coarser scale repeats exactly."""
+    as they are and a coarser scale repeats exactly; stored as 4-bit codes (int8_group_u4) when every projection's
+    codes are unsigned 4-bit ones (Q4_K, Q2_K)."""
     ks = {k for _, k in shapes}
     if len(ks) != 1:
         raise QuantizationError(f"fused projections have different K: {sorted(ks)}")
@@ -123,6 +128,8 @@ def plan_gguf(types: Sequence[str], shapes: Sequence[Shape], act_dtype: torch.dt
     groups = {QUANT_TYPES[t][3] for t in types}
     if set(types) <= INT4_EXACT_TYPES:
         return plan(shape, "int4", act_dtype, device_type, 32, fallback=False)
+    if set(types) <= U4_TYPES and shape[1] % 32 == 0:  # codes 0..15: the int8 kernels' math on half the bytes
+        return QuantMeta("int8_group", LAYOUT_INT8_GROUP_U4, min(groups), shape)
     return QuantMeta("int8_group", LAYOUT_INT8_GROUP, min(groups), shape)
 
 
@@ -335,6 +342,11 @@ def _int_parts(meta: QuantMeta, codes: torch.Tensor, scale: torch.Tensor, offset
     shift = 128 if meta.layout == LAYOUT_INT8 or hi > 127 else 0
     if lo - shift < -128 or hi - shift > 127:
         raise QuantizationError(f"{name}: codes {lo}..{hi} do not fit int8")
+    if meta.layout == LAYOUT_INT8_GROUP_U4:
+        if lo < 0 or hi > 15:
+            raise QuantizationError(f"{name}: codes {lo}..{hi} do not fit {LAYOUT_INT8_GROUP_U4} (0..15)")
+        return {"qweight": pack_u4_groups(codes), "scales": _store(scale, act_dtype, "scales", name),
+                "zeros": _store(offset, act_dtype, "zeros", name)}
     q = (codes - shift).to(torch.int8)
     zeros = offset + float(shift) * scale if shift else offset
     if shift:

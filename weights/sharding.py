@@ -32,10 +32,13 @@ from keepwarm.formats.quant import (
     LAYOUT_INT4_CANONICAL,
     LAYOUT_INT8,
     LAYOUT_INT8_GROUP,
+    LAYOUT_INT8_GROUP_U4,
     LAYOUT_MKLDNN_PACKED,
     QuantMeta,
     pack_int4,
+    pack_u4_groups,
     unpack_int4,
+    unpack_u4_groups,
 )
 from keepwarm.kernels.cpu_packed import PackedWeight
 from keepwarm.kernels.quant import QuantizedWeight
@@ -192,9 +195,13 @@ def _cut_quantized(name: str, w: QuantizedWeight, kind: str, segs: Segments) -> 
             parts["scales"] = _cut(p["scales"], 0, segs) if rows else p["scales"].clone()
         elif lay == LAYOUT_FP8:
             parts["scale"] = p["scale"].clone()
-    elif lay in (LAYOUT_FP8_BLOCK, LAYOUT_INT8_GROUP):
+    elif lay in (LAYOUT_FP8_BLOCK, LAYOUT_INT8_GROUP, LAYOUT_INT8_GROUP_U4):
         gsegs = segs if rows else _group_segments(name, meta, segs)
-        parts = {"qweight": _cut(p["qweight"], axis, segs),
+        if lay == LAYOUT_INT8_GROUP_U4 and not rows and shape[1] % 32:
+            raise TensorParallelError(f"tensor parallelism cannot cut {name} ({lay}) into {shape[1]} columns: "
+                                      "not a multiple of 32")
+        codes = _cut(unpack_u4_groups(p["qweight"]), axis, segs) if lay == LAYOUT_INT8_GROUP_U4 else None
+        parts = {"qweight": pack_u4_groups(codes) if codes is not None else _cut(p["qweight"], axis, segs),
                  **{part: _cut(p[part], axis, gsegs) for part in ("scales", "zeros") if part in p}}
     elif meta.scheme == "int4" and meta.layout != "int4_gidx":
         gsegs = segs if rows else _group_segments(name, meta, segs)

@@ -9,6 +9,12 @@
  *   out[m, n] = bf16( sum_k x[m, k] * (q[n, k] * s[n, g(k)])  +  sum_g z[n, g] * xs[m, g] )
  *
  * What it computes and in which order: gemm_int8_group_avx2.c's header. Threads split N in blocks of NB rows.
+ *
+ * Codes: int8 [N, K] (the int8_group layout), or unsigned 4-bit [N, K / 2] (int8_group_u4: GGUF Q4_K / Q2_K at
+ * their own width): in each 32 columns, byte j holds column j in its low nibble and column 16 + j in its high one,
+ * so LANES consecutive codes are LANES consecutive bytes and one shift: the same float32 codes, products and sums
+ * as the int8 layout (the same bits), half the bytes. The file defines v_codes4(p, shift) too (LANES bytes from
+ * p, each shifted right by shift and masked to its nibble, as float32). ENTRY_U4 / the u4 entry points take them.
  */
 #ifndef GEMM_INT8_GROUP_H
 #define GEMM_INT8_GROUP_H
@@ -22,8 +28,18 @@ typedef struct {
     const int8_t *q;
     uint16_t *out;
     int64_t M, N, K, gs, G, Gp; /* Gp: G rounded up to LANES (the scratch rows' stride, zero beyond G) */
+    int u4;                     /* codes: 0 int8 [N, K], 1 the 4-bit pack [N, K / 2] */
     atomic_int fail;
 } g8_t;
+
+/* bytes of one weight row's codes */
+static inline int64_t g8_row_bytes(int64_t K, int u4) { return u4 ? K / 2 : K; }
+
+/* LANES codes k .. k+LANES-1 of a row (k a multiple of LANES) as float32; u4 a constant where inlined */
+static inline __attribute__((always_inline)) VEC g8_codes(const int8_t *row, int64_t k, int u4) {
+    if (!u4) return v_codes(row + k);
+    return v_codes4((const uint8_t *)row + (k >> 5) * 16 + (k & 15), (k & 16) ? 4 : 0);
+}
 
 /* bf16 [n] -> float32 [n], then zeros up to np (a multiple of LANES) */
 static void g8_widen(const uint16_t *src, int64_t n, float *dst, int64_t np) {
@@ -56,22 +72,23 @@ static inline VEC g8_zterm(const float *zf, const float *xs, int64_t Gp) {
 }
 
 /* M == 1: rows n .. n+nr-1 (nr <= NB) in lockstep, each code times its scale in registers. sf, zf: the rows' scales
- * and zeros as float32 [nr][Gp]. Inlined with nr = NB and as is, so the accumulators stay in registers. */
-static inline __attribute__((always_inline)) void g8_rows_1(const g8_t *a, int64_t n, int nr, const float *sf,
-                                                            const float *zf, const float *x32, const float *xs,
-                                                            uint16_t *out) {
-    const int64_t K = a->K, gs = a->gs, Gp = a->Gp;
-    const int8_t *w = a->q + n * K;
+ * and zeros as float32 [nr][Gp]. Inlined with nr = NB and as is, and per code width, so the accumulators stay in
+ * registers. */
+static inline __attribute__((always_inline)) void g8_rows_1(const g8_t *a, int64_t n, int nr, int u4,
+                                                            const float *sf, const float *zf, const float *x32,
+                                                            const float *xs, uint16_t *out) {
+    const int64_t K = a->K, gs = a->gs, Gp = a->Gp, rb = g8_row_bytes(K, u4);
+    const int8_t *w = a->q + n * rb;
     VEC acc[NB];
     for (int i = 0; i < NB; i++) acc[i] = v_zero();
     for (int64_t g = 0, k = 0; g < a->G; g++) {
-        /* the next block's rows (NB * K bytes right after these) fetched over this block's groups */
-        for (int64_t b = 0; b < NB * gs; b += 64)
-            _mm_prefetch((const char *)(w + NB * K + g * NB * gs + b), _MM_HINT_T0);
+        /* the next block's rows (NB * rb bytes right after these) fetched over this block's groups */
+        for (int64_t b = 0; b < g8_row_bytes(NB * gs, u4); b += 64)
+            _mm_prefetch((const char *)(w + NB * rb + g * g8_row_bytes(NB * gs, u4) + b), _MM_HINT_T0);
         for (int64_t end = k + gs; k < end; k += LANES) {
             VEC xv = v_load(x32 + k);
-            for (int i = 0; i < nr; i++) acc[i] = v_fma(xv, v_mul(v_codes(w + i * K + k), v_set1(sf[i * Gp + g])),
-                                                        acc[i]);
+            for (int i = 0; i < nr; i++)
+                acc[i] = v_fma(xv, v_mul(g8_codes(w + i * rb, k, u4), v_set1(sf[i * Gp + g])), acc[i]);
         }
     }
     for (int i = 0; i < nr; i++) out[n + i] = f32_to_bf16(v_hsum(v_add(acc[i], g8_zterm(zf + i * Gp, xs, Gp))));
@@ -79,22 +96,27 @@ static inline __attribute__((always_inline)) void g8_rows_1(const g8_t *a, int64
 
 static void g8_rows_1_any(const g8_t *a, int64_t n, int nr, const float *sf, const float *zf, const float *x32,
                           const float *xs, uint16_t *out) {
-    if (nr == NB)
-        g8_rows_1(a, n, NB, sf, zf, x32, xs, out);
+    if (nr == NB && a->u4)
+        g8_rows_1(a, n, NB, 1, sf, zf, x32, xs, out);
+    else if (nr == NB)
+        g8_rows_1(a, n, NB, 0, sf, zf, x32, xs, out);
     else
-        g8_rows_1(a, n, nr, sf, zf, x32, xs, out);
+        g8_rows_1(a, n, nr, a->u4, sf, zf, x32, xs, out);
 }
 
 /* rows n .. n+nr-1 of q times their scales (sf [nr][Gp]) into w [nr][K] (exact) */
 static void g8_convert(const g8_t *a, int64_t n, int nr, const float *sf, float *w) {
-    const int64_t K = a->K, gs = a->gs;
+    const int64_t K = a->K, gs = a->gs, rb = g8_row_bytes(K, a->u4);
     for (int i = 0; i < nr; i++) {
-        const int8_t *src = a->q + (n + i) * K;
+        const int8_t *src = a->q + (n + i) * rb;
         for (int64_t g = 0, k = 0; g < a->G; g++) {
             VEC sb = v_set1(sf[i * a->Gp + g]);
-            for (int64_t b = 0; b < gs; b += 64) /* the next WB rows, converted next */
-                _mm_prefetch((const char *)(src + WB * K + k + b), _MM_HINT_T0);
-            for (int64_t end = k + gs; k < end; k += LANES) v_store_a(w + i * K + k, v_mul(v_codes(src + k), sb));
+            for (int64_t b = 0; b < g8_row_bytes(gs, a->u4); b += 64) /* the next WB rows, converted next */
+                _mm_prefetch((const char *)(src + WB * rb + g8_row_bytes(k, a->u4) + b), _MM_HINT_T0);
+            if (a->u4)
+                for (int64_t end = k + gs; k < end; k += LANES) v_store_a(w + i * K + k, v_mul(g8_codes(src, k, 1), sb));
+            else
+                for (int64_t end = k + gs; k < end; k += LANES) v_store_a(w + i * K + k, v_mul(g8_codes(src, k, 0), sb));
         }
     }
 }
@@ -179,20 +201,33 @@ static void g8_slice(const void *arg, int t, int nthreads) {
     }
 }
 
-/* x: bf16 [M, K]; q: int8 [N, K]; s, z: bf16 [N, K / gs], gs a multiple of 16. 0, -1 on bad sizes, -2 when a
- * thread's scratch could not be allocated. Declared here, not in kw.h: kernels/native_ops.py binds it. */
-int ENTRY(const uint16_t *x, const int8_t *q, const uint16_t *s, const uint16_t *z, uint16_t *out, int64_t M,
-          int64_t N, int64_t K, int64_t gs, int nthreads);
-
-int ENTRY(const uint16_t *x, const int8_t *q, const uint16_t *s, const uint16_t *z, uint16_t *out, int64_t M,
-          int64_t N, int64_t K, int64_t gs, int nthreads) {
-    if (M < 1 || N < 1 || gs < 16 || gs % 16 || K < gs || K % gs) return -1;
+static int g8_entry(const uint16_t *x, const int8_t *q, const uint16_t *s, const uint16_t *z, uint16_t *out,
+                    int64_t M, int64_t N, int64_t K, int64_t gs, int nthreads, int u4) {
+    if (M < 1 || N < 1 || gs < 16 || gs % 16 || K < gs || K % gs || (u4 && K % 32)) return -1;
     nthreads = kw_threads(nthreads);
     if (N < 32 * nthreads) nthreads = 1;
     int64_t G = K / gs;
-    g8_t a = {x, s, z, q, out, M, N, K, gs, G, (G + LANES - 1) / LANES * LANES, 0};
+    g8_t a = {x, s, z, q, out, M, N, K, gs, G, (G + LANES - 1) / LANES * LANES, u4, 0};
     kw_run(g8_slice, &a, nthreads);
     return atomic_load(&a.fail) ? -2 : 0;
+}
+
+/* x: bf16 [M, K]; q: int8 [N, K] (ENTRY) or the 4-bit pack [N, K / 2] (ENTRY_U4, K % 32 == 0); s, z: bf16
+ * [N, K / gs], gs a multiple of 16. 0, -1 on bad sizes, -2 when a thread's scratch could not be allocated.
+ * Declared here, not in kw.h: kernels/native_ops.py binds them (and step.c). */
+int ENTRY(const uint16_t *x, const int8_t *q, const uint16_t *s, const uint16_t *z, uint16_t *out, int64_t M,
+          int64_t N, int64_t K, int64_t gs, int nthreads);
+int ENTRY_U4(const uint16_t *x, const uint8_t *q, const uint16_t *s, const uint16_t *z, uint16_t *out, int64_t M,
+             int64_t N, int64_t K, int64_t gs, int nthreads);
+
+int ENTRY(const uint16_t *x, const int8_t *q, const uint16_t *s, const uint16_t *z, uint16_t *out, int64_t M,
+          int64_t N, int64_t K, int64_t gs, int nthreads) {
+    return g8_entry(x, q, s, z, out, M, N, K, gs, nthreads, 0);
+}
+
+int ENTRY_U4(const uint16_t *x, const uint8_t *q, const uint16_t *s, const uint16_t *z, uint16_t *out, int64_t M,
+             int64_t N, int64_t K, int64_t gs, int nthreads) {
+    return g8_entry(x, (const int8_t *)q, s, z, out, M, N, K, gs, nthreads, 1);
 }
 
 #endif /* GEMM_INT8_GROUP_H */

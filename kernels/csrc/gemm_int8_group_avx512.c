@@ -13,6 +13,7 @@
 #define LANES 16
 #define XB 4
 #define ENTRY kw_q8group512
+#define ENTRY_U4 kw_q8group512_u4
 
 static inline __m512 v_zero(void) { return _mm512_setzero_ps(); }
 static inline __m512 v_set1(float f) { return _mm512_set1_ps(f); }
@@ -35,6 +36,11 @@ static inline float v_hsum(__m512 v) {
 
 static inline __m512 v_codes(const int8_t *p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+
+static inline __m512 v_codes4(const uint8_t *p, int shift) {
+    __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    return _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srl_epi32(b, _mm_cvtsi32_si128(shift)), _mm512_set1_epi32(15)));
 }
 
 static inline __m512 v_widen(const uint16_t *p) {

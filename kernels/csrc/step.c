@@ -19,20 +19,26 @@
 
 int kw_q8group(const uint16_t *x, const int8_t *q, const uint16_t *s, const uint16_t *z, uint16_t *out, int64_t M,
                int64_t N, int64_t K, int64_t gs, int nthreads);
+int kw_q8group_u4(const uint16_t *x, const uint8_t *q, const uint16_t *s, const uint16_t *z, uint16_t *out, int64_t M,
+                  int64_t N, int64_t K, int64_t gs, int nthreads);
 /* The avx512 build's matmuls: NULL in the avx2 build (weak references). */
 int kw_q8group512(const uint16_t *x, const int8_t *q, const uint16_t *s, const uint16_t *z, uint16_t *out,
                   int64_t M, int64_t N, int64_t K, int64_t gs, int nthreads) __attribute__((weak));
+int kw_q8group512_u4(const uint16_t *x, const uint8_t *q, const uint16_t *s, const uint16_t *z, uint16_t *out,
+                     int64_t M, int64_t N, int64_t K, int64_t gs, int nthreads) __attribute__((weak));
 int kw_q4vec(const uint16_t *x, const uint8_t *q, const uint16_t *sz, uint16_t *out, int64_t M, int64_t N, int64_t K,
              int64_t gs, int64_t B, int nthreads) __attribute__((weak));
 int kw_q4amx(const uint16_t *x, const uint8_t *q, const uint16_t *sz, uint16_t *out, int64_t M, int64_t N, int64_t K,
              int64_t gs, int64_t B, int nthreads) __attribute__((weak));
 
 /* A linear's kernel (kernels/cpu_step.py's KINDS). */
-enum { KW_Q8G = 1, KW_Q8G512 = 2, KW_Q4GEMM = 3, KW_Q4VEC = 4, KW_Q4AMX = 5, KW_BGEMM = 6 };
+enum { KW_Q8G = 1, KW_Q8G512 = 2, KW_Q4GEMM = 3, KW_Q4VEC = 4, KW_Q4AMX = 5, KW_BGEMM = 6, KW_Q8G_U4 = 7,
+       KW_Q8G512_U4 = 8 };
 
 typedef struct {
     int64_t kind;                       /* KW_Q8G ... KW_BGEMM: the matmul for this call's rows */
-    const void *q;                      /* int8 codes [N, K], the int4 halves pack, or bf16 [N, K] (KW_BGEMM) */
+    const void *q;                      /* int8 codes [N, K], the 4-bit group pack [N, K / 2] (_U4), the int4 halves
+                                           pack, or bf16 [N, K] (KW_BGEMM) */
     const uint16_t *s, *z;              /* int8 groups: scales, zeros [N, K / gs]; int4: scales_and_zeros */
     int64_t N, K, gs, B;                /* B: the int4 pack's block of rows */
 } kw_lin;
@@ -72,6 +78,10 @@ static int lin(const kw_lin *w, const uint16_t *x, uint16_t *out, int64_t M, int
         return kw_q8group(x, w->q, w->s, w->z, out, M, w->N, w->K, w->gs, nt);
     case KW_Q8G512:
         return kw_q8group512 ? kw_q8group512(x, w->q, w->s, w->z, out, M, w->N, w->K, w->gs, nt) : -1;
+    case KW_Q8G_U4:
+        return kw_q8group_u4(x, w->q, w->s, w->z, out, M, w->N, w->K, w->gs, nt);
+    case KW_Q8G512_U4:
+        return kw_q8group512_u4 ? kw_q8group512_u4(x, w->q, w->s, w->z, out, M, w->N, w->K, w->gs, nt) : -1;
     case KW_Q4VEC:
         return kw_q4vec ? kw_q4vec(x, w->q, w->s, out, M, w->N, w->K, w->gs, w->B, nt) : -1;
     case KW_Q4AMX:

@@ -63,9 +63,11 @@ def test_extreme_blocks_decode_to_the_values_computed_by_hand(type_name: str) ->
 
 
 # Fused projections of mixed types (llama.cpp's Q4_K_M writes Q4_K beside Q6_K; Q3_K_M, Q3_K beside Q5_K) and the
-# layout each pair becomes: int4 only for Q4_0 / Q4_1, else int8 groups of the finer type's group size.
-FUSED = [(("Q4_K", "Q6_K"), "int8_group", 16), (("Q3_K", "Q5_K"), "int8_group", 16),
-         (("Q2_K", "IQ4_XS"), "int8_group", 16), (("IQ4_NL", "Q8_0"), "int8_group", 32),
+# layout each pair becomes: int4 only for Q4_0 / Q4_1, else int8 groups of the finer type's group size, their codes
+# at 4 bits (int8_group_u4) where every type's are unsigned 4-bit ones (Q4_K, Q2_K).
+FUSED = [(("Q4_K", "Q6_K"), "int8_group", 16), (("Q4_K", "Q2_K"), "int8_group_u4", 16),
+         (("Q4_K",), "int8_group_u4", 32), (("Q3_K", "Q5_K"), "int8_group", 16), (("Q2_K", "IQ4_XS"), "int8_group", 16),
+         (("IQ4_NL", "Q8_0"), "int8_group", 32),
          (("Q5_0", "Q5_1", "Q4_0"), "int8_group", 32), (("Q4_0", "Q4_1"), "int4", 32)]
 
 
@@ -74,7 +76,8 @@ def test_fused_weights_of_mixed_types_convert_exactly(types: tuple[str, ...], sc
     shapes = [(64, 512), (32, 512), (48, 512)][:len(types)]
     raws = [random_blocks(t, n, k, seed=i, edges=True) for i, (t, (n, k)) in enumerate(zip(types, shapes, strict=True))]
     meta = plan_gguf(types, shapes, torch.float32, "cpu")
-    assert (meta.scheme, meta.group_size) == (scheme, group_size)
+    assert (meta.layout if scheme == "int8_group_u4" else meta.scheme, meta.group_size) == (scheme, group_size)
+    assert meta.layout != "int8_group_u4" or scheme == "int8_group_u4", meta
     parts = convert_gguf(meta, [(t, torch.from_numpy(r), 0) for t, r in zip(types, raws, strict=True)], shapes,
                          torch.float32, "fused")
     got = QuantizedWeight.from_parts(meta, parts).dequantize()
@@ -83,7 +86,8 @@ def test_fused_weights_of_mixed_types_convert_exactly(types: tuple[str, ...], sc
 
 # Tiny llamas with K = 256 / 512 (K-quants need multiples of 256) and a type per projection. "legacy": layer 0 fuses
 # Q4_K with Q6_K (stored as int8 groups of 16); in layer 1 Q4_0 and Q4_1 are torch's int4 groups of 32, Q4_K int8
-# groups; layer 2 is plain. "kquant_iq4": the other types, each fused weight a mix, and a Q3_K token embedding.
+# groups of 4-bit codes (int8_group_u4); layer 2 is plain. "kquant_iq4": the other types, each fused weight a mix,
+# and a Q3_K token embedding.
 TYPES = [
     {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q8_0", "ffn_gate": "Q5_K",
      "ffn_up": "Q5_K", "ffn_down": "Q6_K"},
@@ -105,7 +109,7 @@ NEW_TYPES = [
 MODELS = {
     "legacy": (TYPES, "F32", {"0.self_attn.qkv_proj": ("int8_group", 16), "0.self_attn.o_proj": ("int8_group", 32),
                               "1.self_attn.qkv_proj": ("int4_cpu", 32), "1.mlp.gate_up_proj": ("int4_cpu", 32),
-                              "1.mlp.down_proj": ("int8_group", 32)}),
+                              "1.mlp.down_proj": ("int8_group_u4", 32)}),
     "kquant_iq4": (NEW_TYPES, "Q3_K", {
         "0.self_attn.qkv_proj": ("int8_group", 16), "0.self_attn.o_proj": ("int8_group", 32),
         "0.mlp.gate_up_proj": ("int8_group", 16), "0.mlp.down_proj": ("int8_group", 16),

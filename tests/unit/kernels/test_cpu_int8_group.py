@@ -8,6 +8,8 @@ models take on the CPU:
 - one summation order per output: each row of a batch equals that row alone, at 1 and at 2 threads (same bits);
 - the wide path's bf16 weight is the reference's ``dequantize(torch.bfloat16)``, bit for bit;
 - sizes the kernels cannot run are refused (ValueError), never computed wrong;
+- 4-bit codes in the int8_group_u4 pack (GGUF Q4_K / Q2_K) give the int8 codes' bits through every path (the
+  kernels at 1 / many rows, the wide path's weight, the reference's dequantization), on half the bytes;
 - dispatch: bfloat16 x takes the kernel (select and describe name it), float32 x, g_idx and groups of 8 the
   reference, 33+ rows the wide path where oneDNN has a bf16 matmul; ``KEEPWARM_CPU_NATIVE=0`` the reference;
 - a tiny llama GGUF of Q4_K / Q5_K / Q6_K / Q8_0 projections decodes in bfloat16 the same greedy tokens through the
@@ -29,7 +31,7 @@ import torch
 from support.tiny_gguf import tiny_gguf_dir
 
 from keepwarm import LLM, SamplingParams, kernels
-from keepwarm.formats.quant import QuantMeta
+from keepwarm.formats.quant import LAYOUT_INT8_GROUP_U4, QuantMeta, pack_u4_groups, unpack_u4_groups
 from keepwarm.kernels import cpu_native, cpu_step, dispatch, native_ops, quant
 from keepwarm.kernels.quant import QuantizedWeight, linear_reference
 
@@ -201,6 +203,51 @@ def test_linear_runs_the_kernel_and_the_switch_gives_the_reference(monkeypatch: 
     monkeypatch.setenv(cpu_native.ENV_VAR, "0")
     assert dispatch.select_linear("int8_group", x, w) == dispatch.REFERENCE
     assert torch.equal(kernels.linear(x, w), linear_reference(x, w))
+
+
+# ---------------------------------------------------------------------------------------------- 4-bit codes
+def test_u4_pack_puts_column_j_and_16_plus_j_in_byte_j() -> None:
+    codes = torch.arange(64, dtype=torch.uint8).remainder(16).view(1, 64).repeat(3, 1)
+    codes[1] = torch.randint(0, 16, (64,), generator=torch.Generator().manual_seed(1), dtype=torch.uint8)
+    packed = pack_u4_groups(codes)
+    assert packed.shape == (3, 32) and packed.dtype == torch.uint8
+    for row in range(3):
+        for c in range(2):  # each 32 columns
+            for j in range(16):
+                lo, hi = int(codes[row, c * 32 + j]), int(codes[row, c * 32 + 16 + j])
+                assert int(packed[row, c * 16 + j]) == lo | hi << 4
+    assert torch.equal(unpack_u4_groups(packed), codes)
+
+
+@pytest.mark.parametrize("linear", _entries())
+@pytest.mark.parametrize(("m", "n", "k", "gs"), [(1, 13, 64, 16), (1, 100, 576, 32), (3, 37, 512, 16),
+                                                  (8, 100, 256, 64), (33, 29, 1024, 128), (49, 70, 96, 32)])
+def test_u4_codes_give_the_int8_codes_bits(linear: Callable[..., torch.Tensor], m: int, n: int, k: int,
+                                           gs: int) -> None:
+    g = torch.Generator().manual_seed(m + n + k)
+    q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.int8)
+    _, s, z = _case(n, k, gs, n)
+    x = (torch.randn(m, k, generator=g) * torch.exp2(torch.randint(-12, 13, (m, k), generator=g))).bfloat16()
+    packed = pack_u4_groups(q)
+    assert native_ops.q8g_fits(x, packed, s, z, gs) and packed.nbytes * 2 == q.nbytes
+    assert torch.equal(linear(x, packed, s, z, gs), linear(x, q, s, z, gs))
+    assert torch.equal(linear(x[:1].contiguous(), packed, s, z, gs), linear(x[:1].contiguous(), q, s, z, gs))
+    assert torch.equal(native_ops.q8g_to_bf16(packed, s, z, gs), native_ops.q8g_to_bf16(q, s, z, gs))
+    u4 = QuantizedWeight(QuantMeta("int8_group", LAYOUT_INT8_GROUP_U4, gs, (n, k)),
+                         {"qweight": packed, "scales": s, "zeros": z})
+    i8 = QuantizedWeight(QuantMeta("int8_group", "int8_group", gs, (n, k)), {"qweight": q, "scales": s, "zeros": z})
+    assert torch.equal(u4.dequantize(), i8.dequantize())
+    assert dispatch.select_linear("int8_group", x, u4) == dispatch.select_linear("int8_group", x, i8)
+
+
+def test_u4_sizes_the_kernels_cannot_run_are_refused() -> None:
+    q = torch.randint(0, 16, (16, 48), dtype=torch.int8)
+    _, s, z = _case(16, 48, 16, 0)
+    x = torch.zeros(2, 48, dtype=torch.bfloat16)
+    packed = q.view(torch.uint8)[:, :24].contiguous()  # K = 48: not a multiple of 32
+    assert not native_ops.q8g_fits(x, packed, s, z, 16)
+    with pytest.raises(ValueError, match="do not fit"):
+        native_ops.q8g_linear(x, packed, s, z, 16)
 
 
 # ---------------------------------------------------------------------------------------------- a model

@@ -1,10 +1,10 @@
 """The native decode step (kernels/csrc/step.c, kernels/cpu_step.py, worker/models/native_step.py): a decode-only
 CPU step's layers in one C call.
 - SiLU times up: every bf16 gate value (65,536) against random ups equals ATen's ``F.silu(g).mul_(u)`` bit for bit;
-- a GGUF llama of int8-group weights (Q4_K / Q5_K / Q6_K / Q8_0): per layer, the step made of the first k layers
-  equals the first k layers run op by op, bit for bit, in every decode step; end to end, greedy tokens and every
-  logprob equal the op-by-op path's (``KEEPWARM_CPU_STEP=0``), with steps of 3, 2 and 1 rows, at 1 and 2 threads,
-  and a sequence's outputs alone equal its outputs in a batch;
+- a GGUF llama of int8-group weights (Q4_K + Q6_K in groups of 16, Q4_K as 4-bit codes, Q8_0): per layer, the
+  step made of the first k layers equals the first k layers run op by op, bit for bit, in every decode step; end to
+  end, greedy tokens and every logprob equal the op-by-op path's (``KEEPWARM_CPU_STEP=0``), with steps of 3, 2 and 1
+  rows, at 1 and 2 threads, and a sequence's outputs alone equal its outputs in a batch;
 - int4 (Q4_0 / Q4_1, torch's halves pack): at 1-4 rows on AVX-512 ATen's op is replaced by keepwarm's int4 kernel
   on the same pack (`NativeStep.exact` says so): per layer within BOUND of op by op; greedy tokens equal;
 - a forked child runs the step and gets its parent's bits;
@@ -31,9 +31,10 @@ from keepwarm.worker.models import native_step
 pytestmark = pytest.mark.skipif(not cpu_native.glue_on() or cpu_step.exp8_address() is None,
                                 reason=f"native kernels: {cpu_native.reasons()[1] or 'no Sleef expf in torch'}")
 
+# layer 0: qkv int8 groups of 16 (Q4_K beside Q6_K), gate_up 4-bit codes (Q4_K alone: int8_group_u4); layer 1: Q8_0
 INT8_GROUPS = [
-    {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q8_0", "ffn_gate": "Q5_K",
-     "ffn_up": "Q5_K", "ffn_down": "Q6_K"},
+    {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q8_0", "ffn_gate": "Q4_K",
+     "ffn_up": "Q4_K", "ffn_down": "Q6_K"},
     {p: "Q8_0" for p in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")},
 ]
 SUBSTITUTED = {t: {p: t for p in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")}

@@ -165,3 +165,31 @@ def test_preload_for_two_ranks_keeps_two_shards_that_ranks_attach(daemon, tiny_m
     out = _cli(daemon, "evict", Path(model).name)
     assert out.returncode == 0, out.stderr
     assert daemon.status()["models"] == [] and not list(arena_dir.glob("*.arena"))
+
+
+def test_4bit_group_codes_shard_as_their_int8_twin(tiny_model_factory) -> None:
+    """An int8_group_u4 weight (GGUF Q4_K's 4-bit codes) cut for each rank, by rows (qkv, gate_up) or by columns
+    (o, down: the codes unpacked, cut, packed again), equals the cut of the same codes stored as int8."""
+    from keepwarm.formats.quant import LAYOUT_INT8_GROUP_U4, QuantMeta, pack_u4_groups
+    from keepwarm.kernels.quant import QuantizedWeight
+    from keepwarm.weights.sharding import plan_cut, shard_weight
+
+    ckpt = Checkpoint(tiny_model_factory("llama3_tied"))
+    planned, _ = plan_arena(ckpt, "none", torch.float32, "cpu")
+    g = torch.Generator().manual_seed(0)
+    kinds = set()
+    for p in planned:
+        if not p.name.endswith(("qkv_proj.weight", "o_proj.weight", "gate_up_proj.weight", "down_proj.weight")):
+            continue
+        n, k = p.source.shape
+        q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.int8)
+        s, z = (torch.randn(n, k // 32, generator=g) for _ in range(2))
+        i8 = QuantizedWeight(QuantMeta("int8_group", "int8_group", 32, (n, k)), {"qweight": q, "scales": s, "zeros": z})
+        u4 = QuantizedWeight(QuantMeta("int8_group", LAYOUT_INT8_GROUP_U4, 32, (n, k)),
+                             {"qweight": pack_u4_groups(q), "scales": s, "zeros": z})
+        for r in range(2):
+            kinds.add(plan_cut(p.name, ckpt.config, Shard(r, 2))[0])
+            a, b = (shard_weight(p.name, w, ckpt.config, Shard(r, 2)) for w in (u4, i8))
+            assert a.meta.layout == LAYOUT_INT8_GROUP_U4 and a.meta.shape == b.meta.shape, p.name
+            assert torch.equal(a.dequantize(), b.dequantize()), (p.name, r)
+    assert kinds == {"rows", "cols"}
