@@ -59,6 +59,8 @@ static inline __attribute__((always_inline)) void bgemm_rows_1(const bgemm_t *g,
     __m256 a[8], we, wo;
     for (int i = 0; i < 8; i++) a[i] = _mm256_setzero_ps();
     for (int64_t k = 0; k < K; k += 16) {
+        /* the next block's 8 rows (8 K values right after these: 256 bytes a step) fetched over this block */
+        for (int b = 0; b < 256; b += 64) _mm_prefetch((const char *)(w + 8 * K + k * 8) + b, _MM_HINT_T0);
         __m256 e = _mm256_loadu_ps(x0 + k), o = _mm256_loadu_ps(x0 + k + 8);
         for (int i = 0; i < nr; i++) {
             W16(w + i * K + k, we, wo);

@@ -94,8 +94,47 @@ static inline __attribute__((always_inline)) void g8_rows_1(const g8_t *a, int64
     for (int i = 0; i < nr; i++) out[n + i] = f32_to_bf16(v_hsum(v_add(acc[i], g8_zterm(zf + i * Gp, xs, Gp))));
 }
 
+#ifdef V_U4_TABLE
+/* g8_rows_1 for 4-bit codes where the file has a table lookup (V_U4_TABLE: LANES == 16): per 32 columns one load
+ * per row, its low nibbles columns k..k+15, its high ones k+16..k+31, each code's q * s read from the row's table
+ * of the 16 products (v_lookup4, the low 4 bits of each index): the same exact values, added in the same order as
+ * g8_rows_1's, with no conversion, mask or multiply per code (measured in L2, a 1B's shapes: 1.7-1.9x). */
+static inline __attribute__((always_inline)) void g8_rows_1_u4(const g8_t *a, int64_t n, int nr, const float *sf,
+                                                               const float *zf, const float *x32, const float *xs,
+                                                               uint16_t *out) {
+    const int64_t K = a->K, gs = a->gs, Gp = a->Gp, rb = K / 2;
+    const uint8_t *w = (const uint8_t *)a->q + n * rb;
+    VEC acc[NB], lo[NB], hi[NB];
+    for (int i = 0; i < NB; i++) acc[i] = v_zero();
+    for (int64_t k = 0; k < K; k += 32) {
+        /* the next block's rows, NB * 16 bytes a step, fetched over this block */
+        for (int64_t b = 0; b < NB * 16; b += 64) _mm_prefetch((const char *)(w + NB * rb + k / 2 * NB + b), _MM_HINT_T0);
+        if (k % gs == 0)
+            for (int i = 0; i < nr; i++) lo[i] = hi[i] = v_mul(v_iota16(), v_set1(sf[i * Gp + k / gs]));
+        if (gs == 16) /* columns k+16.. are the next group */
+            for (int i = 0; i < nr; i++) hi[i] = v_mul(v_iota16(), v_set1(sf[i * Gp + k / gs + 1]));
+        VEC x0 = v_load(x32 + k), x1 = v_load(x32 + k + 16);
+        for (int i = 0; i < nr; i++) {
+            v_idx16 c = v_u4_load(w + i * rb + k / 2);
+            acc[i] = v_fma(x0, v_lookup4(lo[i], c), acc[i]);
+            acc[i] = v_fma(x1, v_lookup4(hi[i], v_u4_high(c)), acc[i]);
+        }
+    }
+    for (int i = 0; i < nr; i++) out[n + i] = f32_to_bf16(v_hsum(v_add(acc[i], g8_zterm(zf + i * Gp, xs, Gp))));
+}
+#endif
+
 static void g8_rows_1_any(const g8_t *a, int64_t n, int nr, const float *sf, const float *zf, const float *x32,
                           const float *xs, uint16_t *out) {
+#ifdef V_U4_TABLE
+    if (a->u4) {
+        if (nr == NB)
+            g8_rows_1_u4(a, n, NB, sf, zf, x32, xs, out);
+        else
+            g8_rows_1_u4(a, n, nr, sf, zf, x32, xs, out);
+        return;
+    }
+#endif
     if (nr == NB && a->u4)
         g8_rows_1(a, n, NB, 1, sf, zf, x32, xs, out);
     else if (nr == NB)
@@ -114,7 +153,14 @@ static void g8_convert(const g8_t *a, int64_t n, int nr, const float *sf, float 
             for (int64_t b = 0; b < g8_row_bytes(gs, a->u4); b += 64) /* the next WB rows, converted next */
                 _mm_prefetch((const char *)(src + WB * rb + g8_row_bytes(k, a->u4) + b), _MM_HINT_T0);
             if (a->u4)
+#ifdef V_U4_TABLE /* q * s from the group's table (g8_rows_1_u4's): the same values */
+                for (VEC tab = v_mul(v_iota16(), sb); k < (g + 1) * gs; k += LANES) {
+                    v_idx16 c = v_u4_load((const uint8_t *)src + (k >> 5) * 16);
+                    v_store_a(w + i * K + k, v_lookup4(tab, (k & 16) ? v_u4_high(c) : c));
+                }
+#else
                 for (int64_t end = k + gs; k < end; k += LANES) v_store_a(w + i * K + k, v_mul(g8_codes(src, k, 1), sb));
+#endif
             else
                 for (int64_t end = k + gs; k < end; k += LANES) v_store_a(w + i * K + k, v_mul(g8_codes(src, k, 0), sb));
         }

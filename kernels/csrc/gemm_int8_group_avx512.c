@@ -43,6 +43,15 @@ static inline __m512 v_codes4(const uint8_t *p, int shift) {
     return _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srl_epi32(b, _mm_cvtsi32_si128(shift)), _mm512_set1_epi32(15)));
 }
 
+/* 4-bit codes by table (gemm_int8_group.h's g8_rows_1_u4): 16 bytes as 16 index lanes, their high nibbles, and
+ * table[index & 15] (vpermps reads the low 4 bits) */
+#define V_U4_TABLE
+typedef __m512i v_idx16;
+static inline __m512 v_iota16(void) { return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
+static inline __m512i v_u4_load(const uint8_t *p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)); }
+static inline __m512i v_u4_high(__m512i c) { return _mm512_srli_epi32(c, 4); }
+static inline __m512 v_lookup4(__m512 table, __m512i c) { return _mm512_permutexvar_ps(c, table); }
+
 static inline __m512 v_widen(const uint16_t *p) {
     __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
     return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
