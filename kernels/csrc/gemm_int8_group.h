@@ -105,7 +105,7 @@ static inline __attribute__((always_inline)) void g8_rows_1_u4(const g8_t *a, in
     const int64_t K = a->K, gs = a->gs, Gp = a->Gp, rb = K / 2;
     const uint8_t *w = (const uint8_t *)a->q + n * rb;
     VEC acc[NB], lo[NB], hi[NB];
-    for (int i = 0; i < NB; i++) acc[i] = v_zero();
+    for (int i = 0; i < NB; i++) acc[i] = lo[i] = hi[i] = v_zero(); /* the tables are set at k = 0 */
     for (int64_t k = 0; k < K; k += 32) {
         /* the next block's rows, NB * 16 bytes a step, fetched over this block */
         for (int64_t b = 0; b < NB * 16; b += 64) _mm_prefetch((const char *)(w + NB * rb + k / 2 * NB + b), _MM_HINT_T0);
