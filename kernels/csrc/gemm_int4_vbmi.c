@@ -46,13 +46,15 @@ void q4_pack_pairs(const q4amx_t *a, int64_t b, int64_t k0, int64_t kc, uint32_t
     const __m512i c41 = _mm512_set1_epi32(0x41804180), m78 = _mm512_set1_epi32(0x00780078);
     const uint8_t *blk = a->q + b * a->K * hb;
     for (int64_t g = k0 / a->gs; g < (k0 + kc) / a->gs; g++)
-        for (int64_t c = 0; c < B; c += 16) _mm_prefetch((const char *)(a->sz + (g * a->N + b * B + c) * 2), _MM_HINT_T0);
+        for (int64_t c = 0; c < B; c += 16)
+            _mm_prefetch((const char *)(a->sz + (g * a->N + b * B + c) * 2), _MM_HINT_T0);
     for (int64_t k = k0; k < k0 + kc; k += 128 / B) {
         __m512i v = _mm512_loadu_si512(blk + k * hb);
         _mm_prefetch((const char *)(blk + k * hb + PF_CODES * 1024), _MM_HINT_T0);
         __m512i d0 = _mm512_permutexvar_epi8(idx0, v), d1 = _mm512_permutexvar_epi8(idx1, v);
         uint32_t *dst = s + (k - k0) / 2 * B;
-        /* B = 64: channels 0-15, 16-31, 32-47, 48-63 of (k, k+1); B = 32: 0-15, 16-31 of (k, k+1), then of (k+2, k+3) */
+        /* B = 64: channels 0-15, 16-31, 32-47, 48-63 of (k, k+1); B = 32: 0-15, 16-31 of (k, k+1), then of
+         * (k+2, k+3) */
         _mm512_storeu_si512(dst, Q4_PAIRS_LO(d0));
         _mm512_storeu_si512(dst + 16, B == 64 ? Q4_PAIRS_LO(d1) : Q4_PAIRS_HI(d0));
         _mm512_storeu_si512(dst + 32, B == 64 ? Q4_PAIRS_HI(d0) : Q4_PAIRS_LO(d1));

@@ -108,7 +108,8 @@ static inline __attribute__((always_inline)) void g8_rows_1_u4(const g8_t *a, in
     for (int i = 0; i < NB; i++) acc[i] = lo[i] = hi[i] = v_zero(); /* the tables are set at k = 0 */
     for (int64_t k = 0; k < K; k += 32) {
         /* the next block's rows, NB * 16 bytes a step, fetched over this block */
-        for (int64_t b = 0; b < NB * 16; b += 64) _mm_prefetch((const char *)(w + NB * rb + k / 2 * NB + b), _MM_HINT_T0);
+        for (int64_t b = 0; b < NB * 16; b += 64)
+            _mm_prefetch((const char *)(w + NB * rb + k / 2 * NB + b), _MM_HINT_T0);
         if (k % gs == 0)
             for (int i = 0; i < nr; i++) lo[i] = hi[i] = v_mul(v_iota16(), v_set1(sf[i * Gp + k / gs]));
         if (gs == 16) /* columns k+16.. are the next group */
@@ -159,10 +160,12 @@ static void g8_convert(const g8_t *a, int64_t n, int nr, const float *sf, float 
                     v_store_a(w + i * K + k, v_lookup4(tab, (k & 16) ? v_u4_high(c) : c));
                 }
 #else
-                for (int64_t end = k + gs; k < end; k += LANES) v_store_a(w + i * K + k, v_mul(g8_codes(src, k, 1), sb));
+                for (int64_t end = k + gs; k < end; k += LANES)
+                    v_store_a(w + i * K + k, v_mul(g8_codes(src, k, 1), sb));
 #endif
             else
-                for (int64_t end = k + gs; k < end; k += LANES) v_store_a(w + i * K + k, v_mul(g8_codes(src, k, 0), sb));
+                for (int64_t end = k + gs; k < end; k += LANES)
+                    v_store_a(w + i * K + k, v_mul(g8_codes(src, k, 0), sb));
         }
     }
 }

@@ -8,6 +8,7 @@
  *   the CPU runs them;
  * - the decode attention against a scalar reference, and a plan reading outside the cache refused;
  * - the glue (RMSNorm, rotary, KV store) and the int8 quantization against scalar references;
+ * - the int8-group kernels on 4-bit codes (int8_group_u4): the int8 codes' bits;
  * - the native decode step (step.c): two layers of int8-group and bf16 weights equal, bit for bit, the same entry
  *   points called one by one, at 1 and 2 threads; a weight of no known kind refused with its layer and op.
  * Exits 1 on the first mismatch (with what and where), 0 when everything matched.
@@ -486,7 +487,47 @@ static void test_quant_int8(void) {
 /* ---- the native decode step (step.c's structs, as kernels/cpu_step.py declares them) ---- */
 int kw_q8group(const uint16_t *x, const int8_t *q, const uint16_t *s, const uint16_t *z, uint16_t *out, int64_t M,
                int64_t N, int64_t K, int64_t gs, int nthreads);
+int kw_q8group_u4(const uint16_t *x, const uint8_t *q, const uint16_t *s, const uint16_t *z, uint16_t *out,
+                  int64_t M, int64_t N, int64_t K, int64_t gs, int nthreads);
+int kw_q8group512(const uint16_t *x, const int8_t *q, const uint16_t *s, const uint16_t *z, uint16_t *out,
+                  int64_t M, int64_t N, int64_t K, int64_t gs, int nthreads) __attribute__((weak));
+int kw_q8group512_u4(const uint16_t *x, const uint8_t *q, const uint16_t *s, const uint16_t *z, uint16_t *out,
+                     int64_t M, int64_t N, int64_t K, int64_t gs, int nthreads) __attribute__((weak));
 int kw_silu_mul(const uint16_t *gu, uint16_t *out, int64_t T, int64_t I, const void *exp8);
+
+/* int8_group_u4: 4-bit codes (byte j of each 32 columns = columns j and 16 + j) give the bits of the same codes as
+ * int8, at M = 1 (the table path on AVX-512), 2 and 9 rows, groups of 16 and 32, both builds' entry points. */
+static void test_q8group_u4(void) {
+    static const int64_t cases[][4] = {{1, 19, 96, 16}, {1, 40, 256, 32}, {2, 24, 64, 32}, {9, 17, 160, 16}};
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+        const int64_t M = cases[c][0], N = cases[c][1], K = cases[c][2], gs = cases[c][3], G = K / gs;
+        uint16_t *x = xalloc((size_t)(M * K) * 2), *s = xalloc((size_t)(N * G) * 2), *z = xalloc((size_t)(N * G) * 2);
+        int8_t *q = xalloc((size_t)(N * K));
+        uint8_t *p = xalloc((size_t)(N * K / 2));
+        uint16_t *o8 = xalloc((size_t)(M * N) * 2), *o4 = xalloc((size_t)(M * N) * 2);
+        for (int64_t i = 0; i < M * K; i++) x[i] = bfr(4.0f);
+        for (int64_t i = 0; i < N * G; i++) s[i] = bfr(0.05f), z[i] = bfr(0.1f);
+        for (int64_t i = 0; i < N * K; i++) q[i] = (int8_t)(rnd() % 16);
+        for (int64_t n = 0; n < N; n++)
+            for (int64_t k = 0; k < K; k += 32)
+                for (int j = 0; j < 16; j++)
+                    p[n * K / 2 + k / 2 + j] = (uint8_t)(q[n * K + k + j] | q[n * K + k + 16 + j] << 4);
+        for (int b = 0; b < 2; b++) {
+            if (b && !(kw_q8group512 && kw_q8group512_u4 && cpu_has("avx512_bf16"))) break;
+            for (int nt = 1; nt <= 2; nt++) {
+                int r8 = b ? kw_q8group512(x, q, s, z, o8, M, N, K, gs, nt)
+                           : kw_q8group(x, q, s, z, o8, M, N, K, gs, nt);
+                int r4 = b ? kw_q8group512_u4(x, p, s, z, o4, M, N, K, gs, nt)
+                           : kw_q8group_u4(x, p, s, z, o4, M, N, K, gs, nt);
+                CHECK(r8 == 0 && r4 == 0, "q8group%s_u4 refused M=%ld N=%ld K=%ld", b ? "512" : "", (long)M, (long)N,
+                      (long)K);
+                same_bits(b ? "q8group512_u4" : "q8group_u4", o4, o8, M * N);
+            }
+        }
+        CHECK(kw_q8group_u4(x, p, s, z, o4, M, N, 48, 16, 1) == -1, "q8group_u4 took K = 48");
+        free(x), free(s), free(z), free(q), free(p), free(o8), free(o4);
+    }
+}
 typedef struct {
     int64_t kind;
     const void *q;
@@ -656,6 +697,7 @@ int main(int argc, char **argv) {
     test_rotary();
     test_store_kv();
     test_quant_int8();
+    test_q8group_u4();
     test_step();
     printf("kw_test: %d checks passed%s\n", atomic_load(&g_checks), g_tsan ? " (TSan: pool, no OpenMP / fork)" : "");
     return 0;
