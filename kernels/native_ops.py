@@ -334,18 +334,23 @@ def q8g_avx512_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
     return _q8g("kw_q8group512", x, qweight, scales, zeros, group_size)
 
 
-def q8g_to_bf16(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> torch.Tensor:
+def q8g_to_bf16(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+                lanes: int = 0) -> torch.Tensor:
     """The int8_group weight as bfloat16 [N, K], bit for bit the reference's ``dequantize(torch.bfloat16)`` (code *
-    scale + zero in float32, rounded once to nearest even), threads as the matmuls; for the widest calls."""
+    scale + zero in float32, rounded once to nearest even), threads as the matmuls; for the widest calls. On 16
+    lanes in the avx512 build, else 8 (`lanes` 8 or 16 asks for one: tests)."""
     if not _q8g_weight_fits(qweight, scales, zeros, group_size):
         raise ValueError(f"q8g_to_bf16: weight {tuple(qweight.shape)} {qweight.dtype}, scales {tuple(scales.shape)} "
                          f"{scales.dtype}, zeros {tuple(zeros.shape)} {zeros.dtype} and groups of {group_size} do "
                          "not fit")
     n, k = qweight.shape[0], _q8g_k(qweight)
     out = torch.empty((n, k), dtype=torch.bfloat16)
-    rc = _q8group(_q8g_entry("kw_q8group_bf16", qweight))(qweight.data_ptr(), scales.data_ptr(), zeros.data_ptr(),
-                                                          out.data_ptr(), n, k,
-                                     group_size, torch.get_num_threads())
+    wide = lanes == 16 or not lanes and cpu_native.variant_name() == "avx512"
+    if wide and cpu_native.variant_name() != "avx512":
+        raise ValueError(f"q8g_to_bf16: no avx512 build here ({cpu_native.reasons()[0] or 'switched off'})")
+    fn = _q8group(_q8g_entry("kw_q8group512_bf16" if wide else "kw_q8group_bf16", qweight))
+    rc = fn(qweight.data_ptr(), scales.data_ptr(), zeros.data_ptr(), out.data_ptr(), n, k, group_size,
+            torch.get_num_threads())
     if rc != 0:
         raise ValueError(f"q8g_to_bf16: the kernel refused N={n} K={k} groups of {group_size} (rc {rc})")
     return out

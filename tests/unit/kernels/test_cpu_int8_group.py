@@ -125,12 +125,17 @@ def test_each_row_is_computed_as_if_alone_at_any_thread_count(linear: Callable[.
     assert torch.equal(batch, alone) and torch.equal(batch[:32], pairs)
 
 
-def test_wide_weight_is_the_references_dequantization() -> None:
+@pytest.mark.parametrize("lanes", [pytest.param(8, id="avx2"), pytest.param(16, id="avx512", marks=pytest.mark.skipif(
+    cpu_native.variant_name() != "avx512", reason="no avx512 build here (the CPU lacks AVX512-BF16)"))])
+def test_wide_weight_is_the_references_dequantization(lanes: int) -> None:
     for n, k, gs in ((13, 576, 32), (37, 512, 16), (200, 1024, 128)):
         q, s, z = _case(n, k, gs, n)
         meta = QuantMeta("int8_group", "int8_group", gs, (n, k))
         want = QuantizedWeight(meta, {"qweight": q, "scales": s, "zeros": z}).dequantize(torch.bfloat16)
-        assert torch.equal(native_ops.q8g_to_bf16(q, s, z, gs), want)
+        assert torch.equal(native_ops.q8g_to_bf16(q, s, z, gs, lanes), want)
+        z[0, 0] = float("nan")  # a NaN zero: the reference's NaN, as bf16 0x7FC0 (its sign dropped)
+        got = native_ops.q8g_to_bf16(q, s, z, gs, lanes)
+        assert torch.isnan(got[0, :gs]).all() and torch.equal(got[1:], want[1:])
 
 
 def test_sizes_the_kernels_cannot_run_are_refused() -> None:
@@ -232,7 +237,8 @@ def test_u4_codes_give_the_int8_codes_bits(linear: Callable[..., torch.Tensor], 
     assert native_ops.q8g_fits(x, packed, s, z, gs) and packed.nbytes * 2 == q.nbytes
     assert torch.equal(linear(x, packed, s, z, gs), linear(x, q, s, z, gs))
     assert torch.equal(linear(x[:1].contiguous(), packed, s, z, gs), linear(x[:1].contiguous(), q, s, z, gs))
-    assert torch.equal(native_ops.q8g_to_bf16(packed, s, z, gs), native_ops.q8g_to_bf16(q, s, z, gs))
+    for lanes in (8, 16) if cpu_native.variant_name() == "avx512" else (8,):
+        assert torch.equal(native_ops.q8g_to_bf16(packed, s, z, gs, lanes), native_ops.q8g_to_bf16(q, s, z, gs, 8))
     u4 = QuantizedWeight(QuantMeta("int8_group", LAYOUT_INT8_GROUP_U4, gs, (n, k)),
                          {"qweight": packed, "scales": s, "zeros": z})
     i8 = QuantizedWeight(QuantMeta("int8_group", "int8_group", gs, (n, k)), {"qweight": q, "scales": s, "zeros": z})
