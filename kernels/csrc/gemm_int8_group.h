@@ -2,8 +2,9 @@
  * gemm_int8_group_avx2.c (LANES 8, kw_q8group) and gemm_int8_group_avx512.c (LANES 16, kw_q8group512). Each defines
  * first: VEC, LANES, XB (rows of x per register block), ENTRY (the entry point's name) and the vector operations
  * v_zero, v_set1, v_load, v_store_u (unaligned), v_load_a, v_store_a (aligned), v_add, v_mul, v_fma (a * b + c),
- * v_codes (LANES int8 codes as float32, exactly), v_widen (LANES bf16 as float32) and v_hsum (the lanes added in
- * one fixed tree). Prefetches (interleaved A/B, one thread): the next 8 rows during an M == 1 block (0.64-0.82x
+ * v_codes (LANES int8 codes as float32, exactly), v_widen (LANES bf16 as float32), v_hsum (the lanes added in
+ * one fixed tree) and v_store_bf16 (LANES float32 stored as bf16, nearest even, a NaN as 0x7FC0); ENTRY_BF16 and
+ * ENTRY_U4_BF16 name the weight-to-bf16 entry points. Prefetches (interleaved A/B, one thread): the next 8 rows during an M == 1 block (0.64-0.82x
  * the time of prefetching each row 256 bytes ahead), the next 4 rows during a conversion (0.85-0.95x at M = 8).
  *
  *   out[m, n] = bf16( sum_k x[m, k] * (q[n, k] * s[n, g(k)])  +  sum_g z[n, g] * xs[m, g] )
@@ -277,6 +278,57 @@ int ENTRY(const uint16_t *x, const int8_t *q, const uint16_t *s, const uint16_t 
 int ENTRY_U4(const uint16_t *x, const uint8_t *q, const uint16_t *s, const uint16_t *z, uint16_t *out, int64_t M,
              int64_t N, int64_t K, int64_t gs, int nthreads) {
     return g8_entry(x, (const int8_t *)q, s, z, out, M, N, K, gs, nthreads, 1);
+}
+
+/* ---- the weight as bf16 [N, K] for the widest calls (then oneDNN's bf16 matmul): bf16(q * s + z), the float32
+ * sum rounded once (q * s is exact, so the fused multiply-add is the reference's product then sum) and then to
+ * nearest even bf16, as the reference's dequantize and cast ---- */
+typedef struct {
+    const int8_t *q;
+    const uint16_t *s, *z;
+    uint16_t *out;
+    int64_t N, K, gs;
+    int u4;
+} g8d_t;
+
+static void g8_bf16_slice(const void *arg, int t, int nthreads) {
+    const g8d_t *d = (const g8d_t *)arg;
+    const int64_t K = d->K, G = K / d->gs, per = (d->N + nthreads - 1) / nthreads;
+    int64_t n1 = (t + 1) * per < d->N ? (t + 1) * per : d->N;
+    for (int64_t n = t * per; n < n1; n++) {
+        const int8_t *row = d->q + n * g8_row_bytes(K, d->u4);
+        for (int64_t g = 0, k = 0; g < G; g++) {
+            VEC s = v_set1(bf16f(d->s[n * G + g])), z = v_set1(bf16f(d->z[n * G + g]));
+            for (int64_t end = k + d->gs; k < end; k += LANES)
+                v_store_bf16(d->out + n * K + k, v_fma(d->u4 ? g8_codes(row, k, 1) : g8_codes(row, k, 0), s, z));
+        }
+    }
+}
+
+static int g8_bf16(const int8_t *q, const uint16_t *s, const uint16_t *z, uint16_t *out, int64_t N, int64_t K,
+                   int64_t gs, int nthreads, int u4) {
+    if (N < 1 || gs < 16 || gs % 16 || K < gs || K % gs || (u4 && K % 32)) return -1;
+    nthreads = kw_threads(nthreads);
+    if (N < 32 * nthreads) nthreads = 1;
+    g8d_t d = {q, s, z, out, N, K, gs, u4};
+    kw_run(g8_bf16_slice, &d, nthreads);
+    return 0;
+}
+
+/* q, s, z as for ENTRY (ENTRY_U4_BF16: q the 4-bit pack); out: bf16 [N, K]. 0, -1 on bad sizes. */
+int ENTRY_BF16(const int8_t *q, const uint16_t *s, const uint16_t *z, uint16_t *out, int64_t N, int64_t K, int64_t gs,
+               int nthreads);
+int ENTRY_U4_BF16(const uint8_t *q, const uint16_t *s, const uint16_t *z, uint16_t *out, int64_t N, int64_t K,
+                  int64_t gs, int nthreads);
+
+int ENTRY_BF16(const int8_t *q, const uint16_t *s, const uint16_t *z, uint16_t *out, int64_t N, int64_t K, int64_t gs,
+               int nthreads) {
+    return g8_bf16(q, s, z, out, N, K, gs, nthreads, 0);
+}
+
+int ENTRY_U4_BF16(const uint8_t *q, const uint16_t *s, const uint16_t *z, uint16_t *out, int64_t N, int64_t K,
+                  int64_t gs, int nthreads) {
+    return g8_bf16((const int8_t *)q, s, z, out, N, K, gs, nthreads, 1);
 }
 
 #endif /* GEMM_INT8_GROUP_H */

@@ -24,6 +24,8 @@
 #define XB 3 /* 4 x 3 accumulators + 3 rows of x + one weight vector: the 16 registers */
 #define ENTRY kw_q8group
 #define ENTRY_U4 kw_q8group_u4
+#define ENTRY_BF16 kw_q8group_bf16
+#define ENTRY_U4_BF16 kw_q8group_u4_bf16
 
 static inline __m256 v_zero(void) { return _mm256_setzero_ps(); }
 static inline __m256 v_set1(float f) { return _mm256_set1_ps(f); }
@@ -50,59 +52,10 @@ static inline __m256 v_widen(const uint16_t *p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
 }
 
+/* LANES float32 as bf16 (nearest even; a NaN as 0x7FC0) */
+static inline void v_store_bf16(uint16_t *p, __m256 v) {
+    __m256i b = _mm256_srli_epi32(bf16_bits(v), 16);
+    _mm_storeu_si128((__m128i *)p, _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1)));
+}
+
 #include "gemm_int8_group.h"
-
-/* ---- the weight as bf16 [N, K] for the widest calls (then oneDNN's bf16 matmul): bf16(q * s + z), the float32
- * sum rounded once (q * s is exact) and then to nearest even bf16, as the reference's dequantize and cast ---- */
-typedef struct {
-    const int8_t *q;
-    const uint16_t *s, *z;
-    uint16_t *out;
-    int64_t N, K, gs;
-    int u4;
-} g8d_t;
-
-static void g8_bf16_slice(const void *arg, int t, int nthreads) {
-    const g8d_t *d = (const g8d_t *)arg;
-    const int64_t K = d->K, G = K / d->gs, per = (d->N + nthreads - 1) / nthreads;
-    int64_t n1 = (t + 1) * per < d->N ? (t + 1) * per : d->N;
-    for (int64_t n = t * per; n < n1; n++)
-        for (int64_t g = 0, k = 0; g < G; g++) {
-            __m256 s = _mm256_set1_ps(bf16f(d->s[n * G + g])), z = _mm256_set1_ps(bf16f(d->z[n * G + g]));
-            const int8_t *row = d->q + n * g8_row_bytes(K, d->u4);
-            for (int64_t end = k + d->gs; k < end; k += 16) {
-                __m256 c0 = d->u4 ? g8_codes(row, k, 1) : g8_codes(row, k, 0);
-                __m256 c1 = d->u4 ? g8_codes(row, k + 8, 1) : g8_codes(row, k + 8, 0);
-                __m256i lo = _mm256_srli_epi32(bf16_bits(_mm256_fmadd_ps(c0, s, z)), 16);
-                __m256i hi = _mm256_srli_epi32(bf16_bits(_mm256_fmadd_ps(c1, s, z)), 16);
-                _mm256_storeu_si256((__m256i *)(d->out + n * K + k),
-                                    _mm256_permute4x64_epi64(_mm256_packus_epi32(lo, hi), 0xD8));
-            }
-        }
-}
-
-static int g8_bf16(const int8_t *q, const uint16_t *s, const uint16_t *z, uint16_t *out, int64_t N, int64_t K,
-                   int64_t gs, int nthreads, int u4) {
-    if (N < 1 || gs < 16 || gs % 16 || K < gs || K % gs || (u4 && K % 32)) return -1;
-    nthreads = kw_threads(nthreads);
-    if (N < 32 * nthreads) nthreads = 1;
-    g8d_t d = {q, s, z, out, N, K, gs, u4};
-    kw_run(g8_bf16_slice, &d, nthreads);
-    return 0;
-}
-
-/* q, s, z as for kw_q8group (kw_q8group_u4: q the 4-bit pack); out: bf16 [N, K]. 0, -1 on bad sizes. */
-int kw_q8group_bf16(const int8_t *q, const uint16_t *s, const uint16_t *z, uint16_t *out, int64_t N, int64_t K,
-                    int64_t gs, int nthreads);
-int kw_q8group_u4_bf16(const uint8_t *q, const uint16_t *s, const uint16_t *z, uint16_t *out, int64_t N, int64_t K,
-                       int64_t gs, int nthreads);
-
-int kw_q8group_bf16(const int8_t *q, const uint16_t *s, const uint16_t *z, uint16_t *out, int64_t N, int64_t K,
-                    int64_t gs, int nthreads) {
-    return g8_bf16(q, s, z, out, N, K, gs, nthreads, 0);
-}
-
-int kw_q8group_u4_bf16(const uint8_t *q, const uint16_t *s, const uint16_t *z, uint16_t *out, int64_t N, int64_t K,
-                       int64_t gs, int nthreads) {
-    return g8_bf16((const int8_t *)q, s, z, out, N, K, gs, nthreads, 1);
-}

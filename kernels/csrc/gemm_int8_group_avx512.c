@@ -14,6 +14,8 @@
 #define XB 4
 #define ENTRY kw_q8group512
 #define ENTRY_U4 kw_q8group512_u4
+#define ENTRY_BF16 kw_q8group512_bf16
+#define ENTRY_U4_BF16 kw_q8group512_u4_bf16
 
 static inline __m512 v_zero(void) { return _mm512_setzero_ps(); }
 static inline __m512 v_set1(float f) { return _mm512_set1_ps(f); }
@@ -57,65 +59,13 @@ static inline __m512 v_widen(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
 }
 
-#include "gemm_int8_group.h"
-
-/* ---- the weight as bf16 [N, K] for the widest calls, on 16 lanes: gemm_int8_group_avx2.c's kw_q8group_bf16,
- * the same values (q * s + z in one fused multiply-add, q * s being exact: the reference's sum, rounded once to
- * nearest even bf16; a NaN becomes 0x7FC0 as there), twice the lanes (prefill's int8-group weights) ---- */
-static inline __m256i bf16_16(__m512 x) {
+/* LANES float32 as bf16 (nearest even; a NaN as 0x7FC0) */
+static inline void v_store_bf16(uint16_t *p, __m512 x) {
     __m512i u = _mm512_castps_si512(x);
     __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
     __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
     r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
-    return _mm512_cvtepi32_epi16(r);
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(r));
 }
 
-typedef struct {
-    const int8_t *q;
-    const uint16_t *s, *z;
-    uint16_t *out;
-    int64_t N, K, gs;
-    int u4;
-} g8d512_t;
-
-static void g8_bf16_slice512(const void *arg, int t, int nthreads) {
-    const g8d512_t *d = (const g8d512_t *)arg;
-    const int64_t K = d->K, G = K / d->gs, per = (d->N + nthreads - 1) / nthreads;
-    int64_t n1 = (t + 1) * per < d->N ? (t + 1) * per : d->N;
-    for (int64_t n = t * per; n < n1; n++) {
-        const int8_t *row = d->q + n * g8_row_bytes(K, d->u4);
-        for (int64_t g = 0, k = 0; g < G; g++) {
-            __m512 s = _mm512_set1_ps(bf16f(d->s[n * G + g])), z = _mm512_set1_ps(bf16f(d->z[n * G + g]));
-            for (int64_t end = k + d->gs; k < end; k += 16) {
-                __m512 c = d->u4 ? g8_codes(row, k, 1) : g8_codes(row, k, 0);
-                _mm256_storeu_si256((__m256i *)(d->out + n * K + k), bf16_16(_mm512_fmadd_ps(c, s, z)));
-            }
-        }
-    }
-}
-
-static int g8_bf16_512(const int8_t *q, const uint16_t *s, const uint16_t *z, uint16_t *out, int64_t N, int64_t K,
-                       int64_t gs, int nthreads, int u4) {
-    if (N < 1 || gs < 16 || gs % 16 || K < gs || K % gs || (u4 && K % 32)) return -1;
-    nthreads = kw_threads(nthreads);
-    if (N < 32 * nthreads) nthreads = 1;
-    g8d512_t d = {q, s, z, out, N, K, gs, u4};
-    kw_run(g8_bf16_slice512, &d, nthreads);
-    return 0;
-}
-
-/* kw_q8group_bf16 / kw_q8group_u4_bf16 on 16 lanes: the same arguments, the same bits. */
-int kw_q8group512_bf16(const int8_t *q, const uint16_t *s, const uint16_t *z, uint16_t *out, int64_t N, int64_t K,
-                       int64_t gs, int nthreads);
-int kw_q8group512_u4_bf16(const uint8_t *q, const uint16_t *s, const uint16_t *z, uint16_t *out, int64_t N,
-                          int64_t K, int64_t gs, int nthreads);
-
-int kw_q8group512_bf16(const int8_t *q, const uint16_t *s, const uint16_t *z, uint16_t *out, int64_t N, int64_t K,
-                       int64_t gs, int nthreads) {
-    return g8_bf16_512(q, s, z, out, N, K, gs, nthreads, 0);
-}
-
-int kw_q8group512_u4_bf16(const uint8_t *q, const uint16_t *s, const uint16_t *z, uint16_t *out, int64_t N,
-                          int64_t K, int64_t gs, int nthreads) {
-    return g8_bf16_512((const int8_t *)q, s, z, out, N, K, gs, nthreads, 1);
-}
+#include "gemm_int8_group.h"
