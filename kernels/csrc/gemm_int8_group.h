@@ -4,8 +4,9 @@
  * v_zero, v_set1, v_load, v_store_u (unaligned), v_load_a, v_store_a (aligned), v_add, v_mul, v_fma (a * b + c),
  * v_codes (LANES int8 codes as float32, exactly), v_widen (LANES bf16 as float32), v_hsum (the lanes added in
  * one fixed tree) and v_store_bf16 (LANES float32 stored as bf16, nearest even, a NaN as 0x7FC0); ENTRY_BF16 and
- * ENTRY_U4_BF16 name the weight-to-bf16 entry points. Prefetches (interleaved A/B, one thread): the next 8 rows during an M == 1 block (0.64-0.82x
- * the time of prefetching each row 256 bytes ahead), the next 4 rows during a conversion (0.85-0.95x at M = 8).
+ * ENTRY_U4_BF16 name the weight-to-bf16 entry points. Prefetches (interleaved A/B, one thread): the next 8 rows
+ * during an M == 1 block (0.64-0.82x the time of prefetching each row 256 bytes ahead), the next 4 rows during a
+ * conversion (0.85-0.95x at M = 8).
  *
  *   out[m, n] = bf16( sum_k x[m, k] * (q[n, k] * s[n, g(k)])  +  sum_g z[n, g] * xs[m, g] )
  *
