@@ -40,11 +40,8 @@ static void q4_tiles_amx(const q4amx_t *a, int64_t b, const uint32_t *s, int64_t
         }
         const int64_t g = g0 / a->gs;
         for (int64_t c = 0; c < B; c += 16) {
-            __m512i r = _mm512_loadu_si512(a->sz + (g * a->N + b * B + c) * 2); /* 16 (scale, zero) pairs */
-            __m512 sc = _mm512_castsi512_ps(_mm512_slli_epi32(r, 16));
-            __m512 z = _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32((int)0xFFFF0000u)));
-            /* the codes entered as 16 + c: c - 8 = (16 + c) - 24 */
-            __m512 zf = _mm512_fnmadd_ps(_mm512_set1_ps(24.0f), sc, z);
+            __m512 sc, zf;
+            q4_scale_zero(a, g, b * B + c, &sc, &zf);
             for (int64_t i = 0; i < R; i++) {
                 float *t = tot + (mb + i) * B + c;
                 __m512 v = _mm512_fmadd_ps(sc, _mm512_loadu_ps(cg + i * 64 + c), _mm512_loadu_ps(t));

@@ -21,6 +21,15 @@ static void q4_row_index(int o0, int o1, uint8_t idx[64]) {
     }
 }
 
+/* The two tables for a block of B rows: B = 64: channels 0-15 and 32-47 (idx0), 16-31 and 48-63 (idx1) of (k, k+1);
+ * B = 32: channels 0-31 of (k, k+1) (idx0), of (k+2, k+3) (idx1). */
+static void q4_row_tables(int64_t B, __m512i *idx0, __m512i *idx1) {
+    uint8_t i0[64], i1[64];
+    q4_row_index(0, B == 64 ? 32 : 16, i0);
+    q4_row_index(B == 64 ? 16 : 32, 48, i1);
+    *idx0 = _mm512_loadu_si512(i0), *idx1 = _mm512_loadu_si512(i1);
+}
+
 /* (16 + code k, 16 + code k+1) bf16 pairs from q4_row_index's dwords: the low (LO) or high (HI) nibble of each
  * byte shifted to bits 3-6 of its 16-bit half, the mantissa's top bits under 0x4180 = 16.0 (q4_pack_pairs). */
 #define Q4_PAIRS_LO(d) _mm512_ternarylogic_epi32(_mm512_slli_epi32(d, 3), m78, c41, 0xEA)
@@ -39,10 +48,8 @@ static void q4_row_index(int o0, int o1, uint8_t idx[64]) {
  * 2 (B = 64) or 4 (B = 32) consecutive k rows of the block. The fold's scales of these groups are prefetched. */
 void q4_pack_pairs(const q4amx_t *a, int64_t b, int64_t k0, int64_t kc, uint32_t *s) {
     const int64_t hb = a->B / 2, B = a->B;
-    uint8_t i0[64], i1[64];
-    q4_row_index(0, B == 64 ? 32 : 16, i0);
-    q4_row_index(B == 64 ? 16 : 32, 48, i1);
-    const __m512i idx0 = _mm512_loadu_si512(i0), idx1 = _mm512_loadu_si512(i1);
+    __m512i idx0, idx1;
+    q4_row_tables(B, &idx0, &idx1);
     const __m512i c41 = _mm512_set1_epi32(0x41804180), m78 = _mm512_set1_epi32(0x00780078);
     const uint8_t *blk = a->q + b * a->K * hb;
     for (int64_t g = k0 / a->gs; g < (k0 + kc) / a->gs; g++)
@@ -120,10 +127,8 @@ int q4_run(kw_slice_fn slice, const uint16_t *x, const uint8_t *q, const uint16_
 static void q4v_fold(const q4amx_t *a, int64_t b, int64_t g, int64_t mb, int R, int64_t c0, const float *cg,
                     float *tot) {
     for (int64_t c = 0; c < 32; c += 16) {
-        __m512i r = _mm512_loadu_si512(a->sz + (g * a->N + b * a->B + c0 + c) * 2); /* 16 (scale, zero) pairs */
-        __m512 sc = _mm512_castsi512_ps(_mm512_slli_epi32(r, 16));
-        __m512 z = _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32((int)0xFFFF0000u)));
-        __m512 zf = _mm512_fnmadd_ps(_mm512_set1_ps(24.0f), sc, z); /* the codes entered as 16 + c */
+        __m512 sc, zf;
+        q4_scale_zero(a, g, b * a->B + c0 + c, &sc, &zf);
         for (int i = 0; i < R; i++) {
             float *t = tot + (mb + i) * a->B + c0 + c;
             __m512 v = _mm512_fmadd_ps(sc, _mm512_loadu_ps(cg + i * 32 + c), _mm512_loadu_ps(t));
@@ -139,10 +144,8 @@ static void q4v_fold(const q4amx_t *a, int64_t b, int64_t g, int64_t mb, int R, 
  * the same bits as every other M. */
 static void q4vec_row(const q4amx_t *a, int64_t b) {
     const int64_t K = a->K, B = a->B, gs = a->gs, hb = B / 2, V = B / 16, G = K / gs;
-    uint8_t i0[64], i1[64];
-    q4_row_index(0, B == 64 ? 32 : 16, i0); /* B = 64: channels 0-15 and 32-47 of (k, k+1); B = 32: 0-31, k, k+1 */
-    q4_row_index(B == 64 ? 16 : 32, 48, i1); /* B = 64: channels 16-31, 48-63; B = 32: 0-31 of (k+2, k+3) */
-    const __m512i idx0 = _mm512_loadu_si512(i0), idx1 = _mm512_loadu_si512(i1);
+    __m512i idx0, idx1;
+    q4_row_tables(B, &idx0, &idx1);
     const __m512i c41 = _mm512_set1_epi32(0x41804180), m78 = _mm512_set1_epi32(0x00780078);
     const uint32_t *xp = (const uint32_t *)a->x; /* one row: its bf16 pairs are the panel */
     const uint8_t *blk = a->q + b * K * hb;
@@ -173,11 +176,9 @@ static void q4vec_row(const q4amx_t *a, int64_t b) {
             }
         }
         const __m512 xs = _mm512_set1_ps(a->xs[g * a->Mp]);
-        for (int64_t c = 0; c < V; c++) { /* q4v_fold */
-            __m512i r = _mm512_loadu_si512(a->sz + (g * a->N + b * B + c * 16) * 2);
-            __m512 sc = _mm512_castsi512_ps(_mm512_slli_epi32(r, 16));
-            __m512 z = _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32((int)0xFFFF0000u)));
-            __m512 zf = _mm512_fnmadd_ps(_mm512_set1_ps(24.0f), sc, z);
+        for (int64_t c = 0; c < V; c++) { /* q4v_fold's two fmas */
+            __m512 sc, zf;
+            q4_scale_zero(a, g, b * B + c * 16, &sc, &zf);
             tot[c] = _mm512_fmadd_ps(zf, xs, _mm512_fmadd_ps(sc, cg[c], tot[c]));
         }
     }

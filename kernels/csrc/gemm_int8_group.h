@@ -252,11 +252,21 @@ static void g8_slice(const void *arg, int t, int nthreads) {
     }
 }
 
+/* the sizes every entry point takes (gs a multiple of 16 dividing K; the 4-bit pack: K % 32 == 0) */
+static int g8_sizes_ok(int64_t N, int64_t K, int64_t gs, int u4) {
+    return N >= 1 && gs >= 16 && gs % 16 == 0 && K >= gs && K % gs == 0 && !(u4 && K % 32);
+}
+
+/* the threads a call of N weight rows takes: tiny outputs are not worth a wake-up */
+static int g8_threads(int64_t N, int nthreads) {
+    nthreads = kw_threads(nthreads);
+    return N < 32 * nthreads ? 1 : nthreads;
+}
+
 static int g8_entry(const uint16_t *x, const int8_t *q, const uint16_t *s, const uint16_t *z, uint16_t *out,
                     int64_t M, int64_t N, int64_t K, int64_t gs, int nthreads, int u4) {
-    if (M < 1 || N < 1 || gs < 16 || gs % 16 || K < gs || K % gs || (u4 && K % 32)) return -1;
-    nthreads = kw_threads(nthreads);
-    if (N < 32 * nthreads) nthreads = 1;
+    if (M < 1 || !g8_sizes_ok(N, K, gs, u4)) return -1;
+    nthreads = g8_threads(N, nthreads);
     int64_t G = K / gs;
     g8_t a = {x, s, z, q, out, M, N, K, gs, G, (G + LANES - 1) / LANES * LANES, u4, 0};
     kw_run(g8_slice, &a, nthreads);
@@ -308,9 +318,8 @@ static void g8_bf16_slice(const void *arg, int t, int nthreads) {
 
 static int g8_bf16(const int8_t *q, const uint16_t *s, const uint16_t *z, uint16_t *out, int64_t N, int64_t K,
                    int64_t gs, int nthreads, int u4) {
-    if (N < 1 || gs < 16 || gs % 16 || K < gs || K % gs || (u4 && K % 32)) return -1;
-    nthreads = kw_threads(nthreads);
-    if (N < 32 * nthreads) nthreads = 1;
+    if (!g8_sizes_ok(N, K, gs, u4)) return -1;
+    nthreads = g8_threads(N, nthreads);
     g8d_t d = {q, s, z, out, N, K, gs, u4};
     kw_run(g8_bf16_slice, &d, nthreads);
     return 0;

@@ -81,6 +81,15 @@ typedef struct {
 
 #define QKC 256 /* k per code scratch: 128 pairs x 64 channels x 4 bytes = 32 KiB */
 
+/* Group g's 16 (scale, zero) pairs from column `col`: the scale, and the zero less 24 scales, as every int4 path
+ * folds a group's sums (the codes entered as 16 + c: c - 8 = (16 + c) - 24): one definition, the same bits. */
+static inline void q4_scale_zero(const q4amx_t *a, int64_t g, int64_t col, __m512 *sc, __m512 *zf) {
+    __m512i r = _mm512_loadu_si512(a->sz + (g * a->N + col) * 2);
+    *sc = _mm512_castsi512_ps(_mm512_slli_epi32(r, 16));
+    __m512 z = _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32((int)0xFFFF0000u)));
+    *zf = _mm512_fnmadd_ps(_mm512_set1_ps(24.0f), *sc, z);
+}
+
 /* s[k2][c] = (16 + code[k0 + 2 k2][c], 16 + code[k0 + 2 k2 + 1][c]) as bf16, c < B, for kc k of block b. */
 KW_INTERNAL void q4_pack_pairs(const q4amx_t *a, int64_t b, int64_t k0, int64_t kc, uint32_t *s);
 /* Slice t's blocks of channels [*b0, *b1), this thread's code scratch, group sums and a float total of `rows` x B:
