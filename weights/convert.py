@@ -336,17 +336,17 @@ def _int_parts(meta: QuantMeta, codes: torch.Tensor, scale: torch.Tensor, offset
                     "zeros": _store(z, act_dtype, "zeros", name), "g_idx": g_idx.to(torch.int32)}
         return pack_int4(meta, codes.to(torch.uint8), _store(scale, act_dtype, "scales", name),
                          _store(z, act_dtype, "zeros", name))
-    # int8: q = u - shift; w = u * s + o = q * s + (o + shift * s). Codes that fit int8 as they are (every GGUF
-    # type's) keep shift 0 and their offset unchanged: no rounding at all.
     lo, hi = (int(x) for x in torch.aminmax(codes))
-    shift = 128 if meta.layout == LAYOUT_INT8 or hi > 127 else 0
-    if lo - shift < -128 or hi - shift > 127:
-        raise QuantizationError(f"{name}: codes {lo}..{hi} do not fit int8")
-    if meta.layout == LAYOUT_INT8_GROUP_U4:
+    if meta.layout == LAYOUT_INT8_GROUP_U4:  # 4-bit codes as they are: no shift, the offset unchanged
         if lo < 0 or hi > 15:
             raise QuantizationError(f"{name}: codes {lo}..{hi} do not fit {LAYOUT_INT8_GROUP_U4} (0..15)")
         return {"qweight": pack_u4_groups(codes), "scales": _store(scale, act_dtype, "scales", name),
                 "zeros": _store(offset, act_dtype, "zeros", name)}
+    # int8: q = u - shift; w = u * s + o = q * s + (o + shift * s). Codes that fit int8 as they are (every GGUF
+    # type's) keep shift 0 and their offset unchanged: no rounding at all.
+    shift = 128 if meta.layout == LAYOUT_INT8 or hi > 127 else 0
+    if lo - shift < -128 or hi - shift > 127:
+        raise QuantizationError(f"{name}: codes {lo}..{hi} do not fit int8")
     q = (codes - shift).to(torch.int8)
     zeros = offset + float(shift) * scale if shift else offset
     if shift:

@@ -197,12 +197,14 @@ def _cut_quantized(name: str, w: QuantizedWeight, kind: str, segs: Segments) -> 
             parts["scale"] = p["scale"].clone()
     elif lay in (LAYOUT_FP8_BLOCK, LAYOUT_INT8_GROUP, LAYOUT_INT8_GROUP_U4):
         gsegs = segs if rows else _group_segments(name, meta, segs)
-        if lay == LAYOUT_INT8_GROUP_U4 and not rows and shape[1] % 32:
-            raise TensorParallelError(f"tensor parallelism cannot cut {name} ({lay}) into {shape[1]} columns: "
-                                      "not a multiple of 32")
-        codes = _cut(unpack_u4_groups(p["qweight"]), axis, segs) if lay == LAYOUT_INT8_GROUP_U4 else None
-        parts = {"qweight": pack_u4_groups(codes) if codes is not None else _cut(p["qweight"], axis, segs),
-                 **{part: _cut(p[part], axis, gsegs) for part in ("scales", "zeros") if part in p}}
+        if lay == LAYOUT_INT8_GROUP_U4 and not rows:  # 4-bit codes: a column cut repacks its 32-column bytes
+            if shape[1] % 32:
+                raise TensorParallelError(f"tensor parallelism cannot cut {name} ({lay}) into {shape[1]} columns: "
+                                          "not a multiple of 32")
+            qweight = pack_u4_groups(_cut(unpack_u4_groups(p["qweight"]), axis, segs))
+        else:  # rows (of any codes) and int8 / fp8 columns cut as they are
+            qweight = _cut(p["qweight"], axis, segs)
+        parts = {"qweight": qweight, **{part: _cut(p[part], axis, gsegs) for part in ("scales", "zeros") if part in p}}
     elif meta.scheme == "int4" and meta.layout != "int4_gidx":
         gsegs = segs if rows else _group_segments(name, meta, segs)
         codes = unpack_int4(p["qweight"], lay, meta.shape)
