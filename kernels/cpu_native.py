@@ -59,7 +59,8 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "pool.c": (), "quantize.c": _AVX2, "glue.c": _AVX2, "attention.c": _AVX2, "step.c": _AVX2,
     "gemm_bf16_avx2.c": _AVX2,
     "gemm_int8_avx2.c": _AVX2, "gemm_int8_group_avx2.c": _AVX2, "gemm_int4_avx2.c": _AVX2,
-    "gemm_int8_avx512.c": _AVX512, "gemm_int8_group_avx512.c": _AVX512, "gemm_int8_amx.c": _AMX,
+    "gemm_int8_avx512.c": _AVX512, "gemm_int8_group_avx512.c": _AVX512, "gemm_int8_group_amx.c": _AMX,
+    "gemm_int8_amx.c": _AMX,
     "gemm_int4_vbmi.c": _VBMI, "gemm_int4_amx.c": _AMX,
 }
 

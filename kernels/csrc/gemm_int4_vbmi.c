@@ -81,8 +81,19 @@ int q4_slice_start(const q4amx_t *a, int t, int nthreads, int64_t rows, int64_t 
     return *s && *cg && *tot ? 0 : -1;
 }
 
-/* x rows padded to Mp (a multiple of 16) with zeros, and each row's sum over each group: per thread, kept. */
-static int q4_prep(const uint16_t *x, int64_t M, int64_t K, int64_t gs, uint16_t **xpo, float **xso, int64_t *Mpo) {
+void x_group_sums(const uint16_t *x, int64_t M, int64_t Mp, int64_t K, int64_t gs, float *xs) {
+    for (int64_t g = 0; g < K / gs; g++)
+        for (int64_t m = 0; m < Mp; m++) {
+            __m512 acc = _mm512_setzero_ps();
+            for (int64_t k = g * gs; m < M && k < (g + 1) * gs; k += 16) {
+                __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(x + m * K + k)));
+                acc = _mm512_add_ps(acc, _mm512_castsi512_ps(_mm512_slli_epi32(h, 16)));
+            }
+            xs[g * Mp + m] = _mm512_reduce_add_ps(acc);
+        }
+}
+
+int x_prep(const uint16_t *x, int64_t M, int64_t K, int64_t gs, uint16_t **xpo, float **xso, int64_t *Mpo) {
     static __thread kw_buf xpb, xsb;
     const int64_t Mp = (M + 15) / 16 * 16, G = K / gs;
     uint16_t *xp = kw_scratch(&xpb, (size_t)(Mp * K * 2));
@@ -90,17 +101,7 @@ static int q4_prep(const uint16_t *x, int64_t M, int64_t K, int64_t gs, uint16_t
     if (!xp || !xs) return -2;
     memcpy(xp, x, (size_t)(M * K * 2));
     memset(xp + M * K, 0, (size_t)((Mp - M) * K * 2));
-    for (int64_t g = 0; g < G; g++)
-        for (int64_t m = 0; m < Mp; m++) {
-            float acc = 0.0f;
-            for (int64_t k = g * gs; k < (g + 1) * gs; k++) {
-                uint32_t bits = (uint32_t)xp[m * K + k] << 16;
-                float v;
-                memcpy(&v, &bits, 4);
-                acc += v;
-            }
-            xs[g * Mp + m] = acc;
-        }
+    x_group_sums(x, M, Mp, K, gs, xs);
     *xpo = xp, *xso = xs, *Mpo = Mp;
     return 0;
 }
@@ -116,7 +117,7 @@ int q4_run(kw_slice_fn slice, const uint16_t *x, const uint8_t *q, const uint16_
     uint16_t *xp;
     float *xs;
     int64_t Mp;
-    if (q4_prep(x, M, K, gs, &xp, &xs, &Mp)) return -2;
+    if (x_prep(x, M, K, gs, &xp, &xs, &Mp)) return -2;
     nthreads = kw_threads(nthreads);
     q4amx_t a = {xp, q, sz, xs, out, M, Mp, N, K, gs, B, 0};
     kw_run(slice, &a, nthreads);

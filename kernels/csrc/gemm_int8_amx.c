@@ -28,20 +28,27 @@ typedef struct {
     uint8_t rows[16];
 } tilecfg_t;
 
-/* This thread's tiles, all eight as 16 rows x 64 bytes (every kernel here uses that one shape); loaded at the start
- * of each slice, released (_tile_release) at its end. */
-void tiles_on(void) {
+/* This thread's tiles t < 8 as rows[t] rows x colsb[t] bytes; loaded at the start of each slice, released
+ * (_tile_release) at its end. */
+void tiles_shape(const uint8_t rows[8], const uint16_t colsb[8]) {
     tilecfg_t cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
     for (int t = 0; t < 8; t++) {
-        cfg.rows[t] = 16;
-        cfg.colsb[t] = 64;
+        cfg.rows[t] = rows[t];
+        cfg.colsb[t] = colsb[t];
     }
     /* GCC 12's _tile_loadconfig tells the compiler it reads 8 bytes of cfg, so out of line it dropped the other
      * stores (ldtilecfg then faulted): this empty asm reads all of cfg first. */
     __asm__ volatile("" : : "m"(cfg) : "memory");
     _tile_loadconfig(&cfg);
+}
+
+/* all eight as 16 rows x 64 bytes (the int8 and int4 kernels' one shape) */
+void tiles_on(void) {
+    static const uint8_t rows[8] = {16, 16, 16, 16, 16, 16, 16, 16};
+    static const uint16_t colsb[8] = {64, 64, 64, 64, 64, 64, 64, 64};
+    tiles_shape(rows, colsb);
 }
 
 /* on: asks Linux for the tile data state (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA), 0 when granted, and the

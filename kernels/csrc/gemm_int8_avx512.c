@@ -49,33 +49,6 @@ static void gemv_rows(const job_t *j, int64_t n0, int64_t n1) {
  * so one vdpbf16ps multiplies a broadcast pair of x by the same pair of 16 channels: no horizontal sums. */
 #define KB2 128 /* k pairs per scratch tile: 16 KiB of bf16 pairs; two (this one, the next) fill L1 */
 
-/* In place: r[c] lane j -> r[j] lane c, for 16 x 16 32-bit units (a channel's bf16 pairs -> a pair's channels).
- * Unpacks of 32 and 64 bits within 128-bit lanes, then two rounds of 128-bit lane shuffles: 64 shuffles. */
-static inline void transpose16(__m512i r[16]) {
-    __m512i t[16];
-    for (int i = 0; i < 16; i += 2) {
-        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-    }
-    __m512i u[16]; /* u[4g + q], 128-bit lane L: rows 4g..4g+3 at column 4L + q */
-    for (int g = 0; g < 4; g++) {
-        const __m512i *a = t + 4 * g;
-        u[4 * g + 0] = _mm512_unpacklo_epi64(a[0], a[2]);
-        u[4 * g + 1] = _mm512_unpackhi_epi64(a[0], a[2]);
-        u[4 * g + 2] = _mm512_unpacklo_epi64(a[1], a[3]);
-        u[4 * g + 3] = _mm512_unpackhi_epi64(a[1], a[3]);
-    }
-    for (int q = 0; q < 4; q++) {
-        __m512i v0 = _mm512_shuffle_i32x4(u[q], u[4 + q], 0x88), w0 = _mm512_shuffle_i32x4(u[q], u[4 + q], 0xDD);
-        __m512i v1 = _mm512_shuffle_i32x4(u[8 + q], u[12 + q], 0x88);
-        __m512i w1 = _mm512_shuffle_i32x4(u[8 + q], u[12 + q], 0xDD);
-        r[q] = _mm512_shuffle_i32x4(v0, v1, 0x88);
-        r[8 + q] = _mm512_shuffle_i32x4(v0, v1, 0xDD);
-        r[4 + q] = _mm512_shuffle_i32x4(w0, w1, 0x88);
-        r[12 + q] = _mm512_shuffle_i32x4(w0, w1, 0xDD);
-    }
-}
-
 /* One tile of the weight: channels n .. n+nc-1 (nc <= NT), k pairs k0 .. k0+kb2-1 (kb2 <= KB2). */
 typedef struct {
     int64_t n, k0, kb2;

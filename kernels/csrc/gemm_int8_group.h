@@ -268,6 +268,10 @@ static int g8_entry(const uint16_t *x, const int8_t *q, const uint16_t *s, const
     if (M < 1 || !g8_sizes_ok(N, K, gs, u4)) return -1;
     nthreads = g8_threads(N, nthreads);
     int64_t G = K / gs;
+#ifdef G8_FIRST
+    int rc = G8_FIRST(x, q, s, z, out, M, N, K, gs, nthreads, u4);
+    if (rc != -1) return rc;
+#endif
     g8_t a = {x, s, z, q, out, M, N, K, gs, G, (G + LANES - 1) / LANES * LANES, u4, 0};
     kw_run(g8_slice, &a, nthreads);
     return atomic_load(&a.fail) ? -2 : 0;

@@ -5,14 +5,13 @@
  * Against the AVX2 kernel on a Sapphire Rapids class VM, one thread, interleaved: 0.8x its time at 1 row with the
  * weight in L2 (from memory the two tie), 0.7-0.78x at 8 and 32 rows. The body: gemm_int8_group.h.
  */
-#include <immintrin.h>
-
-#include "kw.h"
+#include "kw_avx512.h"
 
 #define VEC __m512
 #define LANES 16
 #define XB 4
 #define ENTRY kw_q8group512
+#define G8_FIRST g8_tiles /* 4-bit codes on the tiles first where they are on (gemm_int8_group_amx.c) */
 #define ENTRY_U4 kw_q8group512_u4
 #define ENTRY_BF16 kw_q8group512_bf16
 #define ENTRY_U4_BF16 kw_q8group512_u4_bf16

@@ -1,13 +1,40 @@
 /* What the AVX512-BF16 files share (the avx512 build only): the int8 / fp8 matmul's job and code conversion, the
  * vdpbf16ps micro-kernels and x panel (gemm_int8_avx512.c) that the int4 vector kernel reuses, the AMX tile state
- * (gemm_int8_amx.c) both tile kernels use, and the int4 paired-code scratch (gemm_int4_vbmi.c) both int4 kernels
- * fill. */
+ * (gemm_int8_amx.c) the tile kernels use, the int4 paired-code scratch (gemm_int4_vbmi.c) both int4 kernels fill,
+ * x's group sums, the 16 x 16 dword transposition, and the int8_group tile entry (gemm_int8_group_amx.c). */
 #ifndef KW_AVX512_H
 #define KW_AVX512_H
 
 #include <immintrin.h>
 
 #include "kw.h"
+
+/* In place: r[c] lane j -> r[j] lane c, for 16 x 16 32-bit units (a channel's bf16 pairs -> a pair's channels).
+ * Unpacks of 32 and 64 bits within 128-bit lanes, then two rounds of 128-bit lane shuffles: 64 shuffles. */
+static inline void transpose16(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    __m512i u[16]; /* u[4g + q], 128-bit lane L: rows 4g..4g+3 at column 4L + q */
+    for (int g = 0; g < 4; g++) {
+        const __m512i *a = t + 4 * g;
+        u[4 * g + 0] = _mm512_unpacklo_epi64(a[0], a[2]);
+        u[4 * g + 1] = _mm512_unpackhi_epi64(a[0], a[2]);
+        u[4 * g + 2] = _mm512_unpacklo_epi64(a[1], a[3]);
+        u[4 * g + 3] = _mm512_unpackhi_epi64(a[1], a[3]);
+    }
+    for (int q = 0; q < 4; q++) {
+        __m512i v0 = _mm512_shuffle_i32x4(u[q], u[4 + q], 0x88), w0 = _mm512_shuffle_i32x4(u[q], u[4 + q], 0xDD);
+        __m512i v1 = _mm512_shuffle_i32x4(u[8 + q], u[12 + q], 0x88);
+        __m512i w1 = _mm512_shuffle_i32x4(u[8 + q], u[12 + q], 0xDD);
+        r[q] = _mm512_shuffle_i32x4(v0, v1, 0x88);
+        r[8 + q] = _mm512_shuffle_i32x4(v0, v1, 0xDD);
+        r[4 + q] = _mm512_shuffle_i32x4(w0, w1, 0x88);
+        r[12 + q] = _mm512_shuffle_i32x4(w0, w1, 0xDD);
+    }
+}
 
 /* ---- the int8 / fp8 matmul: out[m, n] = bf16( scale[n] * sum_k x[m, k] * w[n, k] ) (gemm_int8_avx512.c) ---- */
 typedef struct {
@@ -64,9 +91,23 @@ KW_INTERNAL void x_panel(const uint16_t *x, int64_t M, int64_t K, uint32_t *pane
 KW_INTERNAL int amx_on(void);       /* kw_amx_enable(1) succeeded: the kernels may run tile instructions */
 KW_INTERNAL void amx_counted(void); /* one more call took the tiles (kw_amx_calls) */
 KW_INTERNAL void tiles_on(void);    /* this thread's eight tiles as 16 rows x 64 bytes; _tile_release() after */
+KW_INTERNAL void tiles_shape(const uint8_t rows[8], const uint16_t colsb[8]); /* tile t: rows[t] x colsb[t] bytes */
 /* x's pairs transposed for the tiles when kw_gemm takes them (tiles on, M >= 2, K % 32 == 0), counted; else NULL */
 KW_INTERNAL const uint32_t *amx_pairs(const uint16_t *x, int64_t M, int64_t K, int64_t Mp);
 KW_INTERNAL void gemm_rows_amx(const job_t *j, int64_t n0, int64_t n1);
+
+/* x rows padded to *Mp (M rounded up to 16) with zeros (*xp, bf16 [Mp][K]), and each row's sum over each group
+ * (*xs, [K / gs][Mp], x_group_sums): per calling thread, kept. 0; -2 out of memory. (gemm_int4_vbmi.c) */
+/* xs[g][m] = row m's sum over group g (gs % 16 == 0): 16 lanes in k order, then _mm512_reduce_add_ps; zero for
+ * M <= m < Mp */
+KW_INTERNAL void x_group_sums(const uint16_t *x, int64_t M, int64_t Mp, int64_t K, int64_t gs, float *xs);
+KW_INTERNAL int x_prep(const uint16_t *x, int64_t M, int64_t K, int64_t gs, uint16_t **xp, float **xs, int64_t *Mp);
+
+/* The int8_group matmul of 4-bit codes on the AMX tiles (gemm_int8_group_amx.c), gemm_int8_group.h's g8_entry's
+ * first choice: 0; -1 where it does not take the call (tiles off, int8 codes, K % 128, groups other than 16 and 32);
+ * -2 out of memory. Sizes as g8_sizes_ok. */
+KW_INTERNAL int g8_tiles(const uint16_t *x, const int8_t *q, const uint16_t *s, const uint16_t *z, uint16_t *out,
+                         int64_t M, int64_t N, int64_t K, int64_t gs, int nthreads, int u4);
 
 /* ---- int4 in torch's CPU "halves" pack, as (16 + code) bf16 pairs (gemm_int4_vbmi.c, gemm_int4_amx.c) ---- */
 typedef struct {

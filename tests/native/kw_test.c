@@ -528,6 +528,51 @@ static void test_q8group_u4(void) {
         free(x), free(s), free(z), free(q), free(p), free(o8), free(o4);
     }
 }
+#ifdef KW_TEST_AVX512
+/* int8_group_u4 on the AMX tiles (gemm_int8_group_amx.c): taken (counted) from 2 rows, groups of 16 and 32,
+ * K % 128 == 0; each row of a batch (tiles of 16 rows over padded x) has the bits of the same row in a batch of two
+ * (tiles of 2 rows), weight rows past a 16-row block (N = 37, 200: the tail block reads no row past N), each output
+ * within close_bf16 of the double sum. */
+static void test_q8group_tiles(void) {
+    if (!(kw_q8group512_u4 && cpu_has("amx_tile") && cpu_has("amx_bf16") && cpu_has("avx512vbmi") &&
+          kw_amx_enable(1) == 0)) {
+        printf("kw_test: AMX tiles not here: the int8_group_u4 tile path untested\n");
+        return;
+    }
+    static const int64_t cases[][4] = {{6, 37, 256, 16}, {18, 200, 384, 32}};
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+        const int64_t M = cases[c][0], N = cases[c][1], K = cases[c][2], gs = cases[c][3], G = K / gs;
+        uint16_t *x = xalloc((size_t)(M * K) * 2), *s = xalloc((size_t)(N * G) * 2), *z = xalloc((size_t)(N * G) * 2);
+        uint8_t *p = xalloc((size_t)(N * K / 2));
+        uint16_t *ob = xalloc((size_t)(M * N) * 2), *o2 = xalloc((size_t)(2 * N) * 2);
+        for (int64_t i = 0; i < M * K; i++) x[i] = bfr(4.0f);
+        for (int64_t i = 0; i < N * G; i++) s[i] = bfr(0.05f), z[i] = bfr(0.1f);
+        for (int64_t i = 0; i < N * K / 2; i++) p[i] = (uint8_t)rnd();
+        long before = kw_amx_calls();
+        CHECK(kw_q8group512_u4(x, p, s, z, ob, M, N, K, gs, 2) == 0, "q8group512_u4 (tiles) refused");
+        CHECK(kw_amx_calls() == before + 1, "q8group512_u4 M=%ld K=%ld gs=%ld did not take the tiles", (long)M,
+              (long)K, (long)gs);
+        for (int64_t m = 0; m < M; m += 2) {
+            CHECK(kw_q8group512_u4(x + m * K, p, s, z, o2, 2, N, K, gs, 1) == 0, "q8group512_u4 2 rows refused");
+            same_bits("q8group512_u4 tiles: rows in a batch of two", o2, ob + m * N, 2 * N);
+            for (int64_t n = 0; n < 2 * N; n++) {
+                const int64_t row = n / N, col = n % N;
+                double sum = 0, mag = 0;
+                for (int64_t k = 0; k < K; k++) {
+                    const uint8_t b = p[col * K / 2 + k / 32 * 16 + k % 16];
+                    const int code = k % 32 < 16 ? b & 15 : b >> 4;
+                    const double w = code * (double)bf16f(s[col * G + k / gs]) + bf16f(z[col * G + k / gs]);
+                    sum += bf16f(x[(m + row) * K + k]) * w, mag += fabs(bf16f(x[(m + row) * K + k]) * w);
+                }
+                close_bf16("q8group512_u4 tiles", o2[n], sum, mag, (m + row) * N + col);
+            }
+        }
+        free(x), free(s), free(z), free(p), free(ob), free(o2);
+    }
+    kw_amx_enable(0);
+}
+#endif
+
 typedef struct {
     int64_t kind;
     const void *q;
@@ -698,6 +743,9 @@ int main(int argc, char **argv) {
     test_store_kv();
     test_quant_int8();
     test_q8group_u4();
+#ifdef KW_TEST_AVX512
+    test_q8group_tiles();
+#endif
     test_step();
     printf("kw_test: %d checks passed%s\n", atomic_load(&g_checks), g_tsan ? " (TSan: pool, no OpenMP / fork)" : "");
     return 0;

@@ -1,6 +1,8 @@
 """keepwarm's int8_group matmuls (kernels/csrc/gemm_int8_group.h: ``kw_q8group`` on AVX2, ``kw_q8group512`` on
-AVX-512; ``kw_q8group_bf16``, the wide path's weight), which GGUF Q8_0 / Q5_K / Q6_K / Q4_K weights of bfloat16
-models take on the CPU:
+AVX-512, which takes the AMX tiles first where they are on and K % 32 == 0, gemm_int8_group_amx.c; ``kw_q8group_bf16``,
+the wide path's weight), which GGUF Q8_0 / Q5_K / Q6_K / Q4_K weights of bfloat16 models take on the CPU; each check
+runs on the AVX2 kernel, AVX-512's vector kernel (tiles off) and the tiles (where the CPU has them, each call checked
+to have taken them):
 - against the test's own float64 product x @ (q * s + z)^T over odd shapes (rows 1, 3, 8, 33; weight rows not a
   multiple of 8 or 16; groups of 16, 32, 64, 128; K of one to many groups), signed scales, non-zero zeros, within
   BOUND; with small integers and power-of-two scales every float32 sum is exact, so the result must be the float64
@@ -14,17 +16,21 @@ models take on the CPU:
   reference, 33+ rows the wide path where oneDNN has a bf16 matmul; ``KEEPWARM_CPU_NATIVE=0`` the reference;
 - a tiny llama GGUF of Q4_K / Q5_K / Q6_K / Q8_0 projections decodes in bfloat16 the same greedy tokens through the
   kernels as through the reference.
-BOUND, derived: each product x * (q * s) is exact in float32 (8 + 8 + 8 significant bits); the float32 result c
-adds at most K / 8 of them per lane, x's group sums (gs / 8 per lane, a tree of 3), G / 8 zero terms per lane and
-a tree of 4 over the lanes, so |c - t| <= g * mag with g = (K / 8 + gs / 8 + G + 8) * 2^-24 (first order, 8 lanes;
-16 lanes sum fewer terms) and mag = |x| @ (|q s| + |z|)^T; rounding to bf16 adds at most 2^-8 |c|. So
+BOUND, derived: the vector kernels: each product x * (q * s) is exact in float32 (8 + 8 + 8 significant bits); the
+float32 result c adds at most K / 8 of them per lane, x's group sums (gs / 8 per lane, a tree of 3), G / 8 zero
+terms per lane and a tree of 4 over the lanes, so |c - t| <= g * mag with g = (K / 8 + gs / 8 + G + 8) * 2^-24
+(first order, 8 lanes; 16 lanes sum fewer terms) and mag = |x| @ (|q s| + |z|)^T. The tiles: a group's sum of the
+exact products x * q rounds gs - 1 times, each group's two fused multiply-adds (scale times that sum, zero times x's
+group sum: gs / 16 + 4 roundings) once each, so g = (gs + 2 G + gs / 16 + 4) * 2^-24. Both are under
+g = (K / 8 + gs + 2 G + 8) * 2^-24, the bound checked; rounding to bf16 adds at most 2^-8 |c|. So
 |got - t| <= 2^-8 |t| + (1 + 2^-8) g mag.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -42,11 +48,31 @@ CASES = [(1, 13, 16, 16), (1, 100, 576, 32), (3, 37, 512, 16), (8, 100, 256, 64)
          (8, 24, 384, 128), (3, 200, 1536, 32), (33, 7, 64, 32), (1, 1, 128, 128), (49, 70, 96, 16)]
 
 
+_HAS_AMX = {"amx_tile", "amx_bf16", "avx512vbmi"} <= cpu_native.cpu_flags()
+
+
+@contextlib.contextmanager
+def _tiles(on: bool) -> Iterator[None]:
+    before = cpu_native.amx_reason() == ""
+    assert cpu_native.set_amx(on) == on
+    try:
+        yield
+    finally:
+        cpu_native.set_amx(before)
+
+
+def _q8g_vector512(*args: object) -> torch.Tensor:
+    """the AVX-512 entry with the tiles off: its vector kernel"""
+    with _tiles(False):
+        return native_ops.q8g_avx512_linear(*args)
+
+
 def _entries() -> list[object]:
-    """The matmul entry points, the AVX-512 one marked skipped where this machine has no avx512 build."""
+    """The vector entry points (AVX2; AVX-512 with the tiles off), the AVX-512 one marked skipped where this machine
+    has no avx512 build."""
     no512 = cpu_native.variant_name() != "avx512"
     return [pytest.param(native_ops.q8g_linear, id="avx2"),
-            pytest.param(native_ops.q8g_avx512_linear, id="avx512",
+            pytest.param(_q8g_vector512, id="avx512",
                          marks=pytest.mark.skipif(no512, reason="no avx512 build here (the CPU lacks AVX512-BF16)"))]
 
 
@@ -71,7 +97,7 @@ def _within_bound(got: torch.Tensor, x: torch.Tensor, q: torch.Tensor, s: torch.
     w, wabs = _dense(q, s, z, gs)
     k = q.shape[1]
     true, mag = x.double() @ w.T, x.double().abs() @ wabs.T
-    gamma = (k / 8 + gs / 8 + k // gs + 8) * 2.0 ** -24
+    gamma = (k / 8 + gs + 2 * (k // gs) + 8) * 2.0 ** -24
     excess = (got.double() - true).abs() - (true.abs() * 2.0 ** -8 + (1 + 2.0 ** -8) * gamma * mag)
     assert bool((excess <= 0).all()), f"max excess {float(excess.max()):.3g}"
 
@@ -294,3 +320,100 @@ def test_gguf_model_decodes_the_references_greedy_tokens(tiny_llama, tmp_path, m
     calls.clear()
     reference, ref_gap = greedy()
     assert reference == native and not calls, f"smallest top-2 gaps: {gap:.3g} (kernels), {ref_gap:.3g} (reference)"
+
+
+# ---------------------------------------------------------------------------------------------- the tiles (4-bit)
+needs_tiles = pytest.mark.skipif(cpu_native.variant_name() != "avx512" or not _HAS_AMX,
+                                 reason="AMX tiles: the CPU lacks AVX512-BF16 / amx_tile / amx_bf16 / avx512vbmi")
+
+
+def _tiles_u4(x: torch.Tensor, packed: torch.Tensor, s: torch.Tensor, z: torch.Tensor, gs: int) -> torch.Tensor:
+    """the AVX-512 entry with the tiles on, checked to have taken them (2+ rows) or not (one row: the vector kernel)"""
+    with _tiles(True):
+        calls = cpu_native.amx_calls()
+        out = native_ops.q8g_avx512_linear(x, packed, s, z, gs)
+        assert cpu_native.amx_calls() == calls + (x.shape[0] >= 2), "the call did not take the path it should"
+    return out
+
+
+def _u4_case(n: int, k: int, gs: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.int8)
+    return q, (torch.randn(n, k // gs, generator=g) * 0.01).bfloat16(), (torch.randn(n, k // gs, generator=g) * 0.02
+                                                                        ).bfloat16()
+
+
+@needs_tiles
+@pytest.mark.parametrize(("m", "n", "k", "gs"), [(2, 16, 128, 32), (2, 37, 256, 16), (3, 37, 512, 16),
+                                                  (8, 100, 1024, 32), (17, 29, 128, 16), (33, 200, 2048, 32)])
+def test_tiles_within_their_bound(m: int, n: int, k: int, gs: int) -> None:
+    # BOUND of the tiles' order (gemm_int8_group_amx.c): t = sum_g s S_g + (z - 16 s) X_g with S_g = sum x (16 + q)
+    # rounded at most gs times (two per k pair), X_g = x's group sum (gs / 16 + 4), z - 16 s once, 2 G fused
+    # multiply-adds, each under u * mag16, mag16 = |x| @ (|s| (16 + q) + |z| + 16 |s|)^T:
+    # |c - t| <= (gs + 2 G + 8) u mag16, then the bf16 rounding
+    q, s, z = _u4_case(n, k, gs, m + n + k)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(gs)).bfloat16()
+    got = _tiles_u4(x, pack_u4_groups(q), s, z, gs)
+    sd, zd = s.double().repeat_interleave(gs, 1), z.double().repeat_interleave(gs, 1)
+    mag16 = x.double().abs() @ (sd.abs() * (16 + q.double()) + zd.abs() + 16 * sd.abs()).T
+    true = x.double() @ _dense(q, s, z, gs)[0].T
+    gamma = (gs + 2 * (k // gs) + 8) * 2.0 ** -24
+    excess = (got.double() - true).abs() - (true.abs() * 2.0 ** -8 + (1 + 2.0 ** -8) * gamma * mag16)
+    assert bool((excess <= 0).all()), f"max excess {float(excess.max()):.3g}"
+
+
+@needs_tiles
+@pytest.mark.parametrize(("m", "gs"), [(2, 16), (5, 16), (2, 32), (19, 32)])
+def test_tiles_exact_sums_give_the_exactly_rounded_product(m: int, gs: int) -> None:
+    # x in -8..8, 16 + q <= 31, power-of-two scales, zeros on a 2^-5 grid: every sum of x (16 + q) is an integer
+    # under 2^13, z - 16 s is exact, every partial total lies on a 2^-9 grid under 2^12: all exact
+    g = torch.Generator().manual_seed(gs + m)
+    n, k = 21, 1152
+    x = torch.randint(-8, 9, (m, k), generator=g).bfloat16()
+    q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.int8)
+    s = (torch.randint(0, 2, (n, k // gs), generator=g) * 2 - 1) * 2.0 ** -torch.randint(7, 10, (n, k // gs),
+                                                                                         generator=g)
+    z = (torch.randint(-8, 9, (n, k // gs), generator=g) * 2.0 ** -5).bfloat16()
+    true = x.double() @ _dense(q, s.bfloat16(), z, gs)[0].T
+    assert torch.equal(_tiles_u4(x, pack_u4_groups(q), s.bfloat16(), z, gs), true.to(torch.bfloat16))
+
+
+@needs_tiles
+@pytest.mark.parametrize("gs", [16, 32])
+def test_tiles_give_a_row_the_same_bits_in_any_batch_of_two_or_more(gs: int) -> None:
+    # magnitudes 2^-12 .. 2^12: another summation order or rounding would show in the bf16 results
+    g = torch.Generator().manual_seed(gs)
+    x = (torch.randn(33, 1152, generator=g) * torch.exp2(torch.randint(-12, 13, (33, 1152), generator=g))).bfloat16()
+    q, s, z = _u4_case(200, 1152, gs, 2)
+    packed = pack_u4_groups(q)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        batch = _tiles_u4(x, packed, s, z, gs)  # tiles of 16 rows over x padded to 48
+        pairs = torch.cat([_tiles_u4(x[i:i + 2], packed, s, z, gs) for i in range(0, 32, 2)])  # tiles of 2 rows
+        torch.set_num_threads(1)
+        odd = torch.cat([_tiles_u4(x[i:i + 3], packed, s, z, gs) for i in range(0, 33, 3)])  # of 3, one thread
+        one = _tiles_u4(x[32:].contiguous(), packed, s, z, gs)  # one row: the vector kernel
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(batch[:32], pairs) and torch.equal(batch, odd)
+    with _tiles(False):  # the vector kernel: its own order, so its bits differ somewhere; one row is its
+        vector = native_ops.q8g_avx512_linear(x, packed, s, z, gs)
+    assert not torch.equal(vector, batch) and torch.equal(one, vector[32:])
+
+
+@needs_tiles
+@pytest.mark.parametrize(("m", "k", "gs", "u4"), [(4, 1152, 32, False), (4, 160, 32, True), (4, 1152, 64, True),
+                                                  (4, 96, 16, True), (1, 1152, 32, True)])
+def test_tiles_leave_one_row_int8_codes_other_groups_and_k_to_the_vector_kernel(m: int, k: int, gs: int,
+                                                                                u4: bool) -> None:
+    g = torch.Generator().manual_seed(k)
+    q = torch.randint(0, 16, (40, k), generator=g, dtype=torch.int8)
+    s, z = torch.randn(40, k // gs, generator=g).bfloat16(), torch.randn(40, k // gs, generator=g).bfloat16()
+    x = torch.randn(m, k, generator=g).bfloat16()
+    w = pack_u4_groups(q) if u4 else q
+    with _tiles(True):
+        calls = cpu_native.amx_calls()
+        on = native_ops.q8g_avx512_linear(x, w, s, z, gs)
+        assert cpu_native.amx_calls() == calls  # not taken
+    assert torch.equal(on, _q8g_vector512(x, w, s, z, gs))
