@@ -34,9 +34,9 @@ MAX_ROWS = dispatch.Q8G_WIDE_ROWS  # above it the int8-group linears take oneDNN
 
 # dispatch's kernel names -> step.c's kinds (KW_Q8G ... KW_BGEMM)
 KINDS = {dispatch.INT8G_AVX2: 1, dispatch.INT8G_AVX512: 2, dispatch.INT4_AVX2: 3, dispatch.INT4_VEC: 4,
-         dispatch.INT4_AMX: 5, dispatch.BF16_AVX2: 6}
-# The int8-group kinds for the 4-bit pack (int8_group_u4): KW_Q8G_U4, KW_Q8G512_U4.
-U4_KINDS = {dispatch.INT8G_AVX2: 7, dispatch.INT8G_AVX512: 8}
+         dispatch.INT4_AMX: 5, dispatch.BF16_AVX2: 6, dispatch.INT8G_AMX: 2}  # INT8G_AMX: 4-bit codes only (U4_KINDS)
+# The int8-group kinds for the 4-bit pack (int8_group_u4): KW_Q8G_U4, KW_Q8G512_U4 (which takes the tiles from 2 rows).
+U4_KINDS = {dispatch.INT8G_AVX2: 7, dispatch.INT8G_AVX512: 8, dispatch.INT8G_AMX: 8}
 # A kernel C cannot call -> keepwarm's kernel on the same weight (another float32 summation order).
 SUBSTITUTES = {dispatch.INT4_OP: (dispatch.INT4_VEC, dispatch.INT4_AVX2), dispatch.F_LINEAR: (dispatch.BF16_AVX2,)}
 

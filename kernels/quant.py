@@ -283,7 +283,8 @@ PATHS: dict[str, dict[str, Callable[..., torch.Tensor]]] = {
             D.CODES_WIDE: _codes_wide},
     "fp8_block": {D.FP8_BLOCK_BITS: _fp8_block_bits, D.FP8_NATIVE: _fp8_native, D.FP8_AVX2: _fp8_avx2,
                   D.FP8_AMX: _fp8_native, D.CODES_WIDE: _codes_wide},
-    "int8_group": {D.INT8G_AVX2: _int8_group_avx2, D.INT8G_AVX512: _int8_group_avx512, D.INT8G_WIDE: _int8_group_wide},
+    "int8_group": {D.INT8G_AVX2: _int8_group_avx2, D.INT8G_AVX512: _int8_group_avx512, D.INT8G_WIDE: _int8_group_wide,
+                   D.INT8G_AMX: _int8_group_avx512},  # the tiles: kw_q8group512's first choice from 2 rows
 }
 
 

@@ -217,6 +217,30 @@ def test_bf16_x_takes_the_kernel(monkeypatch: pytest.MonkeyPatch, level: str, ro
     assert want in kernels and kernels[-1] == dispatch.REFERENCE and (len(kernels) == 1) == (level == "none")
 
 
+@pytest.mark.parametrize("level", ["amx", "avx512-vbmi"])
+def test_4bit_codes_take_the_tiles_from_two_rows_to_their_row_limit(monkeypatch: pytest.MonkeyPatch,
+                                                                    level: str) -> None:
+    monkeypatch.setattr(dispatch, "isa", lambda: level)
+    q, s, z = _u4_case(48, 256, 32, 3)
+    u4 = QuantizedWeight(QuantMeta("int8_group", LAYOUT_INT8_GROUP_U4, 32, (48, 256)),
+                         {"qweight": pack_u4_groups(q), "scales": s, "zeros": z})
+    wide = dispatch.INT8G_WIDE if dispatch._onednn_bf16() else dispatch.INT8G_AVX512
+    tile_rows = dispatch.Q8G_TILE_ROWS
+    for rows, want in [(1, dispatch.INT8G_AVX512), (2, dispatch.INT8G_AMX), (tile_rows, dispatch.INT8G_AMX),
+                       (tile_rows + 1, wide)]:
+        got = dispatch.select_linear("int8_group", torch.zeros(rows, 256, dtype=torch.bfloat16), u4)
+        assert got == (want if level == "amx" or want != dispatch.INT8G_AMX else
+                       (wide if rows > dispatch.Q8G_WIDE_ROWS else dispatch.INT8G_AVX512)), rows
+    # int8 codes (Q8_0, Q6_K ...) never take the tiles' rule; nor K % 128 != 0 (the kernel's own condition)
+    assert dispatch.select_linear("int8_group", torch.zeros(8, 256, dtype=torch.bfloat16), _weight(48, 256, 32)) \
+        == dispatch.INT8G_AVX512
+    q2, s2, z2 = _u4_case(48, 160, 32, 4)
+    odd = QuantizedWeight(QuantMeta("int8_group", LAYOUT_INT8_GROUP_U4, 32, (48, 160)),
+                          {"qweight": pack_u4_groups(q2), "scales": s2, "zeros": z2})
+    assert dispatch.select_linear("int8_group", torch.zeros(8, 160, dtype=torch.bfloat16), odd) \
+        == dispatch.INT8G_AVX512
+
+
 def test_linear_runs_the_kernel_and_the_switch_gives_the_reference(monkeypatch: pytest.MonkeyPatch,
                                                                    caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setattr(quant, "_LOGGED", set())
@@ -269,7 +293,9 @@ def test_u4_codes_give_the_int8_codes_bits(linear: Callable[..., torch.Tensor], 
                          {"qweight": packed, "scales": s, "zeros": z})
     i8 = QuantizedWeight(QuantMeta("int8_group", "int8_group", gs, (n, k)), {"qweight": q, "scales": s, "zeros": z})
     assert torch.equal(u4.dequantize(), i8.dequantize())
-    assert dispatch.select_linear("int8_group", x, u4) == dispatch.select_linear("int8_group", x, i8)
+    # the same kernel, but where the tiles take the 4-bit codes (test_4bit_codes_take_the_tiles_...)
+    tiles = dispatch.select_linear("int8_group", x, u4) == dispatch.INT8G_AMX
+    assert tiles or dispatch.select_linear("int8_group", x, u4) == dispatch.select_linear("int8_group", x, i8)
 
 
 def test_u4_sizes_the_kernels_cannot_run_are_refused() -> None:
