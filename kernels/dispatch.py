@@ -72,9 +72,9 @@ C_ATTENTION = "keepwarm C decode attention (AVX2)"
 _FAST_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Rows of x above which an int8_group linear makes the bf16 weight and runs oneDNN's matmul (where oneDNN has one).
 Q8G_WIDE_ROWS = 40
-# Rows of x up to which Q4_K / Q2_K's 4-bit codes stay on the AMX tiles before the wide path (1B shapes: the tiles
-# 0.27-0.82x its time at 64 rows, 0.44-1.5x at 128).
-Q8G_TILE_ROWS = 96
+# Rows of x up to which int8_group weights the tiles take stay on them before the wide path (1B shapes, 2 threads: the
+# tiles 0.20-0.90x its time at 41-64 rows but one shape, 1.07x; 0.44-1.54x at 128).
+Q8G_TILE_ROWS = 64
 _INT4_HALVES_RE = re.compile(r"int4_cpu_halves(\d+)")
 
 
@@ -180,8 +180,8 @@ def _q8g(x: torch.Tensor, w: Any) -> bool:  # int8_group without g_idx, bf16 x (
 
 def _q8g_tiles(x: torch.Tensor, w: Any) -> bool:  # what gemm_int8_group_amx.c takes (from 2 rows)
     k = x.shape[-1] if x.dim() else 0
-    return (w.meta.layout == LAYOUT_INT8_GROUP_U4 and w.meta.group_size in (16, 32) and k % 128 == 0
-            and _q8g(x, w))
+    step = {LAYOUT_INT8_GROUP_U4: 128, LAYOUT_INT8_GROUP: 64}.get(w.meta.layout)
+    return step is not None and w.meta.group_size in (16, 32) and k % step == 0 and _q8g(x, w)
 
 
 def _q4(x: torch.Tensor, w: Any) -> bool:
@@ -301,10 +301,10 @@ def _int8_group_rules() -> tuple[Rule, ...]:
     not a multiple of 16 keep the reference (dequantize per call, then matmul). Figures: SmolLM2's shapes, one
     thread, against oneDNN's packed bf16 matmul (docs/kernels.md)."""
     takes = "bf16 x (float32 x: the reference), no g_idx, group % 16 == 0"
-    tiles = "bf16 x, Q4_K / Q2_K's 4-bit codes (int8_group_u4), groups of 16 / 32, K % 128 == 0"
+    tiles = "bf16 x, groups of 16 / 32, K % 64 == 0 (4-bit codes: K % 128 == 0)"
     return (
         Rule("linear_int8_group", frozenset({AMX}), (2, Q8G_TILE_ROWS), INT8G_AMX, tiles,
-             "group sums on the tiles: 0.44-0.49x the 16-lane kernel's time at 8 rows, 0.39-0.43x at 16-32 (1B)",
+             "group sums on the tiles: 0.44-0.65x the 16-lane kernel's time at 8 rows, 0.39-0.55x at 16-32 (1B)",
              _q8g_tiles),
         Rule("linear_int8_group", _BUILT, (Q8G_WIDE_ROWS + 1, None), INT8G_WIDE, takes,
              "the reference's bf16 weight (C, its bits) + oneDNN: 3.1x bf16's time at 48 rows, the kernel 3.3-3.9x",

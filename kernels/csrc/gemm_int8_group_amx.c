@@ -1,15 +1,17 @@
-/* The int8_group matmul of 4-bit codes (int8_group_u4: GGUF Q4_K, groups of 32; Q2_K, 16) for bf16 x on Intel's
- * AMX tiles, 2 rows of x and more, where the tiles are on, K % 128 == 0 and the group is 16 or 32 (gemm_int8_group.h's
- * g8_entry asks here first; one row, int8 codes and other shapes take its vector kernel).
+/* The int8_group matmul (int8 codes, or the 4-bit pack: GGUF Q4_K / Q2_K) for bf16 x on Intel's AMX tiles, 2 rows
+ * of x and more, where the tiles are on, the group is 16 or 32 and K % 64 == 0 (4-bit codes: K % 128 == 0)
+ * (gemm_int8_group.h's g8_entry asks here first; one row and other shapes take its vector kernel).
  *
- *   out[m, n] = bf16(t),  t = 0;  per group g in k order:  t = fma(s, S, t);  t = fma(z - 16 s, xs[m, g], t)
- *   S = the tiles' sum over the group of x[m, k] (16 + q[n, k])  (tdpbf16ps; xs: x_group_sums)
+ *   out[m, n] = bf16(t),  t = 0;  per group g in k order:  t = fma(s, S, t);  t = fma(z', xs[m, g], t)
+ *   S = the tiles' sum over the group of x[m, k] c[n, k]  (tdpbf16ps; xs: x_group_sums)
+ *   int8 codes: c = q, z' = z;  4-bit codes: c = 16 + q, z' = z - 16 s
  *
  * Why: the vector kernel multiplies every x by its q * s, so above one row it is bound by those float32 fused
- * multiply-adds (M per weight: 8 rows, L2-resident, 7.7 G weights/s). Here the tiles make each group's sums of
- * x (16 + q) (16 + q is exact in bf16: 0x4180 | q << 3, as the int4 kernels build theirs) and the scale enters once
- * per group and output; the 16 comes back out with x's group sum. A 1B's Q4_K shapes from memory (20 layers, 564 MB,
- * 2 threads): 8 rows 0.44-0.49x the vector kernel's time, 16 rows 0.39-0.43x, 32 rows 0.39x.
+ * multiply-adds (M per weight: 8 rows, L2-resident, 7.7 G weights/s). Here the tiles make each group's sums of x c
+ * (every code exact in bf16: int8 ones through float32; 16 + q is 0x4180 | q << 3, as the int4 kernels build theirs)
+ * and the scale enters once per group and output. A 1B's shapes from memory (20 layers, 2 threads): 4-bit codes
+ * (564 MB) 8 rows 0.44-0.49x the vector kernel's time, 16 rows 0.39-0.43x, 32 rows 0.39x; int8 codes (1014 MB)
+ * 2 rows 0.87x, 8 rows 0.65x, 16 rows 0.55x, 32 rows 0.49x.
  *
  * Its order differs from the vector kernel's, so a row's bits differ between one row (vector) and two or more (here)
  * and within tests/unit/kernels/test_cpu_int8_group.py's bound of the true product; any two calls of 2 rows or more
@@ -18,10 +20,11 @@
  * (measured: ~65% of float32 sums differ in the last bit with x over 2^-12 .. 2^12), so one row needs tiles of one
  * row: 1.1-1.2x the vector kernel's time, where one row decides single-stream decode (measured, not kept).
  *
- * The weights are B, in pairs: per 128 k, 16 weight rows' 64 code bytes are loaded, transposed as 16 x 16 dwords
- * (u4_words), and vpmultishiftqb + one mask build the (16 + code) pair vectors of the 16 rows (a 4 KiB L1 scratch
- * of B tiles); x is A (its rows as they lie up to 16 rows, else padded to a multiple of 16), C = rows of x x 16
- * weight rows, two groups in flight; each group's C stored and folded on 16 lanes.
+ * The weights are B, in pairs: per 128 k, 16 weight rows' code bytes (64 a row for 4-bit codes, two halves of 64
+ * for int8) are loaded and transposed as 16 x 16 dwords (u4_words); vpmultishiftqb + one mask build the (16 + code)
+ * pair vectors of the 16 rows, or two bytes' sign-extension, conversion and top halves the int8 ones (a 4 KiB L1
+ * scratch of B tiles); x is A (its rows as they lie up to 16 rows, else padded to a multiple of 16), C = rows of x
+ * x 16 weight rows, two groups in flight; each group's C stored and folded on 16 lanes.
  */
 #include <string.h>
 
@@ -34,7 +37,7 @@ typedef struct {
     const uint16_t *xa; /* x, or (M > 16) its rows padded to Mp, bf16 [Mp][K] */
     const float *xs;    /* [G][Mp]: x_group_sums */
     int64_t M, Mp, tr, N, K, gs, G; /* tr: the tiles' rows of x (M up to 16, else 16) */
-    int gs_log2;
+    int gs_log2, u4; /* u4: 4-bit codes [N][K / 2]; else int8 [N][K] */
     atomic_int fail;
 } g8t_t;
 
@@ -79,13 +82,14 @@ static inline __attribute__((always_inline)) __m512i u4_pair(const __m512i *v, c
     return _mm512_ternarylogic_epi32(sh, c->m78, c->c41, 0xEA); /* (sh & m78) | c41 */
 }
 
-/* group g's fold into t (16 lanes, sz: g8t_scales's): t = fma(s, S, t), then fma(z - 16 s, xs, t) */
-static inline __m512 g8t_fold(__m512 t, const uint32_t *sz, int64_t g, __m512 S, __m512 xs) {
+/* group g's fold into t (16 lanes, sz: g8t_scales's): t = fma(s, S, t), then fma(z - 16 s, xs, t) for 4-bit codes
+ * (S = sum x (16 + q)), fma(z, xs, t) for int8 codes (S = sum x q) */
+static inline __m512 g8t_fold(__m512 t, const uint32_t *sz, int64_t g, __m512 S, __m512 xs, int u4) {
     __m512i v = _mm512_load_si512(sz + g * 16);
     __m512 sc = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
     __m512 zf = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xFFFF0000u)));
     t = _mm512_fmadd_ps(sc, S, t);
-    return _mm512_fmadd_ps(_mm512_fnmadd_ps(_mm512_set1_ps(16.0f), sc, zf), xs, t);
+    return _mm512_fmadd_ps(u4 ? _mm512_fnmadd_ps(_mm512_set1_ps(16.0f), sc, zf) : zf, xs, t);
 }
 
 /* Chunks ahead that a block's chunk at k0 prefetches: the 16 rows' lines PF_AHEAD chunks on, past the rows' end
@@ -94,22 +98,46 @@ static inline __m512 g8t_fold(__m512 t, const uint32_t *sz, int64_t g, __m512 S,
  * order instead or each row's line one block ahead 15-20% slower. */
 #define PF_AHEAD 4
 
-static inline __attribute__((always_inline)) void g8t_prefetch(const uint8_t *blk, int64_t rb, int64_t k0) {
-    const int64_t off = k0 / 2 + 64 * PF_AHEAD;
+static inline __attribute__((always_inline)) void g8t_prefetch(const uint8_t *blk, int64_t rb, int64_t off) {
     const uint8_t *base = off >= rb ? blk + 15 * rb : blk; /* row r of the next block at off - rb */
     for (int r = 0; r < 16; r++) _mm_prefetch((const char *)(base + r * rb + off), _MM_HINT_T0);
 }
 
-/* the 64 pair vectors of k0 .. k0+127: w[16 s + p] = pair p of sub-block s of the 16 rows (4 KiB, L1) */
+/* int8 code d's byte b (0..3) of each dword as float32 (exact) */
+#define I8_BYTE(d, b) _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(d, 24 - 8 * (b)), 24))
+
+/* bytes (b, b + 1) of each dword of d as a bf16 pair: exact (integers under 2^8), so a float's top half */
+static inline __m512i i8_pair(__m512i d, const int b) {
+    __m512i lo = _mm512_srli_epi32(_mm512_castps_si512(I8_BYTE(d, b)), 16);
+    return _mm512_ternarylogic_epi32(_mm512_castps_si512(I8_BYTE(d, b + 1)), _mm512_set1_epi32((int)0xFFFF0000u), lo,
+                                     0xEA); /* (hi & mask) | lo */
+}
+
+/* the 64 pair vectors of k0 .. k0+127: w[P] = the 16 rows' codes (k0 + 2P, k0 + 2P + 1) as bf16 pairs (4 KiB, L1):
+ * 4-bit codes as 16 + code (a 32-k sub-block s's 16 bytes hold columns j (low nibble) and 16 + j (high) in byte j:
+ * P = 16 s + p), int8 codes as themselves (two 64-byte halves, dword j of half h: P = 32 h + 2 j, 2 j + 1) */
 static void g8t_pairs(const g8t_t *a, const u4_consts *c, int64_t n0, int nr, int64_t k0, __m512i *w) {
-    const int64_t rb = a->K / 2;
     __m512i dd[16] __attribute__((aligned(64)));
-    g8t_prefetch(a->q + n0 * rb, rb, k0);
-    u4_words(a->q + n0 * rb + k0 / 2, rb, nr, dd);
+    if (a->u4) {
+        const int64_t rb = a->K / 2;
+        g8t_prefetch(a->q + n0 * rb, rb, k0 / 2 + 64 * PF_AHEAD);
+        u4_words(a->q + n0 * rb + k0 / 2, rb, nr, dd);
 #pragma GCC unroll 4
-    for (int s = 0; s < 4; s++)
+        for (int s = 0; s < 4; s++)
 #pragma GCC unroll 16
-        for (int p = 0; p < 16; p++) _mm512_store_si512(w + 16 * s + p, u4_pair(dd, c, s, p));
+            for (int p = 0; p < 16; p++) _mm512_store_si512(w + 16 * s + p, u4_pair(dd, c, s, p));
+        return;
+    }
+    const int64_t rb = a->K;
+    for (int h = 0; h < 2 && k0 + 64 * h < a->K; h++) { /* K % 128 == 64: the last chunk is one half */
+        g8t_prefetch(a->q + n0 * rb, rb, k0 + 64 * h + 128 * PF_AHEAD);
+        u4_words(a->q + n0 * rb + k0 + 64 * h, rb, nr, dd);
+        for (int j = 0; j < 16; j++) {
+            __m512i d = _mm512_load_si512(dd + j);
+            _mm512_store_si512(w + 32 * h + 2 * j, i8_pair(d, 0));
+            _mm512_store_si512(w + 32 * h + 2 * j + 1, i8_pair(d, 2));
+        }
+    }
 }
 
 /* one group's sums of the tiles' rows of x (A, tile Ai, from xr) by the pairs (B, tile Bi) into tile Ci */
@@ -127,7 +155,7 @@ static void g8t_slab(const g8t_t *a, int64_t k0, int64_t mb, const __m512i *w, c
                      float *tot) {
     const uint16_t *xr = a->xa + mb * a->K;
     const int64_t gs = a->gs, xs_bytes = a->K * 2, R = a->M - mb < 16 ? a->M - mb : 16;
-    for (int64_t k = k0; k < k0 + 128; k += 2 * gs) {
+    for (int64_t k = k0; k < k0 + 128 && k < a->K; k += 2 * gs) {
         G8T_GROUP(0, 1, 2, k);
         G8T_GROUP(3, 4, 5, k + gs);
         _tile_stored(0, cg, 64);
@@ -137,7 +165,7 @@ static void g8t_slab(const g8t_t *a, int64_t k0, int64_t mb, const __m512i *w, c
             for (int64_t i = 0; i < R; i++) {
                 float *ti = tot + (mb + i) * 16;
                 __m512 S = _mm512_load_ps(cg + h * 256 + i * 16), xg = _mm512_set1_ps(a->xs[g * a->Mp + mb + i]);
-                _mm512_store_ps(ti, g8t_fold(_mm512_load_ps(ti), sz, g, S, xg));
+                _mm512_store_ps(ti, g8t_fold(_mm512_load_ps(ti), sz, g, S, xg, a->u4));
             }
         }
     }
@@ -205,9 +233,9 @@ static void g8t_slice(const void *arg, int t, int nthreads) {
 int g8_tiles(const uint16_t *x, const int8_t *q, const uint16_t *s, const uint16_t *z, uint16_t *out, int64_t M,
              int64_t N, int64_t K, int64_t gs, int nthreads, int u4) {
     static __thread kw_buf xsb;
-    if (M < 2 || !amx_on() || !u4 || K % 128 || (gs != 16 && gs != 32)) return -1;
+    if (M < 2 || !amx_on() || K % (u4 ? 128 : 64) || (gs != 16 && gs != 32)) return -1;
     const int64_t G = K / gs;
-    g8t_t a = {x, s, z, (const uint8_t *)q, out, x, NULL, M, M, M, N, K, gs, G, gs == 16 ? 4 : 5, 0};
+    g8t_t a = {x, s, z, (const uint8_t *)q, out, x, NULL, M, M, M, N, K, gs, G, gs == 16 ? 4 : 5, u4, 0};
     if (M <= 16) { /* the tiles as many rows as x: x as it lies */
         float *xs = kw_scratch(&xsb, (size_t)(G * M) * 4);
         if (!xs) return -2;

@@ -103,9 +103,9 @@ KW_INTERNAL void gemm_rows_amx(const job_t *j, int64_t n0, int64_t n1);
 KW_INTERNAL void x_group_sums(const uint16_t *x, int64_t M, int64_t Mp, int64_t K, int64_t gs, float *xs);
 KW_INTERNAL int x_prep(const uint16_t *x, int64_t M, int64_t K, int64_t gs, uint16_t **xp, float **xs, int64_t *Mp);
 
-/* The int8_group matmul of 4-bit codes on the AMX tiles (gemm_int8_group_amx.c), gemm_int8_group.h's g8_entry's
- * first choice: 0; -1 where it does not take the call (tiles off, int8 codes, K % 128, groups other than 16 and 32);
- * -2 out of memory. Sizes as g8_sizes_ok. */
+/* The int8_group matmul on the AMX tiles (gemm_int8_group_amx.c), gemm_int8_group.h's g8_entry's first choice: 0;
+ * -1 where it does not take the call (one row, tiles off, K % 64 (4-bit codes: K % 128), groups other than 16 and
+ * 32); -2 out of memory. Sizes as g8_sizes_ok. */
 KW_INTERNAL int g8_tiles(const uint16_t *x, const int8_t *q, const uint16_t *s, const uint16_t *z, uint16_t *out,
                          int64_t M, int64_t N, int64_t K, int64_t gs, int nthreads, int u4);
 

@@ -529,44 +529,50 @@ static void test_q8group_u4(void) {
     }
 }
 #ifdef KW_TEST_AVX512
-/* int8_group_u4 on the AMX tiles (gemm_int8_group_amx.c): taken (counted) from 2 rows, groups of 16 and 32,
- * K % 128 == 0; each row of a batch (tiles of 16 rows over padded x) has the bits of the same row in a batch of two
- * (tiles of 2 rows), weight rows past a 16-row block (N = 37, 200: the tail block reads no row past N), each output
- * within close_bf16 of the double sum. */
+/* int8_group on the AMX tiles (gemm_int8_group_amx.c), int8 codes and the 4-bit pack: taken (counted) from 2 rows,
+ * groups of 16 and 32, K % 64 == 0 (4-bit: K % 128); each row of a batch (tiles of 16 rows over padded x) has the bits
+ * of the same row in a batch of two (tiles of 2 rows), weight rows past a 16-row block (N = 37, 200: the tail block
+ * reads no row past N), K % 128 == 64 (int8: a last half chunk), each output within close_bf16 of the double sum. */
 static void test_q8group_tiles(void) {
-    if (!(kw_q8group512_u4 && cpu_has("amx_tile") && cpu_has("amx_bf16") && cpu_has("avx512vbmi") &&
+    if (!(kw_q8group512 && kw_q8group512_u4 && cpu_has("amx_tile") && cpu_has("amx_bf16") && cpu_has("avx512vbmi") &&
           kw_amx_enable(1) == 0)) {
-        printf("kw_test: AMX tiles not here: the int8_group_u4 tile path untested\n");
+        printf("kw_test: AMX tiles not here: the int8_group tile path untested\n");
         return;
     }
-    static const int64_t cases[][4] = {{6, 37, 256, 16}, {18, 200, 384, 32}};
+    static const int64_t cases[][5] = {{6, 37, 256, 16, 1}, {18, 200, 384, 32, 1}, {5, 37, 192, 32, 0},
+                                       {17, 40, 256, 16, 0}};
     for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
         const int64_t M = cases[c][0], N = cases[c][1], K = cases[c][2], gs = cases[c][3], G = K / gs;
+        const int u4 = (int)cases[c][4];
         uint16_t *x = xalloc((size_t)(M * K) * 2), *s = xalloc((size_t)(N * G) * 2), *z = xalloc((size_t)(N * G) * 2);
-        uint8_t *p = xalloc((size_t)(N * K / 2));
+        uint8_t *p = xalloc((size_t)(N * K));
         uint16_t *ob = xalloc((size_t)(M * N) * 2), *o2 = xalloc((size_t)(2 * N) * 2);
         for (int64_t i = 0; i < M * K; i++) x[i] = bfr(4.0f);
         for (int64_t i = 0; i < N * G; i++) s[i] = bfr(0.05f), z[i] = bfr(0.1f);
-        for (int64_t i = 0; i < N * K / 2; i++) p[i] = (uint8_t)rnd();
+        for (int64_t i = 0; i < N * K; i++) p[i] = (uint8_t)rnd();
+#define Q8G(xx, out, m, nt)                                                                                        \
+    (u4 ? kw_q8group512_u4(xx, p, s, z, out, m, N, K, gs, nt)                                                        \
+        : kw_q8group512(xx, (const int8_t *)p, s, z, out, m, N, K, gs, nt))
         long before = kw_amx_calls();
-        CHECK(kw_q8group512_u4(x, p, s, z, ob, M, N, K, gs, 2) == 0, "q8group512_u4 (tiles) refused");
-        CHECK(kw_amx_calls() == before + 1, "q8group512_u4 M=%ld K=%ld gs=%ld did not take the tiles", (long)M,
+        CHECK(Q8G(x, ob, M, 2) == 0, "q8group512 (tiles) refused");
+        CHECK(kw_amx_calls() == before + 1, "q8group512 u4=%d M=%ld K=%ld gs=%ld did not take the tiles", u4, (long)M,
               (long)K, (long)gs);
-        for (int64_t m = 0; m < M; m += 2) {
-            CHECK(kw_q8group512_u4(x + m * K, p, s, z, o2, 2, N, K, gs, 1) == 0, "q8group512_u4 2 rows refused");
-            same_bits("q8group512_u4 tiles: rows in a batch of two", o2, ob + m * N, 2 * N);
+        for (int64_t m = 0; m + 2 <= M; m += 2) {
+            CHECK(Q8G(x + m * K, o2, 2, 1) == 0, "q8group512 2 rows refused");
+            same_bits("q8group512 tiles: rows in a batch of two", o2, ob + m * N, 2 * N);
             for (int64_t n = 0; n < 2 * N; n++) {
                 const int64_t row = n / N, col = n % N;
                 double sum = 0, mag = 0;
                 for (int64_t k = 0; k < K; k++) {
-                    const uint8_t b = p[col * K / 2 + k / 32 * 16 + k % 16];
-                    const int code = k % 32 < 16 ? b & 15 : b >> 4;
+                    const uint8_t b = u4 ? p[col * K / 2 + k / 32 * 16 + k % 16] : p[col * K + k];
+                    const int code = !u4 ? (int8_t)b : k % 32 < 16 ? b & 15 : b >> 4;
                     const double w = code * (double)bf16f(s[col * G + k / gs]) + bf16f(z[col * G + k / gs]);
                     sum += bf16f(x[(m + row) * K + k]) * w, mag += fabs(bf16f(x[(m + row) * K + k]) * w);
                 }
-                close_bf16("q8group512_u4 tiles", o2[n], sum, mag, (m + row) * N + col);
+                close_bf16("q8group512 tiles", o2[n], sum, mag, (m + row) * N + col);
             }
         }
+#undef Q8G
         free(x), free(s), free(z), free(p), free(ob), free(o2);
     }
     kw_amx_enable(0);

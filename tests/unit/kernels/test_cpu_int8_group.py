@@ -209,8 +209,8 @@ def test_bf16_x_takes_the_kernel(monkeypatch: pytest.MonkeyPatch, level: str, ro
     assert dispatch.select_linear("int8_group", x.float(), _weight(48, 256, 32)) == dispatch.REFERENCE
     assert dispatch.select_linear("int8_group", x, _weight(48, 256, 32, "int8_gidx")) == dispatch.REFERENCE
     assert dispatch.select_linear("int8_group", x, _weight(48, 256, 8)) == dispatch.REFERENCE
-    wide = dispatch.select_linear("int8_group", torch.zeros(dispatch.Q8G_WIDE_ROWS + 1, 256, dtype=torch.bfloat16),
-                                  _weight(48, 256, 32))
+    above = (dispatch.Q8G_TILE_ROWS if level == "amx" else dispatch.Q8G_WIDE_ROWS) + 1  # the tiles up to theirs
+    wide = dispatch.select_linear("int8_group", torch.zeros(above, 256, dtype=torch.bfloat16), _weight(48, 256, 32))
     if level != "none":
         assert wide == (dispatch.INT8G_WIDE if dispatch._onednn_bf16() else want)
     kernels = [r[3] for r in dispatch.describe().rows if r[0] == "linear_int8_group"]
@@ -218,7 +218,7 @@ def test_bf16_x_takes_the_kernel(monkeypatch: pytest.MonkeyPatch, level: str, ro
 
 
 @pytest.mark.parametrize("level", ["amx", "avx512-vbmi"])
-def test_4bit_codes_take_the_tiles_from_two_rows_to_their_row_limit(monkeypatch: pytest.MonkeyPatch,
+def test_the_tiles_take_two_rows_to_their_row_limit(monkeypatch: pytest.MonkeyPatch,
                                                                     level: str) -> None:
     monkeypatch.setattr(dispatch, "isa", lambda: level)
     q, s, z = _u4_case(48, 256, 32, 3)
@@ -231,13 +231,15 @@ def test_4bit_codes_take_the_tiles_from_two_rows_to_their_row_limit(monkeypatch:
         got = dispatch.select_linear("int8_group", torch.zeros(rows, 256, dtype=torch.bfloat16), u4)
         assert got == (want if level == "amx" or want != dispatch.INT8G_AMX else
                        (wide if rows > dispatch.Q8G_WIDE_ROWS else dispatch.INT8G_AVX512)), rows
-    # int8 codes (Q8_0, Q6_K ...) never take the tiles' rule; nor K % 128 != 0 (the kernel's own condition)
-    assert dispatch.select_linear("int8_group", torch.zeros(8, 256, dtype=torch.bfloat16), _weight(48, 256, 32)) \
+    # int8 codes (Q8_0, Q6_K, Q5_0 ...) take them where K % 64 == 0; 4-bit codes need K % 128 == 0
+    i8 = dispatch.select_linear("int8_group", torch.zeros(8, 256, dtype=torch.bfloat16), _weight(48, 256, 32))
+    assert i8 == (dispatch.INT8G_AMX if level == "amx" else dispatch.INT8G_AVX512)
+    assert dispatch.select_linear("int8_group", torch.zeros(8, 96, dtype=torch.bfloat16), _weight(48, 96, 32)) \
         == dispatch.INT8G_AVX512
-    q2, s2, z2 = _u4_case(48, 160, 32, 4)
-    odd = QuantizedWeight(QuantMeta("int8_group", LAYOUT_INT8_GROUP_U4, 32, (48, 160)),
+    q2, s2, z2 = _u4_case(48, 192, 32, 4)
+    odd = QuantizedWeight(QuantMeta("int8_group", LAYOUT_INT8_GROUP_U4, 32, (48, 192)),
                           {"qweight": pack_u4_groups(q2), "scales": s2, "zeros": z2})
-    assert dispatch.select_linear("int8_group", torch.zeros(8, 160, dtype=torch.bfloat16), odd) \
+    assert dispatch.select_linear("int8_group", torch.zeros(8, 192, dtype=torch.bfloat16), odd) \
         == dispatch.INT8G_AVX512
 
 
@@ -251,7 +253,7 @@ def test_linear_runs_the_kernel_and_the_switch_gives_the_reference(monkeypatch: 
     x, bias = torch.randn(3, 5, 256).bfloat16(), torch.randn(48).bfloat16()
     assert torch.equal(kernels.linear(x, w), kernel(x, p["qweight"], p["scales"], p["zeros"], 32))
     assert torch.equal(kernels.linear(x, w, bias), kernel(x, p["qweight"], p["scales"], p["zeros"], 32) + bias)
-    wide = torch.randn(dispatch.Q8G_WIDE_ROWS + 1, 256).bfloat16()
+    wide = torch.randn(max(dispatch.Q8G_WIDE_ROWS, dispatch.Q8G_TILE_ROWS) + 1, 256).bfloat16()
     if dispatch._onednn_bf16():  # the wide path: the reference's weight and matmul, so its bits
         assert torch.equal(kernels.linear(wide, w, bias), linear_reference(wide, w, bias))
     assert any(r.getMessage().startswith("linear int8_group: keepwarm C kernel, int8 groups") for r in caplog.records)
@@ -348,18 +350,28 @@ def test_gguf_model_decodes_the_references_greedy_tokens(tiny_llama, tmp_path, m
     assert reference == native and not calls, f"smallest top-2 gaps: {gap:.3g} (kernels), {ref_gap:.3g} (reference)"
 
 
-# ---------------------------------------------------------------------------------------------- the tiles (4-bit)
+# ---------------------------------------------------------------------------------------------- the tiles
 needs_tiles = pytest.mark.skipif(cpu_native.variant_name() != "avx512" or not _HAS_AMX,
                                  reason="AMX tiles: the CPU lacks AVX512-BF16 / amx_tile / amx_bf16 / avx512vbmi")
+CODES = ["u4", "int8"]
 
 
-def _tiles_u4(x: torch.Tensor, packed: torch.Tensor, s: torch.Tensor, z: torch.Tensor, gs: int) -> torch.Tensor:
+def _tiles_q8g(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, z: torch.Tensor, gs: int) -> torch.Tensor:
     """the AVX-512 entry with the tiles on, checked to have taken them (2+ rows) or not (one row: the vector kernel)"""
     with _tiles(True):
         calls = cpu_native.amx_calls()
-        out = native_ops.q8g_avx512_linear(x, packed, s, z, gs)
+        out = native_ops.q8g_avx512_linear(x, w, s, z, gs)
         assert cpu_native.amx_calls() == calls + (x.shape[0] >= 2), "the call did not take the path it should"
     return out
+
+
+def _codes(n: int, k: int, codes: str, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the codes as int8 [N, K], the weight as the kernel takes it: the 4-bit pack or the int8 codes)"""
+    if codes == "u4":
+        q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.int8)
+        return q, pack_u4_groups(q)
+    q = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    return q, q
 
 
 def _u4_case(n: int, k: int, gs: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -369,70 +381,81 @@ def _u4_case(n: int, k: int, gs: int, seed: int) -> tuple[torch.Tensor, torch.Te
                                                                         ).bfloat16()
 
 
+TILE_CASES = [(2, 16, 128, 32), (2, 37, 256, 16), (3, 37, 512, 16), (8, 100, 1024, 32), (17, 29, 128, 16),
+              (33, 200, 2048, 32)]
+
+
 @needs_tiles
-@pytest.mark.parametrize(("m", "n", "k", "gs"), [(2, 16, 128, 32), (2, 37, 256, 16), (3, 37, 512, 16),
-                                                  (8, 100, 1024, 32), (17, 29, 128, 16), (33, 200, 2048, 32)])
-def test_tiles_within_their_bound(m: int, n: int, k: int, gs: int) -> None:
-    # BOUND of the tiles' order (gemm_int8_group_amx.c): t = sum_g s S_g + (z - 16 s) X_g with S_g = sum x (16 + q)
-    # rounded at most gs times (two per k pair), X_g = x's group sum (gs / 16 + 4), z - 16 s once, 2 G fused
-    # multiply-adds, each under u * mag16, mag16 = |x| @ (|s| (16 + q) + |z| + 16 |s|)^T:
-    # |c - t| <= (gs + 2 G + 8) u mag16, then the bf16 rounding
-    q, s, z = _u4_case(n, k, gs, m + n + k)
+@pytest.mark.parametrize(("codes", "m", "n", "k", "gs"), [(c, *case) for c in CODES for case in TILE_CASES]
+                         + [("int8", 9, 40, 576, 32), ("int8", 5, 30, 192, 16)])  # int8 codes: K % 64 suffices
+def test_tiles_within_their_bound(codes: str, m: int, n: int, k: int, gs: int) -> None:
+    # BOUND of the tiles' order (gemm_int8_group_amx.c): t = sum_g s S_g + z' X_g with S_g = sum x c rounded at most
+    # gs times (two per k pair), X_g = x's group sum (gs / 16 + 4), z' = z - 16 s (4-bit codes, c = 16 + q) once,
+    # 2 G fused multiply-adds, each under u * magc, magc = |x| @ (|s| |c| + |z| + |s| |c - q|)^T:
+    # |c - t| <= (gs + 2 G + 8) u magc, then the bf16 rounding
+    g = torch.Generator().manual_seed(m + n + k)
+    q, w = _codes(n, k, codes, g)
+    s, z = (torch.randn(n, k // gs, generator=g) * 0.01).bfloat16(), (torch.randn(n, k // gs, generator=g) * 0.02
+                                                                     ).bfloat16()
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(gs)).bfloat16()
-    got = _tiles_u4(x, pack_u4_groups(q), s, z, gs)
+    got = _tiles_q8g(x, w, s, z, gs)
     sd, zd = s.double().repeat_interleave(gs, 1), z.double().repeat_interleave(gs, 1)
-    mag16 = x.double().abs() @ (sd.abs() * (16 + q.double()) + zd.abs() + 16 * sd.abs()).T
+    off = 16.0 if codes == "u4" else 0.0
+    magc = x.double().abs() @ (sd.abs() * (q.double() + off).abs() + zd.abs() + off * sd.abs()).T
     true = x.double() @ _dense(q, s, z, gs)[0].T
     gamma = (gs + 2 * (k // gs) + 8) * 2.0 ** -24
-    excess = (got.double() - true).abs() - (true.abs() * 2.0 ** -8 + (1 + 2.0 ** -8) * gamma * mag16)
+    excess = (got.double() - true).abs() - (true.abs() * 2.0 ** -8 + (1 + 2.0 ** -8) * gamma * magc)
     assert bool((excess <= 0).all()), f"max excess {float(excess.max()):.3g}"
 
 
 @needs_tiles
+@pytest.mark.parametrize("codes", CODES)
 @pytest.mark.parametrize(("m", "gs"), [(2, 16), (5, 16), (2, 32), (19, 32)])
-def test_tiles_exact_sums_give_the_exactly_rounded_product(m: int, gs: int) -> None:
-    # x in -8..8, 16 + q <= 31, power-of-two scales, zeros on a 2^-5 grid: every sum of x (16 + q) is an integer
-    # under 2^13, z - 16 s is exact, every partial total lies on a 2^-9 grid under 2^12: all exact
+def test_tiles_exact_sums_give_the_exactly_rounded_product(codes: str, m: int, gs: int) -> None:
+    # x in -8..8, |c| <= 128, power-of-two scales, zeros on a 2^-5 grid: every group's sum of x c is an integer under
+    # 2^16, z' exact, every partial total on a 2^-9 grid under 2^14: all exact
     g = torch.Generator().manual_seed(gs + m)
     n, k = 21, 1152
     x = torch.randint(-8, 9, (m, k), generator=g).bfloat16()
-    q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.int8)
+    q, w = _codes(n, k, codes, g)
     s = (torch.randint(0, 2, (n, k // gs), generator=g) * 2 - 1) * 2.0 ** -torch.randint(7, 10, (n, k // gs),
                                                                                          generator=g)
     z = (torch.randint(-8, 9, (n, k // gs), generator=g) * 2.0 ** -5).bfloat16()
     true = x.double() @ _dense(q, s.bfloat16(), z, gs)[0].T
-    assert torch.equal(_tiles_u4(x, pack_u4_groups(q), s.bfloat16(), z, gs), true.to(torch.bfloat16))
+    assert torch.equal(_tiles_q8g(x, w, s.bfloat16(), z, gs), true.to(torch.bfloat16))
 
 
 @needs_tiles
+@pytest.mark.parametrize("codes", CODES)
 @pytest.mark.parametrize("gs", [16, 32])
-def test_tiles_give_a_row_the_same_bits_in_any_batch_of_two_or_more(gs: int) -> None:
+def test_tiles_give_a_row_the_same_bits_in_any_batch_of_two_or_more(codes: str, gs: int) -> None:
     # magnitudes 2^-12 .. 2^12: another summation order or rounding would show in the bf16 results
     g = torch.Generator().manual_seed(gs)
     x = (torch.randn(33, 1152, generator=g) * torch.exp2(torch.randint(-12, 13, (33, 1152), generator=g))).bfloat16()
-    q, s, z = _u4_case(200, 1152, gs, 2)
-    packed = pack_u4_groups(q)
+    _, w = _codes(200, 1152, codes, g)
+    s, z = (torch.randn(200, 1152 // gs, generator=g) * 0.01).bfloat16(), (torch.randn(
+        200, 1152 // gs, generator=g) * 0.02).bfloat16()
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        batch = _tiles_u4(x, packed, s, z, gs)  # tiles of 16 rows over x padded to 48
-        pairs = torch.cat([_tiles_u4(x[i:i + 2], packed, s, z, gs) for i in range(0, 32, 2)])  # tiles of 2 rows
+        batch = _tiles_q8g(x, w, s, z, gs)  # tiles of 16 rows over x padded to 48
+        pairs = torch.cat([_tiles_q8g(x[i:i + 2], w, s, z, gs) for i in range(0, 32, 2)])  # tiles of 2 rows
         torch.set_num_threads(1)
-        odd = torch.cat([_tiles_u4(x[i:i + 3], packed, s, z, gs) for i in range(0, 33, 3)])  # of 3, one thread
-        one = _tiles_u4(x[32:].contiguous(), packed, s, z, gs)  # one row: the vector kernel
+        odd = torch.cat([_tiles_q8g(x[i:i + 3], w, s, z, gs) for i in range(0, 33, 3)])  # of 3, one thread
+        one = _tiles_q8g(x[32:].contiguous(), w, s, z, gs)  # one row: the vector kernel
     finally:
         torch.set_num_threads(before)
     assert torch.equal(batch[:32], pairs) and torch.equal(batch, odd)
-    with _tiles(False):  # the vector kernel: its own order, so its bits differ somewhere; one row is its
-        vector = native_ops.q8g_avx512_linear(x, packed, s, z, gs)
-    assert not torch.equal(vector, batch) and torch.equal(one, vector[32:])
+    with _tiles(False):  # one row is the vector kernel's (its own order: the tiles' rows may differ in the last bit)
+        vector = native_ops.q8g_avx512_linear(x, w, s, z, gs)
+    assert torch.equal(one, vector[32:])
 
 
 @needs_tiles
-@pytest.mark.parametrize(("m", "k", "gs", "u4"), [(4, 1152, 32, False), (4, 160, 32, True), (4, 1152, 64, True),
-                                                  (4, 96, 16, True), (1, 1152, 32, True)])
-def test_tiles_leave_one_row_int8_codes_other_groups_and_k_to_the_vector_kernel(m: int, k: int, gs: int,
-                                                                                u4: bool) -> None:
+@pytest.mark.parametrize(("m", "k", "gs", "u4"), [(4, 96, 32, False), (4, 160, 32, True), (4, 1152, 64, True),
+                                                  (4, 1152, 64, False), (4, 96, 16, True), (1, 1152, 32, True),
+                                                  (1, 1152, 32, False)])
+def test_tiles_leave_one_row_other_groups_and_k_to_the_vector_kernel(m: int, k: int, gs: int, u4: bool) -> None:
     g = torch.Generator().manual_seed(k)
     q = torch.randint(0, 16, (40, k), generator=g, dtype=torch.int8)
     s, z = torch.randn(40, k // gs, generator=g).bfloat16(), torch.randn(40, k // gs, generator=g).bfloat16()
