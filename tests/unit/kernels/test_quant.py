@@ -288,7 +288,7 @@ def test_fp8_as_float16_every_code() -> None:
 
 # ---------------------------------------------------------------------------------------------- paths vs reference
 NATIVE = (dispatch.INT8_NATIVE, dispatch.FP8_NATIVE, dispatch.INT8_AMX,  # the AMX names: same function
-          dispatch.FP8_AMX, dispatch.CODES_WIDE, dispatch.INT8G_AVX512)
+          dispatch.FP8_AMX, dispatch.CODES_WIDE, dispatch.INT8G_AVX512, dispatch.INT8G_AMX)
 AVX2 = (dispatch.INT8_AVX2, dispatch.INT4_AVX2, dispatch.FP8_AVX2,  # bfloat16 only; callable wherever a build loaded
         dispatch.INT8G_AVX2, dispatch.INT8G_WIDE)
 
