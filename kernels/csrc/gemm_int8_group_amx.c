@@ -21,9 +21,9 @@
  * row: 1.1-1.2x the vector kernel's time, where one row decides single-stream decode (measured, not kept).
  *
  * The weights are B, in pairs: per 128 k, 16 weight rows' code bytes (64 a row for 4-bit codes, two halves of 64
- * for int8) are loaded and transposed as 16 x 16 dwords (u4_words); vpmultishiftqb + one mask build the (16 + code)
- * pair vectors of the 16 rows, or two bytes' sign-extension, conversion and top halves the int8 ones (a 4 KiB L1
- * scratch of B tiles); x is A (its rows as they lie up to 16 rows, else padded to a multiple of 16), C = rows of x
+ * for int8) are loaded and transposed as 16 x 16 dwords (block_dwords); vpmultishiftqb + one mask build the
+ * (16 + code) pair vectors of the 16 rows, or two bytes' sign-extension, conversion and top halves the int8 ones
+ * (a 4 KiB L1 scratch of B tiles); x is A (its rows as they lie up to 16 rows, else padded to a multiple of 16), C = rows of x
  * x 16 weight rows, two groups in flight; each group's C stored and folded on 16 lanes.
  */
 #include <string.h>
@@ -31,7 +31,7 @@
 #include "kw_avx512.h"
 
 typedef struct {
-    const uint16_t *x, *s, *z;
+    const uint16_t *s, *z;
     const uint8_t *q;
     uint16_t *out;
     const uint16_t *xa; /* x, or (M > 16) its rows padded to Mp, bf16 [Mp][K] */
@@ -41,9 +41,10 @@ typedef struct {
     atomic_int fail;
 } g8t_t;
 
-/* The code bytes p .. p + 63 (128 k) of nr rows (zeros beyond) transposed into v (64-byte aligned): v[j] lane r =
- * dword j of row r, stored so that the pairs below read them from L1 instead of 16 live registers */
-static inline __attribute__((always_inline)) void u4_words(const uint8_t *p, int64_t rb, int nr, __m512i *v) {
+/* The 64 code bytes p .. p + 63 of nr rows rb apart (zeros beyond): 128 4-bit codes or 64 int8 ones a row,
+ * transposed into v (64-byte aligned): v[j] lane r = dword j of row r, stored so that the pairs below read them from
+ * L1 instead of 16 live registers */
+static inline __attribute__((always_inline)) void block_dwords(const uint8_t *p, int64_t rb, int nr, __m512i *v) {
     __m512i r[16];
     for (int i = 0; i < 16; i++) r[i] = i < nr ? _mm512_loadu_si512(p + i * rb) : _mm512_setzero_si512();
     transpose16(r);
@@ -121,7 +122,7 @@ static void g8t_pairs(const g8t_t *a, const u4_consts *c, int64_t n0, int nr, in
     if (a->u4) {
         const int64_t rb = a->K / 2;
         g8t_prefetch(a->q + n0 * rb, rb, k0 / 2 + 64 * PF_AHEAD);
-        u4_words(a->q + n0 * rb + k0 / 2, rb, nr, dd);
+        block_dwords(a->q + n0 * rb + k0 / 2, rb, nr, dd);
 #pragma GCC unroll 4
         for (int s = 0; s < 4; s++)
 #pragma GCC unroll 16
@@ -131,7 +132,7 @@ static void g8t_pairs(const g8t_t *a, const u4_consts *c, int64_t n0, int nr, in
     const int64_t rb = a->K;
     for (int h = 0; h < 2 && k0 + 64 * h < a->K; h++) { /* K % 128 == 64: the last chunk is one half */
         g8t_prefetch(a->q + n0 * rb, rb, k0 + 64 * h + 128 * PF_AHEAD);
-        u4_words(a->q + n0 * rb + k0 + 64 * h, rb, nr, dd);
+        block_dwords(a->q + n0 * rb + k0 + 64 * h, rb, nr, dd);
         for (int j = 0; j < 16; j++) {
             __m512i d = _mm512_load_si512(dd + j);
             _mm512_store_si512(w + 32 * h + 2 * j, i8_pair(d, 0));
@@ -144,7 +145,7 @@ static void g8t_pairs(const g8t_t *a, const u4_consts *c, int64_t n0, int nr, in
 #define G8T_GROUP(Ci, Ai, Bi, k)                                                                                   \
     do {                                                                                                           \
         _tile_zero(Ci);                                                                                            \
-        _tile_loadd(Ai, xr + (k), xs_bytes);                                                                       \
+        _tile_loadd(Ai, xr + (k), xstride);                                                                       \
         _tile_loadd(Bi, w + ((k) - k0) / 2, 64);                                                                   \
         _tile_dpbf16ps(Ci, Ai, Bi);                                                                                \
     } while (0)
@@ -154,7 +155,7 @@ static void g8t_pairs(const g8t_t *a, const u4_consts *c, int64_t n0, int nr, in
 static void g8t_slab(const g8t_t *a, int64_t k0, int64_t mb, const __m512i *w, const uint32_t *sz, float *cg,
                      float *tot) {
     const uint16_t *xr = a->xa + mb * a->K;
-    const int64_t gs = a->gs, xs_bytes = a->K * 2, R = a->M - mb < 16 ? a->M - mb : 16;
+    const int64_t gs = a->gs, xstride = a->K * 2 /* bytes between x's rows */, R = a->M - mb < 16 ? a->M - mb : 16;
     for (int64_t k = k0; k < k0 + 128 && k < a->K; k += 2 * gs) {
         G8T_GROUP(0, 1, 2, k);
         G8T_GROUP(3, 4, 5, k + gs);
@@ -235,7 +236,7 @@ int g8_tiles(const uint16_t *x, const int8_t *q, const uint16_t *s, const uint16
     static __thread kw_buf xsb;
     if (M < 2 || !amx_on() || K % (u4 ? 128 : 64) || (gs != 16 && gs != 32)) return -1;
     const int64_t G = K / gs;
-    g8t_t a = {x, s, z, (const uint8_t *)q, out, x, NULL, M, M, M, N, K, gs, G, gs == 16 ? 4 : 5, u4, 0};
+    g8t_t a = {s, z, (const uint8_t *)q, out, x, NULL, M, M, M, N, K, gs, G, gs == 16 ? 4 : 5, u4, 0};
     if (M <= 16) { /* the tiles as many rows as x: x as it lies */
         float *xs = kw_scratch(&xsb, (size_t)(G * M) * 4);
         if (!xs) return -2;
