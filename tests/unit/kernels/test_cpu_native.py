@@ -188,11 +188,12 @@ needs_vbmi = pytest.mark.skipif(not cpu_native.has_vbmi(), reason="the int4 vect
 @needs_vbmi
 @pytest.mark.parametrize(("m", "n", "k", "gs", "block"),
                          [(1, 32, 32, 32, 32), (2, 96, 576, 64, 32), (13, 64, 256, 128, 32), (33, 96, 576, 32, 32),
-                          (1, 64, 256, 32, 64), (5, 128, 512, 128, 64), (40, 192, 1024, 64, 64)])
+                          (1, 64, 256, 32, 64), (1, 192, 256, 32, 64), (1, 96, 576, 32, 32), (5, 128, 512, 128, 64),
+                          (40, 192, 1024, 64, 64)])
 def test_int4_vector_kernel_matches_float64(m: int, n: int, k: int, gs: int, block: int) -> None:
     """Against float64 sums of the test's own dequantization (support/int4_pack.py) at the blocking edges: rows across
     the 12-row micro-kernel, channels past the 32-channel half of a 64-row block, K one 32-step or 256-chunks plus a
-    tail, groups of 32 / 64 / 128, blocks of 32 and 64 rows."""
+    tail, groups of 32 / 64 / 128, blocks of 32 and 64 rows; one row over 3 blocks (q4vec_row2's pair, then one)."""
     codes, sz, w = q4_case(n, k, gs, m + n + k + block)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(gs)).bfloat16()
     got = native_ops.q4_vec_linear(x, halves(codes, block), sz, gs, block)
