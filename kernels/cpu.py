@@ -25,7 +25,10 @@ __all__ = ["AttentionPlan", "fused_add_rms_norm", "linear", "paged_attention", "
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    if dispatch.select("linear", 0, x, weight, bias) == dispatch.BF16_AVX2:
+    kernel = dispatch.select("linear", x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0, x, weight, bias)
+    if kernel == dispatch.BF16_AVX512:
+        return native_ops.bf16_gemv(x, weight)
+    if kernel == dispatch.BF16_AVX2:
         return native_ops.bf16_linear(x, weight)
     return F.linear(x, weight, bias)
 

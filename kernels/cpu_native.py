@@ -59,8 +59,8 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "pool.c": (), "quantize.c": _AVX2, "glue.c": _AVX2, "attention.c": _AVX2, "step.c": _AVX2,
     "gemm_bf16_avx2.c": _AVX2,
     "gemm_int8_avx2.c": _AVX2, "gemm_int8_group_avx2.c": _AVX2, "gemm_int4_avx2.c": _AVX2,
-    "gemm_int8_avx512.c": _AVX512, "gemm_int8_group_avx512.c": _AVX512, "gemm_int8_group_amx.c": _AMX,
-    "gemm_int8_amx.c": _AMX,
+    "gemm_bf16_avx512.c": _AVX512, "gemm_int8_avx512.c": _AVX512, "gemm_int8_group_avx512.c": _AVX512,
+    "gemm_int8_group_amx.c": _AMX, "gemm_int8_amx.c": _AMX,
     "gemm_int4_vbmi.c": _VBMI, "gemm_int4_amx.c": _AMX,
 }
 
@@ -213,7 +213,8 @@ def _declare(lib: ctypes.CDLL, matmuls: bool) -> None:
         "kw_quant_int8": [p, i64, i64, p, p],
     }
     if matmuls:
-        sigs.update({"kw_gemm": [p] * 4 + [i64] * 3 + [i, i], "kw_codes_bf16": [p, p, i64, i64, i, i],
+        sigs.update({"kw_gemm": [p] * 4 + [i64] * 3 + [i, i], "kw_bgemv512": [p, p, p, i64, i64, i64, i],
+                     "kw_codes_bf16": [p, p, i64, i64, i, i],
                      "kw_amx_enable": [i], "kw_q4amx": q4, "kw_q4vec": q4})
     for name, args in sigs.items():
         fn = getattr(lib, name)

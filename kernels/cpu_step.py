@@ -32,9 +32,9 @@ __all__ = ["ENV_VAR", "MAX_ROWS", "NativeStep", "StepLayer", "StepShape", "exp8_
 ENV_VAR = "KEEPWARM_CPU_STEP"
 MAX_ROWS = dispatch.Q8G_WIDE_ROWS  # above it the int8-group linears take oneDNN, which C cannot call
 
-# dispatch's kernel names -> step.c's kinds (KW_Q8G ... KW_BGEMM)
+# dispatch's kernel names -> step.c's kinds (KW_Q8G ... KW_BGEMV512); INT8G_AMX: 4-bit codes only (U4_KINDS)
 KINDS = {dispatch.INT8G_AVX2: 1, dispatch.INT8G_AVX512: 2, dispatch.INT4_AVX2: 3, dispatch.INT4_VEC: 4,
-         dispatch.INT4_AMX: 5, dispatch.BF16_AVX2: 6, dispatch.INT8G_AMX: 2}  # INT8G_AMX: 4-bit codes only (U4_KINDS)
+         dispatch.INT4_AMX: 5, dispatch.BF16_AVX2: 6, dispatch.INT8G_AMX: 2, dispatch.BF16_AVX512: 9}
 # The int8-group kinds for the 4-bit pack (int8_group_u4): KW_Q8G_U4, KW_Q8G512_U4 (which takes the tiles from 2 rows).
 U4_KINDS = {dispatch.INT8G_AVX2: 7, dispatch.INT8G_AVX512: 8, dispatch.INT8G_AMX: 8}
 # A kernel C cannot call -> keepwarm's kernel on the same weight (another float32 summation order).
@@ -125,7 +125,7 @@ def _kernel(weight: object, rows: int) -> tuple[str, bool] | str:
     k = weight.meta.shape[1] if hasattr(weight, "meta") else weight.shape[1]  # type: ignore[attr-defined]
     x = torch.empty((rows, k), dtype=torch.bfloat16)
     if isinstance(weight, torch.Tensor):
-        name = dispatch.select("linear", 0, x, weight, None)
+        name = dispatch.select("linear", rows, x, weight, None)
     else:
         name = dispatch.select_linear(weight.meta.scheme, x, weight)  # type: ignore[attr-defined]
     if name in KINDS:

@@ -21,10 +21,10 @@ from keepwarm.formats.errors import QuantizationError
 
 from . import cpu_native
 
-__all__ = ["attention_fits", "attention_plan", "bf16_fits", "bf16_linear", "codes_to_bf16", "decode_attention",
-           "fp8_linear", "int8_linear", "q4_amx_linear", "q4_fits", "q4_linear", "q4_pairs_fits", "q4_vec_linear",
-           "q8_fits", "q8_linear", "q8g_avx512_linear", "q8g_fits", "q8g_linear", "q8g_to_bf16", "quantize_int8",
-           "rms_norm", "rotary_neox", "rows_fit", "store_kv"]
+__all__ = ["BGEMV_ROWS", "attention_fits", "attention_plan", "bf16_fits", "bf16_gemv", "bf16_linear", "bgemv_fits",
+           "codes_to_bf16", "decode_attention", "fp8_linear", "int8_linear", "q4_amx_linear", "q4_fits", "q4_linear",
+           "q4_pairs_fits", "q4_vec_linear", "q8_fits", "q8_linear", "q8g_avx512_linear", "q8g_fits", "q8g_linear",
+           "q8g_to_bf16", "quantize_int8", "rms_norm", "rotary_neox", "rows_fit", "store_kv"]
 
 
 def _lib(what: str, matmuls: bool = False) -> ctypes.CDLL:
@@ -227,6 +227,31 @@ def bf16_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     rc = lib.kw_bgemm(xf.data_ptr(), weight.data_ptr(), out.data_ptr(), xf.shape[0], n, k, torch.get_num_threads())
     if rc != 0:
         raise ValueError(f"bf16_linear: the kernel refused M={xf.shape[0]} N={n} K={k}")
+    return out.reshape(*x.shape[:-1], n)
+
+
+# -- bf16 x bf16 for a few rows on AVX512-BF16 (gemm_bf16_avx512.c) --------------------------------------------------
+BGEMV_ROWS = 4  # the most rows of x kw_bgemv512 takes
+
+
+def bgemv_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """:func:`bf16_fits`, with K a multiple of 32 and at most :data:`BGEMV_ROWS` rows of x."""
+    return bf16_fits(x, weight) and weight.shape[1] % 32 == 0 and x.numel() // x.shape[-1] <= BGEMV_ROWS
+
+
+def bf16_gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight^T`` in bfloat16 for :func:`bgemv_fits` inputs: vdpbf16ps over 32 values of k at a time, 16
+    float32 lanes summed in one fixed order, rounded once; a row's bits do not depend on the others or the threads."""
+    lib = _lib("bf16_gemv", matmuls=True)
+    if not bgemv_fits(x, weight):
+        raise ValueError(f"bf16_gemv: x {tuple(x.shape)} {x.dtype} and weight {tuple(weight.shape)} {weight.dtype} "
+                         f"do not fit (bfloat16, contiguous weight, K a multiple of 32, at most {BGEMV_ROWS} rows)")
+    n, k = weight.shape
+    x2d = x.reshape(-1, k).contiguous()
+    out = torch.empty((x2d.shape[0], n), dtype=torch.bfloat16)
+    if lib.kw_bgemv512(x2d.data_ptr(), weight.data_ptr(), out.data_ptr(), x2d.shape[0], n, k,
+                       torch.get_num_threads()) != 0:
+        raise ValueError(f"bf16_gemv: the kernel refused M={x2d.shape[0]} N={n} K={k}")
     return out.reshape(*x.shape[:-1], n)
 
 

@@ -75,6 +75,7 @@ int kw_quant_int8(const uint16_t *w, int64_t N, int64_t K, int8_t *q, uint16_t *
 /* AVX512-BF16 (the avx512 build only); AMX and VBMI where the CPU has them */
 int kw_gemm(const uint16_t *x, const int8_t *w, const float *scale, uint16_t *out, int64_t M, int64_t N, int64_t K,
             int fp8, int nthreads);
+int kw_bgemv512(const uint16_t *x, const uint16_t *w, uint16_t *out, int64_t M, int64_t N, int64_t K, int nthreads);
 int kw_codes_bf16(const int8_t *w, uint16_t *out, int64_t N, int64_t K, int fp8, int nthreads);
 int kw_amx_enable(int on);
 long kw_amx_calls(void);

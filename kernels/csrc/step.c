@@ -30,15 +30,17 @@ int kw_q4vec(const uint16_t *x, const uint8_t *q, const uint16_t *sz, uint16_t *
              int64_t gs, int64_t B, int nthreads) __attribute__((weak));
 int kw_q4amx(const uint16_t *x, const uint8_t *q, const uint16_t *sz, uint16_t *out, int64_t M, int64_t N, int64_t K,
              int64_t gs, int64_t B, int nthreads) __attribute__((weak));
+int kw_bgemv512(const uint16_t *x, const uint16_t *w, uint16_t *out, int64_t M, int64_t N, int64_t K, int nthreads)
+    __attribute__((weak));
 
 /* A linear's kernel (kernels/cpu_step.py's KINDS). */
 enum { KW_Q8G = 1, KW_Q8G512 = 2, KW_Q4GEMM = 3, KW_Q4VEC = 4, KW_Q4AMX = 5, KW_BGEMM = 6, KW_Q8G_U4 = 7,
-       KW_Q8G512_U4 = 8 };
+       KW_Q8G512_U4 = 8, KW_BGEMV512 = 9 };
 
 typedef struct {
-    int64_t kind;                       /* KW_Q8G ... KW_BGEMM: the matmul for this call's rows */
+    int64_t kind;                       /* KW_Q8G ... KW_BGEMV512: the matmul for this call's rows */
     const void *q;                      /* int8 codes [N, K], the 4-bit group pack [N, K / 2] (_U4), the int4 halves
-                                           pack, or bf16 [N, K] (KW_BGEMM) */
+                                           pack, or bf16 [N, K] (KW_BGEMM, KW_BGEMV512) */
     const uint16_t *s, *z;              /* int8 groups: scales, zeros [N, K / gs]; int4: scales_and_zeros */
     int64_t N, K, gs, B;                /* B: the int4 pack's block of rows */
 } kw_lin;
@@ -93,6 +95,8 @@ static int lin(const kw_lin *w, const uint16_t *x, uint16_t *out, int64_t M, int
         if (w->K % 16) return -1;
         if (!(xf = widen(x, M * w->K, 1))) return -2;
         return kw_bgemm(xf, w->q, out, M, w->N, w->K, nt);
+    case KW_BGEMV512:
+        return kw_bgemv512 ? kw_bgemv512(x, w->q, out, M, w->N, w->K, nt) : -1;
     default:
         return -1;
     }

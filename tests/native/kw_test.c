@@ -310,7 +310,35 @@ static void test_gemm(int64_t M, int64_t N, int64_t K, int fp8) {
     free(x), free(o1), free(o2), free(q), free(s), free(codes);
 }
 
+static void test_bgemv512(int64_t N, int64_t K) { /* 1-4 rows: each row alone equals its batch's row */
+    uint16_t *x = xalloc((size_t)(4 * K) * 2), *w = xalloc((size_t)(N * K) * 2);
+    uint16_t *o4 = xalloc((size_t)(4 * N) * 2), *o1 = xalloc((size_t)(4 * N) * 2);
+    for (int64_t i = 0; i < 4 * K; i++) x[i] = bfr(2.0f);
+    for (int64_t i = 0; i < N * K; i++) w[i] = bfr(0.5f);
+    for (int64_t M = 1; M <= 4; M++) {
+        CHECK(kw_bgemv512(x, w, o4, M, N, K, 2) == 0, "bgemv512 refused M=%ld", (long)M);
+        for (int64_t m = 0; m < M; m++) {
+            CHECK(kw_bgemv512(x + m * K, w, o1 + m * N, 1, N, K, 1) == 0, "bgemv512 refused one row");
+            for (int64_t n = 0; n < N; n++) {
+                double s = 0, mag = 0;
+                for (int64_t k = 0; k < K; k++) {
+                    double t = (double)bf16f(x[m * K + k]) * bf16f(w[n * K + k]);
+                    s += t, mag += fabs(t);
+                }
+                close_bf16("bgemv512", o4[m * N + n], s, mag, m * N + n);
+            }
+        }
+        same_bits("bgemv512", o4, o1, M * N);
+    }
+    CHECK(kw_bgemv512(x, w, o4, 5, N, K, 1) == -1 && kw_bgemv512(x, w, o4, 1, N, 48, 1) == -1,
+          "bgemv512 took 5 rows or K = 48");
+    free(x), free(w), free(o4), free(o1);
+}
+
 static void test_avx512(void) {
+    test_bgemv512(1, 32);
+    test_bgemv512(13, 64);
+    test_bgemv512(200, 576); /* 8-row and 4-row blocks, tails, two threads' 32-output chunks */
     static const int64_t shapes[][3] = {{1, 37, 45}, {1, 256, 64}, {3, 40, 2}, {2, 33, 66}, {13, 40, 130},
                                         {29, 70, 1001}, {40, 64, 512}, {5, 100, 1152}};
     for (int amx = 0; amx < 2; amx++) {

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from keepwarm import kernels
 from keepwarm.formats.errors import QuantizationError
 from keepwarm.formats.quant import LAYOUT_MKLDNN_PACKED, QuantMeta
-from keepwarm.kernels import cpu_packed, cpu_step
+from keepwarm.kernels import cpu_packed, cpu_step, dispatch
 from keepwarm.kernels.cpu_packed import PackedWeight, pack, packed_layout, packed_nbytes, packing_available
 
 BF16 = torch.bfloat16
@@ -306,8 +306,11 @@ def test_llm_greedy_same_with_and_without_packing(tiny_model_factory, monkeypatc
     prompts = ["The quick brown fox", "Hello", "a b c d e f g"]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     # Packed oneDNN against F.linear op by op: the native decode step would run keepwarm's bf16 kernel in F.linear's
-    # place (tests/unit/kernels/test_cpu_step.py bounds that one).
+    # place (tests/unit/kernels/test_cpu_step.py bounds that one), and so would a dense weight's 1-4 rows on
+    # AVX512-BF16 (tests/unit/kernels/test_cpu_bf16_gemv.py bounds that one).
     monkeypatch.setenv(cpu_step.ENV_VAR, "0")
+    monkeypatch.setitem(dispatch._BY_OP, "linear", tuple(r for r in dispatch._BY_OP["linear"]
+                                                         if r.kernel != dispatch.BF16_AVX512))
     outs = {}
     for flag in ("1", "0"):
         monkeypatch.setenv(cpu_packed.ENV_VAR, flag)

@@ -6,7 +6,9 @@ CPU step's layers in one C call.
   end, greedy tokens and every logprob equal the op-by-op path's (``KEEPWARM_CPU_STEP=0``), with steps of 3, 2 and 1
   rows, at 1 and 2 threads, and a sequence's outputs alone equal its outputs in a batch;
 - int4 (Q4_0 / Q4_1, torch's halves pack): at 1-4 rows on AVX-512 ATen's op is replaced by keepwarm's int4 kernel
-  on the same pack (`NativeStep.exact` says so): per layer within BOUND of op by op; greedy tokens equal;
+  on the same pack (`NativeStep.exact` says so): per layer within BOUND of op by op; greedy tokens equal; the same
+  for BF16 files where F.linear runs (the AVX2 bf16 kernel in its place); on AVX512-BF16 their 1-4 rows are the
+  dispatch's own kernel, so the step equals op by op there bit for bit;
 - a forked child runs the step and gets its parent's bits;
 - what the step does not compute exactly runs op by op, logged once with its reason: a float32 model, the switch.
 BOUND (int4 substitute): both kernels sum the same exact products x * w in float32 in different orders; per output
@@ -146,6 +148,21 @@ def test_substituted_kernels_step_within_the_bound(tiny_llama, tmp_path, monkeyp
         for sa, sb in zip(a, b, strict=True):
             for tok in sa.keys() & sb.keys():
                 assert abs(sa[tok] - sb[tok]) <= 0.1 + 0.01 * abs(sb[tok]), (sa, sb)  # bf16 logits: coarse
+
+
+@pytest.mark.skipif(not cpu_native.available(), reason=f"the AVX512-BF16 build: {cpu_native.reasons()[0]}")
+def test_bf16_model_steps_equal_op_by_op_where_the_few_rows_kernel_runs(tiny_llama, tmp_path, monkeypatch,
+                                                                       per_layer) -> None:
+    """On AVX512-BF16 a dense bf16 linear of 1-4 rows is the dispatch's own C kernel (kw_bgemv512), so a BF16 file's
+    step is exact there: per layer and end to end the op-by-op path's bits."""
+    types = SUBSTITUTED["BF16"]
+    path, _ = tiny_gguf_dir(tmp_path / "gguf", tiny_llama, [types, types])
+    rows, exact = _count_steps(monkeypatch)
+    native = _generate(path)
+    assert sorted(set(rows)) == [1, 2, 3] and all(exact)
+    assert per_layer and all(d == 0.0 for _, _, d, _ in per_layer), f"per layer: {per_layer}"
+    monkeypatch.setenv(cpu_step.ENV_VAR, "0")
+    assert _generate(path) == native
 
 
 def test_a_forked_child_runs_the_step_with_its_parents_bits(tiny_llama, tmp_path, monkeypatch) -> None:
