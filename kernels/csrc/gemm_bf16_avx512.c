@@ -30,7 +30,8 @@ typedef struct {
 
 /* The 16 lanes' sum in a fixed order: halves added pairwise, 8 + 8, 4 + 4, 2 + 2, 1 + 1. */
 static inline float lanes_sum(__m512 v) {
-    __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+    __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)); /* AVX512-F: no 32x8 extract */
+    __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), hi);
     __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
     q = _mm_add_ps(q, _mm_movehl_ps(q, q));
     return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));

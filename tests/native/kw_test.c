@@ -182,6 +182,17 @@ static float *split_x(const uint16_t *x, int64_t M, int64_t K) { /* kw_bgemm's x
     return xs;
 }
 
+/* sum_k x[k] w[k] in double, and sum |x w| (close_bf16's magnitude): bf16 rows of K */
+static double dot_bf16(const uint16_t *x, const uint16_t *w, int64_t K, double *mag) {
+    double s = 0, m = 0;
+    for (int64_t k = 0; k < K; k++) {
+        double t = (double)bf16f(x[k]) * bf16f(w[k]);
+        s += t, m += fabs(t);
+    }
+    *mag = m;
+    return s;
+}
+
 static void test_bgemm(int64_t M, int64_t N, int64_t K) {
     uint16_t *x = xalloc((size_t)(M * K) * 2), *w = xalloc((size_t)(N * K) * 2);
     uint16_t *o1 = xalloc((size_t)(M * N) * 2), *o3 = xalloc((size_t)(M * N) * 2);
@@ -191,11 +202,7 @@ static void test_bgemm(int64_t M, int64_t N, int64_t K) {
     CHECK(kw_bgemm(xs, w, o1, M, N, K, 1) == 0 && kw_bgemm(xs, w, o3, M, N, K, 3) == 0, "bgemm refused");
     for (int64_t m = 0; m < M; m++)
         for (int64_t n = 0; n < N; n++) {
-            double s = 0, mag = 0;
-            for (int64_t k = 0; k < K; k++) {
-                double t = (double)bf16f(x[m * K + k]) * bf16f(w[n * K + k]);
-                s += t, mag += fabs(t);
-            }
+            double mag, s = dot_bf16(x + m * K, w + n * K, K, &mag);
             close_bf16("bgemm", o1[m * N + n], s, mag, m * N + n);
         }
     same_bits("bgemm", o1, o3, M * N);
@@ -320,11 +327,7 @@ static void test_bgemv512(int64_t N, int64_t K) { /* 1-4 rows: each row alone eq
         for (int64_t m = 0; m < M; m++) {
             CHECK(kw_bgemv512(x + m * K, w, o1 + m * N, 1, N, K, 1) == 0, "bgemv512 refused one row");
             for (int64_t n = 0; n < N; n++) {
-                double s = 0, mag = 0;
-                for (int64_t k = 0; k < K; k++) {
-                    double t = (double)bf16f(x[m * K + k]) * bf16f(w[n * K + k]);
-                    s += t, mag += fabs(t);
-                }
+                double mag, s = dot_bf16(x + m * K, w + n * K, K, &mag);
                 close_bf16("bgemv512", o4[m * N + n], s, mag, m * N + n);
             }
         }

@@ -7,7 +7,7 @@
 - one summation order per output: a row alone, in a batch of 2, 3 or 4, at 1 or 2 threads: the same bits, on data
   whose float32 sums round (another order would show);
 - routing: ``cpu.linear`` takes it for 1-4 bias-free bf16 rows with K % 32 == 0, never for 5, and not with
-  ``KEEPWARM_CPU_NATIVE=0``; refusals name the shapes."""
+  ``KEEPWARM_CPU_NATIVE=0``; refusals name the shapes. NaN and inf: tests/unit/kernels/test_cpu_bf16_matmul.py."""
 
 from __future__ import annotations
 
@@ -111,10 +111,3 @@ def test_cpu_linear_takes_it_for_one_to_four_rows(monkeypatch: pytest.MonkeyPatc
     assert _select(x, w) == dispatch.F_LINEAR
     assert torch.equal(cpu.linear(x, w), F.linear(x, w)) and len(calls) == 2
 
-
-def test_nan_and_inf_come_out_as_torch_writes_them() -> None:
-    x = torch.ones(3, 64, dtype=torch.bfloat16)
-    x[0, 5], x[1, 7] = float("nan"), float("inf")
-    out = native_ops.bf16_gemv(x, torch.ones(16, 64, dtype=torch.bfloat16))
-    assert out[0].view(torch.int16).eq(0x7FC0).all()  # the canonical bf16 NaN, as torch's conversion gives
-    assert out[1].isposinf().all() and out[2].eq(64).all()

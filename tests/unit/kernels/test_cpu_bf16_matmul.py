@@ -115,9 +115,12 @@ def test_int8_weights_above_the_op_rows_take_it_after_an_exact_cast(monkeypatch)
     assert torch.equal(quant.TORCH_IMPLS["int8"](x, qw), F.linear(x, codes).mul_(scales))
 
 
-def test_nan_and_inf_come_out_as_torch_writes_them() -> None:
+@pytest.mark.parametrize("kernel", ["bf16_linear", "bf16_gemv"])
+def test_nan_and_inf_come_out_as_torch_writes_them(kernel: str) -> None:
+    if kernel == "bf16_gemv" and not cpu_native.available():  # kw_bgemv512: tests/unit/kernels/test_cpu_bf16_gemv.py
+        pytest.skip(f"the AVX512-BF16 build: {cpu_native.reasons()[0]}")
     x = torch.ones(3, 32, dtype=torch.bfloat16)
     x[0, 5], x[1, 7] = float("nan"), float("inf")
-    out = native_ops.bf16_linear(x, torch.ones(16, 32, dtype=torch.bfloat16))
+    out = getattr(native_ops, kernel)(x, torch.ones(16, 32, dtype=torch.bfloat16))
     assert out[0].view(torch.int16).eq(0x7FC0).all()  # the canonical bf16 NaN, as torch's conversion gives
     assert out[1].isposinf().all() and out[2].eq(32).all()
