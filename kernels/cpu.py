@@ -25,7 +25,7 @@ __all__ = ["AttentionPlan", "fused_add_rms_norm", "linear", "paged_attention", "
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    kernel = dispatch.select("linear", x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0, x, weight, bias)
+    kernel = dispatch.select("linear", dispatch.rows_of(x), x, weight, bias)
     if kernel == dispatch.BF16_AVX512:
         return native_ops.bf16_gemv(x, weight)
     if kernel == dispatch.BF16_AVX2:

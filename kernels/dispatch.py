@@ -29,7 +29,7 @@ from keepwarm.formats.quant import LAYOUT_INT8_GROUP, LAYOUT_INT8_GROUP_U4, LAYO
 from . import cpu_native, native_ops
 
 __all__ = ["DEFAULTS", "RULES", "Rule", "Table", "amx_takes", "avx2_quant_on", "describe", "fp8_scale", "int4_block",
-           "isa", "select", "select_linear"]
+           "isa", "rows_of", "select", "select_linear"]
 
 logger = logging.getLogger("keepwarm.kernels.dispatch")
 
@@ -264,7 +264,7 @@ def _linear_rules() -> tuple[Rule, ...]:
     tiles = "the tiles from two rows: 1.2-1.6x bf16's time, where the vector loops took 2-4x"
     return (
         Rule("linear", avx512, (1, native_ops.BGEMV_ROWS), BF16_AVX512, "bf16 x and weight, K % 32 == 0, no bias",
-             "8 weight rows streamed side by side: 1.4-1.7x oneDNN's speed from memory, 1.2-3x in the caches",
+             "8 weight rows side by side: 1.3x oneDNN's read rate from memory, 1.2-3.2x its speed in the caches",
              _bf16_few),
         Rule("linear", _BUILT, ANY, BF16_AVX2, "bf16 x and weight, K % 16 == 0, no bias",
              "oneDNN has no bf16 matmul on this CPU: torch's is a generic loop, ~4x slower", _bf16_dense,
@@ -377,12 +377,17 @@ def select(op: str, rows: int, *args: Any) -> str:
     return kernel
 
 
+def rows_of(x: torch.Tensor) -> int:
+    """The rows of x [..., K] a matmul sees (0 for a scalar or K == 0): `select`'s `rows` for a linear."""
+    return x.numel() // max(x.shape[-1], 1) if x.dim() else 0
+
+
 def select_linear(scheme: str, x: torch.Tensor, w: Any) -> str:
     """The kernel of ``linear_<scheme>`` for x and a quantized (or packed) weight: the reference off the CPU."""
     if x.device.type != "cpu" or w.device.type != "cpu" or x.dtype not in _FAST_DTYPES:
         return REFERENCE
     op = _LINEAR_OPS[scheme]
-    return select(op, 0 if op in _ANY_ROWS else x.numel() // max(x.shape[-1], 1), x, w)
+    return select(op, 0 if op in _ANY_ROWS else rows_of(x), x, w)
 
 
 # ---------------------------------------------------------------------------------------------- describing it
